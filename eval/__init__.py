@@ -1,0 +1,1 @@
+"""Evaluation harness (tasks, metrics, fidelity probes, reports). Populated by the evaluation issue."""

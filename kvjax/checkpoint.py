@@ -1,0 +1,133 @@
+"""Hugging Face checkpoints (safetensors, single file or sharded) -> kvjax params pytree.
+
+A checkpoint is a folder with ``config.json`` and either ``model.safetensors`` or
+``model.safetensors.index.json`` plus the shards it names. Every tensor kvjax expects must be found and none
+may be left over (except known non-parameters such as rotary ``inv_freq`` buffers, and an ``lm_head``
+duplicate of tied embeddings); anything else is an error naming the tensors. Tensors are read in the
+checkpoint's dtype (bf16/fp16/fp32) and cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from kvjax.config import ModelConfig
+from kvjax.model import Params
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
+    """Map params path -> (HF tensor name, transpose?) for every tensor ``cfg`` needs."""
+    out: dict[tuple, tuple[str, bool]] = {
+        ("embed",): ("model.embed_tokens.weight", False),
+        ("final_norm",): ("model.norm.weight", False),
+    }
+    if not cfg.tie_word_embeddings:
+        out[("lm_head",)] = ("lm_head.weight", True)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "attn_norm": (p + "input_layernorm.weight", False),
+            "mlp_norm": (p + "post_attention_layernorm.weight", False),
+            "wq": (p + "self_attn.q_proj.weight", True),
+            "wk": (p + "self_attn.k_proj.weight", True),
+            "wv": (p + "self_attn.v_proj.weight", True),
+            "wo": (p + "self_attn.o_proj.weight", True),
+            "w_gate": (p + "mlp.gate_proj.weight", True),
+            "w_up": (p + "mlp.up_proj.weight", True),
+            "w_down": (p + "mlp.down_proj.weight", True),
+        }
+        if cfg.attention_bias:
+            for n in "qkv":
+                layer[f"b{n}"] = (p + f"self_attn.{n}_proj.bias", False)
+        if cfg.o_bias:
+            layer["bo"] = (p + "self_attn.o_proj.bias", False)
+        if cfg.mlp_bias:
+            for n in ("gate", "up", "down"):
+                layer[f"b_{n}"] = (p + f"mlp.{n}_proj.bias", False)
+        for k, v in layer.items():
+            out[("layers", i, k)] = v
+    return out
+
+
+def _shard_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> file holding it."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+        if missing:
+            raise FileNotFoundError(
+                f"checkpoint {folder} is missing shard file(s) {missing} named in {index.name}; "
+                "download the complete checkpoint")
+        return files
+    if single.is_file():
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    raise FileNotFoundError(
+        f"no safetensors weights in {folder}: expected model.safetensors or model.safetensors.index.json "
+        "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)")
+
+
+def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> Params:
+    """Read a HF folder's safetensors into the params pytree of ``kvjax.model`` in ``dtype``."""
+    folder = Path(folder)
+    files = _shard_files(folder)
+    expected = expected_tensors(cfg)
+    wanted = {hf for hf, _ in expected.values()}
+    missing = sorted(wanted - files.keys())
+    if missing:
+        raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensor(s) the {cfg.model_type} config "
+                         f"needs, e.g. {missing[:5]}; the config and weights do not match")
+    extra = sorted(n for n in files.keys() - wanted if not n.endswith(_IGNORED_SUFFIXES)
+                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if extra:
+        raise ValueError(f"checkpoint {folder} has {len(extra)} tensor(s) kvjax does not use, e.g. {extra[:5]}; "
+                         "the architecture has options kvjax does not implement")
+    # Group by file so each shard is opened once.
+    by_file: dict[Path, list[tuple[tuple, str, bool]]] = {}
+    for path, (hf, transpose) in expected.items():
+        by_file.setdefault(files[hf], []).append((path, hf, transpose))
+    flat: dict[tuple, jnp.ndarray] = {}
+    for file, items in by_file.items():
+        with safe_open(file, framework="flax") as f:
+            for path, hf, transpose in items:
+                t = jnp.asarray(f.get_tensor(hf), dtype=dtype)
+                flat[path] = t.T if transpose else t
+    return assemble(flat, cfg.num_layers)
+
+
+def assemble(flat: dict[tuple, jnp.ndarray], num_layers: int) -> Params:
+    """Nest ``{("layers", i, name): array, ("embed",): array, ...}`` into the params pytree."""
+    params: Params = {"layers": tuple({} for _ in range(num_layers))}
+    for path, value in flat.items():
+        if path[0] == "layers":
+            params["layers"][path[1]][path[2]] = value
+        else:
+            params[path[0]] = value
+    return params
+
+
+def check_shapes(cfg: ModelConfig, params: Params) -> None:
+    """Raise a ValueError when a tensor's shape disagrees with the config."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    want = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
+    lw = {"attn_norm": (h,), "mlp_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
+          "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "w_gate": (h, f), "w_up": (h, f),
+          "w_down": (f, h), "bq": (cfg.num_heads * d,), "bk": (cfg.num_kv_heads * d,),
+          "bv": (cfg.num_kv_heads * d,), "bo": (h,), "b_gate": (f,), "b_up": (f,), "b_down": (h,)}
+    problems = [f"{k}: {tuple(v.shape)} != {want[k]}" for k, v in params.items()
+                if k != "layers" and tuple(v.shape) != want[k]]
+    for i, lp in enumerate(params["layers"]):
+        problems += [f"layers.{i}.{k}: {tuple(v.shape)} != {lw[k]}" for k, v in lp.items()
+                     if tuple(v.shape) != lw[k]]
+    if problems:
+        raise ValueError(f"weights do not match the config: {problems[:5]}")
+

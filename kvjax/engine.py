@@ -1,0 +1,284 @@
+"""The generation engine: prefill, a jitted decode step, and three drivers over it.
+
+- ``prefill``: full causal attention over the (right-padded) prompt; each layer's ``method.prefill`` stores
+  or compresses its KV. Returns the per-layer states (a tuple, head-major leaves) and the next-token logits.
+- ``decode_step``: one token for every sequence; each layer's ``method.decode`` appends/evicts and attends.
+  RoPE positions continue from each prompt's real length, whatever the cache holds.
+- Drivers: ``lax.scan`` (exactly ``max_new_tokens`` steps), ``lax.while_loop`` (stops when every sequence
+  has emitted EOS) and a Python loop over the jitted, state-donating step (streams tokens).
+
+Shapes are fixed by (batch, prompt bucket, ``max_new_tokens``, method): the loops compile once per bucket
+and never retrace (``TRACE_COUNTS`` counts traces, for tests). Capacity is decided up front; a prompt longer
+than the bucket or the model context is an error, never truncated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import model as M
+from kvjax.config import ModelConfig
+from kvjax.methods.base import Capacity
+from kvjax.sampling import Greedy
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+MIN_BUCKET = 32
+
+
+def bucket_length(n: int) -> int:
+    """Prompt bucket: the next power of two >= ``n`` (at least 32)."""
+    return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) -> tuple:
+    return tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
+
+
+def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
+    """tokens ``[B, T]`` right-padded, lengths ``[B]`` -> (states, logits ``[B, V]`` at each last token)."""
+    TRACE_COUNTS["prefill"] += 1
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    x = M.embed(params, tokens)
+    new_states = []
+    for layer, lp in enumerate(params["layers"]):
+        q, k, v = M.layer_qkv(cfg, lp, x, positions)
+        new_states.append(method.prefill(states[layer], layer, q, k, v, lengths))
+        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]))
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
+    return tuple(new_states), M.logits(cfg, params, last)[:, 0]
+
+
+def _decode_step(cfg: ModelConfig, method, params, states, token, pos):
+    """token, pos ``[B]`` -> (logits ``[B, V]``, states)."""
+    TRACE_COUNTS["decode_step"] += 1
+    x = M.embed(params, token[:, None])  # [B, 1, H]
+    new_states = []
+    for layer, lp in enumerate(params["layers"]):
+        q, k, v = M.layer_qkv(cfg, lp, x, pos[:, None])
+        out, st = method.decode(states[layer], layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos)
+        new_states.append(st)
+        x = M.layer_finish(cfg, lp, x, out[:, :, None])
+    return M.logits(cfg, params, x)[:, 0], tuple(new_states)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """Static description of a decode loop (hashable: part of the jit cache key)."""
+
+    cfg: ModelConfig
+    method: Any
+    sampling: Any
+    max_new_tokens: int
+    eos: tuple[int, ...]
+
+
+def _loop_body(loop: _Loop, params, carry):
+    states, token, pos, done, key, step, out = carry
+    key, sub = jax.random.split(key)
+    logits, states = _decode_step(loop.cfg, loop.method, params, states, token, pos)
+    nxt = loop.sampling(logits, sub)
+    nxt = jnp.where(done, token, nxt)
+    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, step))
+    is_eos = jnp.isin(nxt, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros_like(done)
+    return states, nxt, pos + 1, done | is_eos, key, step + 1, out
+
+
+@functools.partial(jax.jit, static_argnames=("loop", "driver"), donate_argnames=("states",))
+def _generate_compiled(loop: _Loop, driver: str, params, states, first, lengths, key):
+    """Run the whole decode loop compiled. ``first [B]`` is the token sampled from the prefill logits."""
+    TRACE_COUNTS[f"loop_{driver}"] += 1
+    b = first.shape[0]
+    out = jnp.zeros((b, loop.max_new_tokens), jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros((b,), bool)
+    carry = (states, first, lengths, done, key, jnp.int32(1), out)
+    n = loop.max_new_tokens - 1
+    if driver == "scan":
+        carry, _ = jax.lax.scan(lambda c, _: (_loop_body(loop, params, c), None), carry, None, length=n)
+    else:
+        carry = jax.lax.while_loop(lambda c: (c[5] <= n) & ~jnp.all(c[3]),
+                                   lambda c: _loop_body(loop, params, c), carry)
+    return carry[6], carry[5], carry[0]
+
+
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(5,))
+_step_jit = jax.jit(_decode_step, static_argnums=(0, 1), donate_argnums=(3,))
+
+
+@dataclasses.dataclass
+class Result:
+    """What ``generate`` returns, per sequence."""
+
+    text: list[str | None]
+    tokens: list[list[int]]
+    stats: list[dict[str, Any]]
+
+
+def _prepare(model, prompts, chat: bool) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("prompts are strings but this model was loaded without a tokenizer; pass token "
+                                 "id lists or load a checkpoint with tokenizer files")
+            ids.append(model.tokenizer.encode_chat([{"role": "user", "content": p}]) if chat
+                       else model.tokenizer.encode(p, add_special_tokens=True))
+        else:
+            ids.append([int(i) for i in p])
+        if not ids[-1]:
+            raise ValueError("an empty prompt cannot be generated from; give at least one token")
+    return ids
+
+
+def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_new_tokens: int):
+    longest = max(lengths)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if longest > bucket:
+        raise ValueError(f"prompt of {longest} tokens is longer than capacity prompt_len={bucket}; raise "
+                         "prompt_len (or leave it None to bucket automatically); prompts are never truncated")
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+                         f"of {cfg.max_position_embeddings} tokens; shorten the prompt or generate fewer tokens")
+    windows = [w for w in cfg.sliding_windows if w is not None]
+    if windows and longest + max_new_tokens > min(windows):
+        raise ValueError(f"this model uses sliding-window attention ({min(windows)} tokens) and prompt + "
+                         f"max_new_tokens = {longest + max_new_tokens} exceeds it; the engine's caches do not "
+                         "implement the window yet, so keep generations within it")
+
+
+def _eos_ids(model) -> tuple[int, ...]:
+    ids = set(model.config.eos_token_ids)
+    if model.tokenizer is not None:
+        ids |= set(model.tokenizer.eos_token_ids)
+    return tuple(sorted(ids))
+
+
+def _pad(ids: list[list[int]], bucket: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.zeros((len(ids), bucket), np.int32)
+    for i, seq in enumerate(ids):
+        tokens[i, : len(seq)] = seq
+    return tokens, np.asarray([len(s) for s in ids], np.int32)
+
+
+def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=None, *, chat: bool = False,
+             seed: int = 0, driver: str = "while", prompt_len: int | None = None, stop_at_eos: bool = True,
+             on_token=None) -> Result:
+    """Generate continuations of ``prompts`` with a (compressed) KV cache.
+
+    prompts: a string, a list of strings (tokenized; ``chat=True`` applies the chat template) or lists of
+    token ids. method: a method config (``kvjax.methods.get(...)``) or a registered name; default ``full``.
+    sampling: ``Greedy()`` (default) or ``Sample(...)``. driver: ``"while"`` (stop at EOS), ``"scan"``
+    (exactly ``max_new_tokens``) or ``"python"`` (streams: ``on_token(step, tokens[B])`` after every step).
+    prompt_len: the prompt bucket (default: next power of two). Returns a :class:`Result`.
+    """
+    from kvjax import methods as methods_lib
+
+    if method is None or isinstance(method, str):
+        method = methods_lib.get(method or "full")
+    if driver not in ("while", "scan", "python"):
+        raise ValueError(f"driver={driver!r} must be 'while', 'scan' or 'python'")
+    sampling = sampling or Greedy()
+    cfg = model.config
+    ids = _prepare(model, prompts, chat)
+    lengths_list = [len(s) for s in ids]
+    bucket = prompt_len or bucket_length(max(lengths_list))
+    _check_capacity(cfg, lengths_list, bucket, max_new_tokens)
+    tokens, lengths = _pad(ids, bucket)
+    capacity = Capacity(bucket, max_new_tokens)
+    eos = _eos_ids(model) if stop_at_eos else ()
+    states = init_states(cfg, method, len(ids), capacity, model.dtype)
+
+    t0 = time.perf_counter()
+    states, logits = _prefill_jit(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    key, sub = jax.random.split(jax.random.PRNGKey(seed))
+    first = sampling(logits, sub)
+    first.block_until_ready()
+    t1 = time.perf_counter()
+    cache_bytes = sum(method.memory_bytes(s) for s in states)
+    loop = _Loop(cfg, method, sampling, max_new_tokens, eos)
+    if driver == "python":
+        out, steps, states = _python_loop(loop, model.params, states, first, jnp.asarray(lengths), key, on_token)
+    else:
+        out, steps, states = _generate_compiled(loop, driver, model.params, states, first, jnp.asarray(lengths), key)
+        out = np.asarray(out)
+        steps = int(steps)
+    t2 = time.perf_counter()
+
+    result = Result([], [], [])
+    for i, n in enumerate(lengths_list):
+        seq = [int(x) for x in out[i, :steps]]
+        if eos:
+            cut = next((j for j, tok in enumerate(seq) if tok in eos), None)
+            seq = seq if cut is None else seq[:cut]
+        result.tokens.append(seq)
+        result.text.append(model.tokenizer.decode(seq) if model.tokenizer is not None else None)
+        result.stats.append({
+            "prompt_tokens": n, "new_tokens": len(seq), "method": method.name,
+            "cache_bytes": cache_bytes // len(ids), "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+            "decode_steps": steps, "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9)})
+    return result
+
+
+def _python_loop(loop: _Loop, params, states, first, lengths, key, on_token):
+    b = first.shape[0]
+    out = np.zeros((b, loop.max_new_tokens), np.int32)
+    out[:, 0] = np.asarray(first)
+    eos = np.asarray(loop.eos, np.int32)
+    done = np.isin(out[:, 0], eos)
+    token, pos = first, lengths
+    if on_token is not None:
+        on_token(0, out[:, 0])
+    step = 1
+    while step < loop.max_new_tokens and not done.all():
+        key, sub = jax.random.split(key)
+        logits, states = _step_jit(loop.cfg, loop.method, params, states, token, pos)
+        nxt = np.asarray(loop.sampling(logits, sub))
+        nxt = np.where(done, np.asarray(token), nxt)
+        out[:, step] = nxt
+        done |= np.isin(nxt, eos)
+        if on_token is not None:
+            on_token(step, nxt)
+        token, pos = jnp.asarray(nxt), pos + 1
+        step += 1
+    return out, step, states
+
+
+def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, **kw) -> Iterator[str]:
+    """Yield the decoded text of one prompt piece by piece (Python driver)."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue()
+    seq: list[int] = []
+    eos = set(_eos_ids(model))
+
+    def on_token(step, toks):
+        q.put(int(toks[0]))
+
+    def run():
+        try:
+            generate(model, [prompt], method, max_new_tokens, sampling, driver="python", on_token=on_token, **kw)
+        finally:
+            q.put(None)
+
+    threading.Thread(target=run, daemon=True).start()
+    shown = ""
+    while (tok := q.get()) is not None:
+        if tok in eos:
+            continue
+        seq.append(tok)
+        text = model.tokenizer.decode(seq)
+        if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
+            yield text[len(shown):]
+            shown = text

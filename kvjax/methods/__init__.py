@@ -1,0 +1,37 @@
+"""KV-cache methods behind one interface (see :mod:`kvjax.methods.base`), and their registry.
+
+>>> kvjax.methods.get("snapkv", budget=0.2)     # 20% of each prompt
+>>> kvjax.methods.get("h2o", budget=256)        # 256 tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.full import Full
+from kvjax.methods.h2o import H2O
+from kvjax.methods.snapkv import PyramidKV, SnapKV
+from kvjax.methods.streaming import StreamingLLM
+
+REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV)}
+
+
+def names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get(name: str, **options):
+    """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``)."""
+    if name not in REGISTRY:
+        raise ValueError(f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}")
+    cls = REGISTRY[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"method {name!r} has no option(s) {unknown}; its options are {sorted(fields) or 'none'}")
+    return cls(**options)
+
+
+__all__ = ["Capacity", "Full", "H2O", "PyramidKV", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get",
+           "names"]

@@ -1,0 +1,103 @@
+"""Prefill scoring and selection shared by the score-based methods (SnapKV, PyramidKV, H2O, ChunkKV).
+
+Formulas follow the papers' harness (``../shared/specs/chunkkv.md`` section 4): softmax attention in float32,
+GQA aggregated as the mean over the query heads of each KV group, per-KV-head top-k over the prefix
+``[0, len - w)`` plus the last ``w`` tokens always kept, kept tokens in position order, and no compression
+for a sequence whose length is within its budget. Ties in top-k go to the lower position (``lax.top_k``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
+    """SnapKV observation-window votes ``[B, Hkv, T]`` float32.
+
+    Softmax of the last ``window`` real queries of each sequence over all its keys (causal inside the
+    window), summed over those queries, averaged over each KV group's query heads (SnapKV §4.2, Alg. 1).
+    q: ``[B, Hq, T, D]``; k: ``[B, Hkv, T, D]``; lengths: ``[B]``.
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    qpos = lengths[:, None] - window + jnp.arange(window)  # [B, w]
+    qw = jnp.take_along_axis(q, jnp.clip(qpos, 0, t - 1)[:, None, :, None], axis=2)  # [B, Hq, w, D]
+    qw = qw.reshape(b, hkv, hq // hkv, window, d)
+    s = jnp.einsum("bhgwd,bhtd->bhgwt", qw, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    kpos = jnp.arange(t)
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lengths[:, None, None])
+    mask &= (qpos >= 0)[:, :, None]
+    s = jnp.where(mask[:, None, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask[:, None, None], p, 0.0)
+    return p.sum(axis=3).mean(axis=2)
+
+
+def accumulated_scores(q, k, lengths) -> jnp.ndarray:
+    """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, t, d)
+    s = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    pos = jnp.arange(t)
+    mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    mask &= (pos[None, :, None] < lengths[:, None, None])  # padded queries vote for nothing
+    s = jnp.where(mask[:, None, None], s, NEG_INF)
+    p = jnp.where(mask[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
+    return p.sum(axis=3).mean(axis=2)
+
+
+def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:
+    """Stride-1 'same' pooling over the last axis (PyTorch ``avg_pool1d``/``max_pool1d`` with
+    ``padding=kernel//2``; average counts the zero padding, as PyTorch's default does)."""
+    if kernel == 1:
+        return x
+    pad = kernel // 2
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    pads = ((0, 0),) * (x.ndim - 1) + ((pad, pad),)
+    if kind == "max":
+        return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, (1,) * x.ndim, pads)
+    return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, (1,) * x.ndim, pads) / kernel
+
+
+def topk_with_window(scores, lengths, budgets, window: int, slots: int):
+    """Per-KV-head selection: top ``budget - window`` prefix tokens plus the last ``window`` tokens.
+
+    scores: ``[B, Hkv, T]`` (larger is kept); lengths, budgets: ``[B]`` int; slots: static output size
+    (>= every budget). Returns ``idx [B, Hkv, slots]`` int32 positions in increasing order and
+    ``ok [B, Hkv, slots]`` marking real entries. A sequence with ``length <= budget`` keeps every token.
+    """
+    b, h, t = scores.shape
+    kmax = max(slots - window, 0)
+    prefix = (lengths - window)[:, None, None]  # [B,1,1]
+    pos = jnp.arange(t)
+    cand = pos[None, None, :] < prefix
+    masked = jnp.where(cand, scores, NEG_INF)
+    if kmax:
+        val, top = jax.lax.top_k(masked, kmax)  # [B, H, kmax]
+        keep = (jnp.arange(kmax)[None, None, :] < (budgets - window)[:, None, None]) & (val > NEG_INF / 2)
+        top = jnp.sort(jnp.where(keep, top, t + slots), axis=-1)
+        keep = top < t
+    else:
+        top = jnp.zeros((b, h, 0), jnp.int32)
+        keep = jnp.zeros((b, h, 0), bool)
+    win = jnp.broadcast_to(prefix + jnp.arange(window)[None, None, :], (b, h, window))
+    idx = jnp.concatenate([jnp.where(keep, top, -1), win], axis=-1)
+    ok = jnp.concatenate([keep, win >= 0], axis=-1)
+    # Compact: real entries first, in position order (kept prefix tokens precede the window).
+    order = jnp.argsort(~ok, axis=-1, stable=True)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+    ok = jnp.take_along_axis(ok, order, axis=-1)
+    pad = slots - idx.shape[-1]
+    if pad > 0:
+        idx = jnp.concatenate([idx, jnp.full((b, h, pad), -1, idx.dtype)], axis=-1)
+        ok = jnp.concatenate([ok, jnp.zeros((b, h, pad), bool)], axis=-1)
+    idx, ok = idx[..., :slots], ok[..., :slots]
+    whole = (lengths <= budgets)[:, None, None]
+    all_idx = jnp.broadcast_to(jnp.arange(slots), (b, h, slots))
+    idx = jnp.where(whole, all_idx, idx).astype(jnp.int32)
+    ok = jnp.where(whole, all_idx < lengths[:, None, None], ok)
+    return jnp.where(ok, idx, -1), ok
