@@ -111,6 +111,11 @@ def _generate_compiled(loop: _Loop, driver: str, params, states, first, lengths,
 
 _prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(5,))
 _step_jit = jax.jit(_decode_step, static_argnums=(0, 1), donate_argnums=(3,))
+#: Public, jitted building blocks for users' own loops (states are donated):
+#: ``prefill(cfg, method, params, tokens [B,T], lengths [B], states) -> (states, logits [B,V])`` and
+#: ``decode_step(cfg, method, params, states, token [B], pos [B]) -> (logits [B,V], states)``.
+prefill = _prefill_jit
+decode_step = _step_jit
 
 
 @dataclasses.dataclass

@@ -40,7 +40,9 @@ class H2O:
         return jnp.minimum(self.recent, budget - 1) if hasattr(budget, "shape") else min(self.recent, budget - 1)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
-        p = static_budget(self.budget, capacity.prompt_len)
+        # A token budget may cover generated tokens too (no eviction until it is reached).
+        p = (static_budget(self.budget, capacity.prompt_len) if isinstance(self.budget, float)
+             else min(self.budget, capacity.prompt_len + capacity.max_new_tokens))
         if isinstance(self.recent, int) and self.recent >= p and p < capacity.prompt_len:
             raise ValueError(f"recent={self.recent} leaves no heavy hitters within budget={self.budget} ({p} "
                              "tokens); lower recent or raise the budget")
@@ -53,7 +55,7 @@ class H2O:
         # The recent window is a per-sequence count here, so select heavy hitters and the window in two parts:
         # heavy = top (budget - recent) of positions before the window.
         recent = self._recent(budgets)
-        idx, ok = _heavy_plus_recent(score, lengths, budgets, recent, p)
+        idx, ok = _heavy_plus_recent(score, lengths, budgets, recent, min(p, k.shape[2]))
         return store_prompt(state, k, v, idx, ok, score=score)
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):

@@ -4,7 +4,9 @@ SnapKV (§4.2, Alg. 1): the last ``window`` prompt queries vote (softmax attenti
 the window, mean over each KV group's query heads); votes are pooled with a 1-D kernel (``pool``:
 ``"avg"`` or ``"max"``; ``kernel=1`` disables it); each KV head keeps its top ``budget - window`` prefix
 tokens plus the window. PyramidKV uses the same scores with per-layer budgets that fall linearly from the
-lower to the upper layers (the harness schedule with ``beta``, ``../shared/specs/chunkkv.md`` section 4).
+lower to the upper layers (the harness schedule with ``beta``, ``../shared/specs/chunkkv.md`` section 4); a
+sequence within its total budget is kept whole (the harness's first branch; its middle branch, plain SnapKV
+for ``len < 2 (L - w)``, is not reproduced).
 Decode tokens are appended after the compressed prompt, never evicted.
 """
 
@@ -100,12 +102,16 @@ class PyramidKV(SnapKV):
             raise ValueError(f"beta={self.beta} must be >= 1")
 
     def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
+        """Static slots at this layer. With a token budget ``L``, a prompt of the bucket shorter than ``L`` is
+        kept whole at every layer, so each layer reserves at least ``min(L, bucket)`` slots; fractional
+        budgets give the pyramid-shaped allocation."""
         total = static_budget(self.budget, prompt_len)
         self._check(total, prompt_len)
         if total >= prompt_len:
             return prompt_len
-        return min(prompt_len, max(self.window + 1,
-                                   int(pyramid_budget(total, prompt_len, layer, num_layers, self.window, self.beta))))
+        slots = min(prompt_len, max(self.window + 1,
+                                    int(pyramid_budget(total, prompt_len, layer, num_layers, self.window, self.beta))))
+        return slots if isinstance(self.budget, float) else max(slots, total)
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
         total = dynamic_budget(self.budget, lengths)

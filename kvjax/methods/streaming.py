@@ -1,7 +1,7 @@
 """``streaming_llm`` (Xiao et al., 2024, StreamingLLM §3.2): attention sinks plus a rolling recent window.
 
-The cache holds the first ``sinks`` tokens and the most recent ``S - sinks`` tokens, ``S`` the static
-budget at the prompt bucket (``static_budget``); during decode the oldest recent token is evicted for each
+The cache holds the first ``sinks`` tokens and the most recent ``S - sinks`` tokens, ``S`` the budget: a
+fraction of the prompt bucket, or a token count (capped at prompt bucket + ``max_new_tokens``); during decode the oldest recent token is evicted for each
 new one, so the cache never grows. The recent window is a ring: position ``p >= sinks`` lives in slot
 ``sinks + (p - sinks) mod (S - sinks)``. (Positions are the original ones: RoPE is applied before
 caching, as in the papers' long-context harnesses, not re-indexed inside the cache.)
@@ -30,7 +30,9 @@ class StreamingLLM:
             raise ValueError(f"sinks={self.sinks} must be >= 0")
 
     def slots(self, capacity: Capacity) -> int:
-        s = static_budget(self.budget, capacity.prompt_len)
+        # A token budget may cover generated tokens too (no eviction until it is reached).
+        s = (static_budget(self.budget, capacity.prompt_len) if isinstance(self.budget, float)
+             else min(self.budget, capacity.prompt_len + capacity.max_new_tokens))
         if s <= self.sinks:
             raise ValueError(f"budget={self.budget} gives {s} slots at prompt length {capacity.prompt_len}, not "
                              f"more than sinks={self.sinks}; raise the budget or lower sinks")

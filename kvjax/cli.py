@@ -1,0 +1,116 @@
+"""The ``kvjax`` command line.
+
+``kvjax generate``: stream a completion from any supported model with any registered cache method.
+``kvjax demo``: the README's main job: the embedded SmolLM2 answers a chat prompt with the full cache and
+with compressed caches, printing text, cache bytes and timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvjax import assets
+
+
+def parse_budget(text: str) -> float | int:
+    """``"0.2"`` -> 0.2 (fraction of the prompt); ``"256"`` -> 256 (tokens)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget {text!r} must be a fraction like 0.2 or a token count like 256")
+
+
+def _method(name: str, budget):
+    from kvjax import methods
+
+    return methods.get(name) if name == "full" or budget is None else methods.get(name, budget=budget)
+
+
+def _sampling(args):
+    from kvjax.sampling import Greedy, Sample
+
+    if args.temperature == 0:
+        return Greedy()
+    return Sample(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def cmd_generate(args) -> int:
+    import kvjax
+    from kvjax import engine
+
+    model = kvjax.load_model(args.model)
+    print(f"[kvjax] loaded {args.model} in {model.load_seconds:.1f}s", file=sys.stderr)
+    method = _method(args.method, args.budget)
+    chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
+    t0 = time.perf_counter()
+    for piece in engine.stream(model, args.prompt, method, args.max_new_tokens, _sampling(args), chat=chat,
+                               seed=args.seed):
+        print(piece, end="", flush=True)
+    print()
+    print(f"[kvjax] {args.method}: {time.perf_counter() - t0:.1f}s (compile included)", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import kvjax
+    from kvjax import engine
+
+    model = kvjax.load_model(args.model)
+    print(f"loaded {args.model}: {model.config.num_layers} layers, {model.config.num_heads} query / "
+          f"{model.config.num_kv_heads} KV heads, in {model.load_seconds:.1f}s")
+    print(f"prompt: {args.prompt}")
+    for name in args.methods.split(","):
+        method = _method(name, None if name == "full" else args.budget)
+        r = engine.generate(model, [args.prompt], method, args.max_new_tokens, chat=True)
+        s = r.stats[0]
+        print(f"\n[{name}{'' if name == 'full' else f' budget={args.budget}'}] {r.text[0].strip()}")
+        print(f"  cache {s['cache_bytes'] / 1024:.0f} KiB, prompt {s['prompt_tokens']} tokens, "
+              f"{s['new_tokens']} new, prefill {s['prefill_seconds']:.1f}s, decode {s['decode_seconds']:.1f}s "
+              "(compile included)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvjax", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion with a (compressed) KV cache")
+    g.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
+    g.add_argument("--method", default="full", help="cache method (kvjax.methods.names())")
+    g.add_argument("--budget", type=parse_budget, default=None, help="fraction of the prompt (0.2) or tokens (256)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="the main job: the embedded model answers with full and compressed caches")
+    d.add_argument("--model", default=assets.SMOLLM2_NAME)
+    d.add_argument("--prompt", default="What is the capital of France?")
+    d.add_argument("--methods", default="full,streaming_llm,h2o,snapkv,pyramidkv")
+    d.add_argument("--budget", type=parse_budget, default=0.5)
+    d.add_argument("--max-new-tokens", type=int, default=32)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
