@@ -183,3 +183,17 @@ def test_bad_input(tmp_path):
         GGUFTokenizer.from_gguf(tmp_path / "spm.gguf")
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         open_gguf(tmp_path / "nope.gguf")
+
+
+def test_missing_and_extra_tensors(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    build(*CASES["qwen2-gqa"], tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="does not use"):
+        kvjax.load_model(tmp_path)
+    save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks"):
+        kvjax.load_model(tmp_path)
