@@ -42,6 +42,13 @@ def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype)
     return tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
 
 
+def _reads_previous(method) -> bool:
+    """Methods that reuse the previous layer's prefill result (ChunkKV's index reuse) set
+    ``reads_previous_layer = True``; their ``prefill`` then gets ``previous=`` the state the previous layer's
+    ``prefill`` returned (None at layer 0). Layers run in order, so this is the only cross-layer channel."""
+    return bool(getattr(method, "reads_previous_layer", False))
+
+
 def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
     """tokens ``[B, T]`` right-padded, lengths ``[B]`` -> (states, logits ``[B, V]`` at each last token)."""
     TRACE_COUNTS["prefill"] += 1
@@ -51,7 +58,8 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
     new_states = []
     for layer, lp in enumerate(params["layers"]):
         q, k, v = M.layer_qkv(cfg, lp, x, positions)
-        new_states.append(method.prefill(states[layer], layer, q, k, v, lengths))
+        extra = {"previous": new_states[-1] if new_states else None} if _reads_previous(method) else {}
+        new_states.append(method.prefill(states[layer], layer, q, k, v, lengths, **extra))
         x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
     return tuple(new_states), M.logits(cfg, params, last)[:, 0]

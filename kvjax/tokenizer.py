@@ -1,136 +1,297 @@
-"""Tokenizers: built from a GGUF file's own vocabulary (no torch, no transformers), or a HF folder's.
+"""Tokenizers: text <-> token ids, and chat templates, behind one small interface.
 
-``GGUFTokenizer.from_gguf``: for ``tokenizer.ggml.model == "gpt2"`` a byte-level BPE from
-``tokenizer.ggml.tokens`` and ``tokenizer.ggml.merges`` (the construction transformers' GGUF converter uses),
-with CONTROL/USER_DEFINED tokens registered as special tokens, bos/eos/pad ids from the file and the chat
-template from ``tokenizer.chat_template`` rendered with jinja2 as transformers renders it.
-``HFTokenizer``: ``transformers.AutoTokenizer`` on a Hugging Face folder, behind the same interface.
+Two implementations of :class:`Tokenizer`:
+
+- :class:`GGUFTokenizer` (``GGUFTokenizer.from_gguf(path_or_reader)``) is built from a GGUF file's own
+  metadata with the ``tokenizers`` library only (no torch, no transformers). Supported:
+  ``tokenizer.ggml.model == "gpt2"``, a byte-level BPE from ``tokenizer.ggml.tokens`` and
+  ``tokenizer.ggml.merges``; it is the construction transformers' GGUF converter uses
+  (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``), so ids agree token for token:
+
+  * pre-tokenizer: ``ByteLevel(add_prefix_space=False, use_regex=True)`` (the GPT-2 split regex), except
+    for the ``tokenizer.ggml.pre`` values in ``_PRE_SPLITS`` (Llama 3, Qwen2), whose own split regex runs
+    before a regex-free ``ByteLevel``; decoder ``ByteLevel``; no normalizer.
+  * tokens typed CONTROL (3) in ``tokenizer.ggml.token_type`` are special tokens (matched whole in text,
+    dropped by ``decode(skip_special_tokens=True)``); USER_DEFINED (4) ones are added, non-special tokens.
+  * bos/eos/pad ids from ``tokenizer.ggml.{bos,eos,padding}_token_id``; ``eos_token_ids`` also holds
+    ``eot``/``eom`` ids when the file has them. ``tokenizer.ggml.add_bos_token``/``add_eos_token`` apply
+    when ``encode(..., add_special_tokens=True)``.
+  * the chat template ``tokenizer.chat_template`` is rendered with jinja2 as transformers renders it: an
+    ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)`` with the variables
+    ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` and
+    the globals ``raise_exception`` and ``strftime_now``.
+
+  Any other ``tokenizer.ggml.model`` (e.g. ``"llama"``, sentencepiece) raises a ``ValueError``.
+
+- :class:`HFTokenizer` wraps ``transformers.AutoTokenizer.from_pretrained(folder)`` (transformers is imported
+  only when one is built). ``eos_token_ids`` joins the tokenizer's eos id with the ``eos_token_id`` (an int
+  or a list) of the folder's ``generation_config.json``, as ``model.generate`` would stop on either.
+
+Units: ids are Python ``int`` token ids in ``[0, vocab_size)``; ``encode`` returns a ``list[int]`` of
+length ``[T]`` and ``decode`` takes any sequence of ints (a list, or a 1-D numpy/JAX array).
 """
 
 from __future__ import annotations
 
+import abc
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-_CONTROL, _USER_DEFINED = 3, 4
+_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType values
+
+# ``tokenizer.ggml.pre`` values whose split regex is not GPT-2's (copied from transformers' GGUF converter).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
 
 
-def _render(template: str, messages: list[dict], add_generation_prompt: bool, **special) -> str:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class Tokenizer(abc.ABC):
+    """The interface kvjax uses: ``encode``/``decode``, chat templates and the special ids.
 
-    def raise_exception(message):
-        raise TemplateError(message)
+    ``vocab_size``: number of ids, added tokens included. ``bos_token_id``: None when the model has none.
+    ``eos_token_ids``: every id that ends generation. ``pad_token_id``: id used to pad prompts in a batch.
+    ``chat_template``: jinja source, or None.
+    """
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            **special)
+    def __init__(self, *, vocab_size: int, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                 pad_token_id: int, chat_template: str | None):
+        self._vocab_size = int(vocab_size)
+        self._bos_token_id = None if bos_token_id is None else int(bos_token_id)
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self._pad_token_id = int(pad_token_id)
+        self._chat_template = chat_template
 
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
-class Tokenizer:
-    """Common interface: ``encode``, ``decode``, ``apply_chat_template``, ``encode_chat`` and special ids."""
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
 
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    chat_template: str | None
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
 
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        raise NotImplementedError
+        """Token ids of ``text``; special tokens written in the text are recognised as such.
 
+        add_special_tokens: also add the model's bos/eos where its tokenizer config asks for them.
+        """
+
+    @abc.abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        raise NotImplementedError
+        """Text of ``ids``; special tokens (e.g. ``<|im_end|>``) are dropped when ``skip_special_tokens``."""
+
+    @abc.abstractmethod
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        raise NotImplementedError
+        """The chat template rendered for ``messages`` (``[{"role": ..., "content": ...}, ...]``), as text."""
+        if self._chat_template is None:
+            raise ValueError("chat=True, but this tokenizer has no chat template; pass chat=False (plain text "
+                             "prompts) or use a checkpoint that ships one")
+        return self._render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render the chat template, then encode it (special tokens in the text are recognised)."""
+        """``encode(apply_chat_template(messages))``: the template writes the special tokens itself."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
 
+def _compile_template(source: str):
+    """A jinja2 template compiled the way transformers compiles chat templates (sandboxed)."""
+    import jinja2.ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters; transformers' does not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet byte-level BPE tokens are spelled in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _open_reader(path_or_reader):
+    import gguf
+
+    if isinstance(path_or_reader, gguf.GGUFReader):
+        return path_or_reader
+    path = Path(path_or_reader)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    return gguf.GGUFReader(str(path))
+
+
 class GGUFTokenizer(Tokenizer):
-    def __init__(self, backend, *, bos_token_id, eos_token_id, pad_token_id, add_bos: bool,
-                 chat_template: str | None, special_ids: set[int]):
-        self._tok = backend
-        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.bos_token_id = bos_token_id
-        self.eos_token_ids = () if eos_token_id is None else (int(eos_token_id),)
-        self.pad_token_id = int(pad_token_id if pad_token_id is not None else (eos_token_id or 0))
-        self.add_bos = add_bos
-        self.chat_template = chat_template
-        self._special = special_ids
+    """A byte-level BPE tokenizer built from a GGUF file's metadata (see the module docstring)."""
+
+    def __init__(self, backend, *, bos_token_id: int | None, eos_token_ids: Sequence[int], pad_token_id: int,
+                 unk_token_id: int | None = None, add_bos: bool = False, add_eos: bool = False,
+                 chat_template: str | None = None):
+        """backend: a ``tokenizers.Tokenizer``; the ids index its vocabulary."""
+        super().__init__(vocab_size=backend.get_vocab_size(with_added_tokens=True), bos_token_id=bos_token_id,
+                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, chat_template=chat_template)
+        self._backend = backend
+        self._unk_token_id = unk_token_id
+        self._add_bos = add_bos and bos_token_id is not None
+        self._add_eos = add_eos and bool(self.eos_token_ids)
+        self._template = None  # compiled on first use
+
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
 
     @classmethod
-    def from_gguf(cls, path_or_reader) -> "GGUFTokenizer":
-        from tokenizers import AddedToken, Tokenizer as HFBackend, decoders, models, pre_tokenizers
+    def from_gguf(cls, path_or_reader) -> GGUFTokenizer:
+        """Build from a ``.gguf`` path or an open ``gguf.GGUFReader``."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
 
-        from kvjax.gguf_loader import field, open_gguf
+        reader = _open_reader(path_or_reader)
 
-        reader = open_gguf(path_or_reader) if isinstance(path_or_reader, (str, Path)) else path_or_reader
-        kind = field(reader, "tokenizer.ggml.model")
+        def get(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported; kvjax builds 'gpt2' "
-                             "(byte-level BPE) tokenizers from GGUF files")
-        tokens = field(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges", [])]
-        types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        vocab = {t: i for i, t in enumerate(tokens)}
-        backend = HFBackend(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.decoder = decoders.ByteLevel()
-        special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-        return cls(backend, bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-                   eos_token_id=field(reader, "tokenizer.ggml.eos_token_id"),
-                   pad_token_id=field(reader, "tokenizer.ggml.padding_token_id"),
-                   add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
-                   chat_template=field(reader, "tokenizer.chat_template"), special_ids=set(special))
+            raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported: kvjax builds only 'gpt2' "
+                             "(byte-level BPE) tokenizers from GGUF files; load the Hugging Face checkpoint "
+                             "(with its tokenizer.json) instead")
+        tokens = get("tokenizer.ggml.tokens")
+        merges = get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ValueError("GGUF tokenizer.ggml.model='gpt2' but tokenizer.ggml.tokens or tokenizer.ggml.merges "
+                             "is missing; the file has no usable vocabulary")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
-    def _token(self, i):
-        return None if i is None else self._tok.id_to_token(int(i))
+        # Normal tokens are spelled in GPT-2's byte alphabet; respell any that are not (as transformers does).
+        # CONTROL / USER_DEFINED tokens keep their text so they are matched whole and keep their own ids.
+        byte_spelling = _bytes_to_unicode()
+        alphabet = set(byte_spelling.values())
+        vocab: dict[str, int] = {}
+        special, added = [], []
+        for i, (tok, ty) in enumerate(zip(tokens, types)):
+            if ty == _CONTROL:
+                special.append(tok)
+            elif ty == _USER_DEFINED:
+                added.append(tok)
+            elif not alphabet.issuperset(tok):
+                tok = "".join(byte_spelling[b] for b in tok.encode("utf-8"))
+            vocab[tok] = i
+        backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        split = _PRE_SPLITS.get(get("tokenizer.ggml.pre"))
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+
+        eos = get("tokenizer.ggml.eos_token_id")
+        eos_ids = [i for i in (eos, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
+                   if i is not None]
+        pad = get("tokenizer.ggml.padding_token_id")
+        return cls(backend, bos_token_id=get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos_ids,
+                   pad_token_id=pad if pad is not None else (eos if eos is not None else 0),
+                   unk_token_id=get("tokenizer.ggml.unknown_token_id"),
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+                   add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+                   chat_template=get("tokenizer.chat_template"))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [int(self.bos_token_id)] + ids
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self._add_bos:
+            ids = [self.bos_token_id, *ids]
+        if add_special_tokens and self._add_eos:
+            ids = [*ids, self.eos_token_ids[0]]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            raise ValueError("chat=True but this tokenizer has no chat template; pass chat=False")
+    def _token(self, i: int | None) -> str:
+        return "" if i is None else (self._backend.id_to_token(i) or "")
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return _render(self.chat_template, messages, add_generation_prompt,
-                       bos_token=self._token(self.bos_token_id) or "", eos_token=self._token(eos) or "")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self._token(self.bos_token_id), eos_token=self._token(eos),
+                                     unk_token=self._token(self._unk_token_id),
+                                     pad_token=self._token(self.pad_token_id))
 
 
 class HFTokenizer(Tokenizer):
-    """``transformers.AutoTokenizer`` for a Hugging Face folder."""
+    """``transformers.AutoTokenizer`` for a local Hugging Face folder, behind the kvjax interface."""
 
     def __init__(self, folder: str | Path):
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
-            raise ValueError("loading a Hugging Face tokenizer needs transformers: pip install 'kvjax[hf]'") from e
+            raise ValueError(f"loading the tokenizer of {folder} needs transformers, which is not installed: "
+                             "pip install transformers (or load a GGUF file, whose tokenizer needs only the "
+                             "tokenizers package)") from e
         folder = Path(folder)
-        self._tok = AutoTokenizer.from_pretrained(str(folder))
-        self.vocab_size = len(self._tok)
-        self.bos_token_id = self._tok.bos_token_id
-        eos = set() if self._tok.eos_token_id is None else {int(self._tok.eos_token_id)}
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
         gen = folder / "generation_config.json"
         if gen.is_file():
-            value = json.loads(gen.read_text()).get("eos_token_id")
-            eos |= {int(v) for v in ([] if value is None else [value] if isinstance(value, int) else value)}
-        self.eos_token_ids = tuple(sorted(eos))
-        pad = self._tok.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else (min(eos) if eos else 0))
-        self.chat_template = getattr(self._tok, "chat_template", None)
+            extra = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            eos += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+        template = getattr(tok, "chat_template", None)
+        super().__init__(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_ids=eos, pad_token_id=pad,
+                         chat_template=template or None)
+        self._tok = tok
+
+    @property
+    def backend(self):
+        """The underlying transformers tokenizer."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -138,7 +299,5 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            raise ValueError("chat=True but this tokenizer has no chat template; pass chat=False")
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -59,7 +59,11 @@ class SnapKV:
 
     def token_scores(self, q, k, lengths):
         """Pooled observation-window votes ``[B, Hkv, T]``."""
-        return pool1d(window_scores(q, k, lengths, self.window), self.kernel, self.pool)
+        s = window_scores(q, k, lengths, self.window)
+        # Only prefix votes are pooled: window positions are always kept and must not leak into the prefix.
+        t = s.shape[-1]
+        s = jnp.where(jnp.arange(t) < (lengths - self.window)[:, None, None], s, 0.0)
+        return pool1d(s, self.kernel, self.pool)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths) -> SlotCache:
         budgets = jnp.minimum(self.layer_budgets(lengths, layer, state.num_layers), state.prompt_slots)
