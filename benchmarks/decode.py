@@ -4,8 +4,12 @@
 
 For each prompt length (filler text from the Paul Graham essays) and method, it times the compiled decode
 loop (``scan`` driver, fixed steps, compile excluded by a warm-up run), and reports the cache bytes held,
-the bytes of K/V read per step (valid slots x layers), the ratio of each method to ``full``, and the fraction of
-the device's memory bandwidth when ``--bandwidth-gbs`` is given. JSON includes the jax version and device.
+the bytes read per step (weights + K/V of the valid slots of every layer), the ratio of each method to
+``full``, and the fraction of the device's memory bandwidth (known GPUs are detected; else
+``--bandwidth-gbs``). JSON includes the jax version and device.
+
+``--random-weights`` uses SmolLM2-135M's shapes with random weights and random token ids (no GGUF file
+needed): step time does not depend on the weights' values, so the timings are those of the real model.
 """
 
 from __future__ import annotations
@@ -23,20 +27,38 @@ import numpy as np
 
 import kvjax
 from kvjax import assets, engine, methods
+from kvjax.config import ModelConfig, RopeConfig
+from kvjax.loading import Model, default_dtype
 from kvjax.methods.base import Capacity
+from kvjax.model import random_params
 
 
-def run_one(model, ids, method, steps):
+#: SmolLM2-135M-Instruct's shapes (what the embedded GGUF holds), for ``--random-weights``.
+SMOLLM2_135M = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                           rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
+                           tie_word_embeddings=True)
+#: Peak HBM bandwidth in GB/s by ``device_kind`` substring.
+PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "TPU v5 lite": 819.0, "TPU v5": 2765.0,
+            "TPU v4": 1228.0, "TPU v6": 1640.0}
+
+
+def peak_bandwidth_gbs(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    return next((v for k, v in PEAK_GBS.items() if k in kind), None)
+
+
+def run_one(model, ids, method, steps, batch=1):
     cfg = model.config
-    lengths = jnp.asarray([len(ids)], jnp.int32)
+    lengths = jnp.full((batch,), len(ids), jnp.int32)
     bucket = engine.bucket_length(len(ids))
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, : len(ids)] = ids
+    tokens = np.zeros((batch, bucket), np.int32)
+    tokens[:, : len(ids)] = ids
     cap = Capacity(bucket, steps + 1)
     loop = engine._Loop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
     times = []
     for _ in range(2):  # first run compiles
-        states = engine.init_states(cfg, method, 1, cap, model.dtype)
+        states = engine.init_states(cfg, method, batch, cap, model.dtype)
         states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), lengths, states)
         first = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(states)
@@ -49,9 +71,10 @@ def run_one(model, ids, method, steps):
     held = sum(method.memory_bytes(s) for s in states)
     valid = sum(int((s.pos >= 0).sum()) for s in states)  # slots holding a token after the run
     itemsize = jnp.dtype(model.dtype).itemsize
-    read = valid * cfg.head_dim * 2 * itemsize  # K and V of valid slots (all layers, KV heads)
-    return {"step_seconds": step, "tokens_per_second": 1.0 / step, "cache_bytes": held,
-            "kv_bytes_read_per_step": read}
+    read = valid * cfg.head_dim * 2 * itemsize  # K and V of valid slots (all layers, KV heads, batch)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    return {"step_seconds": step, "tokens_per_second": batch / step, "cache_bytes": held,
+            "kv_bytes_read_per_step": read, "bytes_read_per_step": read + weights}
 
 
 def main(argv=None):
@@ -61,38 +84,57 @@ def main(argv=None):
     p.add_argument("--methods", default="full,streaming_llm,h2o,snapkv,pyramidkv")
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes, random weights/tokens")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 else)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
     p.add_argument("--out", default="results/decode.json")
     args = p.parse_args(argv)
 
-    model = kvjax.load_model(args.model)
-    text_ids = model.tokenizer.encode(assets.essays_text())
+    if args.random_weights:
+        dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
+        model = Model(SMOLLM2_135M, random_params(SMOLLM2_135M, jax.random.PRNGKey(0), dtype), None,
+                      "smollm2-135m (random weights)")
+        text_ids = np.random.default_rng(0).integers(0, SMOLLM2_135M.vocab_size, 1 << 15).tolist()
+    else:
+        model = kvjax.load_model(args.model, dtype=args.dtype)
+        text_ids = model.tokenizer.encode(assets.essays_text())
+    bandwidth = args.bandwidth_gbs or peak_bandwidth_gbs(jax.devices()[0])
     rows = []
+
+    def write():
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(jax.devices()[0]),
+                                   "device_kind": jax.devices()[0].device_kind, "batch": args.batch,
+                                   "random_weights": args.random_weights, "peak_bandwidth_gbs": bandwidth,
+                                   "backend": jax.default_backend(), "python": platform.python_version(),
+                                   "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
+                                   "steps": args.steps, "rows": rows}, indent=2))
+
     for n in [int(x) for x in args.lengths.split(",")]:
         if n + args.steps + 1 > model.config.max_position_embeddings:
-            raise ValueError(f"--lengths {n} + --steps exceeds the model context")
+            raise ValueError(f"--lengths {n} + --steps {args.steps} + 1 exceeds the model context "
+                             f"({model.config.max_position_embeddings}); use a shorter length (e.g. 8000 for 8k)")
         base = None
         for name in args.methods.split(","):
             method = methods.get(name) if name == "full" else methods.get(name, budget=args.budget)
-            r = {"prompt_len": n, "method": name, **run_one(model, text_ids[:n], method, args.steps)}
+            r = {"prompt_len": n, "method": name, **run_one(model, text_ids[:n], method, args.steps, args.batch)}
             if name == "full":
                 base = r
             if base is not None:
                 r["speedup_vs_full"] = base["step_seconds"] / r["step_seconds"]
                 r["cache_ratio_vs_full"] = r["cache_bytes"] / base["cache_bytes"]
-            if args.bandwidth_gbs:
-                r["bandwidth_fraction"] = r["kv_bytes_read_per_step"] / r["step_seconds"] / (args.bandwidth_gbs * 1e9)
+            if bandwidth:
+                r["bandwidth_fraction"] = r["bytes_read_per_step"] / r["step_seconds"] / (bandwidth * 1e9)
             rows.append(r)
+            write()  # after every row, so an interrupted run keeps what it measured
             print(f"{n:6d} {name:14s} step {r['step_seconds'] * 1e3:8.2f} ms  {r['tokens_per_second']:7.1f} tok/s  "
                   f"cache {r['cache_bytes'] / 2**20:7.1f} MiB  x{r.get('speedup_vs_full', float('nan')):.2f} speed  "
-                  f"x{r.get('cache_ratio_vs_full', float('nan')):.2f} memory", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-                               "backend": jax.default_backend(), "python": platform.python_version(),
-                               "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
-                               "steps": args.steps, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+                  f"x{r.get('cache_ratio_vs_full', float('nan')):.2f} memory  "
+                  f"{r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
+                  + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""), flush=True)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -36,18 +36,31 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
     return p.sum(axis=3).mean(axis=2)
 
 
-def accumulated_scores(q, k, lengths) -> jnp.ndarray:
-    """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries."""
+def accumulated_scores(q, k, lengths, chunk: int = 512) -> jnp.ndarray:
+    """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
+    (averaged over each KV group's query heads). Queries are processed ``chunk`` at a time (O(chunk * T)
+    memory)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, t, d)
-    s = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
-    pos = jnp.arange(t)
-    mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
-    mask &= (pos[None, :, None] < lengths[:, None, None])  # padded queries vote for nothing
-    s = jnp.where(mask[:, None, None], s, NEG_INF)
-    p = jnp.where(mask[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
-    return p.sum(axis=3).mean(axis=2)
+    g = hq // hkv
+    c = min(chunk, t)
+    n = -(-t // c)
+    qc = jnp.pad(q, ((0, 0), (0, 0), (0, n * c - t), (0, 0))).reshape(b, hkv, g, n, c, d)
+    kpos = jnp.arange(t)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+
+    def add_chunk(i, acc):
+        qi = jax.lax.dynamic_index_in_dim(qc, i, axis=3, keepdims=False)  # [B, Hkv, G, C, D]
+        qpos = i * c + jnp.arange(c)
+        s = jnp.einsum("bhgtd,bhsd->bhgts", qi, k, preferred_element_type=jnp.float32) * scale
+        mask = (kpos[None, :] <= qpos[:, None])[None] & (kpos[None, None, :] < lengths[:, None, None])
+        mask &= (qpos[None, :, None] < lengths[:, None, None])  # padded queries vote for nothing
+        s = jnp.where(mask[:, None, None], s, NEG_INF)
+        p = jnp.where(mask[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
+        return acc + p.sum(axis=3)
+
+    acc = jax.lax.fori_loop(0, n, add_chunk, jnp.zeros((b, hkv, g, t), jnp.float32))
+    return acc.mean(axis=2)
 
 
 def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:
