@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -88,8 +89,13 @@ def main(argv=None):
     p.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes, random weights/tokens")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 else)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
+    p.add_argument("--impl", default=None, choices=("xla", "pallas_tpu", "pallas_gpu"),
+                   help="decode-attention kernel for every method (default: by backend; sets "
+                        "$KVJAX_DECODE_ATTENTION_IMPL)")
     p.add_argument("--out", default="results/decode.json")
     args = p.parse_args(argv)
+    if args.impl:
+        os.environ["KVJAX_DECODE_ATTENTION_IMPL"] = args.impl  # read by attention.attend at trace time
 
     if args.random_weights:
         dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
@@ -110,7 +116,8 @@ def main(argv=None):
                                    "random_weights": args.random_weights, "peak_bandwidth_gbs": bandwidth,
                                    "backend": jax.default_backend(), "python": platform.python_version(),
                                    "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
-                                   "steps": args.steps, "rows": rows}, indent=2))
+                                   "steps": args.steps, "attention_impl": args.impl or "by backend",
+                                   "rows": rows}, indent=2))
 
     for n in [int(x) for x in args.lengths.split(",")]:
         if n + args.steps + 1 > model.config.max_position_embeddings:

@@ -4,8 +4,8 @@
 optional additive bias (e.g. Chelsea's ``log N``), and returns the flash-decoding partials
 ``(o_unnormalised, m, l)``: ``m`` the running max of the scaled scores, ``l = sum exp(s - m)`` and
 ``o = sum exp(s - m) v``. Partials over disjoint slot sets merge exactly with ``merge`` and ``normalise``
-gives softmax attention. GQA is native: KV heads are never repeated. This is the pure-JAX (``xla``) version;
-the Pallas kernels (``kernels_pallas.decode_attention``) implement the same contract.
+gives softmax attention. GQA is native: KV heads are never repeated. ``attend`` delegates to
+``kernels_pallas.decode_attention`` (pure-JAX reference on CPU, Pallas kernels on TPU/GPU; same contract).
 
 Shapes: q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; valid ``[B, Hkv, S]`` bool; bias ``[B, Hkv, S]`` float;
 o ``[B, Hq, D]`` float32; m, l ``[B, Hq]`` float32. Axes: b batch, h KV head, g query head in group, s slot,
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
+
+__all__ = ["NEG_INF", "attend", "merge", "normalise", "probabilities", "scores"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -27,37 +29,14 @@ def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
 
 
-def attend(q, k, v, valid, bias=None):
+def attend(q, k, v, valid, bias=None, *, impl=None):
     """Partials ``(o_unnormalised [B,Hq,D], m [B,Hq], l [B,Hq])`` of attention over the valid slots.
 
-    A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF`` (it merges as an empty set).
+    A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF`` (it merges as an empty set). Routed through
+    ``kernels_pallas.decode_attention.decode_attention``: ``impl`` is ``"xla" | "pallas_tpu" | "pallas_gpu"``
+    or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX reference on CPU).
     """
-    b, hq, d = q.shape
-    s = scores(q, k)
-    if bias is not None:
-        s = s + bias[:, :, None, :].astype(jnp.float32)
-    mask = valid[:, :, None, :]
-    s = jnp.where(mask, s, NEG_INF)
-    m = jnp.max(s, axis=-1)  # [B, Hkv, G]
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)
-
-
-def merge(a, b):
-    """Merge two partials over disjoint slot sets (exact)."""
-    oa, ma, la = a
-    ob, mb, lb = b
-    m = jnp.maximum(ma, mb)
-    ca, cb = jnp.exp(ma - m), jnp.exp(mb - m)
-    return oa * ca[..., None] + ob * cb[..., None], m, la * ca + lb * cb
-
-
-def normalise(partial) -> jnp.ndarray:
-    """Softmax-normalised output ``[B, Hq, D]`` float32 (zero where no slot was valid)."""
-    o, _, l = partial
-    return o / jnp.where(l > 0, l, 1.0)[..., None]
+    return decode_attention(q, k, v, valid=valid, bias=bias, impl=impl)
 
 
 def probabilities(q, k, valid, bias=None) -> jnp.ndarray:

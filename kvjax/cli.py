@@ -76,6 +76,20 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_calibrate_chelsea(args) -> int:
+    import kvjax
+    from kvjax.calibrate_chelsea import calibrate
+
+    model = kvjax.load_model(args.model)
+    keep = tuple(int(x) for x in args.keep_layers.split(",") if x.strip()) if args.keep_layers else ()
+    res = calibrate(model, args.out, text_path=args.text, window=args.window, windows=args.windows,
+                    ratio=args.ratio, threshold=args.threshold, n_sink=args.n_sink, n_recent=args.n_recent,
+                    chunk=args.chunk, keep_layers=keep)
+    print(f"{len(res['outlier_heads'])} outlier heads of {model.config.num_layers * model.config.num_kv_heads} "
+          f"written to {args.out}: {res['outlier_heads']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -100,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=parse_budget, default=0.5)
     d.add_argument("--max-new-tokens", type=int, default=32)
     d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("calibrate-chelsea", help="find Chelsea's outlier heads on a calibration text (JSON)")
+    c.add_argument("--model", default=assets.SMOLLM2_NAME)
+    c.add_argument("--text", default=None, help="calibration text file (default: the embedded essays)")
+    c.add_argument("--out", required=True, help="JSON to write; load with methods.get('chelsea', outlier_heads=PATH)")
+    c.add_argument("--window", type=int, default=4096, help="tokens per calibration window")
+    c.add_argument("--windows", type=int, default=32, help="number of windows (fewer if the text is short)")
+    c.add_argument("--ratio", type=float, default=0.04, help="share of KV heads kept full")
+    c.add_argument("--threshold", type=float, default=0.8, help="edge cosine threshold")
+    c.add_argument("--chunk", type=int, default=256)
+    c.add_argument("--n-sink", type=int, default=16)
+    c.add_argument("--n-recent", type=int, default=64)
+    c.add_argument("--keep-layers", default="", help="comma-separated layers kept whole (e.g. 0 for Llama-2)")
+    c.set_defaults(func=cmd_calibrate_chelsea)
     return p
 
 

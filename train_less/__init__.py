@@ -1,1 +1,6 @@
-"""LESS kernel training (activation capture, per-layer optax training, orbax checkpoints). Populated by the LESS issue."""
+"""LESS kernel training (paper §3.2): activation capture from the frozen model, per-layer optax training of
+φ, ψ with the sparse policy as a parallel mask, orbax checkpoints, and the ``kvjax-train-less`` CLI."""
+
+from train_less.trainer import TrainConfig, train
+
+__all__ = ["TrainConfig", "train"]

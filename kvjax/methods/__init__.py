@@ -9,12 +9,17 @@ from __future__ import annotations
 import dataclasses
 
 from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.chelsea import Chelsea
+from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
+from kvjax.methods.less import Less
+from kvjax.methods.pqcache import PQCache
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
-REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV)}
+REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, ChunkKV, Chelsea,
+                                                         PQCache, Less)}
 
 
 def names() -> list[str]:
@@ -33,5 +38,5 @@ def get(name: str, **options):
     return cls(**options)
 
 
-__all__ = ["Capacity", "Full", "H2O", "PyramidKV", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get",
-           "names"]
+__all__ = ["Capacity", "Chelsea", "ChunkKV", "Full", "H2O", "Less", "PQCache", "PyramidKV", "REGISTRY", "SlotCache",
+           "SnapKV", "StreamingLLM", "get", "names"]

@@ -59,6 +59,12 @@ class H2O:
         return store_prompt(state, k, v, idx, ok, score=score)
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
+        part, state, _ = self.decode_partial(state, layer, q, k, v, pos)
+        return attention.normalise(part), state
+
+    def decode_partial(self, state: SlotCache, layer: int, q, k, v, pos):
+        """``decode`` returning the attention partials ``(o, m, l)`` and the pair evicted this step
+        ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (attended this step, evicted after it), for LESS."""
         b, h = k.shape[:2]
         # The spare slot: an empty one always exists before the write (the cache holds <= budget tokens).
         slot = jnp.argmax(state.pos < 0, axis=-1).astype(jnp.int32)  # [B, Hkv]
@@ -79,7 +85,9 @@ class H2O:
         vscore = jnp.where(over, 0.0, jnp.take_along_axis(score, victim[..., None], -1)[..., 0])
         state = state.replace(pos=state.pos.at[bi, hi, victim].set(vpos),
                               score=score.at[bi, hi, victim].set(vscore), cursor=state.cursor + 1)
-        return attention.normalise(part), state
+        ek = jnp.take_along_axis(state.k, victim[..., None, None], axis=2)[:, :, 0]
+        ev = jnp.take_along_axis(state.v, victim[..., None, None], axis=2)[:, :, 0]
+        return part, state, (ek, ev, over)
 
     def memory_bytes(self, state: SlotCache) -> int:
         return tree_bytes(state)

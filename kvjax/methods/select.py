@@ -97,11 +97,22 @@ def topk_with_window(scores, lengths, budgets, window: int, slots: int):
     else:
         top = jnp.zeros((b, h, 0), jnp.int32)
         keep = jnp.zeros((b, h, 0), bool)
-    win = jnp.broadcast_to(prefix + jnp.arange(window)[None, None, :], (b, h, window))
-    idx = jnp.concatenate([jnp.where(keep, top, -1), win], axis=-1)
-    ok = jnp.concatenate([keep, win >= 0], axis=-1)
-    # Compact: real entries first, in position order (kept prefix tokens precede the window).
-    order = jnp.argsort(~ok, axis=-1, stable=True)
+    return append_window(jnp.where(keep, top, -1), keep, lengths, budgets, window, slots)
+
+
+def append_window(idx, ok, lengths, budgets, window: int, slots: int):
+    """Selected positions plus the last ``window`` prompt tokens, compacted to ``slots`` entries.
+
+    idx, ok: ``[B, Hkv, N]`` selected positions (in position order) and their validity; lengths, budgets:
+    ``[B]``. Returns ``idx [B, Hkv, slots]`` int32 (-1 for empty slots) and ``ok``: real entries first, in
+    position order (the selected prefix tokens precede the window). A sequence with ``length <= budget``
+    keeps every token (no compression).
+    """
+    b, h = idx.shape[:2]
+    win = jnp.broadcast_to((lengths - window)[:, None, None] + jnp.arange(window), (b, h, window))
+    idx = jnp.concatenate([idx, win], axis=-1)
+    ok = jnp.concatenate([ok, win >= 0], axis=-1)
+    order = jnp.argsort(~ok, axis=-1, stable=True)  # real entries first, relative order kept
     idx = jnp.take_along_axis(idx, order, axis=-1)
     ok = jnp.take_along_axis(ok, order, axis=-1)
     pad = slots - idx.shape[-1]
@@ -110,7 +121,7 @@ def topk_with_window(scores, lengths, budgets, window: int, slots: int):
         ok = jnp.concatenate([ok, jnp.zeros((b, h, pad), bool)], axis=-1)
     idx, ok = idx[..., :slots], ok[..., :slots]
     whole = (lengths <= budgets)[:, None, None]
-    all_idx = jnp.broadcast_to(jnp.arange(slots), (b, h, slots))
-    idx = jnp.where(whole, all_idx, idx).astype(jnp.int32)
-    ok = jnp.where(whole, all_idx < lengths[:, None, None], ok)
+    every = jnp.broadcast_to(jnp.arange(slots), (b, h, slots))
+    idx = jnp.where(whole, every, idx).astype(jnp.int32)
+    ok = jnp.where(whole, every < lengths[:, None, None], ok)
     return jnp.where(ok, idx, -1), ok

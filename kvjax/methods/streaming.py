@@ -14,7 +14,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, SlotCache, attend_slots, check_budget, empty_slots, static_budget,
+from kvjax import attention
+from kvjax.methods.base import (Capacity, SlotCache, check_budget, empty_slots, static_budget,
                                 store_prompt, tree_bytes, write_token)
 
 
@@ -59,11 +60,21 @@ class StreamingLLM:
         return store_prompt(state, k, v, idx, jnp.broadcast_to(ok[:, None], (b, h, s)))
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
+        part, state, _ = self.decode_partial(state, layer, q, k, v, pos)
+        return attention.normalise(part), state
+
+    def decode_partial(self, state: SlotCache, layer: int, q, k, v, pos):
+        """``decode`` returning the attention partials ``(o, m, l)`` and the pair the new token overwrote
+        ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (evicted before this step's attention), for LESS."""
         b, h = k.shape[:2]
         s = state.k.shape[2]
         slot = jnp.where(pos < self.sinks, pos, self.sinks + jnp.mod(pos - self.sinks, self._ring(s)))
-        state = write_token(state, jnp.broadcast_to(slot[:, None], (b, h)).astype(jnp.int32), k, v, pos)
-        return attend_slots(state, q), state
+        slot = jnp.broadcast_to(slot[:, None], (b, h)).astype(jnp.int32)
+        ek = jnp.take_along_axis(state.k, slot[..., None, None], axis=2)[:, :, 0]
+        ev = jnp.take_along_axis(state.v, slot[..., None, None], axis=2)[:, :, 0]
+        gone = jnp.take_along_axis(state.pos, slot[..., None], axis=2)[..., 0] >= 0
+        state = write_token(state, slot, k, v, pos)
+        return attention.attend(q, state.k, state.v, state.valid), state, (ek, ev, gone)
 
     def memory_bytes(self, state: SlotCache) -> int:
         return tree_bytes(state)

@@ -1,0 +1,128 @@
+"""Decode-attention kernel benchmark: kernel vs reference time, achieved K/V bandwidth, block skipping.
+
+    python benchmarks/decode_attention.py --slots 4096,16384,32768 --batch 1,8 --keep 1,0.5,0.25,0.1 \\
+        --out benchmarks/results/decode_attention.json
+
+For every (slots, batch, keep fraction) it times ``decode_attention`` with ``--impl`` (default: by backend)
+and the pure-JAX reference (``impl="xla"``, which reads every slot), both jitted, compile excluded, median of
+``--iters`` runs. ``keep < 1`` lists a random ``keep`` fraction of the slot blocks per (batch row, KV head) in
+``block_indices``. Reported: ``kv_bytes_read`` = bytes of K and V in the visited blocks (what the kernel must
+read), achieved bandwidth = kv_bytes_read / kernel time, its fraction of the device's peak HBM bandwidth
+(``benchmarks/decode.py``'s table, or ``--bandwidth-gbs``), the speedup over the reference, and the speedup over
+the same kernel at ``keep = 1`` (ideal: ``1 / keep``). JSON includes the jax version and the device.
+On CPU the default impl is ``xla``; ``--impl pallas_gpu --interpret`` runs a tiny smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import peak_bandwidth_gbs  # noqa: E402  (the peak-bandwidth table lives in benchmarks/decode.py)
+
+from kernels_pallas.decode_attention import IMPLS, decode_attention, default_impl  # noqa: E402
+
+
+def _time(fn, args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0):
+    kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(kq, (batch, hkv * g, d), dtype)
+    k = jax.random.normal(kk, (batch, hkv, s, d), dtype)
+    v = jax.random.normal(kv, (batch, hkv, s, d), dtype)
+    nb = -(-s // block_size)
+    n_keep = max(1, int(round(keep * nb)))
+    if n_keep >= nb:
+        return q, k, v, None, nb, nb
+    order = jnp.argsort(jax.random.uniform(ks, (batch, hkv, nb)), axis=-1)
+    return q, k, v, order[..., :n_keep].astype(jnp.int32), n_keep, nb
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--slots", default="4096,16384,32768")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--keep", default="1,0.5,0.25,0.1", help="fractions of slot blocks visited")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--impl", default=None, choices=IMPLS, help="kernel under test (default: by backend)")
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
+    p.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    args = p.parse_args(argv)
+
+    impl = args.impl or default_impl()
+    dtype = jnp.dtype(args.dtype)
+    dev = jax.devices()[0]
+    peak = args.bandwidth_gbs or peak_bandwidth_gbs(dev)
+    bs, hkv, g, d = args.block_size, args.kv_heads, args.group, args.head_dim
+    kernel = jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl=impl, block_size=bs,
+                                                          interpret=args.interpret))
+    ref = jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl="xla", block_size=bs))
+    rows = []
+
+    def write():
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
+                                   "backend": jax.default_backend(), "python": platform.python_version(),
+                                   "impl": impl, "interpret": args.interpret, "dtype": str(dtype),
+                                   "kv_heads": hkv, "group": g, "head_dim": d, "block_size": bs,
+                                   "peak_bandwidth_gbs": peak, "iters": args.iters, "rows": rows}, indent=2))
+
+    print(f"{jax.__version__} {dev.device_kind} impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d} bs={bs} "
+          f"peak={peak} GB/s", flush=True)
+    for s in [int(x) for x in args.slots.split(",")]:
+        for batch in [int(x) for x in args.batch.split(",")]:
+            full_t = None
+            for keep in [float(x) for x in args.keep.split(",")]:
+                q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, bs)
+                t_k = _time(kernel, (q, k, v, bi), args.iters)
+                t_r = _time(ref, (q, k, v, bi), args.iters)
+                kv_read = batch * hkv * 2 * d * dtype.itemsize * min(n_keep * bs, s)
+                ref_read = batch * hkv * 2 * d * dtype.itemsize * s
+                r = {"slots": s, "batch": batch, "keep": keep, "blocks_visited": n_keep, "blocks": nb,
+                     "skipped_fraction": 1 - n_keep / nb, "kernel_seconds": t_k, "reference_seconds": t_r,
+                     "kv_bytes_read": kv_read, "kernel_gbs": kv_read / t_k / 1e9,
+                     "reference_gbs": ref_read / t_r / 1e9, "speedup_vs_reference": t_r / t_k}
+                if keep >= 1:
+                    full_t = t_k
+                if full_t is not None:
+                    r["speedup_vs_kernel_full"] = full_t / t_k
+                    r["ideal_speedup_vs_kernel_full"] = nb / n_keep
+                if peak:
+                    r["kernel_hbm_fraction"] = r["kernel_gbs"] / peak
+                    r["reference_hbm_fraction"] = r["reference_gbs"] / peak
+                rows.append(r)
+                write()
+                print(f"S={s:6d} B={batch:2d} keep={keep:4.2f} kernel {t_k * 1e6:9.1f} us  ref {t_r * 1e6:9.1f} us  "
+                      f"x{r['speedup_vs_reference']:5.2f} vs ref  {r['kernel_gbs']:7.1f} GB/s"
+                      + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
+                      + (f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{nb / n_keep:.2f})"
+                         if "speedup_vs_kernel_full" in r else ""), flush=True)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

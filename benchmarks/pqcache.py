@@ -1,0 +1,194 @@
+"""PQCache benchmark: top-k recall on real keys, needle retrieval and decode step time vs full, in one run.
+
+    python benchmarks/pqcache.py --length 1024 --ratios 0.2,0.1 --out benchmarks/results/pqcache_cpu.json
+
+1. Recall (method note §8.12.9): on the embedded model's real post-RoPE keys for an essay prompt of
+   ``--length`` tokens, for every layer and KV head, |PQ top-k ∩ exact top-k| / k at token ratio r, where the
+   exact top-k ranks the same candidates ``[sink, L - W)`` by the same GQA rule (softmax over the candidates,
+   summed over the query group) with the true keys (the authors' Oracle). The query is the prompt's last token.
+2. Needle (``--needle``): the PQCache paper's needle sentence inside a Paul Graham haystack at several depths;
+   greedy answer with ``full`` and with PQCache at each ratio; "found" = the answer mentions the sandwich or
+   Dolores Park.
+3. Decode: compiled ``scan`` loop step time of ``full`` and PQCache (compile excluded by a warm-up run), cache
+   bytes held and the K/V + index bytes each step reads (``PQCache.bytes_read_per_step``, all layers).
+JSON includes the jax version and the device. ``--random-weights`` times SmolLM2-135M shapes with random
+weights (skips recall and needle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import kvjax
+from kvjax import assets, engine, methods
+from kvjax import model as M
+from kvjax.methods.base import Capacity
+from kvjax.methods.pqcache import PQCache
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco?"
+
+
+def layer_qk(model, ids):
+    """Per layer: the last token's query ``[1, Hq, D]`` and the keys of the tokens before it ``[1, Hkv, n, D]``."""
+    cfg = model.config
+    n = len(ids) - 1
+
+    @jax.jit
+    def layer(lp, x):
+        q, k, v = M.layer_qkv(cfg, lp, x, jnp.arange(len(ids))[None])
+        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None))
+        return q[:, :, n].astype(jnp.float32), k[:, :, :n].astype(jnp.float32), x
+
+    x = M.embed(model.params, jnp.asarray([ids]))
+    for lp in model.params["layers"]:
+        q, k, x = layer(lp, x)
+        yield q, k
+
+
+def recall_one(method: PQCache, q, k):
+    """Per KV head ``[Hkv]`` for one layer: recall of the PQ selection vs the exact (Oracle) selection, and
+    mass recall: the Oracle's aggregated softmax mass on the PQ selection / its mass on its own top-k."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    state = method.init(kvjax.ModelConfig(model_type="llama", vocab_size=1, hidden_size=hq * d,
+                                          intermediate_size=1, num_layers=1, num_heads=hq, num_kv_heads=hkv,
+                                          head_dim=d), b, Capacity(n, 1), 0, jnp.float32)
+    lengths = jnp.asarray([n])
+    state = jax.jit(lambda s, k: method.prefill(s, 0, jnp.zeros((b, hq, n, d)), k, k, lengths))(state, k)
+    idx, ok = (np.asarray(x) for x in jax.jit(method.select)(state, q, lengths))
+    w, kk = method.split(n)
+    cand = np.arange(method.sink, n - w)
+    g = hq // hkv
+    qn, kn = np.asarray(q, np.float64)[0], np.asarray(k, np.float64)[0]
+    out, mass = [], []
+    for h in range(hkv):
+        s = qn[h * g:(h + 1) * g] @ kn[h, cand].T / np.sqrt(d)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        agg = (p / p.sum(-1, keepdims=True)).sum(0)
+        top = np.argsort(-agg, kind="stable")[:kk]
+        got = set(idx[0, h][ok[0, h]].tolist())
+        out.append(len(set(cand[top].tolist()) & got) / max(kk, 1))
+        mass.append(sum(agg[p - method.sink] for p in got) / max(agg[top].sum(), 1e-30))
+    return out, mass
+
+
+def time_decode(model, ids, method, steps):
+    cfg = model.config
+    bucket = engine.bucket_length(len(ids))
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :len(ids)] = ids
+    lengths = jnp.asarray([len(ids)], jnp.int32)
+    loop = engine._Loop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
+    times = []
+    for _ in range(2):  # the first run compiles
+        states = engine.init_states(cfg, method, 1, Capacity(bucket, steps + 1), model.dtype)
+        states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), lengths, states)
+        first = jnp.argmax(logits, -1).astype(jnp.int32)
+        jax.block_until_ready(states)
+        t0 = time.perf_counter()
+        out, _, states = engine._generate_compiled(loop, "scan", model.params, states, first, lengths,
+                                                   jax.random.PRNGKey(0))
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    row = {"step_seconds": times[-1] / steps, "cache_bytes": sum(method.memory_bytes(s) for s in states)}
+    if isinstance(method, PQCache):
+        reads = [method.bytes_read_per_step(s, cfg.num_heads) for s in states]
+        row["bytes_read_per_step"] = {k: sum(r[k] for r in reads) for k in reads[0]}
+    return row
+
+
+def needle_prompt(model, length, depth):
+    hay = model.tokenizer.encode(assets.essays_text(), add_special_tokens=False)
+    needle = model.tokenizer.encode(" " + NEEDLE + " ", add_special_tokens=False)
+    body = hay[:length - len(needle) - 64]
+    cut = int(len(body) * depth)
+    context = model.tokenizer.decode(body[:cut] + needle + body[cut:])
+    return (f"{context}\n\nAnswer using the text above. {QUESTION}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=assets.SMOLLM2_NAME)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--ratios", default="0.2,0.1")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--needle", action="store_true", help="also run the needle test")
+    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--random-weights", action="store_true")
+    p.add_argument("--bits", type=int, default=6, help="bits per code for the recall measurement")
+    p.add_argument("--skip-decode", action="store_true", help="recall (and needle) only")
+    p.add_argument("--out", default="benchmarks/results/pqcache.json")
+    args = p.parse_args(argv)
+    ratios = [float(r) for r in args.ratios.split(",")]
+
+    if args.random_weights:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from decode import SMOLLM2_135M
+        from kvjax.loading import Model, default_dtype
+        cfg = SMOLLM2_135M
+        model = Model(cfg, M.random_params(cfg, jax.random.PRNGKey(0), default_dtype()), None, "random")
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.length).tolist()
+    else:
+        model = kvjax.load_model(args.model)
+        ids = model.tokenizer.encode(assets.essays_text())[:args.length]
+    result = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
+              "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+              "python": platform.python_version(), "model": model.name, "dtype": str(model.dtype),
+              "prompt_len": len(ids), "ratios": ratios, "pqcache": {"m": 2, "bits": args.bits, "sink": 32, "iters": 10}}
+
+    if not args.random_weights:
+        per = {r: [] for r in ratios}
+        mass = {r: [] for r in ratios}
+        for q, k in tqdm(layer_qk(model, ids), total=model.config.num_layers, desc="recall (layers)"):
+            for r in ratios:
+                rec, ms = recall_one(PQCache(budget=r, bits=args.bits), q, k)
+                per[r].append(rec)
+                mass[r].append(ms)
+        result["recall"] = {str(r): {"mean": float(np.mean(per[r])), "mass_mean": float(np.mean(mass[r])),
+                                     "per_layer": [float(np.mean(x)) for x in per[r]]} for r in ratios}
+        for r in ratios:
+            print(f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
+                  f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}")
+
+    if args.needle and not args.random_weights:
+        rows = []
+        for depth in tqdm([float(x) for x in args.depths.split(",")], desc="needle"):
+            prompt = needle_prompt(model, args.length, depth)
+            for name, method in [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
+                                                                    for r in ratios]:
+                ans = engine.generate(model, [prompt], method, max_new_tokens=24, chat=True).text[0]
+                found = any(w in ans.lower() for w in ("sandwich", "dolores"))
+                rows.append({"depth": depth, "method": name, "found": found, "answer": ans})
+                print(f"needle depth {depth} {name:14s} found={found}  {ans[:80]!r}")
+        result["needle"] = rows
+
+    rows = []
+    timed = [] if args.skip_decode else [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
+                                                                           for r in ratios]
+    for name, method in tqdm(timed, desc="decode timing"):
+        row = {"method": name, **time_decode(model, ids, method, args.steps)}
+        rows.append(row)
+    for row in rows:
+        row["speedup_vs_full"] = rows[0]["step_seconds"] / row["step_seconds"]
+        print(f"{row['method']:14s} step {row['step_seconds'] * 1e3:8.2f} ms  x{row['speedup_vs_full']:.2f}  "
+              f"cache {row['cache_bytes'] / 2**20:.1f} MiB")
+    result["decode"] = rows
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

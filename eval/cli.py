@@ -1,0 +1,154 @@
+"""``kvjax-eval``: compare KV-cache methods on a model; write JSON, a markdown table and PNG plots.
+
+    kvjax-eval main                                   # the README's main job on the embedded SmolLM2
+    kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
+    kvjax-eval perplexity --prefix 1024 --continuation 256
+    kvjax-eval ruler --lengths 1024
+    kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvjax import assets
+
+MAIN_METHODS = "full,streaming_llm,h2o,snapkv,pyramidkv,chunkkv"
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated numbers, e.g. 0.2,0.5")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 512,1024")
+
+
+def _methods(text: str, main: bool) -> list[str]:
+    from kvjax import methods
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if main:  # the main job's default list includes methods only once they are registered
+        names = [n for n in names if n in methods.REGISTRY]
+    return names
+
+
+def _tasks(args):
+    from eval import runner
+
+    tasks = []
+    if args.command in ("main", "needle"):
+        tasks.append(runner.NeedleTask(tuple(args.lengths), tuple(args.depths), args.batch, args.max_new_tokens,
+                                       args.seed))
+    if args.command in ("main", "perplexity"):
+        tasks.append(runner.PerplexityTask(args.sequences, args.prefix, args.continuation, args.book))
+    if args.command == "ruler":
+        from eval import ruler
+
+        tasks.append(ruler.RulerTask(tuple(args.lengths), tuple(args.ruler_tasks.split(",")), args.samples,
+                                     args.batch, args.max_new_tokens, args.seed))
+    return tasks
+
+
+def cmd_run(args) -> int:
+    import kvjax
+    from eval import report, runner
+
+    t0 = time.perf_counter()
+    names = _methods(args.methods, args.command == "main" and args.methods == MAIN_METHODS)
+    from eval import harness
+
+    harness.method_grid(names, args.budgets)  # fail before loading the model
+    model = kvjax.load_model(args.model)
+    print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
+          file=sys.stderr)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress)
+    results["timings"]["wall_seconds"] = time.perf_counter() - t0
+    paths = report.write_all(results, args.out)
+    print(report.markdown_table(results))
+    print(f"\nwall time {results['timings']['wall_seconds']:.0f}s; wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from eval import report
+
+    results = report.load(args.results)
+    paths = report.write_all(results, args.out or Path(args.results).parent)
+    print(report.markdown_table(results))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvjax-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, methods, budgets, lengths, batch, max_new, out):
+        sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
+        sp.add_argument("--methods", default=methods, help="comma-separated registered methods")
+        sp.add_argument("--budgets", type=_floats, default=budgets, help="fractions of the context in (0, 1]")
+        sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
+        sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
+        sp.add_argument("--max-new-tokens", type=int, default=max_new)
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
+        sp.add_argument("--no-progress", action="store_true")
+        sp.set_defaults(func=cmd_run)
+
+    def needle_opts(sp, depths):
+        sp.add_argument("--depths", type=_floats, default=depths, help="needle depths in [0, 1]")
+
+    def ppl_opts(sp, sequences, prefix, continuation):
+        sp.add_argument("--sequences", type=int, default=sequences)
+        sp.add_argument("--prefix", type=int, default=prefix, help="prefilled (compressed) tokens per sequence")
+        sp.add_argument("--continuation", type=int, default=continuation, help="teacher-forced scored tokens")
+        sp.add_argument("--book", default="John", help="King James book used as held-out text")
+
+    m = sub.add_parser("main", help="the main job: methods x 2 budgets on needle and perplexity (embedded model)")
+    common(m, MAIN_METHODS, [0.2, 0.5], [256, 512], 3, 48, "runs/eval-main")
+    needle_opts(m, [0.0, 0.5, 1.0])
+    ppl_opts(m, 3, 512, 48)
+
+    n = sub.add_parser("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
+    common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], [1024, 2048], 4, 8, "runs/eval-needle")
+    needle_opts(n, [0.0, 0.25, 0.5, 0.75, 1.0])
+
+    pp = sub.add_parser("perplexity", help="streaming perplexity of held-out text under a compressed cache")
+    common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], [], 4, 0, "runs/eval-perplexity")
+    ppl_opts(pp, 4, 1024, 256)
+
+    r = sub.add_parser("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
+    common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], [1024], 4, 32, "runs/eval-ruler")
+    r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words")
+    r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
+
+    pl = sub.add_parser("plot", help="redraw the markdown table and plots from a results.json")
+    pl.add_argument("results")
+    pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvjax-eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

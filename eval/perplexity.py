@@ -1,0 +1,77 @@
+"""Streaming perplexity of held-out text under a compressed cache (the LESS and ClusterKV papers' setting:
+the cache is compressed as the text is consumed).
+
+Each sequence is ``prefix + continuation`` tokens of the King James Bible (held out from the needle's
+essays). The prefix is prefilled through ``kvjax.engine.prefill`` (where prompt-compressing methods such as
+SnapKV/PyramidKV compress it once, to ``budget`` of the prefix); the continuation is then **teacher-forced**
+through the jitted, fixed-shape ``kvjax.engine.decode_step``, one token per step, so evicting methods
+(StreamingLLM, H2O) keep compressing as the text streams in and appending methods keep every new token.
+Each continuation token is scored by the log-probability the model gave it at the previous step (the first
+one from the prefill logits). Perplexity = ``exp(mean NLL)`` over all scored tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import assets, engine
+from kvjax.methods.base import Capacity
+
+
+@functools.lru_cache(maxsize=2)
+def _bible_ids(tokenizer, book: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(assets.bible_text(book)))
+
+
+def build(model, num_sequences: int, prefix: int, continuation: int, book: str = "John") -> np.ndarray:
+    """``[num_sequences, prefix + continuation]`` int32 windows of consecutive text (no overlap)."""
+    if model.tokenizer is None:
+        raise ValueError("the perplexity task needs a model loaded with its tokenizer")
+    if prefix < 1 or continuation < 2:
+        raise ValueError(f"prefix={prefix} must be >= 1 and continuation={continuation} >= 2 tokens")
+    ids = _bible_ids(model.tokenizer, book)
+    n = prefix + continuation
+    if num_sequences * n > len(ids):
+        raise ValueError(f"{num_sequences} sequences of {n} tokens need {num_sequences * n} tokens but book={book!r} "
+                         f"has {len(ids)}; use fewer/shorter sequences or a longer book (e.g. 'Genesis')")
+    return np.asarray(ids[: num_sequences * n], np.int32).reshape(num_sequences, n)
+
+
+@jax.jit
+def _logprob(logits, target):
+    """log p(target) ``[B]`` from logits ``[B, V]``."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
+
+
+def streaming_nll(model, method, seqs: np.ndarray, prefix: int) -> np.ndarray:
+    """Negative log-likelihoods ``[B, N]`` of the ``N = T - prefix`` continuation tokens of ``seqs [B, T]``.
+
+    Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
+    ``Capacity(prefix, N)``; ``N - 1`` decode steps, all through the same compiled ``decode_step``.
+    """
+    cfg = model.config
+    b, t = seqs.shape
+    n = t - prefix
+    if n < 1:
+        raise ValueError(f"sequences of {t} tokens have no continuation after prefix={prefix}")
+    if t > cfg.max_position_embeddings:
+        raise ValueError(f"prefix + continuation = {t} tokens is longer than the model's context of "
+                         f"{cfg.max_position_embeddings}; use a shorter prefix/continuation")
+    seqs = jnp.asarray(seqs, jnp.int32)
+    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype)
+    lengths = jnp.full((b,), prefix, jnp.int32)
+    states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states)
+    out = [_logprob(logits, seqs[:, prefix])]
+    for i in range(1, n):
+        logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],
+                                            lengths + i - 1)
+        out.append(_logprob(logits, seqs[:, prefix + i]))
+    return -np.asarray(jnp.stack(out, axis=1))
+
+
+def perplexity(nll: np.ndarray) -> float:
+    return float(np.exp(np.mean(nll)))

@@ -1,0 +1,233 @@
+"""Results: JSON (config, versions, device, timings, per-example rows), a markdown table and PNG plots.
+
+Everything shown is derived from the JSON's ``rows``, so ``kvjax-eval plot results.json`` redraws the table
+and plots without re-running. A row is one scored example: ``{"task", "method", "budget" (None for full),
+"score", ...task fields}``; ``TASKS[task]`` says how rows aggregate (mean percent, or perplexity from the
+rows' ``nll`` and ``tokens``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "kvjax-eval/1"
+
+#: task -> (column title, aggregation, higher is better)
+TASKS: dict[str, tuple[str, str, bool]] = {
+    "needle": ("needle acc (%)", "mean_percent", True),
+    "ruler": ("RULER (%)", "mean_percent", True),
+    "perplexity": ("perplexity", "perplexity", False),
+    "longbench": ("LongBench (%)", "mean_percent", True),
+    "fidelity": ("attn rel. error", "mean", False),
+}
+
+
+def environment() -> dict[str, Any]:
+    """Library versions and the device, for the JSON."""
+    import flax
+    import jax
+    import numpy as np
+
+    import kvjax
+
+    devices = jax.devices()
+    return {
+        "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
+                     "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
+                     "flax": flax.__version__, "numpy": np.__version__, "python": platform.python_version()},
+        "device": {"backend": jax.default_backend(), "devices": [str(d) for d in devices],
+                   "kind": devices[0].device_kind, "cpu_count": os.cpu_count(), "platform": platform.platform()},
+    }
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def new_results(config: dict[str, Any]) -> dict[str, Any]:
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, **environment(),
+            "timings": {"runs": []}, "rows": []}
+
+
+def save(results: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=_jsonable))
+    tmp.replace(path)
+    return path
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"results={str(path)!r} does not exist; pass the results.json a run wrote")
+    results = json.loads(path.read_text())
+    if results.get("schema") != SCHEMA or "rows" not in results:
+        raise ValueError(f"results={str(path)!r} is not a kvjax-eval results file (schema {SCHEMA!r})")
+    return results
+
+
+def _key(row) -> tuple[str, str, float | None]:
+    return row["task"], row["method"], row["budget"]
+
+
+def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | None], float]:
+    """(task, method, budget) -> aggregated score (see ``TASKS``)."""
+    groups: dict[tuple, list] = collections.defaultdict(list)
+    for row in results["rows"]:
+        groups[_key(row)].append(row)
+    out = {}
+    for key, rows in groups.items():
+        kind = TASKS.get(key[0], (key[0], "mean", True))[1]
+        if kind == "perplexity":
+            tokens = sum(r["tokens"] for r in rows)
+            out[key] = math.exp(sum(r["nll"] * r["tokens"] for r in rows) / tokens)
+        else:
+            mean = sum(r["score"] for r in rows) / len(rows)
+            out[key] = 100.0 * mean if kind == "mean_percent" else mean
+    return out
+
+
+def _configs(results) -> list[tuple[str, float | None]]:
+    seen = []
+    for row in results["rows"]:
+        mb = (row["method"], row["budget"])
+        if mb not in seen:
+            seen.append(mb)
+    return seen
+
+
+def _tasks(results) -> list[str]:
+    return list(dict.fromkeys(row["task"] for row in results["rows"]))
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """One line per (method, budget), one column per task (plus the KV cache size where rows record it)."""
+    summary = summarise(results)
+    tasks = _tasks(results)
+    cache = collections.defaultdict(list)
+    for row in results["rows"]:
+        if "cache_bytes" in row:
+            cache[(row["method"], row["budget"])].append(row["cache_bytes"])
+    head = ["method", "budget"] + [TASKS.get(t, (t,))[0] for t in tasks] + (["KV cache (KiB)"] if cache else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    for method, budget in _configs(results):
+        cells = [method, "-" if budget is None else f"{budget:g}"]
+        for t in tasks:
+            v = summary.get((t, method, budget))
+            cells.append("" if v is None else (f"{v:.2f}" if TASKS.get(t, ("", "mean"))[1] != "mean_percent"
+                                                else f"{v:.1f}"))
+        if cache:
+            c = cache.get((method, budget))
+            cells.append(f"{sum(c) / len(c) / 1024:.0f}" if c else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
+    """Score vs budget, one line per method, one panel per task; ``full`` is a dashed horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarise(results)
+    tasks = _tasks(results)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        by_method = collections.defaultdict(list)
+        for (t, m, b), v in summary.items():
+            if t == task:
+                by_method[m].append((b, v))
+        for m, pts in by_method.items():
+            if m == "full" or all(b is None for b, _ in pts):
+                for b, v in pts:
+                    ax.axhline(v, ls="--", color="k", lw=1, label=f"{m} ({v:.3g})")
+                continue
+            pts = sorted((b, v) for b, v in pts if b is not None)
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=m)
+        title, _, higher = TASKS.get(task, (task, "mean", True))
+        ax.set_title(f"{task} ({'higher' if higher else 'lower'} is better)")
+        ax.set_xlabel("budget (fraction of the context)")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
+    """The needle heatmap (depth x context length, colour = accuracy), one panel per (method, budget)."""
+    rows = [r for r in results["rows"] if r["task"] == "needle"]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    configs = [c for c in _configs(results) if any((r["method"], r["budget"]) == c for r in rows)]
+    cols = min(4, len(configs))
+    nrows = -(-len(configs) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 2.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(configs):]:
+        ax.axis("off")
+    for ax, (m, b) in zip(axes.flat, configs):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        acc = collections.defaultdict(list)
+        for r in rows:
+            if (r["method"], r["budget"]) == (m, b):
+                acc[(r["depth"], r["length"])].append(r["score"])
+        for (d, n), s in acc.items():
+            grid[depths.index(d), lengths.index(n)] = 100.0 * sum(s) / len(s)
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_title(m if b is None else f"{m} @ {b:g}", fontsize=9)
+        ax.set_xlabel("context (tokens)", fontsize=8)
+        ax.set_ylabel("depth", fontsize=8)
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (%)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.json, results.md, scores.png and (with needle rows) needle.png in ``out_dir``."""
+    out = Path(out_dir)
+    paths = {"json": save(results, out / "results.json")}
+    (out / "results.md").write_text(markdown_table(results) + "\n")
+    paths["markdown"] = out / "results.md"
+    paths["scores_png"] = plot_scores(results, out / "scores.png")
+    needle_png = plot_needle(results, out / "needle.png")
+    if needle_png is not None:
+        paths["needle_png"] = needle_png
+    return paths

@@ -1,0 +1,165 @@
+"""RULER-style synthetic tasks (Hsieh et al., 2024, §3.2), following kvpress's RULER protocol: the context is
+compressed at prefill and the question is not (it is teacher-forced after compression, see
+:func:`eval.harness.answer_after_context`), with an answer prefix starting the assistant's turn.
+
+- ``multikey`` (RULER ``niah_multikey_1``): ``keys`` "special magic number for <word>" needles in the
+  essays; the question asks for one of them.
+- ``variable_tracking`` (RULER ``vt``): a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... spread through the
+  essays; the question asks every variable holding the value.
+- ``common_words`` (RULER ``cwe``): a numbered list of words in which ``top`` words repeat ``freq_common``
+  times and the others ``freq_rare`` times (words from the King James Bible); the question asks for the
+  ``top`` most common ones.
+
+Score: RULER's ``string_match_all`` (fraction of expected strings in the answer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Sequence
+
+import numpy as np
+
+from eval import harness, metrics
+from kvjax import assets
+from kvjax.engine import bucket_length
+
+TASKS = ("multikey", "variable_tracking", "common_words")
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerExample:
+    task: str
+    length: int
+    context: tuple[int, ...]  # compressed: chat template start + instructions + haystack
+    question: tuple[int, ...]  # not compressed: question + end of the user turn + answer prefix
+    answers: tuple[str, ...]
+
+
+@functools.lru_cache(maxsize=2)
+def _essay_ids(tokenizer) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(assets.essays_text()))
+
+
+@functools.lru_cache(maxsize=1)
+def _bible_words() -> tuple[str, ...]:
+    words = sorted({w.lower() for w in re.findall(r"[A-Za-z]{4,9}", assets.bible_text("Genesis"))})
+    return tuple(words)
+
+
+def _split_chat(tok, context: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+    """Render the chat template for ``context + question`` and cut it after the context (kvpress's split)."""
+    text = tok.apply_chat_template([{"role": "user", "content": context + question}])
+    cut = text.index(context) + len(context)
+    return tok.encode(text[:cut]), tok.encode(text[cut:] + answer_prefix)
+
+
+def _fill(tok, pieces: list[str], room: int, rng) -> str:
+    """Essay text of about ``room`` tokens with ``pieces`` inserted at random sentence boundaries, in order."""
+    hay = tok.decode(list(_essay_ids(tok)[:max(room, 1)]))
+    sentences = re.split(r"(?<=[.!?])\s+", hay)
+    at = sorted(rng.choice(np.arange(len(sentences) + 1), size=len(pieces), replace=len(pieces) > len(sentences)))
+    for offset, (i, piece) in enumerate(zip(at, pieces)):
+        sentences.insert(i + offset, piece)
+    return " ".join(sentences)
+
+
+def _room(tok, length: int, frame_tokens: int) -> int:
+    room = length - frame_tokens - 16
+    if room < 32:
+        raise ValueError(f"length={length} leaves no room for the haystack (the task's text takes {frame_tokens} "
+                         f"tokens); use lengths >= {frame_tokens + 64}")
+    return room
+
+
+def multikey(tok, length: int, rng, keys: int = 4) -> RulerExample:
+    words = rng.choice(_bible_words(), size=keys, replace=False)
+    values = [str(rng.randint(1000000, 10000000)) for _ in range(keys)]
+    needles = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)]
+    target = int(rng.randint(keys))
+    intro = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+             "I will quiz you about the numbers afterwards.\n")
+    question = f"\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
+    prefix = f"The special magic number for {words[target]} mentioned in the provided text is"
+    frame = len(tok.encode(intro + " ".join(needles) + question + prefix)) + 20
+    text = intro + _fill(tok, needles, _room(tok, length, frame), rng)
+    ctx, q = _split_chat(tok, text, question, prefix)
+    return RulerExample("multikey", length, tuple(ctx), tuple(q), (values[target],))
+
+
+def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
+    names = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), size=5)) for _ in range(hops + 1)]
+    value = str(rng.randint(10000, 100000))
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
+    intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    question = f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
+    prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
+              "variables are assigned the value {value}, they are:").replace("{value}", value)
+    frame = len(tok.encode(intro + " ".join(chain) + question + prefix)) + 20
+    text = intro + _fill(tok, chain, _room(tok, length, frame), rng)
+    ctx, q = _split_chat(tok, text, question, prefix)
+    return RulerExample("variable_tracking", length, tuple(ctx), tuple(q), tuple(names))
+
+
+def common_words(tok, length: int, rng, top: int = 5, freq_common: int = 6, freq_rare: int = 1) -> RulerExample:
+    intro = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+             "ones that appear most often.\n")
+    question = f"\nQuestion: What are the {top} most common words in the above list?"
+    prefix = f" Answer: The top {top} words that appear most often in the list are:"
+    frame = len(tok.encode(intro + question + prefix)) + 20
+    room = _room(tok, length, frame)
+    per_word = 5  # "123. word" costs about this many tokens
+    vocab = _bible_words()
+    n_rare = max(0, (room // per_word - top * freq_common) // freq_rare)
+    chosen = rng.choice(len(vocab), size=top + n_rare, replace=False)
+    common, rare = [vocab[i] for i in chosen[:top]], [vocab[i] for i in chosen[top:]]
+    words = common * freq_common + rare * freq_rare
+    rng.shuffle(words)
+    text = intro + " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    ctx, q = _split_chat(tok, text, question, prefix)
+    return RulerExample("common_words", length, tuple(ctx), tuple(q), tuple(common))
+
+
+BUILDERS = {"multikey": multikey, "variable_tracking": variable_tracking, "common_words": common_words}
+
+
+def build(model, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0) -> list[RulerExample]:
+    if model.tokenizer is None:
+        raise ValueError("the RULER tasks need a model loaded with its tokenizer")
+    for t in tasks:
+        if t not in BUILDERS:
+            raise ValueError(f"ruler task={t!r} is unknown; choose from {', '.join(TASKS)}")
+    rng = np.random.RandomState(seed)
+    return [BUILDERS[t](model.tokenizer, int(n), rng) for t in tasks for n in lengths for _ in range(samples)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerTask:
+    lengths: tuple[int, ...] = (1024,)
+    tasks: tuple[str, ...] = TASKS
+    samples: int = 4
+    batch: int = 4
+    max_new_tokens: int = 32
+    seed: int = 0
+    name = "ruler"
+
+    def prepare(self, model):
+        examples = build(model, self.tasks, self.lengths, self.samples, self.seed)
+        longest_q = max(len(e.question) for e in examples)
+        for e in examples:
+            harness.check_context(model, len(e.context), longest_q + self.max_new_tokens)
+        bucket = bucket_length(max(len(e.context) for e in examples))
+        batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
+        return (bucket, longest_q + self.max_new_tokens), batches
+
+    def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
+        bucket, cap_new = prepared[0]
+        padded, real = harness.pad_batch(list(batch), self.batch)
+        answers = harness.answer_after_context(model, method, [list(e.context) for e in padded],
+                                               [list(e.question) for e in padded], bucket, self.max_new_tokens,
+                                               capacity_new=cap_new)
+        return [{**meta, "subtask": e.task, "length": e.length, "context_tokens": len(e.context),
+                 "expected": list(e.answers), "answer": a, "score": metrics.string_match_all(a, e.answers)}
+                for e, a in zip(batch, answers[:real])]

@@ -1,0 +1,60 @@
+"""``pq_lookup``: approximate attention logits from PQ codes and a lookup table (PQCache §3.1).
+
+>>> scores = pq_lookup(lut, codes)                    # impl chosen by backend
+>>> scores = pq_lookup(lut, codes, impl="xla")        # the pure-JAX reference
+
+lut ``[B, Hkv, G, m, K]`` float32 (per query head, ``lut[..., i, c] = q_i · C_{i,c}``), codes
+``[B, Hkv, S, m]`` integer (uint8, values in ``[0, K)``) -> scores ``[B, Hkv, G, S]`` float32,
+``scores[b,h,g,s] = sum_i lut[b,h,g,i,codes[b,h,s,i]]`` (= ``q · k_hat`` with ``k_hat`` the PQ reconstruction).
+
+impl: ``"xla"`` (reference), ``"pallas_tpu"`` (one-hot MXU matmul), ``"pallas_gpu"`` (Triton), or None:
+``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by
+the reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU);
+``block_t`` is the token tile (default 512 on TPU, 128 on GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.pq_lookup.reference import pq_lookup_reference
+
+IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
+
+
+def default_impl() -> str:
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+
+
+def check_inputs(lut, codes, block_t):
+    if lut.ndim != 5:
+        raise ValueError(f"lut has shape {lut.shape}; expected [B, Hkv, G, m, K]")
+    if codes.ndim != 4:
+        raise ValueError(f"codes has shape {codes.shape}; expected [B, Hkv, S, m]")
+    b, h, _, m, _ = lut.shape
+    if codes.shape[:2] != (b, h) or codes.shape[3] != m:
+        raise ValueError(f"codes has shape {codes.shape}, inconsistent with lut {lut.shape}; expected "
+                         f"[{b}, {h}, S, {m}]")
+    if not jnp.issubdtype(codes.dtype, jnp.integer):
+        raise ValueError(f"codes has dtype {codes.dtype}; expected an integer dtype (uint8)")
+    if block_t is not None and (not isinstance(block_t, int) or block_t < 1):
+        raise ValueError(f"block_t={block_t!r} must be a positive int (TPU: a multiple of 128)")
+
+
+def pq_lookup(lut, codes, impl: str | None = None, interpret: bool = False, block_t: int | None = None):
+    """See the module docstring. Returns scores ``[B, Hkv, G, S]`` float32."""
+    check_inputs(lut, codes, block_t)
+    impl = impl or default_impl()
+    if impl == "xla":
+        return pq_lookup_reference(lut, codes)
+    if impl == "pallas_tpu":
+        from kernels_pallas.pq_lookup.pallas_tpu import pq_lookup_tpu
+        return pq_lookup_tpu(lut, codes, block_t=block_t or 512, interpret=interpret)
+    if impl == "pallas_gpu":
+        from kernels_pallas.pq_lookup.pallas_gpu import pq_lookup_gpu
+        return pq_lookup_gpu(lut, codes, block_t=block_t or 128, interpret=interpret)
+    raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
+
+
+__all__ = ["IMPLS", "default_impl", "pq_lookup", "pq_lookup_reference"]

@@ -1,0 +1,178 @@
+"""``chunkkv`` (Liu et al., 2025, arXiv 2502.00299): keep whole chunks of tokens, reuse indices across layers.
+
+ChunkKV (§3.2, Algorithm 1) scores the prompt with SnapKV's observation window (softmax of the last ``window``
+real prompt queries over the keys, float32, summed over the window queries; GQA: mean over each KV group's
+query heads), splits the keys into chunks of ``chunk_size`` tokens aligned to position 0, scores each chunk
+by the **sum** of its tokens' votes (``A_i = sum_j A[:, j]``), keeps the top chunks whole, in their original
+order, and always keeps the last ``window`` tokens. Selection is per KV head and per batch element (the public
+PyTorch code picks chunks from batch element 0 for every element; kvjax does not).
+
+Layer-wise index reuse (§3.3, Algorithm 2): layers with ``layer % reuse == 0`` select; layer ``l`` reuses the
+positions selected at layer ``(l // reuse) * reuse`` and gathers its *own* K/V at them (KV head ``h`` reuses
+head ``h``'s positions, method note §6 A14). ``reuse=1`` selects at every layer. The reused positions travel
+through the state itself (``SlotCache.pos``): the class sets ``reads_previous_layer = True`` and the engine
+passes the previous layer's state as ``previous=``; the state shapes are the same at every layer.
+
+Modes (method note §2.4, §6 A5):
+
+- ``"prefix_exclusive"`` (default): only the prefix ``[0, len - window)`` is scored;
+  ``(budget - window) // chunk_size`` whole chunks are kept plus the window, so no token is stored twice and
+  every kept chunk is whole except the one that straddles ``len - window`` (cut there; the window follows).
+  A partial chunk is scored by the sum over its real prefix tokens (method note §6 A6).
+- ``"paper_literal"``: Algorithm 1 as written: all ``len`` keys are scored (window included),
+  ``budget // chunk_size`` chunks are selected, the first ``budget - window`` of their tokens (in position
+  order) are kept and the last ``window`` tokens are appended. Window tokens can then be stored twice (their
+  keys count twice in attention) and the last selected chunks can be cut by position. For fidelity checks only.
+
+``ChunkKV(chunk_size=1)`` is SnapKV without pooling (``SnapKV(kernel=1)``). Budgets are SnapKV's (method
+note §3): a fraction of each prompt or a token count, window included; a sequence whose length is within its
+budget is kept whole. Compression happens at prefill only (method note §6 A11): decode tokens are appended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.methods.base import (Capacity, SlotCache, append_decode, check_budget, dynamic_budget, empty_slots,
+                                static_budget, store_prompt, tree_bytes)
+from kvjax.methods.select import NEG_INF, append_window, window_scores
+
+MODES = ("prefix_exclusive", "paper_literal")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKV:
+    """ChunkKV config. ``budget``: fraction of each prompt in (0, 1] or a token count, window included
+    (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
+    ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc."""
+
+    name: ClassVar[str] = "chunkkv"
+    reads_previous_layer: ClassVar[bool] = True  # the engine passes ``previous=`` (index reuse, Alg. 2)
+    budget: float | int = 0.2
+    window: int = 8
+    chunk_size: int = 10
+    reuse: int = 1
+    mode: str = "prefix_exclusive"
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        for field, value, fix in (("window", self.window, "use the paper's 4, 8, 16 or 32"),
+                                  ("chunk_size", self.chunk_size, "use the paper's default 10 (1 = SnapKV "
+                                                                  "without pooling)"),
+                                  ("reuse", self.reuse, "use 1 for no index reuse or 2 for the paper's setting")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field}={value!r} must be an int >= 1; {fix}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if isinstance(self.budget, int) and self.window >= self.budget:
+            raise ValueError(f"window={self.window} must be smaller than budget={self.budget} tokens (the budget "
+                             "includes the window); raise the budget or shrink the window")
+
+    # ------------------------------------------------------------------------------------------------------
+    # static sizes
+
+    def prompt_slots(self, prompt_len: int) -> int:
+        """Static slots for the compressed prompt at bucket ``prompt_len`` (window included; same at every
+        layer, so reused positions always fit)."""
+        slots = static_budget(self.budget, prompt_len)
+        if slots < prompt_len:  # compression can happen at this bucket: a chunk must fit beside the window
+            if slots <= self.window:
+                raise ValueError(f"budget={self.budget} gives {slots} tokens at prompt length {prompt_len}, not "
+                                 f"more than window={self.window}; raise the budget or shrink the window")
+            room = slots - self.window if self.mode == "prefix_exclusive" else slots
+            if room < self.chunk_size:
+                raise ValueError(f"budget={self.budget} gives {slots} tokens at prompt length {prompt_len}: with "
+                                 f"window={self.window} no chunk of chunk_size={self.chunk_size} fits; raise the "
+                                 "budget or lower chunk_size")
+        return slots
+
+    def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
+        p = self.prompt_slots(capacity.prompt_len)
+        return empty_slots(model_cfg, batch, p + capacity.max_new_tokens, dtype, prompt_slots=p)
+
+    def is_leader(self, layer: int) -> bool:
+        """Whether ``layer`` selects its own positions (Algorithm 2: ``layer % reuse == 0``)."""
+        return layer % self.reuse == 0
+
+    # ------------------------------------------------------------------------------------------------------
+    # the four functions
+
+    def select(self, q, k, lengths, slots: int):
+        """Kept positions ``idx [B, Hkv, slots]`` int32 (-1 when empty) and ``ok [B, Hkv, slots]``.
+
+        q: ``[B, Hq, T, D]``; k: ``[B, Hkv, T, D]``; lengths: ``[B]`` (right padding beyond is never read).
+        Real entries come first: the kept chunk tokens in position order, then the window.
+        """
+        budgets = jnp.minimum(dynamic_budget(self.budget, lengths), slots)
+        votes = window_scores(q, k, lengths, self.window)  # [B, Hkv, T] (Alg. 1 "observe window")
+        return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode)
+
+    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None
+                ) -> SlotCache:
+        """Select (leader layer) or reuse ``previous.pos`` (follower layer), then gather this layer's K/V."""
+        p = state.prompt_slots
+        if not self.is_leader(layer):
+            if previous is None:
+                raise ValueError(f"layer={layer} reuses the positions of layer {layer - layer % self.reuse} "
+                                 f"(reuse={self.reuse}) but previous=None; pass previous=<layer {layer - 1}'s "
+                                 "prefill state> (the engine does) or use reuse=1")
+            if previous.prompt_slots != p or previous.pos.shape[:2] != state.pos.shape[:2]:
+                raise ValueError(f"previous state has prompt_slots={previous.prompt_slots} and pos shape "
+                                 f"{previous.pos.shape}, this layer {p} and {state.pos.shape}; index reuse needs "
+                                 "states initialised with the same config, batch and capacity")
+            idx = previous.pos[:, :, :p]  # the leader's positions, carried layer to layer (Alg. 2)
+            return store_prompt(state, k, v, idx, idx >= 0)
+        idx, ok = self.select(q, k, lengths, p)
+        return store_prompt(state, k, v, idx, ok)
+
+    def decode(self, state: SlotCache, layer: int, q, k, v, pos):
+        return append_decode(state, q, k, v, pos)
+
+    def memory_bytes(self, state: SlotCache) -> int:
+        return tree_bytes(state)
+
+
+def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive"):
+    """ChunkKV's chunk selection (Alg. 1 "Chunk Attention Score", "Top-K Chunk Selection", "Concatenation").
+
+    votes: ``[B, Hkv, T]`` float32 token scores (larger is kept); lengths, budgets: ``[B]`` int32 (budgets in
+    tokens, window included, ``<= slots``); slots: static output size. Returns ``idx [B, Hkv, slots]`` int32
+    (-1 for empty slots) and ``ok [B, Hkv, slots]``; real entries first. A sequence with ``length <= budget``
+    keeps every token. Ties between chunks go to the lower chunk index (``lax.top_k``).
+    """
+    b, h, t = votes.shape
+    c = chunk
+    nc = -(-t // c)
+    if mode == "prefix_exclusive":
+        limit = lengths - window  # candidate region [0, limit): the prefix
+        kchunks = (budgets - window) // c
+        kmax = (slots - window) // c
+    elif mode == "paper_literal":
+        limit = lengths  # every key is scored, the window's own too
+        kchunks = budgets // c
+        kmax = slots // c
+    else:
+        raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}")
+    kmax = max(0, min(kmax, nc))
+    tpos = jnp.arange(nc * c)
+    s = jnp.pad(votes.astype(jnp.float32), ((0, 0), (0, 0), (0, nc * c - t)))
+    s = jnp.where(tpos[None, None, :] < limit[:, None, None], s, 0.0)
+    chunk_scores = s.reshape(b, h, nc, c).sum(-1)  # [B, Hkv, C]: A_i = sum over the chunk's real tokens
+    cvalid = (jnp.arange(nc) * c)[None, None, :] < limit[:, None, None]
+    chunk_scores = jnp.where(cvalid, chunk_scores, NEG_INF)
+    if kmax:
+        val, top = jax.lax.top_k(chunk_scores, kmax)  # [B, Hkv, kmax]
+        keep = (jnp.arange(kmax)[None, None, :] < kchunks[:, None, None]) & (val > NEG_INF / 2)
+        top = jnp.sort(jnp.where(keep, top, nc), axis=-1)  # original order; unused ranks sort last
+        tok = (top[..., None] * c + jnp.arange(c)).reshape(b, h, kmax * c)  # [B, Hkv, kmax * c]
+        tok_ok = jnp.repeat(top < nc, c, axis=-1) & (tok < limit[:, None, None])
+        if mode == "paper_literal":  # K'_{0 : L_max - w}: the first budget - w selected tokens by position
+            tok_ok &= jnp.cumsum(tok_ok, axis=-1) <= (budgets - window)[:, None, None]
+    else:
+        tok = jnp.zeros((b, h, 0), jnp.int32)
+        tok_ok = jnp.zeros((b, h, 0), bool)
+    return append_window(tok, tok_ok, lengths, budgets, window, slots)

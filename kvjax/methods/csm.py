@@ -1,0 +1,149 @@
+"""One round of Chelsea's Chunked Soft Matching (CSM) at fixed shapes, and its host-side schedule.
+
+Chelsea (Hu et al., 2025, arXiv:2506.11418) §5.2–5.3 and App. C.2; resolutions of what the paper leaves open
+follow ``../shared/specs/chelsea.md`` (A1–A8, A15, A16):
+
+- a cache buffer holds its occupied slots at the front (``[0, length)``); the first ``n_sink`` slots and the
+  last ``n_recent`` occupied slots are never merged; the middle ``[n_sink, length - n_recent)`` is cut into
+  chunks of ``c`` slots aligned at ``n_sink``;
+- inside a chunk, even offsets are set A (sources), odd offsets set B (destinations) (Theorem 6.1); each A
+  token's edge goes to its most cosine-similar B key in the chunk (``kernels_pallas.chunked_similarity``);
+- the ``m`` most similar edges over all chunks of a head are kept (global top-m, ties to the lower index);
+- each B token and the A tokens pointing at it merge into one slot: keys and values are count-weighted means,
+  counts add (§5.3, ``k = sum n_i k_i / sum n_i``); the centroid stays in the B slot and surviving slots keep
+  their order (order-preserving compaction, A6).
+
+Merge counts ``m`` are per batch element (all heads of an element merge the same number, so occupancy stays a
+per-element ``length [B]``); the static ``max_merges`` and output size come from the host-side ``plan``.
+Shapes: k, v ``[B, H, S, D]``; n ``[B, H, S]`` float32 counts (0 = empty slot); length, merges ``[B]`` int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.chunked_similarity import chunk_best_match
+
+#: r is handled in units of 1/RATIO_UNIT so host plans and traced merge counts agree exactly (integer math).
+RATIO_UNIT = 10000
+
+
+def quantise_ratio(r: float) -> int:
+    return int(round(r * RATIO_UNIT))
+
+
+def merges_for(length, budget: int, n_sink: int, n_recent: int, r_q: int):
+    """Merges of one round: ``min(max(floor(r M), 1), length - budget)`` with ``M = length - n_sink - n_recent``
+    (spec §2.4, A1, A3: r counts the mergeable middle; the cap lands exactly on the budget). ``max(., 1)``
+    guarantees progress when ``r M < 1``. 0 when ``length <= budget``. Works on ints and int32 arrays."""
+    mid = length - n_sink - n_recent
+    if isinstance(length, int):
+        return 0 if length <= budget else min(max(r_q * mid // RATIO_UNIT, 1), length - budget)
+    m = jnp.minimum(jnp.maximum(r_q * mid // RATIO_UNIT, 1), length - budget)
+    return jnp.where(length > budget, m, 0).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """A static round: ratio (quantised), the largest merge count any element can need, the output slots."""
+
+    r_q: int
+    max_merges: int
+    out_slots: int
+
+
+def plan(start: int, budget: int, n_sink: int, n_recent: int, ratios, floor_slots: int) -> tuple[Round, ...]:
+    """Rounds that take a cache of ``start`` occupied slots down to ``budget`` (one Chelsea call, Alg. 1).
+
+    ``ratios(i)`` is the ratio of round ``i`` (App. C.2 schedule). ``start`` is the worst case: the merge count
+    and the occupancy after a round are non-decreasing in the input length, so shorter sequences need no more
+    rounds and fit the same static sizes. ``floor_slots`` is the largest occupancy of an element that does not
+    compress (it must still fit every round's output).
+    """
+    rounds, s, i = [], start, 0
+    while s > budget:
+        r_q = quantise_ratio(ratios(i))
+        m = merges_for(s, budget, n_sink, n_recent, r_q)
+        s -= m
+        rounds.append(Round(r_q, m, max(s, floor_slots)))
+        i += 1
+    return tuple(rounds)
+
+
+def csm_round(k, v, n, length, merges, *, n_sink: int, n_recent: int, chunk: int, max_merges: int,
+              out_slots: int, impl: str | None = None, return_matches: bool = False):
+    """Merge ``merges [B]`` tokens per head (Chelsea §5.2–5.3) and compact to ``out_slots`` slots.
+
+    Requires ``0 <= merges <= (length - n_sink - n_recent) // 2`` (the valid A tokens) and
+    ``merges <= max_merges``. Returns ``(k, v, n)`` with ``out_slots`` slots; the new occupancy is
+    ``length - merges``. ``return_matches=True`` also returns ``(src, dst)`` ``[B, H, P*c/2]`` int32 slot
+    indices of every A token and its best B partner, with ``src = -1`` where the edge was not selected.
+    """
+    b, h, s, d = k.shape
+    half = chunk // 2
+    mid = s - n_sink
+    p = max(1, -(-mid // chunk))
+    pad = p * chunk - mid
+
+    def middle(x):
+        x = x[:, :, n_sink:]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
+
+    km, vm, nm = middle(k), middle(v), middle(n)
+    slot = n_sink + jnp.arange(p * chunk)
+    valid = jnp.broadcast_to(slot[None, None, :] < (length - n_recent)[:, None, None], (b, h, p * chunk))
+    best, jst = chunk_best_match(km, valid, chunk, impl=impl)  # [B, H, P, c/2]
+
+    # Global top-m edges per head; the first merges[b] of the static max_merges are taken.
+    sel = jnp.zeros((b, h, p * half), bool)
+    if max_merges > 0:
+        _, top = jax.lax.top_k(best.reshape(b, h, p * half), max_merges)  # ties: lower index first
+        ok = jnp.arange(max_merges)[None, None, :] < merges[:, None, None]
+        sel = sel.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], top].set(ok)
+    sel = sel.reshape(b, h, p, half)
+
+    kc = km.reshape(b, h, p, half, 2, d).astype(jnp.float32)
+    dv = v.shape[-1]  # value dim (may differ from the key dim)
+    vc = vm.reshape(b, h, p, half, 2, dv).astype(jnp.float32)
+    nc = nm.reshape(b, h, p, half, 2)
+    ka, kb, va, vb, na, nb = kc[..., 0, :], kc[..., 1, :], vc[..., 0, :], vc[..., 1, :], nc[..., 0], nc[..., 1]
+    w = jnp.where(sel, na, 0.0)  # counts moved from each selected A token to its B partner
+    # Scatter-add into the B rows: flat destination index of every A row's partner.
+    rows = (jnp.arange(b * h * p).reshape(b, h, p, 1) * half + jst).reshape(-1)
+    nb2 = nb.reshape(-1).at[rows].add(w.reshape(-1)).reshape(b, h, p, half)
+    kb_sum = (nb[..., None] * kb).reshape(-1, d).at[rows].add((w[..., None] * ka).reshape(-1, d))
+    vb_sum = (nb[..., None] * vb).reshape(-1, dv).at[rows].add((w[..., None] * va).reshape(-1, dv))
+    denom = jnp.where(nb2 > 0, nb2, 1.0)[..., None]
+    kb2 = jnp.where(nb2[..., None] > 0, kb_sum.reshape(b, h, p, half, d) / denom, kb)
+    vb2 = jnp.where(nb2[..., None] > 0, vb_sum.reshape(b, h, p, half, dv) / denom, vb)
+    na2 = jnp.where(sel, 0.0, na)
+
+    def full(x_a, x_b, head):
+        x = jnp.stack([x_a, x_b], axis=4).reshape(b, h, p * chunk, *x_a.shape[4:])[:, :, :mid]
+        return jnp.concatenate([head, x.astype(head.dtype)], axis=2)
+
+    k2 = full(ka, kb2, k[:, :, :n_sink])
+    v2 = full(va, vb2, v[:, :, :n_sink])
+    n2 = full(na2, nb2, n[:, :, :n_sink])
+    out = compact(k2, v2, n2, out_slots)
+    if not return_matches:
+        return out
+    base = n_sink + jnp.arange(p)[:, None] * chunk  # [P, 1]
+    src = jnp.where(sel, base + 2 * jnp.arange(half)[None, :], -1).reshape(b, h, p * half)
+    dst = (base + 2 * jst + 1).reshape(b, h, p * half)
+    return out, (src.astype(jnp.int32), dst.astype(jnp.int32))
+
+
+def compact(k, v, n, out_slots: int):
+    """Move the occupied slots (``n > 0``) to the front, keeping their order; ``out_slots`` slots out."""
+    b, h, s, d = k.shape
+    keep = n > 0
+    tgt = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, out_slots)
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    ko = jnp.zeros((b, h, out_slots, d), k.dtype).at[bi, hi, tgt].set(k, mode="drop")
+    vo = jnp.zeros((b, h, out_slots, v.shape[-1]), v.dtype).at[bi, hi, tgt].set(v, mode="drop")
+    no = jnp.zeros((b, h, out_slots), n.dtype).at[bi, hi, tgt].set(n, mode="drop")
+    return ko, vo, no

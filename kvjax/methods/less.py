@@ -1,0 +1,412 @@
+"""``less`` (Dong et al., 2024, "Get More with LESS", §3): a learned constant-size low-rank state beside a
+sparse eviction policy (H2O or Λ-masking = StreamingLLM).
+
+The sparse policy (:class:`~kvjax.methods.h2o.H2O` or :class:`~kvjax.methods.streaming.StreamingLLM`,
+wrapped, not copied) keeps and evicts tokens exactly as on its own, in its fixed slot buffer. Every KV pair
+it evicts is folded into a per-KV-head state ``H = Σ ψ(k)ᵀ v`` ``[R, D]`` and ``z = Σ ψ(k)`` ``[R]``
+(Eqs. 4-5) before its slot is reused, and each query attends exactly to the cached tokens and through the
+learned kernel ``φ(q)·ψ(k)`` to every evicted one, with one shared normaliser (Eq. 3)::
+
+    â = (φ(q) H + Σ_cache exp(q·k/√D) v) / (φ(q) zᵀ + Σ_cache exp(q·k/√D))
+
+computed from the sparse cache's flash partials ``(o, m, l)`` in log space (never overflows; with ``H = 0,
+z = 0`` it is bit-for-bit the sparse policy's output). After the full-attention prefill, every prompt token
+the policy did not keep goes into ``H, z`` at once (method note §2.8).
+
+Kernels φ (per query head) and ψ (per KV head) are :class:`LessKernels`: the method note's §2.3/§8.2 "code"
+form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1| ⊙ gelu(gelu(k W1) W2), exact
+(erf) GELU, no biases, dropout on the first pre-activation (training only), scales ``s1, s2 [Hkv, R]``
+initialised at 1e-4 (the paper's warm start, §3.2). Rank ``R`` (default 8), hidden width (default 512).
+
+``parallel_attention`` with ``h2o_mask`` / ``lambda_mask`` is the parallel (masked) form used for training
+(§2.9 of the note). The masks replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised
+probabilities, group mean; one token evicted per step once over budget), so that feeding a sequence token
+by token through ``decode`` equals row ``i`` of the parallel form.
+
+Einsum axes: b batch, h KV head, g query head within its group, i query position, j/s key position/slot,
+r rank, d head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax import attention
+from kvjax.methods.base import Capacity, SlotCache, tree_bytes
+from kvjax.methods.h2o import H2O
+from kvjax.methods.streaming import StreamingLLM
+
+NEG_INF = -1e30
+KERNELS_FILE = "kernels.npz"
+CONFIG_FILE = "less_config.json"
+FORMAT = "kvjax-less-kernels/1"
+POLICIES = ("h2o", "lambda")
+#: Fields of the model config that a kernel file must match (the head layout and the model's identity).
+MODEL_KEYS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+def gelu(x):
+    """Exact (erf) GELU, as torch's ``F.gelu`` (the note's A5: not the tanh approximation)."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def _per_head(x, w):
+    """``x [B, H, ..., Din] @ w [H, Din, Dout]`` per head -> ``[B, H, ..., Dout]`` (float32)."""
+    b, h = x.shape[:2]
+    flat = x.reshape(b, h, -1, x.shape[-1]).astype(jnp.float32)
+    out = jnp.einsum("bhnd,hde->bhne", flat, w.astype(jnp.float32))
+    return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _per_head_vec(s, x):
+    """Broadcast a per-head vector ``s [H, R]`` over ``x [B, H, ..., R]``."""
+    return s.reshape((1, s.shape[0]) + (1,) * (x.ndim - 3) + (s.shape[1],))
+
+
+class LessKernels(nn.Module):
+    """φ and ψ of one attention layer (paper Eqs. 1-2 in the released code's form; method note §2.3, §8.2).
+
+    Params: ``q_w1 [Hq, D, Rh]``, ``q_w2 [Hq, Rh, R]``, ``k_w1 [Hkv, D, Rh]``, ``k_w2 [Hkv, Rh, R]``,
+    ``k_w3 [Hkv, R, R]``, ``k_s1, k_s2 [Hkv, R]`` (init ``scale_init``). Weights: Glorot-uniform per head.
+    """
+
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rank: int = 8
+    hidden: int = 512
+    dropout: float = 0.3
+    scale_init: float = 1e-4
+
+    def setup(self):
+        glorot = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=-2, out_axis=-1,
+                                                  batch_axis=(0,))
+        d, rh, r, hq, hk = self.head_dim, self.hidden, self.rank, self.n_q_heads, self.n_kv_heads
+        self.q_w1 = self.param("q_w1", glorot, (hq, d, rh))
+        self.q_w2 = self.param("q_w2", glorot, (hq, rh, r))
+        self.k_w1 = self.param("k_w1", glorot, (hk, d, rh))
+        self.k_w2 = self.param("k_w2", glorot, (hk, rh, r))
+        self.k_w3 = self.param("k_w3", glorot, (hk, r, r))
+        self.k_s1 = self.param("k_s1", nn.initializers.constant(self.scale_init), (hk, r))
+        self.k_s2 = self.param("k_s2", nn.initializers.constant(self.scale_init), (hk, r))
+        self.drop = nn.Dropout(self.dropout)
+
+    def phi(self, q, deterministic: bool = True):
+        """Query features ``[B, Hq, ..., R]`` (>= 0) of post-RoPE ``q [B, Hq, ..., D]``."""
+        h = gelu(self.drop(_per_head(q, self.q_w1), deterministic=deterministic))
+        return jnp.abs(gelu(_per_head(h, self.q_w2)))
+
+    def psi(self, k, deterministic: bool = True):
+        """Key features ``[B, Hkv, ..., R]`` (>= 0) of post-RoPE ``k [B, Hkv, ..., D]``."""
+        h = gelu(self.drop(_per_head(k, self.k_w1), deterministic=deterministic))
+        u = _per_head_vec(jnp.abs(self.k_s1), k) * gelu(_per_head(h, self.k_w2))
+        u = u + _per_head(u, self.k_w3) * _per_head_vec(self.k_s2, k)
+        return jnp.abs(u)
+
+    def __call__(self, q, k, deterministic: bool = True):
+        return self.phi(q, deterministic), self.psi(k, deterministic)
+
+
+def module_for(kernels) -> LessKernels:
+    """The :class:`LessKernels` module matching one layer's params (shapes read from them)."""
+    hq, d, rh = kernels["q_w1"].shape
+    return LessKernels(n_q_heads=hq, n_kv_heads=kernels["k_w1"].shape[0], head_dim=d, rank=kernels["q_w2"].shape[-1],
+                       hidden=rh)
+
+
+def init_kernels(model_cfg, key, rank: int = 8, hidden: int = 512) -> dict:
+    """Fresh params (``{"q_w1": ..., ...}``, float32) of one layer's kernels for ``model_cfg``."""
+    return _init_kernels(model_cfg, key, rank, hidden)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _init_kernels(model_cfg, key, rank, hidden):
+    mod = LessKernels(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, rank, hidden)
+    d = model_cfg.head_dim
+    q = jnp.zeros((1, model_cfg.num_heads, 1, d))
+    k = jnp.zeros((1, model_cfg.num_kv_heads, 1, d))
+    return dict(mod.init(key, q, k)["params"])
+
+
+def mlp_phi(kernels, q):
+    """Default φ hook: the MLP, deterministic. ``q [B, Hq, ..., D]`` -> ``[B, Hq, ..., R]``."""
+    return module_for(kernels).apply({"params": kernels}, q, method="phi")
+
+
+def mlp_psi(kernels, k):
+    """Default ψ hook: the MLP, deterministic. ``k [B, Hkv, ..., D]`` -> ``[B, Hkv, ..., R]``."""
+    return module_for(kernels).apply({"params": kernels}, k, method="psi")
+
+
+def _safe_log(x):
+    """``log x`` with ``log 0 = -inf`` and finite gradients (x >= 0)."""
+    pos = x > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
+
+
+def synthesize(part, phq, H, z):
+    """Eq. (3) from the sparse partials, in log space. part = ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` over the
+    cached tokens (the current one included); ``phq [B, Hq, R]``; ``H [B, Hkv, R, D]``; ``z [B, Hkv, R]``.
+    Returns ``[B, Hq, D]`` float32. ``lse = logaddexp(m + log l, log φ·z)``; output
+    ``= (o/l)·exp(m + log l - lse) + exp(log φ - lse)·H``."""
+    o, m, l = part
+    b, hq, r = phq.shape
+    hkv, d = H.shape[1], H.shape[-1]
+    phg = phq.reshape(b, hkv, hq // hkv, r).astype(jnp.float32)
+    lse_sp = m + jnp.log(l)
+    log_lr = _safe_log(jnp.einsum("bhgr,bhr->bhg", phg, z).reshape(b, hq))
+    lse = jnp.logaddexp(lse_sp, log_lr)
+    w = jnp.exp(_safe_log(phg) - lse.reshape(b, hkv, -1)[..., None])
+    low = jnp.einsum("bhgr,bhrd->bhgd", w, H).reshape(b, hq, d)
+    return attention.normalise(part) * jnp.exp(lse_sp - lse)[..., None] + low
+
+
+def parallel_attention(q, k, v, mask, phq, psk):
+    """Parallel LESS attention (the training form, method note §2.9 / §8.3a).
+
+    q ``[B, Hq, S, D]``; k, v ``[B, Hkv, S, D]``; mask ``[B, Hkv, S, S]`` bool: row ``i`` attends exactly
+    to keys ``mask[i]`` (``i`` itself included); every other causal key ``j <= i`` is reached through the
+    kernel ``φ(q_i)·ψ(k_j)`` (``phq [B, Hq, S, R]``, ``psk [B, Hkv, S, R]``). Returns ``[B, Hq, S, D]`` f32.
+    """
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    r = phq.shape[-1]
+    pos = jnp.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    sm = mask & causal
+    ev = (~mask & causal).astype(jnp.float32)  # [B, Hkv, S, S]
+    qg = q.reshape(b, hkv, g, s, d)
+    sc = jnp.einsum("bhgid,bhjd->bhgij", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    sc = jnp.where(sm[:, :, None], sc, NEG_INF)
+    m = jnp.max(sc, axis=-1)
+    p = jnp.where(sm[:, :, None], jnp.exp(sc - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhgij,bhjd->bhgid", p, v.astype(jnp.float32))
+    lse_sp = m + jnp.log(l)
+    phg = phq.reshape(b, hkv, g, s, r).astype(jnp.float32)
+    psk = psk.astype(jnp.float32)
+    zrow = jnp.einsum("bhij,bhjr->bhir", ev, psk)  # [B, Hkv, S, R]: Σ ψ(k_j) over the evicted j
+    lse = jnp.logaddexp(lse_sp, _safe_log(jnp.einsum("bhgir,bhir->bhgi", phg, zrow)))
+    w = jnp.exp(_safe_log(phg) - lse[..., None])
+    a = jnp.einsum("bhgir,bhjr->bhgij", w, psk) * ev[:, :, None]
+    low = jnp.einsum("bhgij,bhjd->bhgid", a, v.astype(jnp.float32))
+    out = o / l[..., None] * jnp.exp(lse_sp - lse)[..., None] + low
+    return out.reshape(b, hq, s, d)
+
+
+def h2o_mask(q, k, budget: int, recent: int):
+    """kvjax's H2O decode, run token by token from an empty cache, as a parallel mask ``[B, Hkv, S, S]``.
+
+    Row ``i`` = the cache before step ``i`` plus token ``i`` (what step ``i`` attends). Scores: the step's
+    softmax over those keys (mean over each KV group's query heads), accumulated. Once more than ``budget``
+    tokens are held, the lowest-scoring one at position ``<= i - recent`` is evicted (H2O §3, kvjax's
+    ``H2O.decode``). A ``lax.scan`` over rows: O(S²) time, O(S) state; no S×S float tensor.
+    """
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
+    kf = k.astype(jnp.float32)
+    j = jnp.arange(s)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+
+    def row(carry, i):
+        keep, acc = carry
+        m = keep | (j == i)[None, None]
+        qi = jax.lax.dynamic_index_in_dim(qg, i, axis=3, keepdims=False)  # [B, Hkv, G, D]
+        sc = jnp.einsum("bhgd,bhsd->bhgs", qi, kf) * scale
+        sc = jnp.where(m[:, :, None], sc, NEG_INF)
+        p = jnp.where(m[:, :, None], jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)), 0.0)
+        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+        acc = acc + p.mean(axis=2)
+        cand = m & (j <= i - recent)[None, None]
+        victim = jnp.argmin(jnp.where(cand, acc, jnp.inf), axis=-1)
+        over = (m.sum(-1) > budget) & cand.any(-1)
+        gone = over[..., None] & (j[None, None] == victim[..., None])
+        return (m & ~gone, jnp.where(gone, 0.0, acc)), m
+
+    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32))
+    _, rows = jax.lax.scan(row, init, j)  # [S, B, Hkv, S]
+    return jnp.moveaxis(rows, 0, 2)
+
+
+def lambda_mask(s: int, slots: int, sinks: int):
+    """Λ-masking / StreamingLLM with ``slots`` slots: row ``i`` keeps ``j < sinks`` and the last
+    ``slots - sinks`` positions up to ``i`` (method note §2.7.2). ``[S, S]`` bool."""
+    i = jnp.arange(s)[:, None]
+    j = jnp.arange(s)[None, :]
+    return (j <= i) & ((j < sinks) | (j > i - (slots - sinks)))
+
+
+@struct.dataclass
+class LessState:
+    """One layer's LESS state: the sparse policy's slot cache plus ``H [B, Hkv, R, D]`` and ``z [B, Hkv, R]``
+    (float32), and this layer's kernel params (model weights, shared by the batch; not counted as cache)."""
+
+    sparse: SlotCache
+    H: jnp.ndarray
+    z: jnp.ndarray
+    kernels: Any
+
+
+@functools.lru_cache(maxsize=4)
+def _load_kernels(path: str, mtime: float):
+    folder = Path(path)
+    meta = json.loads((folder / CONFIG_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"kernels={path!r}: {CONFIG_FILE} has format {meta.get('format')!r}, expected {FORMAT!r}; "
+                         "train kernels with kvjax-train-less")
+    with np.load(folder / KERNELS_FILE) as f:
+        arrays = {name: np.asarray(f[name]) for name in f.files}
+    return meta, arrays
+
+
+def load_kernels(path, model_cfg=None):
+    """``(meta, {name: [L, ...] np.ndarray})`` from a ``kvjax-train-less`` output folder. With ``model_cfg``,
+    refuses kernels trained for another model or head layout (ValueError naming each mismatch)."""
+    folder = Path(path)
+    for f in (CONFIG_FILE, KERNELS_FILE):
+        if not (folder / f).is_file():
+            raise FileNotFoundError(f"kernels={str(path)!r} has no {f}; pass the output folder of kvjax-train-less "
+                                    "(it holds kernels.npz and less_config.json)")
+    meta, arrays = _load_kernels(str(folder.resolve()), (folder / KERNELS_FILE).stat().st_mtime)
+    if model_cfg is not None:
+        check_model(meta, model_cfg, f"kernels={str(path)!r}")
+    return meta, arrays
+
+
+def model_identity(model_cfg, name: str | None = None) -> dict:
+    """What a kernel file records about its model (and must match to be reused)."""
+    ident = {key: getattr(model_cfg, key) for key in MODEL_KEYS}
+    ident["name"] = name
+    return ident
+
+
+def check_model(meta: dict, model_cfg, what: str):
+    want = meta.get("model", {})
+    bad = [f"{key}: trained for {want.get(key)!r}, this model has {getattr(model_cfg, key)!r}"
+           for key in MODEL_KEYS if want.get(key) != getattr(model_cfg, key)]
+    if bad:
+        raise ValueError(f"{what} were trained for another model ({want.get('name')!r}) or head layout: "
+                         f"{'; '.join(bad)}. Train kernels for this model with kvjax-train-less")
+
+
+@dataclasses.dataclass(frozen=True)
+class Less:
+    """LESS config (static under jit).
+
+    policy: ``"h2o"`` (heavy hitters + recent, ``recent`` as in :class:`H2O`) or ``"lambda"`` (Λ-masking:
+    ``sinks`` first tokens + recent, i.e. :class:`StreamingLLM`); budget: the sparse cache's budget (as for
+    the wrapped policy). kernels: a ``kvjax-train-less`` output folder, or None for fresh kernels
+    (``rank``, ``hidden``, ``seed``; warm-start scale 1e-4, so LESS starts close to the sparse policy).
+    phi_fn / psi_fn: feature-map hooks ``fn(kernels, x [B, H, ..., D]) -> [B, H, ..., R]`` replacing the
+    MLP (e.g. analytic kernels; ``kernels`` is then whatever pytree the state's ``kernels`` holds).
+    """
+
+    name: ClassVar[str] = "less"
+    policy: str = "h2o"
+    budget: float | int = 0.1
+    recent: float | int = 0.5
+    sinks: int = 4
+    kernels: str | None = None
+    rank: int = 8
+    hidden: int = 512
+    seed: int = 0
+    phi_fn: Callable | None = None
+    psi_fn: Callable | None = None
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not a LESS sparse policy; choose 'h2o' or 'lambda'")
+        if self.rank < 1 or self.hidden < 1:
+            raise ValueError(f"rank={self.rank} and hidden={self.hidden} must be >= 1")
+        if self.kernels is not None:
+            load_kernels(self.kernels)  # fail early: missing files or another format
+        self.sparse  # validates budget / recent / sinks
+
+    @property
+    def sparse(self):
+        """The wrapped sparse policy's config."""
+        if self.policy == "h2o":
+            return H2O(budget=self.budget, recent=self.recent)
+        return StreamingLLM(budget=self.budget, sinks=self.sinks)
+
+    @property
+    def evicts_before_attending(self) -> bool:
+        """Λ overwrites the oldest recent token before attending; H2O attends then evicts (Algorithm 1)."""
+        return self.policy == "lambda"
+
+    def _phi(self, kernels, q):
+        return (self.phi_fn or mlp_phi)(kernels, q)
+
+    def _psi(self, kernels, k):
+        return (self.psi_fn or mlp_psi)(kernels, k)
+
+    def layer_kernels(self, model_cfg, layer: int):
+        """This layer's kernel params (loaded and checked, or fresh), as new device arrays."""
+        if self.kernels is None:
+            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), layer)
+            return init_kernels(model_cfg, key, self.rank, self.hidden)
+        _, arrays = load_kernels(self.kernels, model_cfg)
+        return {name: jnp.array(a[layer], dtype=jnp.float32) for name, a in arrays.items()}
+
+    def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> LessState:
+        kernels = self.layer_kernels(model_cfg, layer)
+        r = kernels["q_w2"].shape[-1] if "q_w2" in kernels else self.rank
+        h, d = model_cfg.num_kv_heads, model_cfg.head_dim
+        return LessState(sparse=self.sparse.init(model_cfg, batch, capacity, layer, dtype),
+                         H=jnp.zeros((batch, h, r, d), jnp.float32), z=jnp.zeros((batch, h, r), jnp.float32),
+                         kernels=kernels)
+
+    def prefill(self, state: LessState, layer: int, q, k, v, lengths) -> LessState:
+        """Full-attention prefill is done by the engine; the policy compresses the prompt and every valid
+        prompt token it did not keep is folded into ``H, z`` at once (Eqs. 4-5, note §2.8)."""
+        sparse = self.sparse.prefill(state.sparse, layer, q, k, v, lengths)
+        t = k.shape[2]
+        tpos = jnp.arange(t)
+        kept = jnp.any(sparse.pos[..., :, None] == tpos, axis=-2)  # [B, Hkv, T]
+        ev = ((tpos[None, None, :] < lengths[:, None, None]) & ~kept).astype(jnp.float32)
+        psk = self._psi(state.kernels, k) * ev[..., None]  # [B, Hkv, T, R]
+        H = state.H + jnp.einsum("bhtr,bhtd->bhrd", psk, v.astype(jnp.float32))
+        return state.replace(sparse=sparse, H=H, z=state.z + psk.sum(axis=2))
+
+    def decode(self, state: LessState, layer: int, q, k, v, pos):
+        """Algorithm 1: attend (Eq. 3) over the sparse cache + the new token + ``H, z``; fold the evicted
+        pair into ``H, z`` (Eqs. 4-5). q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
+        part, sparse, (ek, evv, gone) = self.sparse.decode_partial(state.sparse, layer, q, k, v, pos)
+        pe = jnp.where(gone[..., None], self._psi(state.kernels, ek[:, :, None, :])[:, :, 0], 0.0)  # [B,Hkv,R]
+        dH = pe[..., :, None] * jnp.where(gone[..., None], evv.astype(jnp.float32), 0.0)[..., None, :]
+        H, z = state.H + dH, state.z + pe
+        if self.evicts_before_attending:
+            out = synthesize(part, self._phi(state.kernels, q), H, z)
+        else:
+            out = synthesize(part, self._phi(state.kernels, q), state.H, state.z)
+        return out, state.replace(sparse=sparse, H=H, z=z)
+
+    def memory_bytes(self, state: LessState) -> int:
+        """Sparse cache + ``H`` + ``z`` (the kernel weights are model weights, like the LLM's, not cache)."""
+        return tree_bytes(state.sparse) + tree_bytes((state.H, state.z))
+
+    # -- the parallel (training) form of this config ------------------------------------------------------
+    def parallel_mask(self, q, k):
+        """``[B, Hkv, S, S]`` bool mask of the sparse policy for a sequence generated token by token from an
+        empty cache (``budget`` must be a token count)."""
+        if isinstance(self.budget, float):
+            raise ValueError(f"budget={self.budget} is a fraction; the parallel form needs a token count (int)")
+        b, hkv, s = k.shape[:3]
+        if self.policy == "h2o":
+            recent = self.sparse._recent(self.budget)
+            return h2o_mask(q, k, self.budget, recent)
+        if self.budget <= self.sinks:
+            raise ValueError(f"budget={self.budget} must exceed sinks={self.sinks} for the lambda policy")
+        return jnp.broadcast_to(lambda_mask(s, self.budget, self.sinks), (b, hkv, s, s))

@@ -1,0 +1,58 @@
+"""Needle and RULER tasks on the embedded SmolLM2-135M: the full cache retrieves every needle; prompts are
+built as documented."""
+
+import pytest
+
+import kvjax
+from eval import needle, ruler, runner
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return kvjax.load_model("smollm2-135m-instruct")
+
+
+def _run_full(model, lengths, depths):
+    task = runner.NeedleTask(lengths=tuple(lengths), depths=tuple(depths), batch=len(lengths) * len(depths))
+    prepared = task.prepare(model)
+    rows = []
+    for batch in prepared[1]:
+        rows += task.run_batch(model, kvjax.methods.get("full"), prepared, batch, {"task": "needle",
+                                                                                   "method": "full", "budget": None})
+    return rows
+
+
+def test_needle_prompt(smol):
+    e = needle.build_example(smol, 300, 0.5, "12345")
+    assert 280 <= len(e.prompt) <= 300
+    text = smol.tokenizer.decode(list(e.prompt), skip_special_tokens=False)
+    assert text.count("12345") == 2 and text.endswith(needle.ANSWER_PREFIX)
+    with pytest.raises(ValueError, match="depth=1.5"):
+        needle.build_example(smol, 300, 1.5, "1")
+    with pytest.raises(ValueError, match="length=40"):
+        needle.build_example(smol, 40, 0.5, "1")
+
+
+def test_needle_full_short(smol):
+    rows = _run_full(smol, [256], [0.0, 1.0])
+    assert [r["score"] for r in rows] == [1.0, 1.0], [r["answer"] for r in rows]
+
+
+@pytest.mark.slow
+def test_needle_full_1k_scores_100(smol):
+    rows = _run_full(smol, [1024], [0.0, 0.5, 1.0])
+    assert all(r["score"] == 1.0 for r in rows), [(r["depth"], r["key"], r["answer"]) for r in rows]
+
+
+def test_ruler_examples(smol):
+    tok = smol.tokenizer
+    examples = ruler.build(smol, ruler.TASKS, [400], samples=1, seed=1)
+    assert [e.task for e in examples] == list(ruler.TASKS)
+    for e in examples:
+        ctx = tok.decode(list(e.context), skip_special_tokens=False)
+        q = tok.decode(list(e.question), skip_special_tokens=False)
+        assert "?" not in ctx[-5:] and ("Question" in q or "What" in q)  # the question is not in the context
+        assert all(a in ctx for a in e.answers)
+        assert 250 <= len(e.context) <= 420
+    with pytest.raises(ValueError, match="ruler task='nope'"):
+        ruler.build(smol, ["nope"], [400], 1)

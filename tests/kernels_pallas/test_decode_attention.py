@@ -1,0 +1,200 @@
+"""Decode attention: both Pallas kernels in interpret mode against the pure-JAX reference (DESIGN principle 7).
+
+The reference itself is checked once against a plain numpy softmax attention (``_numpy_attention``).
+Cases cover GQA ratios 1/3/4/8, odd slot counts (ragged last block), odd lengths, empty and full masks, bias,
+selected-block subsets (with ``-1`` pads, repeats, ``[B, N]`` form), bf16 inputs and TPU-legal block shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import decode_attention as da
+from kernels_pallas.decode_attention import (NEG_INF, check_block_shape, decode_attention,
+                                             decode_attention_reference, merge, normalise)
+
+PALLAS = ("pallas_tpu", "pallas_gpu")
+
+
+def _inputs(b, hkv, g, s, d, dtype=jnp.float32, seed=0):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.standard_normal((b, hkv * g, d)), dtype)
+    k = jnp.asarray(r.standard_normal((b, hkv, s, d)), dtype)
+    v = jnp.asarray(r.standard_normal((b, hkv, s, d)), dtype)
+    return r, q, k, v
+
+
+def _case(name):
+    if name == "g1_odd_valid_bias_lengths":
+        r, q, k, v = _inputs(2, 2, 1, 200, 64)
+        return q, k, v, dict(valid=jnp.asarray(r.random((2, 2, 200)) < 0.7),
+                             bias=jnp.asarray(np.log(r.integers(1, 9, (2, 2, 200))), jnp.float32),
+                             lengths=jnp.array([200, 77]))
+    if name == "g3_block_subset":
+        r, q, k, v = _inputs(2, 2, 3, 256, 64, seed=1)
+        bi = jnp.array([[[1, -1, 1], [0, 1, -1]], [[-1, -1, -1], [1, 0, 0]]], jnp.int32)  # pads, repeats, none
+        return q, k, v, dict(valid=jnp.asarray(r.random((2, 2, 256)) < 0.8), block_indices=bi)
+    if name == "g4_lengths_only_2d_blocks":
+        r, q, k, v = _inputs(2, 1, 4, 300, 64, seed=2)
+        return q, k, v, dict(lengths=jnp.array([0, 259]), block_indices=jnp.array([[2, 0], [2, 0]], jnp.int32))
+    if name == "g8_empty_and_full_mask_tpu_legal":
+        _, q, k, v = _inputs(2, 1, 8, 256, 128, seed=3)
+        return q, k, v, dict(valid=jnp.stack([jnp.zeros((1, 256), bool), jnp.ones((1, 256), bool)]))
+    raise KeyError(name)
+
+
+CASES = ("g1_odd_valid_bias_lengths", "g3_block_subset", "g4_lengths_only_2d_blocks",
+         "g8_empty_and_full_mask_tpu_legal")
+
+
+def _numpy_attention(q, k, v, mask, bias):
+    """Softmax attention ``[B, Hq, D]`` in float64 numpy, zero for rows with no valid slot."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    out = np.zeros((b, hq, d))
+    for bi in range(b):
+        for hi in range(hq):
+            h = hi // (hq // hkv)
+            sel = np.asarray(mask[bi, h])
+            if not sel.any():
+                continue
+            sc = k[bi, h][sel] @ q[bi, hi] / np.sqrt(d) + np.asarray(bias[bi, h], np.float64)[sel]
+            p = np.exp(sc - sc.max())
+            out[bi, hi] = p @ v[bi, h][sel] / p.sum()
+    return out
+
+
+def test_reference_matches_numpy_softmax():
+    q, k, v, kw = _case("g1_odd_valid_bias_lengths")
+    mask = np.asarray(kw["valid"]) & (np.arange(200)[None, None, :] < np.asarray(kw["lengths"])[:, None, None])
+    got = normalise(decode_attention_reference(q, k, v, **kw))
+    np.testing.assert_allclose(np.asarray(got), _numpy_attention(q, k, v, mask, kw["bias"]), rtol=1e-5, atol=1e-5)
+    # block subset: reference keeps exactly the listed blocks
+    q, k, v, kw = _case("g3_block_subset")
+    listed = np.zeros((2, 2, 256), bool)
+    for bi, hi, blk in np.argwhere(np.ones((2, 2, 3), bool)):
+        idx = int(kw["block_indices"][bi, hi, blk])
+        if idx >= 0:
+            listed[bi, hi, idx * 128:(idx + 1) * 128] = True
+    got = normalise(decode_attention_reference(q, k, v, **kw))
+    want = _numpy_attention(q, k, v, listed & np.asarray(kw["valid"]), np.zeros((2, 2, 256)))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", PALLAS)
+@pytest.mark.parametrize("case", CASES)
+def test_pallas_matches_reference_fp32(impl, case):
+    q, k, v, kw = _case(case)
+    run = jax.jit(lambda q, k, v, kw: decode_attention(q, k, v, **kw, impl=impl, interpret=True))  # traced args
+    o, m, l = run(q, k, v, kw)
+    o_r, m_r, l_r = decode_attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(l), np.asarray(l_r), rtol=1e-5, atol=1e-5)
+    empty = np.asarray(l_r) == 0
+    assert np.all(np.asarray(m)[empty] == np.float32(NEG_INF)) and np.all(np.asarray(o)[empty] == 0)
+    if case.startswith("g8"):
+        assert empty[0].all() and not empty[1].any()  # the empty-mask row and the full-mask row
+
+
+@pytest.mark.parametrize("impl", PALLAS)
+def test_pallas_bf16_inputs(impl):
+    r, q, k, v = _inputs(1, 2, 4, 160, 64, dtype=jnp.bfloat16, seed=4)
+    valid = jnp.asarray(r.random((1, 2, 160)) < 0.9)
+    o, m, l = decode_attention(q, k, v, valid, impl=impl, interpret=True)
+    assert o.dtype == m.dtype == l.dtype == jnp.float32
+    o_r, m_r, l_r = decode_attention_reference(q, k, v, valid)
+    np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_partials_over_block_subsets_merge_to_the_whole():
+    q, k, v, kw = _case("g1_odd_valid_bias_lengths")
+    a = decode_attention(q, k, v, **kw, block_indices=jnp.array([[0], [0]]), impl="pallas_tpu", interpret=True)
+    b = decode_attention(q, k, v, **kw, block_indices=jnp.array([[1], [1]]), impl="pallas_tpu", interpret=True)
+    whole = decode_attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(normalise(merge(a, b))), np.asarray(normalise(whole)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_impl_none_is_xla_on_cpu(monkeypatch):
+    monkeypatch.delenv(da.ENV_IMPL, raising=False)
+    assert jax.default_backend() == "cpu" and da.default_impl() == "xla"
+    q, k, v, kw = _case("g3_block_subset")
+    for x, y in zip(decode_attention(q, k, v, **kw), decode_attention_reference(q, k, v, **kw)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    monkeypatch.setenv(da.ENV_IMPL, "pallas_gpu")
+    assert da.default_impl() == "pallas_gpu"
+    monkeypatch.setenv(da.ENV_IMPL, "cuda")
+    with pytest.raises(ValueError, match=da.ENV_IMPL):
+        da.default_impl()
+
+
+def test_unknown_impl_is_an_error():
+    q, k, v, kw = _case("g3_block_subset")
+    with pytest.raises(ValueError, match="impl='triton'.*xla"):
+        decode_attention(q, k, v, **kw, impl="triton")
+
+
+def test_tpu_tiling_check_raises_like_mosaic():
+    check_block_shape("k", (2, 2, 256, 64), (None, None, 128, 64))  # legal: multiple of 8 / full dim
+    check_block_shape("mask", (2, 2, 1, 200), (None, None, 1, 200))  # legal: full dims
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        check_block_shape("mask", (2, 2, 1, 256), (None, None, 1, 64))
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):
+        check_block_shape("k", (2, 2, 256, 64), (None, None, 12, 64))
+    q, k, v, kw = _case("g3_block_subset")
+    kw.pop("block_indices")
+    with pytest.raises(ValueError, match="divisible by 8 and 128"):  # valid mask block (1, 64) of (1, 256)
+        decode_attention(q, k, v, **kw, impl="pallas_tpu", block_size=64, interpret=True)
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, kw = _case("g3_block_subset")
+    with pytest.raises(ValueError, match="valid has shape"):
+        decode_attention(q, k, v, valid=kw["valid"][:, :, :10])
+    with pytest.raises(ValueError, match="lengths"):
+        decode_attention(q, k, v, lengths=jnp.array([257, 3]))
+    with pytest.raises(ValueError, match="block_indices range"):
+        decode_attention(q, k, v, block_indices=jnp.array([[2], [0]]))
+    with pytest.raises(ValueError, match="multiple of the 2 KV heads"):
+        decode_attention(q[:, :5], k, v)
+    with pytest.raises(ValueError, match="block_size"):
+        decode_attention(q, k, v, block_size=0)
+    with pytest.raises(ValueError, match="power-of-two"):
+        decode_attention(q, k, v, impl="pallas_gpu", block_size=96, interpret=True)
+
+
+def test_kvjax_attend_routes_through_decode_attention():
+    from kvjax import attention
+    q, k, v, kw = _case("g1_odd_valid_bias_lengths")
+    got = attention.attend(q, k, v, kw["valid"], bias=kw["bias"])  # CPU: xla
+    want = decode_attention_reference(q, k, v, valid=kw["valid"], bias=kw["bias"])
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="impl='bogus'"):
+        attention.attend(q, k, v, kw["valid"], impl="bogus")
+
+
+@pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_for_their_hardware(impl, platform, dtype):
+    """Cross-platform lowering on CPU runs the real Mosaic / Triton lowering rules (not the final compile)."""
+    b, hkv, g, s, d = 2, 3, 3, 1057, 64  # engine-like: odd capacity, SmolLM2's GQA 3 and head dim 64
+    q = jax.ShapeDtypeStruct((b, hkv * g, d), dtype)
+    k = jax.ShapeDtypeStruct((b, hkv, s, d), dtype)
+    mask = jax.ShapeDtypeStruct((b, hkv, s), jnp.bool_)
+    bias = jax.ShapeDtypeStruct((b, hkv, s), jnp.float32)
+    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    bi = jax.ShapeDtypeStruct((b, hkv, 5), jnp.int32)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for f, args in ((lambda q, k, v: decode_attention(q, k, v, impl=impl), (q, k, k)),
+                    (lambda q, k, v, va, bs, ln, bi: decode_attention(q, k, v, va, ln, bs, bi, impl=impl),
+                     (q, k, k, mask, bias, lens, bi))):
+        text = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
+        assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)

@@ -1,0 +1,59 @@
+"""Activation capture from the frozen, full-attention model (method note §3, §8.5 step 2).
+
+For every sequence and layer we keep the residual stream entering the layer (``x [S, H]``, from which the
+layer's post-RoPE q, k, v and its target output ``o_proj(full attention)`` are recomputed exactly during
+training — 4x less memory than storing q, k, v, o) and the sparse policy's parallel masks, bit-packed
+(they depend only on the frozen q, k, so they are computed once, not every epoch; note A7). All layers
+come from one forward pass per batch (every layer's inputs are the *full-cache* model's, note A25).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from kvjax import model as M
+
+
+def stack_layers(params) -> dict:
+    """The model's per-layer params stacked on a leading ``[L]`` axis."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _capture_batch(cfg, policies, params, layers, tokens):
+    b, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+
+    def layer(x, lp):
+        q, k, v = M.layer_qkv(cfg, lp, x, positions)
+        packed = tuple(jnp.packbits(p.parallel_mask(q, k), axis=-1) for p in policies)
+        return M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v)), (x, packed)
+
+    _, (xs, packed) = jax.lax.scan(layer, M.embed(params, tokens), layers)
+    return xs, packed  # [L, B, S, H], each [L, B, Hkv, S, ceil(S/8)]
+
+
+def capture(cfg, params, tokens: np.ndarray, policies: tuple, batch: int = 4, store_dtype=None,
+            progress: bool = True):
+    """Run the frozen model over ``tokens [N, S]``.
+
+    policies: :class:`~kvjax.methods.less.Less` configs whose ``parallel_mask`` to record. Returns
+    ``(xs [N, L, S, H] np (store_dtype, default the model's), masks: tuple of [N, L, Hkv, S, ceil(S/8)] uint8)``.
+    """
+    if any(w is not None for w in cfg.sliding_windows):
+        raise ValueError("LESS training does not support sliding-window attention layers (model has "
+                         f"sliding_windows={cfg.sliding_windows}); use a model with full attention")
+    layers = stack_layers(params)
+    n = tokens.shape[0]
+    xs_out, masks_out = [], [[] for _ in policies]
+    for i in tqdm(range(0, n, batch), desc="capture", disable=not progress, unit="batch"):
+        xs, packed = _capture_batch(cfg, tuple(policies), params, layers, jnp.asarray(tokens[i:i + batch]))
+        xs_out.append(np.asarray(jnp.swapaxes(xs, 0, 1).astype(store_dtype or xs.dtype)))
+        for out, p in zip(masks_out, packed):
+            out.append(np.asarray(jnp.swapaxes(p, 0, 1)))
+    return np.concatenate(xs_out), tuple(np.concatenate(m) for m in masks_out)

@@ -1,0 +1,91 @@
+"""``kvjax-train-less``: train LESS kernels for a model from the command line.
+
+    kvjax-train-less --out runs/less-h2o --budget 52 --seq-len 512 --num-seqs 64 --epochs 40
+    kvjax-train-less --out runs/less-h2o --resume          # continue an interrupted run (same settings)
+
+Then ``kvjax.methods.get("less", policy="h2o", budget=52, kernels="runs/less-h2o")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _number(text: str):
+    return float(text) if "." in text else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvjax-train-less", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder: kernels.npz, less_config.json, checkpoints/")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="kvjax.load_model name/path (HF folder, .gguf, hub id; default: the embedded SmolLM2)")
+    p.add_argument("--data", nargs="*", default=None,
+                   help="text files, jsonl files ('text' per line) or folders; default: embedded essays + Bible "
+                        "(minus the held-out essays and Gospel of John)")
+    p.add_argument("--hf-dataset", default=None, help="a Hugging Face dataset name (e.g. allenai/c4), streamed")
+    p.add_argument("--hf-split", default="train")
+    p.add_argument("--hf-field", default="text")
+    p.add_argument("--policy", choices=("h2o", "lambda"), default="h2o")
+    p.add_argument("--budget", type=int, default=None, help="sparse cache tokens (default: 10%% of --seq-len)")
+    p.add_argument("--recent", type=_number, default=0.5, help="H2O recent window: fraction of budget or tokens")
+    p.add_argument("--sinks", type=int, default=4, help="lambda policy: attention-sink tokens")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--dropout", type=float, default=0.3)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-seqs", type=int, default=64, help="training + validation sequences")
+    p.add_argument("--val-frac", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--halve-every", type=int, default=10, help="epochs between learning-rate halvings")
+    p.add_argument("--layers-per-step", type=int, default=None,
+                   help="layers vmapped together (default: all; lower it when memory is short)")
+    p.add_argument("--store-dtype", default="float32", help="dtype of the captured activations (float32, bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import kvjax
+    from train_less import data
+    from train_less.trainer import TrainConfig, train
+
+    tc = TrainConfig(policy=args.policy, budget=args.budget, recent=args.recent, sinks=args.sinks, rank=args.rank,
+                     hidden=args.hidden, dropout=args.dropout, epochs=args.epochs, batch=args.batch,
+                     seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac, lr=args.lr,
+                     halve_every=args.halve_every, layers_per_step=args.layers_per_step, seed=args.seed,
+                     store_dtype=args.store_dtype)
+    t0 = time.perf_counter()
+    model = kvjax.load_model(args.model)
+    if model.tokenizer is None:
+        raise ValueError(f"model={args.model!r} was loaded without a tokenizer; LESS training needs one to read text")
+    if args.data:
+        sources = {str(p): data.read_source(p) for p in args.data}
+    elif args.hf_dataset:
+        sources = {args.hf_dataset: data.hf_source(args.hf_dataset, args.hf_split, args.hf_field)}
+    else:
+        sources = data.default_sources()
+    tokens = data.sequences(model.tokenizer, sources, tc.seq_len, tc.num_seqs)
+    print(f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
+          f"budget {tc.budget_tokens}, R={tc.rank}, {model.config.num_layers} layers", file=sys.stderr)
+    meta = train(model.config, model.params, tokens, tc, args.out, model_name=model.name, resume=args.resume,
+                 progress=not args.no_progress)
+    print(json.dumps({"out": args.out, "epochs_done": meta["epochs_done"], "wall_seconds": time.perf_counter() - t0,
+                      "val_loss_mean": sum(meta["val_loss"]) / len(meta["val_loss"]),
+                      "val_loss_sparse_mean": sum(meta["val_loss_sparse"]) / len(meta["val_loss_sparse"]),
+                      "val_loss_baseline_plus_mean": sum(meta["val_loss_baseline_plus"]) /
+                      len(meta["val_loss_baseline_plus"])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
