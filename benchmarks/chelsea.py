@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvjax  # noqa: E402
+from eval import fidelity  # noqa: E402
 from kvjax import assets, engine, methods  # noqa: E402
-from kvjax import model as M  # noqa: E402
-from kvjax.methods.base import Capacity  # noqa: E402
 
 NEEDLE = "The secret passcode for the vault is {code}."
 QUESTION = "What is the secret passcode for the vault? Answer with the number only."
@@ -55,45 +53,12 @@ def method_set(budget, outliers):
 
 
 def attention_errors(model, ids, probes, ms):
-    """Mean relative error of each method's decode attention output vs full (see module docstring)."""
-    cfg, params = model.config, model.params
-    n = len(ids) - probes
-    toks = jnp.asarray([ids])
-    cap = Capacity(n, probes + 1)
-    lengths = jnp.asarray([n], jnp.int32)
-    positions = jnp.arange(len(ids))[None]
-
-    def per_layer(method, layer):
-        def run(state, q, k, v):
-            state = method.prefill(state, layer, q[:, :, :n], k[:, :, :n], v[:, :, :n], lengths)
-
-            def step(st, i):
-                o, st = method.decode(st, layer, q[:, :, n + i], k[:, :, n + i], v[:, :, n + i], (n + i)[None])
-                return st, o
-            _, outs = jax.lax.scan(step, state, jnp.arange(probes))
-            return outs  # [P, 1, Hq, D]
-        return jax.jit(run)
-
-    layer_dependent = {name: bool(getattr(m, "outlier_heads", ())) for name, m in ms.items()}
-    fns = {}
-    errs = {name: [] for name in ms}
-    x = M.embed(params, toks)
-    for layer, lp in enumerate(params["layers"]):
-        q, k, v = M.layer_qkv(cfg, lp, x, positions)
-        outs = {}
-        for name, m in ms.items():
-            key = (name, layer if layer_dependent[name] else 0)
-            if key not in fns:
-                fns[key] = per_layer(m, key[1])
-            state = m.init(cfg, 1, cap, layer, model.dtype)
-            outs[name] = np.asarray(fns[key](state, q, k, v), np.float64)
-        ref = outs["full"]
-        for name in ms:
-            num = np.linalg.norm(outs[name] - ref, axis=-1)
-            errs[name].append(float(np.mean(num / np.maximum(np.linalg.norm(ref, axis=-1), 1e-12))))
-        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v))
-        print(f"  layer {layer}: " + ", ".join(f"{k}={v[-1]:.4f}" for k, v in errs.items()), file=sys.stderr)
-    return {name: float(np.mean(e)) for name, e in errs.items()}, {name: e for name, e in errs.items()}
+    """Mean relative error of each method's decode attention output vs full (``eval.fidelity.probe``)."""
+    per_layer = {}
+    for name, m in ms.items():
+        per_layer[name] = fidelity.probe(model, ids, m, probes)["rel_error"]
+        print(f"  {name}: {np.mean(per_layer[name]):.4f}", file=sys.stderr)
+    return {name: float(np.mean(e)) for name, e in per_layer.items()}, per_layer
 
 
 def needle(model, n, depths, ms, new_tokens=12):

@@ -4,6 +4,8 @@
     kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
     kvjax-eval perplexity --prefix 1024 --continuation 256
     kvjax-eval ruler --lengths 1024
+    kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
+    kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
     kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
 """
 
@@ -51,6 +53,16 @@ def _tasks(args):
                                        args.seed))
     if args.command in ("main", "perplexity"):
         tasks.append(runner.PerplexityTask(args.sequences, args.prefix, args.continuation, args.book))
+    if args.command == "fidelity":
+        from eval import fidelity
+
+        tasks.append(fidelity.FidelityTask(tuple(args.lengths), args.probes))
+    if args.command == "longbench":
+        from eval import longbench
+
+        tasks.append(longbench.LongBenchTask(args.data, tuple(longbench.check_dataset(d.strip()) for d in
+                                                              args.datasets.split(",") if d.strip()),
+                                             args.samples, args.max_length, args.batch))
     if args.command == "ruler":
         from eval import ruler
 
@@ -133,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], [1024], 4, 32, "runs/eval-ruler")
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
+
+    f = sub.add_parser("fidelity", help="per-layer attention error, top-k recall and layer Jaccard vs full")
+    common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], [1024], 1, 0, "runs/eval-fidelity")
+    f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
+
+    lb = sub.add_parser("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
+    common(lb, "full,snapkv", [0.2], [], 1, 0, "runs/eval-longbench")
+    lb.add_argument("--data", required=True, help="folder of LongBench jsonl files, or the hub id THUDM/LongBench")
+    lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
+    lb.add_argument("--samples", type=int, default=8, help="examples per dataset")
+    lb.add_argument("--max-length", type=int, default=None,
+                    help="prompt tokens before middle truncation (default: context - longest generation)")
 
     pl = sub.add_parser("plot", help="redraw the markdown table and plots from a results.json")
     pl.add_argument("results")

@@ -29,6 +29,12 @@ TASKS: dict[str, tuple[str, str, bool]] = {
 }
 
 
+#: task -> extra columns (title, row field) averaged over the rows that have the field (None = not measured)
+EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "fidelity": (("top-k recall", "recall_mean"), ("layer Jaccard", "jaccard_mean")),
+}
+
+
 def environment() -> dict[str, Any]:
     """Library versions and the device, for the JSON."""
     import flax
@@ -128,14 +134,26 @@ def markdown_table(results: dict[str, Any]) -> str:
     for row in results["rows"]:
         if "cache_bytes" in row:
             cache[(row["method"], row["budget"])].append(row["cache_bytes"])
-    head = ["method", "budget"] + [TASKS.get(t, (t,))[0] for t in tasks] + (["KV cache (KiB)"] if cache else [])
+    extra = collections.defaultdict(list)
+    for row in results["rows"]:
+        for _, field in EXTRA_COLUMNS.get(row["task"], ()):
+            if row.get(field) is not None:
+                extra[(row["task"], field, row["method"], row["budget"])].append(row[field])
+    head = ["method", "budget"]
+    for t in tasks:
+        head += [TASKS.get(t, (t,))[0]] + [title for title, _ in EXTRA_COLUMNS.get(t, ())]
+    head += ["KV cache (KiB)"] if cache else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for method, budget in _configs(results):
         cells = [method, "-" if budget is None else f"{budget:g}"]
         for t in tasks:
             v = summary.get((t, method, budget))
-            cells.append("" if v is None else (f"{v:.2f}" if TASKS.get(t, ("", "mean"))[1] != "mean_percent"
-                                                else f"{v:.1f}"))
+            agg = TASKS.get(t, ("", "mean"))[1]
+            cells.append("" if v is None else f"{v:.1f}" if agg == "mean_percent" else f"{v:.3f}" if agg == "mean"
+                         else f"{v:.2f}")
+            for _, field in EXTRA_COLUMNS.get(t, ()):
+                xs = extra.get((t, field, method, budget))
+                cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")
         if cache:
             c = cache.get((method, budget))
             cells.append(f"{sum(c) / len(c) / 1024:.0f}" if c else "")

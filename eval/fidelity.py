@@ -1,0 +1,157 @@
+"""Fidelity probes for any method: how far its cache takes each layer's attention from the full cache's.
+
+The model runs teacher-forced over ``prompt + probes`` tokens with full attention (so every method sees the
+same per-layer q/k/v). In every layer each method compresses the prompt's K/V with its own ``prefill``, then
+attends for the ``probes`` following tokens with its own ``decode``; the full method does the same. Measured:
+
+- ``rel_error``: ``||o_method - o_full|| / ||o_full||`` of the attention outputs (before the output
+  projection), averaged over probes and query heads, per layer;
+- ``recall``: of the ``k`` prompt tokens that full attention weights most for the first probe query (softmax
+  over the prompt, mean over each KV head's query group; ``k`` = the tokens the method keeps for that KV head,
+  window included, at least 1), the fraction the method's cache holds after prefill, per layer (methods whose
+  state has a ``pos`` leaf of original positions: full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv;
+  ``None`` for the others, e.g. chelsea (merges), pqcache (retrieves per step), less);
+- ``jaccard``: Jaccard of the kept prompt positions between adjacent layers (the ChunkKV paper's Table 2
+  measure, :func:`kvjax.analysis.adjacent_layer_jaccard`), window included.
+
+>>> res = probe(model, ids, methods.get("snapkv", budget=0.2), probes=8)
+>>> res["rel_error"], res["recall"], res["jaccard"]          # lists over layers / adjacent layer pairs
+
+``FidelityTask`` runs it from ``kvjax-eval fidelity`` on essay prompts of ``--lengths`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import analysis, assets, methods
+from kvjax import model as M
+from kvjax.methods.base import Capacity
+
+
+def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int):
+    """One layer: ``method.prefill`` over the first ``n`` tokens, then ``method.decode`` for the ``probes``
+    next ones. Returns (state after prefill, outputs ``[P, B, Hq, D]``). ``previous`` (the previous layer's
+    prefill state) is passed only to methods that read it (ChunkKV's index reuse)."""
+    lengths = jnp.full((q.shape[0],), n, jnp.int32)
+    extra = {"previous": previous} if getattr(method, "reads_previous_layer", False) else {}
+    state = method.prefill(state, layer, q[:, :, :n], k[:, :, :n], v[:, :, :n], lengths, **extra)
+
+    def step(st, i):
+        o, st = method.decode(st, layer, q[:, :, n + i], k[:, :, n + i], v[:, :, n + i], jnp.full((1,), n + i))
+        return st, o
+
+    _, outs = jax.lax.scan(step, state, jnp.arange(probes))
+    return state, outs
+
+
+def full_weights(q, k, n: int) -> jnp.ndarray:
+    """Softmax weights ``[B, Hkv, n]`` float32 of the first probe query (position ``n``) over the prompt's keys,
+    mean over each KV head's query group."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q[:, :, n].reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bhgd,bhsd->bhgs", qg, k[:, :, :n].astype(jnp.float32)) / jnp.sqrt(jnp.float32(d))
+    return jax.nn.softmax(s, axis=-1).mean(axis=2)
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_fn(cfg, method, n: int, probes: int, dtype):
+    """jit(params, tokens [1, n + probes]) -> per layer (full outputs, method outputs, method state, weights),
+    the whole model in one compiled function (teacher-forced with full attention, as the engine's prefill)."""
+    full = methods.get("full")
+    cap = Capacity(n, probes + 1)
+
+    def run(params, tokens):
+        positions = jnp.arange(tokens.shape[1])[None]
+        x = M.embed(params, tokens)
+        out, prev = [], None
+        for layer, lp in enumerate(params["layers"]):
+            q, k, v = M.layer_qkv(cfg, lp, x, positions)
+            _, ref = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
+            st, o = _layer(method, layer, method.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes)
+            out.append((ref, o, st, full_weights(q, k, n)))
+            prev = st
+            x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v))
+        return out
+
+    return jax.jit(run)
+
+
+def topk_recall(weights: np.ndarray, kept: np.ndarray) -> float:
+    """Mean over (batch, KV head) of ``|top_k(weights) ∩ kept| / k`` with ``k = |kept|`` (at least 1).
+
+    weights: ``[B, H, n]``; kept: ``[B, H, n]`` bool. Ties in ``weights`` go to the lower position.
+    """
+    out = []
+    for w, m in zip(weights.reshape(-1, weights.shape[-1]), kept.reshape(-1, kept.shape[-1])):
+        k = max(int(m.sum()), 1)
+        top = np.argsort(-w, kind="stable")[:k]
+        out.append(m[top].sum() / k)
+    return float(np.mean(out))
+
+
+def probe(model, ids, method, probes: int = 8) -> dict:
+    """Fidelity of ``method`` against the full cache on one prompt ``ids`` (its last ``probes`` tokens are the
+    decode probes). Returns ``{"rel_error": [L], "recall": [L] | None, "jaccard": [L-1] | None}``."""
+    cfg, params = model.config, model.params
+    if probes < 1:
+        raise ValueError(f"probes={probes} must be >= 1")
+    n = len(ids) - probes
+    if n < 2:
+        raise ValueError(f"a prompt of {len(ids)} tokens leaves {n} tokens before {probes} probes; use a longer one")
+    if len(ids) > cfg.max_position_embeddings:
+        raise ValueError(f"{len(ids)} tokens exceed the model's context of {cfg.max_position_embeddings}")
+    per_layer = _probe_fn(cfg, method, n, probes, model.dtype)(params, jnp.asarray([ids], jnp.int32))
+    errors, recalls, states = [], [], []
+    for ref, o, st, weights in per_layer:
+        ref, o = np.asarray(ref, np.float64), np.asarray(o, np.float64)
+        num = np.linalg.norm(o - ref, axis=-1)
+        errors.append(float(np.mean(num / np.maximum(np.linalg.norm(ref, axis=-1), 1e-12))))
+        states.append(st)
+        if hasattr(st, "pos"):
+            kept = analysis.mask_from_states([st], np.asarray([n]), n).mask[0]
+            recalls.append(topk_recall(np.asarray(weights), kept))
+    has_pos = hasattr(states[0], "pos")
+    jac = None
+    if has_pos and len(states) > 1:
+        jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
+    return {"rel_error": errors, "recall": recalls if has_pos else None, "jaccard": jac}
+
+
+def essay_prompt(model, length: int, offset: int = 0) -> list[int]:
+    """``length`` consecutive token ids of the embedded Paul Graham essays (from ``offset``)."""
+    if model.tokenizer is None:
+        raise ValueError("the fidelity task needs a model loaded with its tokenizer")
+    ids = model.tokenizer.encode(assets.essays_text())
+    if offset + length > len(ids):
+        raise ValueError(f"length={length} (+ offset {offset}) exceeds the essays' {len(ids)} tokens")
+    return list(ids[offset: offset + length])
+
+
+@dataclasses.dataclass(frozen=True)
+class FidelityTask:
+    """``kvjax-eval fidelity``: one row per (method, budget, prompt length) with the per-layer probes;
+    ``score`` = the mean relative attention error over layers."""
+
+    lengths: tuple[int, ...] = (1024,)
+    probes: int = 8
+    name = "fidelity"
+
+    def prepare(self, model):
+        return None, [[essay_prompt(model, n)] for n in self.lengths]
+
+    def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
+        rows = []
+        for ids in batch:
+            res = probe(model, ids, method, self.probes)
+            rows.append({**meta, "length": len(ids), "probes": self.probes, **res,
+                         "recall_mean": None if res["recall"] is None else float(np.mean(res["recall"])),
+                         "jaccard_mean": None if res["jaccard"] is None else float(np.mean(res["jaccard"])),
+                         "score": float(np.mean(res["rel_error"]))})
+        return rows
