@@ -38,7 +38,6 @@ def test_needle_full_short(smol):
     assert [r["score"] for r in rows] == [1.0, 1.0], [r["answer"] for r in rows]
 
 
-@pytest.mark.slow
 def test_needle_full_1k_scores_100(smol):
     rows = _run_full(smol, [1024], [0.0, 0.5, 1.0])
     assert all(r["score"] == 1.0 for r in rows), [(r["depth"], r["key"], r["answer"]) for r in rows]
