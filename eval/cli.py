@@ -60,9 +60,9 @@ def _tasks(args):
     if args.command == "longbench":
         from eval import longbench
 
-        datasets = tuple(longbench.check_dataset(d.strip()) for d in args.datasets.split(",") if d.strip())
-        tasks.append(longbench.LongBenchTask(args.data, datasets, args.samples, args.max_length, args.batch,
-                                             args.max_new_tokens or None))  # 0: the official lengths
+        tasks.append(longbench.LongBenchTask(args.data, tuple(longbench.check_dataset(d.strip()) for d in
+                                                              args.datasets.split(",") if d.strip()),
+                                             args.samples, args.max_length, args.batch))
     if args.command == "ruler":
         from eval import ruler
 
@@ -88,10 +88,6 @@ def cmd_run(args) -> int:
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     paths = report.write_all(results, args.out)
     print(report.markdown_table(results))
-    if args.command == "longbench":
-        from eval import longbench
-
-        print("\nLongBench per dataset (eval.py's mean x 100):\n" + longbench.dataset_table(results["rows"]))
     print(f"\nwall time {results['timings']['wall_seconds']:.0f}s; wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
@@ -160,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
     lb.add_argument("--samples", type=int, default=8, help="examples per dataset")
     lb.add_argument("--max-length", type=int, default=None,
-                    help="prompt tokens before middle truncation (default: context - longest generation - chat "
-                         "template - 16)")
-    lb.set_defaults(max_new_tokens=0)  # --max-new-tokens 0: each dataset's official length (dataset2maxlen)
+                    help="prompt tokens before middle truncation (default: context - longest generation)")
 
     pl = sub.add_parser("plot", help="redraw the markdown table and plots from a results.json")
     pl.add_argument("results")

@@ -1,4 +1,4 @@
-"""LongBench (Bai et al., 2023; ACL 2024): the official data format, prompts, generation lengths, truncation, chat rule
+"""LongBench (Bai et al., 2024): the official data format, prompts, generation lengths, truncation, chat rule
 and scoring, for any kvjax method.
 
 Written from the THUDM/LongBench repository's protocol (``config/dataset2prompt.json``,
@@ -8,29 +8,17 @@ Written from the THUDM/LongBench repository's protocol (``config/dataset2prompt.
   ``language``, ``all_classes`` (list or null) and ``_id``; read from ``DIR/<dataset>.jsonl`` or
   ``DIR/data/<dataset>.jsonl`` (the layout of the unzipped ``data.zip``), or from the Hugging Face hub when
   ``data`` is a dataset id (``THUDM/LongBench``) and the hub is reachable.
-- Prompt: ``PROMPTS[dataset].format(context=..., input=...)``; when its tokens (counted with the model's
-  special tokens, as ``pred.py``'s ``tokenizer(prompt)``) exceed ``max_length`` the middle is cut: the first
-  and last ``max_length // 2`` tokens are decoded and joined, and every row records ``truncated``, the
-  original token count and ``max_length``. The chat template is applied except for the datasets in
+- Prompt: ``PROMPTS[dataset].format(context=..., input=...)``; when its tokens exceed ``max_length`` the
+  middle is cut (the first and last ``max_length // 2`` tokens kept, as ``pred.py``), and the row records
+  ``truncated`` and the original token count. The chat template is applied except for the datasets in
   ``NO_CHAT`` (few-shot and code completion, as ``pred.py``). Greedy generation of ``MAX_NEW_TOKENS[dataset]``.
 - Score (``eval.py``): for trec, triviaqa, samsum, lsht the prediction is cut at its first newline; the
-  example's score is the max of the dataset's metric over its answers; a dataset's score is the mean x 100
-  (:func:`dataset_scores`; the report's "LongBench (%)" column is the mean over all rows, which equals the
-  mean of the dataset scores when every dataset has ``samples`` examples).
-- Metrics (``metrics.py``): all in ``eval.metrics`` except the Chinese ones. ROUGE-L is
-  ``metrics.rouge_l_longbench``: the ``rouge`` package (as the official scorer) when installed, otherwise a
-  re-implementation of its summary-level ROUGE-L written here because the package is missing (identical
-  except that the package's recursive LCS fails -- and LongBench scores 0 -- on ~1000-word sentences).
-  Classification keeps the official remove-while-iterating loop. Code similarity is ``fuzz.ratio / 100``:
-  fuzzywuzzy when installed, otherwise ``difflib.SequenceMatcher`` with fuzz.ratio's rules (equal 100, one
-  empty 0, integer rounding) -- fuzzywuzzy's own pure-Python path; fuzzywuzzy with python-Levenshtein uses
-  the InDel ratio instead, which can differ by a few points. qa-F1 zh and ROUGE zh tokenise with ``jieba``
-  (an ImportError naming it when missing). ``LongBenchTask.describe()`` records which backends scored.
-- LongBench-E: ``<name>_e`` datasets (``E_DATASETS``) use ``<name>``'s prompt, length and metric;
-  :func:`length_bucket` gives ``eval.py``'s 0-4k / 4-8k / 8k+ buckets.
-- Generation differences from ``pred.py``: samsum's extra stop at a newline is not applied (the first-line
-  rule makes the scored text identical, only generation runs longer), and ``max_new_tokens`` can be
-  overridden for smoke runs (recorded in every row).
+  example's score is the max of the dataset's metric over its answers; a dataset's score is the mean x 100.
+  Metrics (``eval.metrics``): qa-F1 (English), ROUGE-L, classification, retrieval, count, code edit
+  similarity; the Chinese ones (qa-F1 zh, ROUGE zh) tokenise with ``jieba`` (an ImportError naming it when it
+  is not installed). Differences from the official scorer: ROUGE-L is computed directly (LCS F1 over
+  whitespace tokens) rather than with the ``rouge`` package, and code similarity is the InDel ratio without
+  fuzzywuzzy's rounding.
 """
 
 from __future__ import annotations
@@ -116,9 +104,6 @@ MAX_NEW_TOKENS: dict[str, int] = {
 NO_CHAT = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 #: Datasets whose prediction is cut at its first newline before scoring (eval.py).
 FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})
-#: LongBench-E (length-balanced subsets, ``<name>_e.jsonl``).
-E_DATASETS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-              "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
 FIELDS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
 
 
@@ -148,10 +133,9 @@ def qa_f1_zh(prediction: str, truth: str) -> float:
 
 
 def rouge_zh(prediction: str, truth: str) -> float:
-    """LongBench ``rouge_zh_score``: ROUGE-L (``metrics.rouge_l_longbench``) over jieba tokens joined by spaces."""
+    """LongBench ``rouge_zh_score``: ROUGE-L over jieba tokens."""
     jieba = _jieba()
-    return metrics.rouge_l_longbench(" ".join(jieba.cut(prediction, cut_all=False)),
-                                     " ".join(jieba.cut(truth, cut_all=False)))
+    return metrics.rouge_l(" ".join(jieba.cut(prediction, cut_all=False)), " ".join(jieba.cut(truth, cut_all=False)))
 
 
 def retrieval_zh(prediction: str, truth: str) -> float:
@@ -168,7 +152,7 @@ METRICS: dict[str, Any] = {
     **{d: lambda p, t, c: metrics.qa_f1(p, t) for d in ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa",
                                                         "2wikimqa", "musique", "triviaqa")},
     **{d: lambda p, t, c: qa_f1_zh(p, t) for d in ("multifieldqa_zh",)},
-    **{d: lambda p, t, c: metrics.rouge_l_longbench(p, t) for d in ("gov_report", "qmsum", "multi_news", "samsum")},
+    **{d: lambda p, t, c: metrics.rouge_l(p, t) for d in ("gov_report", "qmsum", "multi_news", "samsum")},
     **{d: lambda p, t, c: rouge_zh(p, t) for d in ("dureader", "vcsum")},
     "trec": lambda p, t, c: metrics.classification(p, t, c),
     "lsht": lambda p, t, c: metrics.classification(p, t, c),
@@ -177,17 +161,6 @@ METRICS: dict[str, Any] = {
     "passage_count": lambda p, t, c: metrics.count_score(p, t),
     "lcc": lambda p, t, c: metrics.code_similarity(p, t),
     "repobench-p": lambda p, t, c: metrics.code_similarity(p, t),
-}
-#: dataset -> name of its official metric function (for rows and docs).
-METRIC_NAMES: dict[str, str] = {
-    **dict.fromkeys(("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"),
-                    "qa_f1_score"),
-    "multifieldqa_zh": "qa_f1_zh_score",
-    **dict.fromkeys(("gov_report", "qmsum", "multi_news", "samsum"), "rouge_score"),
-    **dict.fromkeys(("dureader", "vcsum"), "rouge_zh_score"), "trec": "classification_score",
-    "lsht": "classification_score", "passage_retrieval_en": "retrieval_score",
-    "passage_retrieval_zh": "retrieval_zh_score", "passage_count": "count_score", "lcc": "code_sim_score",
-    "repobench-p": "code_sim_score",
 }
 
 
@@ -205,69 +178,31 @@ def score(dataset: str, prediction: str, answers: Sequence[str], all_classes: Se
     return max((METRICS[dataset](prediction, a, all_classes or []) for a in answers), default=0.0)
 
 
-def _parse_jsonl(text: str, where: str) -> list[dict]:
-    records = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} line {n} is not valid JSON ({e.msg}); LongBench files hold one JSON "
-                             "object per line") from e
-    return records
-
-
-def validate(records: list, dataset: str, where: str) -> list[dict]:
-    """Every record is an object with ``FIELDS``: ``input``/``context`` strings, ``answers`` a non-empty list of
-    strings, ``all_classes`` a list of strings (non-empty for trec and lsht) or null. A ValueError names the
-    file, the line's record index and the field otherwise."""
-    for i, r in enumerate(records):
-        at = f"{where} record {i}"
-        if not isinstance(r, dict):
-            raise ValueError(f"{at} is a {type(r).__name__}, not a JSON object")
-        missing = [f for f in FIELDS if f not in r]
-        if missing:
-            raise ValueError(f"{at} lacks the LongBench field(s) {missing}; expected {list(FIELDS)}")
-        for f in ("input", "context"):
-            if not isinstance(r[f], str):
-                raise ValueError(f"{at}: {f!r} must be a string, got {type(r[f]).__name__}")
-        answers = r["answers"]
-        if not isinstance(answers, list) or not answers or not all(isinstance(x, str) for x in answers):
-            raise ValueError(f"{at}: 'answers' must be a non-empty list of strings, got {answers!r:.80}")
-        classes = r["all_classes"]
-        if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
-            raise ValueError(f"{at}: 'all_classes' must be a list of strings or null, got {classes!r:.80}")
-        if base_dataset(dataset) in ("trec", "lsht") and not classes:
-            raise ValueError(f"{at}: {dataset} is scored by class match and needs a non-empty 'all_classes'")
-    return records
-
-
 def load(data: str | Path, dataset: str, limit: int | None = None) -> list[dict]:
     """Examples of ``dataset`` from a local folder (``<dataset>.jsonl`` or ``data/<dataset>.jsonl``) or a hub
-    dataset id (e.g. ``THUDM/LongBench``: its ``data.zip`` through ``huggingface_hub``); the first ``limit``
-    if given. Records are checked by :func:`validate`. No fallback: a folder without the file, or a hub id
-    that cannot be reached, is an error naming ``data``."""
+    dataset id (e.g. ``THUDM/LongBench``); the first ``limit`` if given. Every record must have ``FIELDS``."""
     check_dataset(dataset)
-    if limit is not None and limit < 1:
-        raise ValueError(f"samples={limit} must be >= 1")
     path = Path(data)
     if path.is_dir():
         for cand in (path / f"{dataset}.jsonl", path / "data" / f"{dataset}.jsonl"):
             if cand.is_file():
-                where = str(cand)
-                records = _parse_jsonl(cand.read_text(encoding="utf-8"), where)
+                lines = cand.read_text(encoding="utf-8").splitlines()
+                records = [json.loads(line) for line in lines if line.strip()]
                 break
         else:
             raise FileNotFoundError(f"data={str(data)!r} has neither {dataset}.jsonl nor data/{dataset}.jsonl; "
                                     "unzip LongBench's data.zip there or pass the hub id THUDM/LongBench")
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(data)) and not path.exists():  # owner/name: a hub id
-        where = f"{data}:data/{dataset}.jsonl"
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(data)) and not path.exists():  # a hub id: owner/name
         records = _load_hub(str(data), dataset)
     else:
         raise FileNotFoundError(f"data={str(data)!r} is not a folder; pass a folder of LongBench jsonl files or "
                                 "the hub id THUDM/LongBench")
-    records = validate(records, dataset, where)
+    for i, r in enumerate(records):
+        missing = [f for f in FIELDS if f not in r]
+        if missing:
+            raise ValueError(f"{dataset} record {i} lacks the LongBench field(s) {missing}; expected {FIELDS}")
+        if not isinstance(r["answers"], list):
+            raise ValueError(f"{dataset} record {i}: 'answers' must be a list, got {type(r['answers']).__name__}")
     return records[:limit] if limit else records
 
 
@@ -276,157 +211,69 @@ def _load_hub(repo: str, dataset: str) -> list[dict]:
 
     try:
         from huggingface_hub import hf_hub_download
-    except ImportError as e:
-        raise FileNotFoundError(f"data={repo!r} is not a local folder, and reading it as a hub dataset needs "
-                                "huggingface_hub (`pip install huggingface_hub`); or pass a folder") from e
-    try:
+
         archive = hf_hub_download(repo, "data.zip", repo_type="dataset")
-    except Exception as e:  # offline, no such repo, no data.zip, ...
-        raise FileNotFoundError(f"data={repo!r} is not a local folder, and we could not download data.zip of the "
-                                f"hub dataset {repo!r} ({type(e).__name__}: {e}); download THUDM/LongBench's data.zip "
-                                "where the hub is reachable and pass the unzipped folder as --data") from e
+    except Exception as e:  # offline, no such repo, ...
+        raise FileNotFoundError(f"could not download data.zip of the hub dataset {repo!r} ({e}); download it where "
+                                "the hub is reachable and pass the unzipped folder as --data") from e
     with zipfile.ZipFile(archive) as z:
         name = f"data/{dataset}.jsonl"
         if name not in z.namelist():
-            raise FileNotFoundError(f"data={repo!r}: its data.zip has no {name}")
-        return _parse_jsonl(z.read(name).decode("utf-8"), f"{repo}:{name}")
-
-
-def format_prompt(dataset: str, record: dict) -> str:
-    """The official prompt text: ``PROMPTS[dataset]`` filled with the record's ``context`` and ``input``."""
-    return PROMPTS[base_dataset(dataset)].format(context=record["context"], input=record["input"])
-
-
-def uses_chat(dataset: str) -> bool:
-    """``pred.py``: the chat template is applied to every dataset except those in ``NO_CHAT``."""
-    return base_dataset(dataset) not in NO_CHAT
-
-
-def truncate_middle(tokenizer, prompt: str, max_length: int) -> tuple[str, bool, int]:
-    """``pred.py``'s truncation: tokenise ``prompt`` (with special tokens, as ``tokenizer(prompt)``); over
-    ``max_length`` tokens, keep the first and last ``max_length // 2`` and decode each half (special tokens
-    skipped) and join them. Returns ``(prompt, truncated, tokens before truncation)``."""
-    if max_length < 2:
-        raise ValueError(f"max_length={max_length} must be >= 2 tokens")
-    ids = tokenizer.encode(prompt, add_special_tokens=True)
-    n = len(ids)
-    if n <= max_length:
-        return prompt, False, n
-    half = max_length // 2
-    return tokenizer.decode(ids[:half]) + tokenizer.decode(ids[-half:]), True, n
+            raise FileNotFoundError(f"{repo}'s data.zip has no {name}")
+        return [json.loads(line) for line in z.read(name).decode("utf-8").splitlines() if line.strip()]
 
 
 def build_prompt(tokenizer, dataset: str, record: dict, max_length: int) -> tuple[list[int], bool, int]:
-    """Token ids of the official prompt: :func:`format_prompt`, :func:`truncate_middle` to ``max_length``,
-    then the chat template (``tokenizer.encode_chat``) unless the dataset is in ``NO_CHAT``, where the text is
-    encoded with the model's special tokens (BOS) as ``pred.py`` does. Returns ``(ids, truncated, tokens
-    before truncation)``; the chat template may add a few tokens beyond ``max_length``, as in ``pred.py``."""
-    prompt, cut, n = truncate_middle(tokenizer, format_prompt(dataset, record), max_length)
-    if uses_chat(dataset):
-        return tokenizer.encode_chat([{"role": "user", "content": prompt}]), cut, n
-    return tokenizer.encode(prompt, add_special_tokens=True), cut, n
-
-
-def default_max_length(model, datasets: Sequence[str], max_new_tokens: int | None = None) -> int:
-    """Prompt tokens before truncation when none is given: the model's context minus the longest generation of
-    ``datasets``, the chat template's own tokens (an empty user turn) and 16 tokens for re-tokenising the two
-    decoded halves (LongBench's ``model2maxlen`` plays this role, e.g. 3500 for 4k-context models)."""
-    new = max_new_tokens or max(MAX_NEW_TOKENS[base_dataset(d)] for d in datasets)
-    chat = (len(model.tokenizer.encode_chat([{"role": "user", "content": ""}]))
-            if any(uses_chat(d) for d in datasets) else 0)
-    limit = model.config.max_position_embeddings - new - chat - 16
-    if limit < 2:
-        raise ValueError(f"the model's context ({model.config.max_position_embeddings} tokens) leaves no room for a "
-                         f"LongBench prompt after {new} generated tokens; pass max_length explicitly")
-    return limit
-
-
-def dataset_scores(rows: Sequence[dict]) -> dict[tuple[str, float | None], dict[str, float]]:
-    """``eval.py``'s table: per (method, budget), each dataset's mean score x 100 rounded to 2 decimals, and
-    ``"average"`` (the mean of the dataset scores, as LongBench's overall)."""
-    groups: dict[tuple, dict[str, list[float]]] = {}
-    for r in rows:
-        if r.get("task") == "longbench":
-            groups.setdefault((r["method"], r["budget"]), {}).setdefault(r["dataset"], []).append(r["score"])
-    out = {}
-    for key, by in groups.items():
-        table = {d: round(100 * sum(v) / len(v), 2) for d, v in by.items()}
-        table["average"] = round(sum(table.values()) / len(table), 2)
-        out[key] = table
-    return out
-
-
-def dataset_table(rows: Sequence[dict]) -> str:
-    """:func:`dataset_scores` as a markdown table (one row per method and budget, one column per dataset)."""
-    scores = dataset_scores(rows)
-    if not scores:
-        return ""
-    cols = list(dict.fromkeys(d for t in scores.values() for d in t if d != "average")) + ["average"]
-    lines = ["| method | budget | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
-    for (m, b), t in scores.items():
-        cells = [f"{t[c]:.2f}" if c in t else "-" for c in cols]
-        lines.append(f"| {m} | {'full' if b is None else f'{b:g}'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Token ids of the official prompt (middle-truncated to ``max_length`` tokens, chat template unless the
+    dataset is in ``NO_CHAT``). Returns ``(ids, truncated, tokens before truncation)``."""
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length} must be >= 2 tokens")
+    prompt = PROMPTS[check_dataset(dataset)].format(context=record["context"], input=record["input"])
+    ids = tokenizer.encode(prompt)
+    n = len(ids)
+    if n > max_length:
+        half = max_length // 2
+        prompt = tokenizer.decode(ids[:half]) + tokenizer.decode(ids[-half:])
+    if dataset in NO_CHAT:
+        out = tokenizer.encode(prompt)
+    else:
+        out = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return out, n > max_length, n
 
 
 @dataclasses.dataclass(frozen=True)
 class LongBenchTask:
-    """``kvjax-eval longbench``: the first ``samples`` examples of each dataset, one row per example (``score``
-    in [0, 1]; the report shows the mean x 100). Batches never mix datasets (each generates its own
-    ``MAX_NEW_TOKENS``) and are padded to ``batch`` so every batch of a dataset shares compiled shapes.
-    ``max_length``: prompt tokens before middle truncation (default :func:`default_max_length`).
-    ``max_new_tokens``: overrides the official generation lengths (smoke runs only; recorded per row)."""
+    """``kvjax-eval longbench``: ``samples`` examples of each dataset, one row per example (``score`` in [0, 1];
+    the table shows the mean x 100 over all rows). ``max_length``: prompt tokens (default: the model's context
+    minus the longest generation)."""
 
     data: str
     datasets: tuple[str, ...] = ("qasper", "hotpotqa", "triviaqa")
     samples: int = 8
     max_length: int | None = None
     batch: int = 1
-    max_new_tokens: int | None = None
     name = "longbench"
-
-    def describe(self) -> dict:
-        """Recorded in the results' config: which scorer backends ran (``metrics.backends()``)."""
-        return {"scorer": metrics.backends()}
-
-    def new_tokens(self, dataset: str) -> int:
-        return self.max_new_tokens or MAX_NEW_TOKENS[base_dataset(dataset)]
 
     def prepare(self, model):
         if model.tokenizer is None:
             raise ValueError("the LongBench task needs a model loaded with its tokenizer")
-        if not self.datasets:
-            raise ValueError("datasets is empty; pass e.g. --datasets qasper,hotpotqa")
-        if self.batch < 1 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
-            raise ValueError(f"batch={self.batch} and max_new_tokens={self.max_new_tokens} must be >= 1")
+        limit = self.max_length or model.config.max_position_embeddings - max(MAX_NEW_TOKENS[d] for d in self.datasets)
+        items = []
         for d in self.datasets:
-            check_dataset(d)
-        limit = self.max_length or default_max_length(model, self.datasets, self.max_new_tokens)
-        batches, longest = [], 1
-        for d in self.datasets:
-            items = []
             for r in load(self.data, d, self.samples):
                 ids, cut, n = build_prompt(model.tokenizer, d, r, limit)
-                harness.check_context(model, len(ids), self.new_tokens(d), "max_length")
-                items.append({"dataset": d, "record": r, "ids": ids, "truncated": cut, "original_tokens": n,
-                              "max_length": limit})
-                longest = max(longest, len(ids))
-            batches += [items[i: i + self.batch] for i in range(0, len(items), self.batch)]
-        return bucket_length(longest), batches
+                harness.check_context(model, len(ids), MAX_NEW_TOKENS[d], "max_length")
+                items.append((d, r, ids, cut, n))
+        bucket = bucket_length(max(len(it[2]) for it in items)) if items else 1
+        return bucket, [items[i: i + self.batch] for i in range(0, len(items), self.batch)]
 
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket = prepared[0]
-        d = batch[0]["dataset"]
-        padded, real = harness.pad_batch([it["ids"] for it in batch], self.batch)
-        answers = harness.generate_answers(model, method, padded, bucket, self.new_tokens(d))[:real]
+        new = max(MAX_NEW_TOKENS[d] for d, *_ in batch)
+        answers = harness.generate_answers(model, method, [ids for _, _, ids, _, _ in batch], bucket, new)
         rows = []
-        for it, text in zip(batch, answers):
-            r = it["record"]
-            rows.append({**meta, "dataset": d, "_id": r["_id"], "language": r["language"], "length": r["length"],
-                         "prompt_tokens": len(it["ids"]), "original_tokens": it["original_tokens"],
-                         "truncated": it["truncated"], "max_length": it["max_length"],
-                         "length_bucket": length_bucket(r["length"]),
-                         "max_new_tokens": self.new_tokens(d), "chat": uses_chat(d),
-                         "metric": METRIC_NAMES[base_dataset(d)],
-                         "answer": text, "score": score(d, text, r["answers"], r["all_classes"])})
+        for (d, r, ids, cut, n), text in zip(batch, answers):
+            rows.append({**meta, "dataset": d, "_id": r["_id"], "prompt_tokens": len(ids), "truncated": cut,
+                         "original_tokens": n, "answer": text,
+                         "score": score(d, text, r["answers"], r.get("all_classes"))})
         return rows

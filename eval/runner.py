@@ -76,9 +76,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     prepared = {t.name: t.prepare(model) for t in tasks}
     results = report.new_results({**(config or {}), "model": model.name, "methods": list(method_names),
                                   "budgets": list(budgets),
-                                  "tasks": {t.name: {**dataclasses.asdict(t),
-                                                     **(t.describe() if hasattr(t, "describe") else {})}
-                                            for t in tasks}})
+                                  "tasks": {t.name: dataclasses.asdict(t) for t in tasks}})
     results["timings"]["load_seconds"] = model.load_seconds
     total = sum(len(prepared[t.name][1]) for t in tasks) * len(methods)
     start = time.perf_counter()

@@ -96,72 +96,19 @@ def test_middle_truncation_and_chat_rule():
 def test_scores_hand_computed():
     # qa-F1: "the cat sat" vs "a cat sat down" -> normalised [cat, sat] vs [cat, sat, down]: P=1, R=2/3, F1=0.8
     assert lb.score("hotpotqa", "the cat sat", ["a cat sat down"]) == pytest.approx(0.8)
-    assert lb.score("hotpotqa", "The cat, sat!", ["a cat sat down"]) == pytest.approx(0.8)  # case, punctuation
     assert lb.score("hotpotqa", "the cat sat", ["dog", "cat sat"]) == pytest.approx(1.0)  # max over answers
-    assert lb.score("hotpotqa", "dog", ["cat"]) == 0.0
-    # first-line rule (triviaqa, trec, samsum, lsht): only "Paris" is scored
+    # first-line rule (triviaqa): only "Paris" is scored
     assert lb.score("triviaqa", "\nParis\nLondon is big", ["Paris"]) == 1.0
     assert lb.score("hotpotqa", "Paris\nLondon", ["Paris"]) == pytest.approx(2 / 3)  # no cut: P=1/2, R=1
-    # classification: "Loc" is a proper substring of the truth -> removed; "Location" alone -> 1
+    # classification: both "Location" and "Loc" named; "Loc" is a proper substring of the truth -> dropped
     assert lb.score("trec", "Location or Loc", ["Location"], ["Location", "Loc", "Person"]) == 1.0
     assert lb.score("trec", "Location or Person", ["Location"], ["Location", "Person"]) == 0.5
-    assert lb.score("trec", "Location\nPerson", ["Location"], ["Location", "Person"]) == 1.0  # first line
-    # official remove-while-iterating: "Loc" removed, "Lo" skipped and kept -> {Lo, Location} -> 1/2
-    assert lb.score("trec", "Location", ["Location"], ["Loc", "Lo", "Location"]) == 0.5
     assert lb.score("passage_retrieval_en", "Paragraph 3, not 4", ["Paragraph 3"]) == 0.5
-    assert lb.score("passage_retrieval_en", "none", ["Paragraph 3"]) == 0.0
-    assert lb.score("passage_count", "7", ["7"]) == 1.0 and lb.score("passage_count", "7 or 8", ["7"]) == 0.5
-    # code: first line without a comment/fence is "x = 1"; difflib blocks "x = " (4) of 5 + 5 chars -> 80 -> 0.8
+    assert lb.score("passage_count", "7", ["7"]) == 1.0
+    # code: first line without a comment/fence; "x = 1" vs "x = 2": LCS 4 of 5+5 chars -> 0.8
     assert lb.score("lcc", "```\n# c\nx = 1\n", ["x = 2"]) == pytest.approx(0.8)
-    assert lb.score("repobench-p", "// c\nreturn a", ["return a"]) == 1.0
-    # ROUGE-L (rouge package's summary level): "a b c d" vs "a c d e": LCS {a, c, d} of 4 distinct each -> 0.75
+    # ROUGE-L: "a b c d" vs "a c d e": LCS 3, P = R = 3/4
     assert lb.score("gov_report", "a b c d", ["a c d e"]) == pytest.approx(0.75)
-    # distinct words: "the cat the cat" vs "the cat" -> {the, cat} both sides -> 1 (plain LCS F1 would be 2/3)
-    assert lb.score("qmsum", "the cat the cat", ["the cat"]) == pytest.approx(1.0)
-    assert lb.score("samsum", "", ["a b"]) == 0.0  # the package raises on an empty hypothesis; LongBench: 0
-    assert lb.METRIC_NAMES["lcc"] == "code_sim_score" and lb.METRIC_NAMES["samsum"] == "rouge_score"
-
-
-def test_loader_validation_errors(tmp_path):
-    write(tmp_path, "hotpotqa", [dict(record(0), answers="beta")])
-    with pytest.raises(ValueError, match="'answers' must be a non-empty list"):
-        lb.load(tmp_path, "hotpotqa")
-    write(tmp_path, "trec", [record(0, "trec", classes=None)])
-    with pytest.raises(ValueError, match="non-empty 'all_classes'"):
-        lb.load(tmp_path, "trec")
-    (tmp_path / "qmsum.jsonl").write_text('{"input": 1}\nnot json\n', encoding="utf-8")
-    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
-        lb.load(tmp_path, "qmsum")
-    write(tmp_path, "musique", [record(0, "musique")])
-    with pytest.raises(ValueError, match="samples=0"):
-        lb.load(tmp_path, "musique", limit=0)
-
-
-def test_prompt_formatting_and_chat_skip_list():
-    r = record(0, "hotpotqa", context="P1\nP2", question="Who?")
-    assert lb.format_prompt("hotpotqa", r) == (
-        "Answer the question based on the given passages. Only give me the answer and do not output any other "
-        "words.\n\nThe following are given passages.\nP1\nP2\n\nAnswer the question based on the given passages. "
-        "Only give me the answer and do not output any other words.\n\nQuestion: Who?\nAnswer:")
-    assert lb.format_prompt("passage_count", record(0, context="{not a field}")).count("{not a field}") == 1
-    assert {d for d in lb.PROMPTS if not lb.uses_chat(d)} == {"trec", "triviaqa", "samsum", "lsht", "lcc",
-                                                               "repobench-p"}
-    assert lb.uses_chat("qasper_e") and not lb.uses_chat("lcc_e")
-    assert lb.MAX_NEW_TOKENS["multifieldqa_en"] == 64 and lb.MAX_NEW_TOKENS["passage_retrieval_zh"] == 32
-
-
-def test_truncation_odd_length_and_per_dataset_table():
-    tok = WordTokenizer()
-    text = " ".join(f"t{i}" for i in range(11))
-    out, cut, n = lb.truncate_middle(tok, text, 5)  # half = 2: t0 t1 + t9 t10
-    assert cut and n == 11 and out.split() == ["t0", "t1", "t9", "t10"]
-    assert lb.truncate_middle(tok, text, 11) == (text, False, 11)
-    with pytest.raises(ValueError, match="max_length"):
-        lb.truncate_middle(tok, text, 1)
-    rows = [{"task": "longbench", "method": "full", "budget": None, "dataset": d, "score": s}
-            for d, s in (("qasper", 1.0), ("qasper", 0.0), ("trec", 1.0))]
-    assert lb.dataset_scores(rows) == {("full", None): {"qasper": 50.0, "trec": 100.0, "average": 75.0}}
-    assert "| full | full | 50.00 | 100.00 | 75.00 |" in lb.dataset_table(rows)
 
 
 def test_task_runs_end_to_end_on_a_tiny_model(tmp_path):
@@ -176,8 +123,6 @@ def test_task_runs_end_to_end_on_a_tiny_model(tmp_path):
     rows = res["rows"]
     assert len(rows) == 6 and {r["dataset"] for r in rows} == {"hotpotqa", "trec"}
     assert all(r["truncated"] for r in rows if r["dataset"] == "hotpotqa")
-    assert not any(r["truncated"] for r in rows if r["dataset"] == "trec")
-    assert all(r["max_new_tokens"] == 4 and r["chat"] == (r["dataset"] == "hotpotqa") for r in rows)
     for r in rows:
         src = {"hotpotqa": (["beta"], None), "trec": (["Loc"], ["Loc", "Hum"])}[r["dataset"]]
         assert r["score"] == lb.score(r["dataset"], r["answer"], *src)
