@@ -1,12 +1,15 @@
 """kvjax: long-context LLM inference in JAX with a compressed KV cache.
 
 Public API: :func:`load_model` (Hugging Face folders and hub ids, GGUF files, and the embedded default
-``"smollm2-135m-instruct"``), :class:`Model`, :class:`ModelConfig`, and the pure model functions in
-:mod:`kvjax.model`.
+``"smollm2-135m-instruct"``), :func:`generate`, :mod:`kvjax.methods` (``kvjax.methods.get("snapkv",
+budget=0.2)``), :mod:`kvjax.engine` (prefill / decode_step / run_loop for your own loops), :mod:`kvjax.budget`,
+:class:`Model`, :class:`ModelConfig`, and the pure model functions in :mod:`kvjax.model`.
 """
 
+from kvjax import budget, engine, methods, model
 from kvjax.config import ModelConfig, RopeConfig
+from kvjax.engine import generate
 from kvjax.loading import Model, load_model
 
-__all__ = ["Model", "ModelConfig", "RopeConfig", "load_model"]
+__all__ = ["Model", "ModelConfig", "RopeConfig", "budget", "engine", "generate", "load_model", "methods", "model"]
 __version__ = "0.1.0"

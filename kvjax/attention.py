@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
 
-__all__ = ["NEG_INF", "attend", "merge", "normalise", "probabilities", "scores"]
+__all__ = ["NEG_INF", "attend", "attend_with_weights", "merge", "normalise", "probabilities", "scores"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -29,14 +29,36 @@ def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
 
 
-def attend(q, k, v, valid, bias=None, *, impl=None):
+def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block_size: int = 128, impl=None):
     """Partials ``(o_unnormalised [B,Hq,D], m [B,Hq], l [B,Hq])`` of attention over the valid slots.
 
-    A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF`` (it merges as an empty set). Routed through
-    ``kernels_pallas.decode_attention.decode_attention``: ``impl`` is ``"xla" | "pallas_tpu" | "pallas_gpu"``
-    or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX reference on CPU).
+    ``lengths [B]``: only slots ``[0, lengths[b])`` can take part, and the Pallas kernels read no block past it
+    (every method passes its fill count, so decode never reads bucket padding or unwritten decode slots);
+    ``block_indices``: the slot blocks to visit. A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF``
+    (it merges as an empty set). Routed through ``kernels_pallas.decode_attention.decode_attention``: ``impl``
+    is ``"xla" | "pallas_tpu" | "pallas_gpu"`` or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX
+    reference on CPU).
     """
-    return decode_attention(q, k, v, valid=valid, bias=bias, impl=impl)
+    return decode_attention(q, k, v, valid=valid, lengths=lengths, bias=bias, block_indices=block_indices,
+                            block_size=block_size, impl=impl)
+
+
+def attend_with_weights(q, k, v, valid, lengths=None):
+    """One pass over K: the partials ``(o, m, l)`` and the softmax weights ``[B, Hkv, G, S]`` float32 of the
+    new query over the taking-part slots (H2O needs both; computing the scores once reads K once). Pure JAX
+    (XLA fuses it) on every backend: the Pallas kernel returns no per-slot weights."""
+    b, hq, d = q.shape
+    s = scores(q, k)
+    mask = valid
+    if lengths is not None:
+        mask = mask & (jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None])
+    s = jnp.where(mask[:, :, None, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1)
+    p = jnp.where(mask[:, :, None, :], jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    w = p / jnp.where(l > 0, l, 1.0)[..., None]
+    return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), w
 
 
 def probabilities(q, k, valid, bias=None) -> jnp.ndarray:

@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from kvjax import model as M
 from kvjax.config import ModelConfig
@@ -39,14 +40,8 @@ def bucket_length(n: int) -> int:
 
 
 def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) -> tuple:
+    """Empty per-layer states ``(layer 0, ..., layer L-1)`` of ``method`` at ``capacity``."""
     return tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
-
-
-def _reads_previous(method) -> bool:
-    """Methods that reuse the previous layer's prefill result (ChunkKV's index reuse) set
-    ``reads_previous_layer = True``; their ``prefill`` then gets ``previous=`` the state the previous layer's
-    ``prefill`` returned (None at layer 0). Layers run in order, so this is the only cross-layer channel."""
-    return bool(getattr(method, "reads_previous_layer", False))
 
 
 def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
@@ -54,32 +49,32 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
     TRACE_COUNTS["prefill"] += 1
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = M.embed(params, tokens)
-    new_states = []
-    for layer, lp in enumerate(params["layers"]):
-        q, k, v = M.layer_qkv(cfg, lp, x, positions)
-        extra = {"previous": new_states[-1] if new_states else None} if _reads_previous(method) else {}
-        new_states.append(method.prefill(states[layer], layer, q, k, v, lengths, **extra))
-        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]))
+    reuse = method.reuses_previous_layer  # declared capability (ChunkKV's index reuse)
+
+    def attend(layer, x, q, k, v, new_states):
+        previous = new_states[-1] if (reuse and new_states) else None
+        st = method.prefill(states[layer], layer, q, k, v, lengths, previous=previous)
+        return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), new_states + (st,)
+
+    x, new_states = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
-    return tuple(new_states), M.logits(cfg, params, last)[:, 0]
+    return new_states, M.logits(cfg, params, last)[:, 0]
 
 
 def _decode_step(cfg: ModelConfig, method, params, states, token, pos):
     """token, pos ``[B]`` -> (logits ``[B, V]``, states)."""
     TRACE_COUNTS["decode_step"] += 1
-    x = M.embed(params, token[:, None])  # [B, 1, H]
-    new_states = []
-    for layer, lp in enumerate(params["layers"]):
-        q, k, v = M.layer_qkv(cfg, lp, x, pos[:, None])
+
+    def attend(layer, x, q, k, v, new_states):
         out, st = method.decode(states[layer], layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos)
-        new_states.append(st)
-        x = M.layer_finish(cfg, lp, x, out[:, :, None])
-    return M.logits(cfg, params, x)[:, 0], tuple(new_states)
+        return out[:, :, None], new_states + (st,)
+
+    x, new_states = M.run_layers(cfg, params, M.embed(params, token[:, None]), pos[:, None], attend, ())
+    return M.logits(cfg, params, x)[:, 0], new_states
 
 
 @dataclasses.dataclass(frozen=True)
-class _Loop:
+class DecodeLoop:
     """Static description of a decode loop (hashable: part of the jit cache key)."""
 
     cfg: ModelConfig
@@ -89,32 +84,47 @@ class _Loop:
     eos: tuple[int, ...]
 
 
-def _loop_body(loop: _Loop, params, carry):
-    states, token, pos, done, key, step, out = carry
-    key, sub = jax.random.split(key)
-    logits, states = _decode_step(loop.cfg, loop.method, params, states, token, pos)
-    nxt = loop.sampling(logits, sub)
-    nxt = jnp.where(done, token, nxt)
-    out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, step))
-    is_eos = jnp.isin(nxt, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros_like(done)
-    return states, nxt, pos + 1, done | is_eos, key, step + 1, out
+@struct.dataclass
+class DecodeCarry:
+    """The decode loop's carry: method states (per layer), the last token and its position ``[B]``, which
+    sequences are done ``[B]``, the sampling key, the step count and the generated tokens ``[B, max_new]``."""
+
+    states: tuple
+    token: jnp.ndarray
+    pos: jnp.ndarray
+    done: jnp.ndarray
+    key: jnp.ndarray
+    step: jnp.ndarray
+    out: jnp.ndarray
+
+
+def _loop_body(loop: DecodeLoop, params, c: DecodeCarry) -> DecodeCarry:
+    key, sub = jax.random.split(c.key)
+    logits, states = _decode_step(loop.cfg, loop.method, params, c.states, c.token, c.pos)
+    nxt = jnp.where(c.done, c.token, loop.sampling(logits, sub))
+    out = jax.lax.dynamic_update_slice(c.out, nxt[:, None], (0, c.step))
+    is_eos = jnp.isin(nxt, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros_like(c.done)
+    return DecodeCarry(states, nxt, c.pos + 1, c.done | is_eos, key, c.step + 1, out)
 
 
 @functools.partial(jax.jit, static_argnames=("loop", "driver"), donate_argnames=("states",))
-def _generate_compiled(loop: _Loop, driver: str, params, states, first, lengths, key):
-    """Run the whole decode loop compiled. ``first [B]`` is the token sampled from the prefill logits."""
+def run_loop(loop: DecodeLoop, driver: str, params, states, first, lengths, key):
+    """Run the whole decode loop compiled (``driver``: ``"scan"``, exactly ``max_new_tokens`` tokens, or
+    ``"while"``, stop when every sequence has emitted EOS). ``first [B]`` is the token sampled from the prefill
+    logits, ``lengths [B]`` the prompt lengths (its position). Returns ``(tokens [B, max_new_tokens], steps,
+    states)``; ``states`` is donated."""
     TRACE_COUNTS[f"loop_{driver}"] += 1
     b = first.shape[0]
     out = jnp.zeros((b, loop.max_new_tokens), jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros((b,), bool)
-    carry = (states, first, lengths, done, key, jnp.int32(1), out)
+    carry = DecodeCarry(states, first, lengths, done, key, jnp.int32(1), out)
     n = loop.max_new_tokens - 1
     if driver == "scan":
         carry, _ = jax.lax.scan(lambda c, _: (_loop_body(loop, params, c), None), carry, None, length=n)
     else:
-        carry = jax.lax.while_loop(lambda c: (c[5] <= n) & ~jnp.all(c[3]),
+        carry = jax.lax.while_loop(lambda c: (c.step <= n) & ~jnp.all(c.done),
                                    lambda c: _loop_body(loop, params, c), carry)
-    return carry[6], carry[5], carry[0]
+    return carry.out, carry.step, carry.states
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(5,))
@@ -126,6 +136,21 @@ prefill = _prefill_jit
 decode_step = _step_jit
 
 
+def tokens_held(method, states) -> np.ndarray:
+    """``[B]`` float: tokens each sequence holds, mean over layers (and KV heads)."""
+    return np.mean([np.asarray(method.tokens_held(s)) for s in states], axis=0)
+
+
+def memory_bytes(method, states) -> int:
+    """Bytes all layers' states hold (the batch's)."""
+    return int(sum(method.memory_bytes(s) for s in states))
+
+
+def bytes_read_per_step(method, states, num_heads: int) -> int:
+    """Bytes one decode step reads over all layers (the batch's), from each layer's block plan."""
+    return int(sum(method.bytes_read_per_step(s, num_heads) for s in states))
+
+
 @dataclasses.dataclass
 class Result:
     """What ``generate`` returns, per sequence."""
@@ -135,7 +160,8 @@ class Result:
     stats: list[dict[str, Any]]
 
 
-def _prepare(model, prompts, chat: bool) -> list[list[int]]:
+def prepare_prompts(model, prompts, chat: bool = False) -> list[list[int]]:
+    """Token id lists from a string, strings (tokenized; ``chat=True`` applies the chat template) or id lists."""
     if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
     ids = []
@@ -151,6 +177,15 @@ def _prepare(model, prompts, chat: bool) -> list[list[int]]:
         if not ids[-1]:
             raise ValueError("an empty prompt cannot be generated from; give at least one token")
     return ids
+
+
+def check_method(cfg: ModelConfig, method) -> None:
+    """A ValueError when the method's token budget exceeds the model context (the fix: a smaller count)."""
+    from kvjax.budget import check_budget
+
+    for f in dataclasses.fields(method):
+        if f.name == "budget":
+            check_budget(method.budget, "budget", max_tokens=cfg.max_position_embeddings)
 
 
 def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_new_tokens: int):
@@ -177,7 +212,14 @@ def _eos_ids(model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _pad(ids: list[list[int]], bucket: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(ids: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad id lists to ``bucket`` (default :func:`bucket_length` of the longest): ``(tokens [B, bucket]
+    int32, lengths [B] int32)``. A prompt longer than ``bucket`` is an error, never truncated."""
+    longest = max(len(s) for s in ids)
+    bucket = bucket or bucket_length(longest)
+    if longest > bucket:
+        raise ValueError(f"prompt of {longest} tokens is longer than prompt_len={bucket}; raise prompt_len (or "
+                         "leave it None to bucket automatically); prompts are never truncated")
     tokens = np.zeros((len(ids), bucket), np.int32)
     for i, seq in enumerate(ids):
         tokens[i, : len(seq)] = seq
@@ -203,11 +245,12 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         raise ValueError(f"driver={driver!r} must be 'while', 'scan' or 'python'")
     sampling = sampling or Greedy()
     cfg = model.config
-    ids = _prepare(model, prompts, chat)
+    ids = prepare_prompts(model, prompts, chat)
     lengths_list = [len(s) for s in ids]
     bucket = prompt_len or bucket_length(max(lengths_list))
     _check_capacity(cfg, lengths_list, bucket, max_new_tokens)
-    tokens, lengths = _pad(ids, bucket)
+    check_method(cfg, method)
+    tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()
     states = init_states(cfg, method, len(ids), capacity, model.dtype)
@@ -218,15 +261,18 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     first = sampling(logits, sub)
     first.block_until_ready()
     t1 = time.perf_counter()
-    cache_bytes = sum(method.memory_bytes(s) for s in states)
-    loop = _Loop(cfg, method, sampling, max_new_tokens, eos)
+    cache_bytes = memory_bytes(method, states)
+    held_prefill = tokens_held(method, states)
+    loop = DecodeLoop(cfg, method, sampling, max_new_tokens, eos)
     if driver == "python":
         out, steps, states = _python_loop(loop, model.params, states, first, jnp.asarray(lengths), key, on_token)
     else:
-        out, steps, states = _generate_compiled(loop, driver, model.params, states, first, jnp.asarray(lengths), key)
+        out, steps, states = run_loop(loop, driver, model.params, states, first, jnp.asarray(lengths), key)
         out = np.asarray(out)
         steps = int(steps)
     t2 = time.perf_counter()
+    held_end = tokens_held(method, states)
+    read = bytes_read_per_step(method, states, cfg.num_heads)
 
     result = Result([], [], [])
     for i, n in enumerate(lengths_list):
@@ -238,12 +284,14 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         result.text.append(model.tokenizer.decode(seq) if model.tokenizer is not None else None)
         result.stats.append({
             "prompt_tokens": n, "new_tokens": len(seq), "method": method.name,
-            "cache_bytes": cache_bytes // len(ids), "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
+            "tokens_held_prefill": float(held_prefill[i]), "tokens_held": float(held_end[i]),
+            "cache_bytes": cache_bytes // len(ids), "bytes_read_per_step": read // len(ids),
+            "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
             "decode_steps": steps, "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9)})
     return result
 
 
-def _python_loop(loop: _Loop, params, states, first, lengths, key, on_token):
+def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token):
     b = first.shape[0]
     out = np.zeros((b, loop.max_new_tokens), np.int32)
     out[:, 0] = np.asarray(first)

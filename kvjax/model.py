@@ -27,7 +27,7 @@ from kvjax.config import ModelConfig
 from kvjax.rope import apply_rope, cos_sin
 
 Params = dict[str, Any]
-NEG_INF = -1e30  # finite, so fully masked rows give 0 weights after the max-subtraction instead of NaN
+from kvjax.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -165,6 +165,24 @@ def _chunked_causal_attention(q, k, v, lengths, sliding_window, chunk: int):
     return out[:, :, :t]
 
 
+def run_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry=None,
+               layers: range | None = None):
+    """The layer loop, the only one in kvjax: for each layer ``q, k, v = layer_qkv(...)``, then
+    ``attn, carry = attend(layer, x, q, k, v, carry)``, then ``x = layer_finish(..., attn)``.
+
+    x: ``[B, T, H]`` residual stream (the embedded tokens); positions: ``[B, T]``; attend: a function of
+    ``(layer, x [B,T,H] (the layer's input), q [B,Hq,T,D], k, v [B,Hkv,T,D], carry)`` returning the attention
+    output ``[B, Hq, T, D]`` and the new carry (the engine's method states, a probe's records, ...). ``layers``
+    runs a subset (default all). Returns ``(x, carry)``.
+    """
+    for layer in (range(cfg.num_layers) if layers is None else layers):
+        lp = params["layers"][layer]
+        q, k, v = layer_qkv(cfg, lp, x, positions)
+        attn, carry = attend(layer, x, q, k, v, carry)
+        x = layer_finish(cfg, lp, x, attn)
+    return x, carry
+
+
 def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray | None = None,
             positions: jnp.ndarray | None = None) -> jnp.ndarray:
     """Full forward pass with dense causal attention: ``tokens [B, T]`` -> float32 logits ``[B, T, V]``.
@@ -174,10 +192,11 @@ def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, lengths: jnp.
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = embed(params, tokens)
-    for i, lp in enumerate(params["layers"]):
-        q, k, v = layer_qkv(cfg, lp, x, positions)
-        x = layer_finish(cfg, lp, x, causal_attention(q, k, v, lengths, cfg.sliding_windows[i]))
+
+    def dense(layer, x, q, k, v, carry):
+        return causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), carry
+
+    x, _ = run_layers(cfg, params, embed(params, tokens), positions, dense)
     return logits(cfg, params, x)
 
 

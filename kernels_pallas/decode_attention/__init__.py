@@ -118,5 +118,29 @@ def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices
                                 block_size=int(min(block_size, _pow2(s))), interpret=interpret)
 
 
-__all__ = ["IMPLS", "NEG_INF", "check_block_shape", "decode_attention", "decode_attention_reference",
+def block_plan_bytes(k, lengths=None, block_indices=None, *, block_size: int = 128, num_heads: int | None = None,
+                     with_mask: bool = False) -> int:
+    """Bytes one ``decode_attention`` call reads under the kernels' block plan (``_common.plan_blocks``): for
+    every ``(b, h)`` the K and V rows of each visited block (blocks listed in ``block_indices`` and starting
+    below ``lengths[b]``; a partial last block counts its real rows), the float32 additive mask of those slots
+    when a ``valid``/``bias`` is passed (``with_mask``), the query and the partial outputs (``num_heads`` query
+    heads, default ``Hkv``). Concrete inputs only (call it outside ``jit``)."""
+    from kernels_pallas.decode_attention import _common
+
+    b, hkv, s, d = k.shape
+    bs = int(min(block_size, s))
+    idx, count = _common.plan_blocks(block_indices, lengths, b, hkv, s, bs)
+    idx, count = np.asarray(idx), np.asarray(count)
+    rows = 0
+    for bi in range(b):
+        for hi in range(hkv):
+            starts = idx[bi, hi, : count[bi, hi]] * bs
+            rows += int(np.sum(np.minimum(bs, s - starts)))
+    hq = num_heads or hkv
+    item = np.dtype(k.dtype).itemsize
+    total = rows * 2 * d * item + (rows * 4 if with_mask else 0)
+    return int(total + b * hq * d * item + b * hq * (d + 2) * 4)
+
+
+__all__ = ["IMPLS", "NEG_INF", "block_plan_bytes", "check_block_shape", "decode_attention", "decode_attention_reference",
            "default_impl", "merge", "normalise", "slot_mask"]

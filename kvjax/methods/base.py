@@ -1,28 +1,49 @@
-"""The cache-method interface and the slot cache most methods share.
+"""The cache-method interface (as code) and the slot cache most methods share.
 
-A method is a frozen, hashable config dataclass (static under ``jit``) with four pure functions
-(DESIGN principle 4), written as methods of the config so ``cfg.prefill(...)`` is ``prefill(cfg, ...)``:
+A method is a frozen, hashable config dataclass (static under ``jit``) that subclasses :class:`Method` and
+implements four pure functions over its own state pytree (DESIGN principle 4):
 
-- ``init(model_cfg, batch, capacity, layer) -> State``: fixed shapes from ``Capacity`` (prompt bucket and
-  ``max_new_tokens``); ``layer`` lets a method vary per layer (PyramidKV budgets, full first layers).
-- ``prefill(state, layer, q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D], lengths [B]) -> State``.
-- ``decode(state, layer, q [B,Hq,D], k [B,Hkv,D], v [B,Hkv,D], pos [B]) -> (out [B,Hq,D] f32, State)``:
-  store the new token, attend, evict; all at fixed shapes.
+- ``init(model_cfg, batch, capacity, layer, dtype) -> State``: fixed shapes from :class:`Capacity` (prompt
+  bucket and ``max_new_tokens``); ``layer`` lets a method vary per layer (PyramidKV, outlier heads).
+- ``prefill(state, layer, q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,D], lengths [B], previous=None) -> State``:
+  store / compress the prompt's KV. ``previous`` is the state the previous layer's ``prefill`` returned, passed
+  only to methods that declare ``reuses_previous_layer`` (ChunkKV's index reuse; None at layer 0).
+- ``decode(state, layer, q [B,Hq,D], k [B,Hkv,D], v [B,Hkv,D], pos [B]) -> (out [B,Hq,D] f32, State)``: store
+  the new token, attend, evict / re-compress; all at fixed shapes.
 - ``memory_bytes(state) -> int``: bytes the state really holds (every leaf, counts and positions included).
 
-Budgets (``Budget``) are a fraction of each prompt (``0 < b <= 1``, float) or a token count (``int >= 1``).
-A fractional budget gives each sequence ``ceil(b * length)`` tokens; the static slot count uses the bucket.
+Optional capabilities are declared here with their defaults; the engine, eval and LESS ask them, never
+``getattr``:
+
+- ``reuses_previous_layer`` (ClassVar bool, default False): prefill takes ``previous=``.
+- ``has_decode_partial`` (ClassVar bool, default False): ``decode_partial(...) -> ((o, m, l), State, (k_ev,
+  v_ev, evicted))`` returns the attention partials and the KV pair evicted this step (LESS wraps such a policy).
+- ``bytes_read_per_step(state, num_heads) -> int``: the bytes one decode step of this layer reads (K/V blocks
+  the decode-attention kernel's block plan visits, masks, codes, ...), beside ``memory_bytes``.
+- ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
+- ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
+  ``n``-token prompt holds after ``steps`` decode steps. The README's budget table is this function.
+
+Budgets (:mod:`kvjax.budget`): a float ``b`` in ``(0, 1]`` gives each sequence ``ceil(b n)`` tokens of its own
+prompt ``n`` (exact integers), an int is a token count. A method never holds more than its budget; on a prompt
+too short for its window, sinks or chunk it shrinks them (most recent tokens first) instead of overshooting or
+raising. Static slot counts come from the bucket (the largest ``n`` it can hold); what a sequence keeps comes
+from its own ``n`` only, so the same prompt in any bucket keeps the same tokens.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import math
+from typing import Any, ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
+from kvjax.budget import budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
 
 
@@ -34,45 +55,70 @@ class Capacity:
     max_new_tokens: int
 
 
-def check_budget(budget) -> float | int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"budget={budget!r} must be a fraction in (0, 1] (float) or a token count >= 1 (int)")
-    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget={budget} as a fraction must be in (0, 1]; pass an int for a token count")
-    if isinstance(budget, int) and budget < 1:
-        raise ValueError(f"budget={budget} tokens must be >= 1")
-    return budget
+class Method(abc.ABC):
+    """The interface every cache method implements (see the module docstring). Subclasses are frozen
+    dataclasses; ``name`` is the registry name."""
+
+    name: ClassVar[str] = ""
+    #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).
+    reuses_previous_layer: ClassVar[bool] = False
+    #: ``decode_partial`` is implemented (partials + the evicted pair, for LESS).
+    has_decode_partial: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:
+        ...
+
+    @abc.abstractmethod
+    def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
+        ...
+
+    @abc.abstractmethod
+    def decode(self, state, layer: int, q, k, v, pos):
+        ...
+
+    def memory_bytes(self, state) -> int:
+        """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
+        return tree_bytes(state)
+
+    def decode_partial(self, state, layer: int, q, k, v, pos):
+        raise NotImplementedError(f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
+                                  "a policy that does (h2o, streaming_llm)")
+
+    @abc.abstractmethod
+    def bytes_read_per_step(self, state, num_heads: int) -> int:
+        ...
+
+    @abc.abstractmethod
+    def tokens_held(self, state) -> jnp.ndarray:
+        ...
+
+    @abc.abstractmethod
+    def held(self, n: int, steps: int) -> int:
+        ...
 
 
-def static_budget(budget: float | int, prompt_len: int) -> int:
-    """Slots reserved for the compressed prompt at bucket length ``prompt_len`` (never more than it)."""
-    if isinstance(budget, float):
-        return max(1, min(prompt_len, math.ceil(budget * prompt_len)))
-    return min(int(budget), prompt_len)
-
-
-def dynamic_budget(budget: float | int, lengths: jnp.ndarray) -> jnp.ndarray:
-    """Per-sequence budget ``[B]`` int32: ``ceil(b * length)`` for fractions, the count otherwise."""
-    if isinstance(budget, float):
-        return jnp.maximum(1, jnp.ceil(budget * lengths.astype(jnp.float32)).astype(jnp.int32))
-    return jnp.full_like(lengths, int(budget))
-
+# ---------------------------------------------------------------------------------------------------------------
+# The slot cache shared by full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv (and LESS's sparse part).
 
 @struct.dataclass
 class SlotCache:
-    """Head-major slot buffers. ``pos`` is the original token position of each slot, -1 when empty.
+    """Head-major slot buffers with a per-sequence fill count.
 
-    k, v: ``[B, Hkv, S, D]``; pos: ``[B, Hkv, S]`` int32; score: ``[B, Hkv, S]`` float32 accumulated
-    attention (H2O) or ``[B, Hkv, 0]`` for methods that keep none; cursor: ``[]`` int32 next append slot;
-    prompt_slots: static number of slots reserved for the (compressed) prompt, ``[0, prompt_slots)``;
-    num_layers: static layer count of the model (layer-dependent methods such as PyramidKV use it).
+    k, v: ``[B, Hkv, S, D]``; pos: ``[B, Hkv, S]`` int32 original position of each slot, -1 when empty;
+    score: ``[B, Hkv, S]`` float32 accumulated attention (H2O) or ``[B, Hkv, 0]``; length: ``[B]`` int32, the
+    slots ``[0, length)`` of a sequence are the only ones that can be live (decode attention reads only them;
+    appends go at ``length``); limit: ``[B]`` int32 tokens the sequence may hold during decode (evicting
+    methods), or its kept-prompt count. Static: prompt_slots (slots reserved for the compressed prompt at this
+    bucket) and num_layers.
     """
 
     k: jnp.ndarray
     v: jnp.ndarray
     pos: jnp.ndarray
     score: jnp.ndarray
-    cursor: jnp.ndarray
+    length: jnp.ndarray
+    limit: jnp.ndarray
     prompt_slots: int = struct.field(pytree_node=False, default=0)
     num_layers: int = struct.field(pytree_node=False, default=0)
 
@@ -83,25 +129,28 @@ class SlotCache:
 
 def empty_slots(model_cfg: ModelConfig, batch: int, slots: int, dtype, prompt_slots: int,
                 with_score: bool = False) -> SlotCache:
-    """An empty cache of ``slots`` slots whose first ``prompt_slots`` hold the prompt; appends start after."""
+    """An empty cache of ``slots`` slots whose first ``prompt_slots`` can hold the prompt."""
     h, d = model_cfg.num_kv_heads, model_cfg.head_dim
     return SlotCache(
         k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
         pos=jnp.full((batch, h, slots), -1, jnp.int32),
         score=jnp.zeros((batch, h, slots if with_score else 0), jnp.float32),
-        cursor=jnp.asarray(prompt_slots, jnp.int32), prompt_slots=prompt_slots,
-        num_layers=model_cfg.num_layers)
+        length=jnp.zeros((batch,), jnp.int32), limit=jnp.zeros((batch,), jnp.int32),
+        prompt_slots=prompt_slots, num_layers=model_cfg.num_layers)
 
 
-def store_prompt(state: SlotCache, k, v, idx, ok, score=None) -> SlotCache:
-    """Gather prompt tokens ``idx [B,Hkv,P]`` (``ok`` marks real ones) into slots ``[0, P)``."""
+def store_prompt(state: SlotCache, k, v, idx, ok, score=None, limit=None) -> SlotCache:
+    """Gather prompt tokens ``idx [B,Hkv,P]`` (``ok`` marks real ones, real entries first) into slots ``[0, P)``;
+    the fill count becomes the most real entries of any head. ``limit [B]`` defaults to that count."""
     p = idx.shape[-1]
     safe = jnp.clip(idx, 0, k.shape[2] - 1)
     kk = jnp.take_along_axis(k, safe[..., None], axis=2).astype(state.k.dtype)
     vv = jnp.take_along_axis(v, safe[..., None], axis=2).astype(state.v.dtype)
     pos = jnp.where(ok, idx, -1).astype(jnp.int32)
+    filled = jnp.max(jnp.where(ok, jnp.arange(p) + 1, 0), axis=(1, 2)).astype(jnp.int32)  # [B]
     new = state.replace(k=state.k.at[:, :, :p].set(kk), v=state.v.at[:, :, :p].set(vv),
-                         pos=state.pos.at[:, :, :p].set(pos))
+                        pos=state.pos.at[:, :, :p].set(pos), length=filled,
+                        limit=filled if limit is None else limit.astype(jnp.int32))
     if score is not None and state.score.shape[-1]:
         sc = jnp.where(ok, jnp.take_along_axis(score, safe, axis=2), 0.0)
         new = new.replace(score=new.score.at[:, :, :p].set(sc))
@@ -109,31 +158,46 @@ def store_prompt(state: SlotCache, k, v, idx, ok, score=None) -> SlotCache:
 
 
 def write_token(state: SlotCache, slot: jnp.ndarray, k, v, pos) -> SlotCache:
-    """Write the new token ``k, v [B,Hkv,D]`` at position ``pos [B]`` into ``slot [B,Hkv]`` (in place)."""
+    """Write the new token ``k, v [B,Hkv,D]`` at position ``pos [B]`` into ``slot [B,Hkv]`` (in place); the fill
+    count grows to cover it."""
     b, h = slot.shape
     bi = jnp.arange(b)[:, None]
     hi = jnp.arange(h)[None, :]
     return state.replace(
         k=state.k.at[bi, hi, slot].set(k.astype(state.k.dtype)),
         v=state.v.at[bi, hi, slot].set(v.astype(state.v.dtype)),
-        pos=state.pos.at[bi, hi, slot].set(jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32)))
+        pos=state.pos.at[bi, hi, slot].set(jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32)),
+        length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
 
 
-def attend_slots(state: SlotCache, q) -> jnp.ndarray:
-    """Normalised attention ``[B, Hq, D]`` float32 of ``q`` over the valid slots."""
-    return attention.normalise(attention.attend(q, state.k, state.v, state.valid))
+def attend_slots(state: SlotCache, q, bias=None):
+    """Partials ``(o, m, l)`` of ``q [B,Hq,D]`` over the live slots: the kernel reads only ``[0, length)``."""
+    return attention.attend(q, state.k, state.v, state.valid, bias=bias, lengths=state.length)
+
+
+def append_decode(state: SlotCache, q, k, v, pos):
+    """Decode for methods that keep the compressed prompt and append every new token right after it."""
+    b, h = k.shape[:2]
+    slot = jnp.broadcast_to(state.length[:, None], (b, h))
+    state = write_token(state, slot, k, v, pos)
+    return attention.normalise(attend_slots(state, q)), state
+
+
+def slot_bytes_read(state: SlotCache, num_heads: int, extra_per_slot: int = 0) -> int:
+    """Bytes one decode step reads from a slot cache: the K/V blocks the decode-attention kernel's block plan
+    visits for ``[0, length)`` plus the valid mask (float32 per visited slot), the query and the output; plus
+    ``extra_per_slot`` bytes per live slot (e.g. H2O's scores, read and written)."""
+    live = int(jnp.sum(state.length)) * state.k.shape[1]
+    return block_plan_bytes(state.k, state.length, num_heads=num_heads, with_mask=True) + live * extra_per_slot
+
+
+def slot_tokens_held(state: SlotCache) -> jnp.ndarray:
+    """``[B]`` float32: valid slots per sequence, mean over KV heads."""
+    return jnp.mean(jnp.sum(state.valid, axis=-1), axis=-1).astype(jnp.float32)
 
 
 def tree_bytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
-def append_decode(state: SlotCache, q, k, v, pos):
-    """Decode for methods that keep the compressed prompt and append every new token at ``cursor``."""
-    b, h = k.shape[:2]
-    slot = jnp.broadcast_to(state.cursor, (b, h))
-    state = write_token(state, slot, k, v, pos).replace(cursor=state.cursor + 1)
-    return attend_slots(state, q), state
 
 
 def group_mean(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:

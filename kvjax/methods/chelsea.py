@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import attention
-from kvjax.methods.base import Capacity, check_budget, tree_bytes
+from kvjax.methods.base import Capacity, Method, check_budget, tree_bytes
 from kvjax.methods.csm import Round, csm_round, merges_for, plan
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
@@ -79,7 +79,7 @@ def load_outlier_file(path: str) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chelsea:
+class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 
     name: ClassVar[str] = "chelsea"
@@ -232,7 +232,7 @@ class Chelsea:
             length = length - m
         return k, v, n, length
 
-    def prefill(self, state: ChelseaState, layer: int, q, k, v, lengths) -> ChelseaState:
+    def prefill(self, state: ChelseaState, layer: int, q, k, v, lengths, previous=None) -> ChelseaState:
         """Store the prompt ``k, v [B, Hkv, T, D]`` (``lengths [B]``) and compress it to ``B`` (Alg. 1)."""
         b, _, t, _ = k.shape
         comp, out = state.comp_heads, state.out_heads
@@ -304,6 +304,16 @@ class Chelsea:
     def memory_bytes(self, state: ChelseaState) -> int:
         """Every leaf: compressed K/V, counts, lengths, and the full-size outlier buffers."""
         return tree_bytes(state)
+
+    def bytes_read_per_step(self, state: ChelseaState, num_heads: int) -> int:
+        return tree_bytes(state)  # TODO(helper): live-slot block plan
+
+    def tokens_held(self, state: ChelseaState):
+        """``[B]`` occupied slots (merged clusters count once), mean over all KV heads incl. outlier heads."""
+        return jnp.sum(state.n > 0, axis=-1).mean(axis=-1).astype(jnp.float32)
+
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+        return n + steps  # TODO(helper): B = R (n + Gamma)
 
 
 def _heads(x, heads: tuple) -> jnp.ndarray:

@@ -10,7 +10,7 @@ PyTorch code picks chunks from batch element 0 for every element; kvjax does not
 Layer-wise index reuse (§3.3, Algorithm 2): layers with ``layer % reuse == 0`` select; layer ``l`` reuses the
 positions selected at layer ``(l // reuse) * reuse`` and gathers its *own* K/V at them (KV head ``h`` reuses
 head ``h``'s positions, method note §6 A14). ``reuse=1`` selects at every layer. The reused positions travel
-through the state itself (``SlotCache.pos``): the class sets ``reads_previous_layer = True`` and the engine
+through the state itself (``SlotCache.pos``): the class declares ``reuses_previous_layer`` and the engine
 passes the previous layer's state as ``previous=``; the state shapes are the same at every layer.
 
 Modes (method note §2.4, §6 A5):
@@ -37,26 +37,30 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, SlotCache, append_decode, check_budget, dynamic_budget, empty_slots,
-                                static_budget, store_prompt, tree_bytes)
-from kvjax.methods.select import NEG_INF, append_window, window_scores
+from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
+from kvjax.methods.select import NEG_INF, append_window
 
 MODES = ("prefix_exclusive", "paper_literal")
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkKV:
+class ChunkKV(Method):
     """ChunkKV config. ``budget``: fraction of each prompt in (0, 1] or a token count, window included
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
-    ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc."""
+    ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
+    ``scorer``: the token scorer whose votes are summed per chunk (``"snapkv"``: the observation window without
+    pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.scorers.Scorer`)."""
 
     name: ClassVar[str] = "chunkkv"
-    reads_previous_layer: ClassVar[bool] = True  # the engine passes ``previous=`` (index reuse, Alg. 2)
+    reuses_previous_layer: ClassVar[bool] = True  # the engine passes ``previous=`` (index reuse, Alg. 2)
     budget: float | int = 0.2
     window: int = 8
     chunk_size: int = 10
     reuse: int = 1
     mode: str = "prefix_exclusive"
+    scorer: str | Scorer = "snapkv"
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -68,27 +72,24 @@ class ChunkKV:
                 raise ValueError(f"{field}={value!r} must be an int >= 1; {fix}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
-        if isinstance(self.budget, int) and self.window >= self.budget:
-            raise ValueError(f"window={self.window} must be smaller than budget={self.budget} tokens (the budget "
-                             "includes the window); raise the budget or shrink the window")
+        if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:
+            raise ValueError(f"scorer={self.scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance")
 
     # ------------------------------------------------------------------------------------------------------
-    # static sizes
+    # static sizes and the budget contract
 
     def prompt_slots(self, prompt_len: int) -> int:
-        """Static slots for the compressed prompt at bucket ``prompt_len`` (window included; same at every
-        layer, so reused positions always fit)."""
-        slots = static_budget(self.budget, prompt_len)
-        if slots < prompt_len:  # compression can happen at this bucket: a chunk must fit beside the window
-            if slots <= self.window:
-                raise ValueError(f"budget={self.budget} gives {slots} tokens at prompt length {prompt_len}, not "
-                                 f"more than window={self.window}; raise the budget or shrink the window")
-            room = slots - self.window if self.mode == "prefix_exclusive" else slots
-            if room < self.chunk_size:
-                raise ValueError(f"budget={self.budget} gives {slots} tokens at prompt length {prompt_len}: with "
-                                 f"window={self.window} no chunk of chunk_size={self.chunk_size} fits; raise the "
-                                 "budget or lower chunk_size")
-        return slots
+        """Static slots for the compressed prompt at bucket ``prompt_len`` (window included; the same at every
+        layer, so reused positions always fit): the largest budget of any prompt in the bucket."""
+        return budget_tokens(self.budget, prompt_len)
+
+    def windows(self, budgets):
+        """Per-sequence kept window ``[B]``: ``min(window, P)``; when no whole chunk fits beside it
+        (``P - w < chunk_size``), the window takes the whole budget (the most recent ``P`` tokens)."""
+        w = jnp.minimum(self.window, budgets)
+        if self.mode == "prefix_exclusive":
+            return jnp.where(budgets - w < self.chunk_size, budgets, w).astype(jnp.int32)
+        return jnp.where(budgets < self.chunk_size, budgets, w).astype(jnp.int32)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         p = self.prompt_slots(capacity.prompt_len)
@@ -107,9 +108,11 @@ class ChunkKV:
         q: ``[B, Hq, T, D]``; k: ``[B, Hkv, T, D]``; lengths: ``[B]`` (right padding beyond is never read).
         Real entries come first: the kept chunk tokens in position order, then the window.
         """
-        budgets = jnp.minimum(dynamic_budget(self.budget, lengths), slots)
-        votes = window_scores(q, k, lengths, self.window)  # [B, Hkv, T] (Alg. 1 "observe window")
-        return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode)
+        budgets = jnp.minimum(budget_tokens(self.budget, lengths), slots)
+        windows = self.windows(budgets)
+        scorer = make_scorer(self.scorer, self.window, kernel=1)
+        votes = scorer(q, k, lengths, lengths - windows)  # [B, Hkv, T] (Alg. 1 "observe window")
+        return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, windows)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None
                 ) -> SlotCache:
@@ -132,11 +135,18 @@ class ChunkKV:
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
         return append_decode(state, q, k, v, pos)
 
-    def memory_bytes(self, state: SlotCache) -> int:
-        return tree_bytes(state)
+    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
+        return slot_bytes_read(state, num_heads)
+
+    def tokens_held(self, state: SlotCache):
+        return slot_tokens_held(state)
+
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+        return min(n, budget_tokens(self.budget, n)) + steps
 
 
-def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive"):
+def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive",
+                 windows=None):
     """ChunkKV's chunk selection (Alg. 1 "Chunk Attention Score", "Top-K Chunk Selection", "Concatenation").
 
     votes: ``[B, Hkv, T]`` float32 token scores (larger is kept); lengths, budgets: ``[B]`` int32 (budgets in
@@ -147,13 +157,14 @@ def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, m
     b, h, t = votes.shape
     c = chunk
     nc = -(-t // c)
+    windows = jnp.minimum(window, budgets) if windows is None else windows
     if mode == "prefix_exclusive":
-        limit = lengths - window  # candidate region [0, limit): the prefix
-        kchunks = (budgets - window) // c
-        kmax = (slots - window) // c
+        limit = lengths - windows  # candidate region [0, limit): the prefix
+        kchunks = (budgets - windows) // c
+        kmax = max(slots - window, 0) // c
     elif mode == "paper_literal":
         limit = lengths  # every key is scored, the window's own too
-        kchunks = budgets // c
+        kchunks = jnp.where(budgets < c, 0, budgets // c)
         kmax = slots // c
     else:
         raise ValueError(f"mode={mode!r} must be one of {', '.join(MODES)}")
@@ -171,8 +182,8 @@ def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, m
         tok = (top[..., None] * c + jnp.arange(c)).reshape(b, h, kmax * c)  # [B, Hkv, kmax * c]
         tok_ok = jnp.repeat(top < nc, c, axis=-1) & (tok < limit[:, None, None])
         if mode == "paper_literal":  # K'_{0 : L_max - w}: the first budget - w selected tokens by position
-            tok_ok &= jnp.cumsum(tok_ok, axis=-1) <= (budgets - window)[:, None, None]
+            tok_ok &= jnp.cumsum(tok_ok, axis=-1) <= (budgets - windows)[:, None, None]
     else:
         tok = jnp.zeros((b, h, 0), jnp.int32)
         tok_ok = jnp.zeros((b, h, 0), bool)
-    return append_window(tok, tok_ok, lengths, budgets, window, slots)
+    return append_window(tok, tok_ok, lengths, budgets, window, slots, windows)

@@ -1,4 +1,8 @@
-"""``full``: no compression. Every prompt token and every generated token keeps its own slot."""
+"""``full``: no compression. Every prompt token and every generated token keeps its own slot.
+
+Holds ``n + steps`` tokens after ``steps`` decode steps; a decode step reads the ``n + steps`` live slots only
+(never the bucket padding after a short prompt, never the unwritten decode slots).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,19 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import Capacity, SlotCache, append_decode, empty_slots, store_prompt, tree_bytes
+from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
+                                slot_tokens_held, store_prompt)
 
 
 @dataclasses.dataclass(frozen=True)
-class Full:
+class Full(Method):
     name: ClassVar[str] = "full"
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         slots = capacity.prompt_len + capacity.max_new_tokens
         return empty_slots(model_cfg, batch, slots, dtype, prompt_slots=capacity.prompt_len)
 
-    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths) -> SlotCache:
+    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None) -> SlotCache:
         b, h, t, _ = k.shape
         idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, h, t))
         return store_prompt(state, k, v, idx, idx < lengths[:, None, None])
@@ -26,5 +31,11 @@ class Full:
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
         return append_decode(state, q, k, v, pos)
 
-    def memory_bytes(self, state: SlotCache) -> int:
-        return tree_bytes(state)
+    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
+        return slot_bytes_read(state, num_heads)
+
+    def tokens_held(self, state: SlotCache):
+        return slot_tokens_held(state)
+
+    def held(self, n: int, steps: int) -> int:
+        return n + steps

@@ -42,11 +42,12 @@ import numpy as np
 from flax import struct
 
 from kvjax import attention
-from kvjax.methods.base import Capacity, SlotCache, tree_bytes
+from kvjax.methods.base import Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
-NEG_INF = -1e30
+from kvjax.attention import NEG_INF  # noqa: E402
+
 KERNELS_FILE = "kernels.npz"
 CONFIG_FILE = "less_config.json"
 FORMAT = "kvjax-less-kernels/1"
@@ -302,7 +303,7 @@ def check_model(meta: dict, model_cfg, what: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class Less:
+class Less(Method):
     """LESS config (static under jit).
 
     policy: ``"h2o"`` (heavy hitters + recent, ``recent`` as in :class:`H2O`) or ``"lambda"`` (Λ-masking:
@@ -332,7 +333,8 @@ class Less:
             raise ValueError(f"rank={self.rank} and hidden={self.hidden} must be >= 1")
         if self.kernels is not None:
             load_kernels(self.kernels)  # fail early: missing files or another format
-        self.sparse  # validates budget / recent / sinks
+        if not self.sparse.has_decode_partial:  # the declared capability LESS needs (never getattr)
+            raise ValueError(f"policy={self.policy!r} does not provide decode_partial; LESS wraps h2o or lambda")
 
     @property
     def sparse(self):
@@ -368,13 +370,16 @@ class Less:
                          H=jnp.zeros((batch, h, r, d), jnp.float32), z=jnp.zeros((batch, h, r), jnp.float32),
                          kernels=kernels)
 
-    def prefill(self, state: LessState, layer: int, q, k, v, lengths) -> LessState:
+    def prefill(self, state: LessState, layer: int, q, k, v, lengths, previous=None) -> LessState:
         """Full-attention prefill is done by the engine; the policy compresses the prompt and every valid
         prompt token it did not keep is folded into ``H, z`` at once (Eqs. 4-5, note §2.8)."""
         sparse = self.sparse.prefill(state.sparse, layer, q, k, v, lengths)
         t = k.shape[2]
         tpos = jnp.arange(t)
-        kept = jnp.any(sparse.pos[..., :, None] == tpos, axis=-2)  # [B, Hkv, T]
+        b, h, s = sparse.pos.shape
+        # kept [B, Hkv, T] by a scatter of the kept positions (O(slots + T), not an [S, T] comparison)
+        kept = jnp.zeros((b, h, t + 1), bool).at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
+                                                 jnp.where(sparse.pos >= 0, sparse.pos, t)].set(True)[..., :t]
         ev = ((tpos[None, None, :] < lengths[:, None, None]) & ~kept).astype(jnp.float32)
         psk = self._psi(state.kernels, k) * ev[..., None]  # [B, Hkv, T, R]
         H = state.H + jnp.einsum("bhtr,bhtd->bhrd", psk, v.astype(jnp.float32))
@@ -396,6 +401,18 @@ class Less:
     def memory_bytes(self, state: LessState) -> int:
         """Sparse cache + ``H`` + ``z`` (the kernel weights are model weights, like the LLM's, not cache)."""
         return tree_bytes(state.sparse) + tree_bytes((state.H, state.z))
+
+    def bytes_read_per_step(self, state: LessState, num_heads: int) -> int:
+        """The sparse policy's step plus ``H, z`` (read and written) and the kernel weights (read)."""
+        return (self.sparse.bytes_read_per_step(state.sparse, num_heads) + 2 * tree_bytes((state.H, state.z))
+                + tree_bytes(state.kernels))
+
+    def tokens_held(self, state: LessState):
+        """Tokens in the sparse cache (the constant-size ``H, z`` state is counted in bytes, not tokens)."""
+        return self.sparse.tokens_held(state.sparse)
+
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+        return self.sparse.held(n, steps)
 
     # -- the parallel (training) form of this config ------------------------------------------------------
     def parallel_mask(self, q, k):

@@ -51,7 +51,7 @@ from flax import struct
 from kernels_pallas.pq_lookup import pq_lookup
 from kvjax import attention
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, tree_bytes
+from kvjax.methods.base import Capacity, Method, tree_bytes
 
 NEG_INF = -1e30
 
@@ -86,7 +86,7 @@ def _host_sharding():
 
 
 @dataclasses.dataclass(frozen=True)
-class PQCache:
+class PQCache(Method):
     name: ClassVar[str] = "pqcache"
     budget: float | int = 0.2  # r: fraction of the non-sink prompt tokens (local + retrieved), or a count
     m: int = 2  # sub-spaces
@@ -170,7 +170,7 @@ class PQCache:
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
-    def prefill(self, state: PQState, layer: int, q, k, v, lengths) -> PQState:
+    def prefill(self, state: PQState, layer: int, q, k, v, lengths, previous=None) -> PQState:
         """Store the prompt KV and build the PQ index (paper §3.1; note §2.3 with A3 resolved: fit on
         ``[sink, L)``). k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
         b, h, t, d = k.shape
@@ -279,6 +279,13 @@ class PQCache:
         """Stored bytes: full KV + codes + centroids + lengths (the KV is not shrunk; see
         :meth:`bytes_read_per_step`)."""
         return tree_bytes(state)
+
+    def tokens_held(self, state: PQState):
+        """``[B]`` tokens stored (the full KV stays resident: prompt + decoded so far)."""
+        return jnp.asarray(state.lengths, jnp.float32)  # TODO(helper): + decoded
+
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+        return n + steps
 
     def bytes_read_per_step(self, state: PQState, num_heads: int | None = None) -> dict[str, int]:
         """Bytes one decode step reads for this layer at the static maxima: the codes and centroids (scoring),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kvjax.attention import NEG_INF
 
 
 def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
@@ -76,42 +76,54 @@ def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:
     return jax.lax.reduce_window(x, 0.0, jax.lax.add, dims, (1,) * x.ndim, pads) / kernel
 
 
-def topk_with_window(scores, lengths, budgets, window: int, slots: int):
-    """Per-KV-head selection: top ``budget - window`` prefix tokens plus the last ``window`` tokens.
+def kept_window(budgets, window: int):
+    """Per-sequence kept window ``[B]``: ``min(window, budget)`` (a budget below the window keeps its most
+    recent ``budget`` tokens instead of overshooting)."""
+    return jnp.minimum(window, budgets).astype(jnp.int32)
 
-    scores: ``[B, Hkv, T]`` (larger is kept); lengths, budgets: ``[B]`` int; slots: static output size
+
+def topk_with_window(scores, lengths, budgets, window: int, slots: int, windows=None):
+    """Per-KV-head selection: top ``budget - w`` prefix tokens plus the last ``w`` tokens.
+
+    scores: ``[B, Hkv, T]`` (larger is kept); lengths, budgets: ``[B]`` int; window: static largest window;
+    windows: ``[B]`` per-sequence windows ``<= window`` (default :func:`kept_window`); slots: static output size
     (>= every budget). Returns ``idx [B, Hkv, slots]`` int32 positions in increasing order and
     ``ok [B, Hkv, slots]`` marking real entries. A sequence with ``length <= budget`` keeps every token.
     """
     b, h, t = scores.shape
-    kmax = max(slots - window, 0)
-    prefix = (lengths - window)[:, None, None]  # [B,1,1]
+    windows = kept_window(budgets, window) if windows is None else windows
+    kmax = min(max(slots - window, 0), t)
+    prefix = (lengths - windows)[:, None, None]  # [B,1,1]
     pos = jnp.arange(t)
     cand = pos[None, None, :] < prefix
     masked = jnp.where(cand, scores, NEG_INF)
     if kmax:
         val, top = jax.lax.top_k(masked, kmax)  # [B, H, kmax]
-        keep = (jnp.arange(kmax)[None, None, :] < (budgets - window)[:, None, None]) & (val > NEG_INF / 2)
+        keep = (jnp.arange(kmax)[None, None, :] < (budgets - windows)[:, None, None]) & (val > NEG_INF / 2)
         top = jnp.sort(jnp.where(keep, top, t + slots), axis=-1)
         keep = top < t
     else:
         top = jnp.zeros((b, h, 0), jnp.int32)
         keep = jnp.zeros((b, h, 0), bool)
-    return append_window(jnp.where(keep, top, -1), keep, lengths, budgets, window, slots)
+    return append_window(jnp.where(keep, top, -1), keep, lengths, budgets, window, slots, windows)
 
 
-def append_window(idx, ok, lengths, budgets, window: int, slots: int):
-    """Selected positions plus the last ``window`` prompt tokens, compacted to ``slots`` entries.
+def append_window(idx, ok, lengths, budgets, window: int, slots: int, windows=None):
+    """Selected positions plus the last ``w`` prompt tokens, compacted to ``slots`` entries.
 
     idx, ok: ``[B, Hkv, N]`` selected positions (in position order) and their validity; lengths, budgets:
-    ``[B]``. Returns ``idx [B, Hkv, slots]`` int32 (-1 for empty slots) and ``ok``: real entries first, in
-    position order (the selected prefix tokens precede the window). A sequence with ``length <= budget``
-    keeps every token (no compression).
+    ``[B]``; window: static largest window; windows: ``[B]`` per-sequence windows (default
+    :func:`kept_window`). Returns ``idx [B, Hkv, slots]`` int32 (-1 for empty slots) and ``ok``: real entries
+    first, in position order (the selected prefix tokens precede the window). A sequence with
+    ``length <= budget`` keeps every token (no compression).
     """
     b, h = idx.shape[:2]
-    win = jnp.broadcast_to((lengths - window)[:, None, None] + jnp.arange(window), (b, h, window))
+    windows = kept_window(budgets, window) if windows is None else windows
+    off = jnp.arange(window)
+    win = jnp.broadcast_to((lengths - window)[:, None, None] + off, (b, h, window))
+    win_ok = (win >= 0) & (off[None, None, :] >= (window - windows)[:, None, None])
     idx = jnp.concatenate([idx, win], axis=-1)
-    ok = jnp.concatenate([ok, win >= 0], axis=-1)
+    ok = jnp.concatenate([ok, win_ok], axis=-1)
     order = jnp.argsort(~ok, axis=-1, stable=True)  # real entries first, relative order kept
     idx = jnp.take_along_axis(idx, order, axis=-1)
     ok = jnp.take_along_axis(ok, order, axis=-1)

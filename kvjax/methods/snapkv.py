@@ -1,98 +1,115 @@
 """``snapkv`` (Li et al., 2024) and ``pyramidkv`` (Cai et al., 2024): one-shot prompt compression.
 
-SnapKV (§4.2, Alg. 1): the last ``window`` prompt queries vote (softmax attention in float32, summed over
-the window, mean over each KV group's query heads); votes are pooled with a 1-D kernel (``pool``:
-``"avg"`` or ``"max"``; ``kernel=1`` disables it); each KV head keeps its top ``budget - window`` prefix
-tokens plus the window. PyramidKV uses the same scores with per-layer budgets that fall linearly from the
-lower to the upper layers (the harness schedule with ``beta``, ``../shared/specs/chunkkv.md`` section 4); a
-sequence within its total budget is kept whole (the harness's first branch; its middle branch, plain SnapKV
-for ``len < 2 (L - w)``, is not reproduced).
+SnapKV (§4.2, Alg. 1): a scorer (default ``scorer="snapkv"``: the last ``window`` prompt queries vote, softmax in
+float32 summed over the window, mean over each KV group's query heads, pooled with a 1-D kernel: ``pool`` ``"avg"``
+or ``"max"``, ``kernel=1`` disables it; or ``scorer="h2o"``, see :mod:`kvjax.methods.scorers`) ranks the prompt;
+each KV head keeps its top ``P - w`` prefix tokens plus the last ``w`` tokens, with ``P = budget_tokens(budget,
+n)`` of each sequence's own prompt ``n`` and ``w = min(window, P)`` (a budget below the window keeps the most
+recent ``P`` tokens). A sequence with ``n <= P`` is kept whole.
+
+PyramidKV: the same scores with per-layer budgets from each sequence's own ``n``, the KVCache-Factory harness's
+integer schedule (``pyramidkv_utils.py``, ``update_kv``) for total ``P`` and window ``w``: ``n < P``: keep every
+token; ``n < 2 (P - w)``: SnapKV with ``P`` at every layer; else ``min = (P - w) // beta``, ``max = 2 (P - w) -
+min`` (if ``max >= n - w``: ``max = n - w``, ``min = 2 (P - w) - max``), ``step = (max - min) // (L - 1)``, layer
+``l`` keeps ``max - l step`` prefix tokens plus the window. Because of the integer ``step`` the layers' mean can
+exceed ``P`` by up to ``(L - 1) / 2`` tokens (the harness's rounding, kept for parity).
 Decode tokens are appended after the compressed prompt, never evicted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax.methods.base import (Capacity, SlotCache, append_decode, check_budget, dynamic_budget, empty_slots,
-                                static_budget, store_prompt, tree_bytes)
-from kvjax.methods.select import pool1d, topk_with_window, window_scores
+from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
+from kvjax.methods.select import kept_window, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV:
+class SnapKV(Method):
     name: ClassVar[str] = "snapkv"
     budget: float | int = 0.2
     window: int = 8
     kernel: int = 5
     pool: str = "avg"
+    scorer: str | Scorer = "snapkv"
 
     def __post_init__(self):
         check_budget(self.budget)
-        if self.window < 1:
-            raise ValueError(f"window={self.window} must be >= 1")
-        if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel={self.kernel} must be an odd number >= 1 (1 disables pooling)")
-        if self.pool not in ("avg", "max"):
-            raise ValueError(f"pool={self.pool!r} must be 'avg' or 'max'")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window={self.window!r} must be an int >= 1 (SnapKV's observation window, e.g. 8)")
+        if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:
+            raise ValueError(f"scorer={self.scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance")
+        self.score_fn  # validates kernel / pool
 
-    def _check(self, slots: int, prompt_len: int) -> int:
-        if slots <= self.window and slots < prompt_len:
-            raise ValueError(f"budget={self.budget} gives {slots} tokens at prompt length {prompt_len}, not more "
-                             f"than window={self.window}; raise the budget or shrink the window")
-        return slots
-
-    def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
-        """Static slots for the compressed prompt at this layer (window included)."""
-        return self._check(static_budget(self.budget, prompt_len), prompt_len)
+    @property
+    def score_fn(self) -> Scorer:
+        return make_scorer(self.scorer, self.window, self.kernel, self.pool)
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
-        """Per-sequence token budgets ``[B]`` at this layer (window included)."""
-        return dynamic_budget(self.budget, lengths)
+        """Per-sequence token budgets ``[B]`` (or an int for an int ``lengths``) at this layer, window included."""
+        return budget_tokens(self.budget, lengths)
+
+    def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
+        """Static slots for the compressed prompt at this layer: the largest budget of any ``n <= bucket``."""
+        return self.layer_budgets(prompt_len, layer, num_layers)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         p = self.prompt_slots(capacity.prompt_len, layer, model_cfg.num_layers)
         return empty_slots(model_cfg, batch, p + capacity.max_new_tokens, dtype, prompt_slots=p)
 
-    def token_scores(self, q, k, lengths):
-        """Pooled observation-window votes ``[B, Hkv, T]``."""
-        s = window_scores(q, k, lengths, self.window)
-        # Only prefix votes are pooled: window positions are always kept and must not leak into the prefix.
-        t = s.shape[-1]
-        s = jnp.where(jnp.arange(t) < (lengths - self.window)[:, None, None], s, 0.0)
-        return pool1d(s, self.kernel, self.pool)
-
-    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths) -> SlotCache:
+    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None) -> SlotCache:
+        total = budget_tokens(self.budget, lengths)
         budgets = jnp.minimum(self.layer_budgets(lengths, layer, state.num_layers), state.prompt_slots)
-        idx, ok = topk_with_window(self.token_scores(q, k, lengths), lengths, budgets, self.window,
-                                   state.prompt_slots)
+        windows = kept_window(total, self.window)
+        scores = self.score_fn(q, k, lengths, lengths - windows)
+        idx, ok = topk_with_window(scores, lengths, budgets, self.window, state.prompt_slots, windows)
         return store_prompt(state, k, v, idx, ok)
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
         return append_decode(state, q, k, v, pos)
 
-    def memory_bytes(self, state: SlotCache) -> int:
-        return tree_bytes(state)
+    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
+        return slot_bytes_read(state, num_heads)
+
+    def tokens_held(self, state: SlotCache):
+        return slot_tokens_held(state)
+
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+        return min(n, int(self.layer_budgets(n, layer, num_layers))) + steps
 
 
-def pyramid_budget(budget, prompt_len, layer: int, num_layers: int, window: int, beta: int):
-    """PyramidKV's per-layer budget (window included) for total budget ``budget`` (tokens incl. window).
-
-    Integer schedule of the harness: ``min = (L - w) // beta``, ``max = 2 (L - w) - min``; when ``max`` exceeds
-    the prefix ``T - w``, ``max = T - w`` and ``min = 2 (L - w) - max``; ``step = (max - min) // (N - 1)``;
-    layer ``l`` keeps ``max - l * step`` prefix tokens plus the window. Works on ints and on arrays.
-    """
-    base = budget - window
+def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):
+    """PyramidKV's per-layer budget (window included) for a total of ``total`` tokens (window included) and a
+    prompt of ``n`` tokens: the harness's three branches (module docstring). ``total``, ``n``, ``window``: ints or
+    int arrays of one shape."""
+    xp = jnp if any(hasattr(x, "shape") for x in (total, n, window)) else np
+    base = total - window
     lo = base // beta
     hi = 2 * base - lo
-    over = hi >= prompt_len - window
-    hi2 = jnp.where(over, prompt_len - window, hi) if hasattr(over, "shape") else (prompt_len - window if over else hi)
+    over = hi >= n - window
+    hi2 = xp.where(over, n - window, hi)
     lo2 = 2 * base - hi2
     step = (hi2 - lo2) // max(num_layers - 1, 1)
-    return hi2 - layer * step + window
+    pyramid = hi2 - layer * step + window
+    out = xp.where(n < total, n, xp.where(n < 2 * base, total, pyramid))
+    return int(out) if xp is np else out.astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _pyramid_slots(budget, window: int, beta: int, bucket: int, layer: int, num_layers: int) -> int:
+    """Largest per-layer budget of any prompt length ``1..bucket`` (the static slot count)."""
+    n = np.arange(1, bucket + 1, dtype=np.int64)
+    total = np.asarray(budget_tokens(budget, n.astype(np.int32)), np.int64) if isinstance(budget, float) else \
+        np.minimum(budget, n)
+    w = np.minimum(window, total)
+    return int(np.max(pyramid_budget(total, n, layer, num_layers, w, beta)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,22 +119,13 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta < 1:
-            raise ValueError(f"beta={self.beta} must be >= 1")
-
-    def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
-        """Static slots at this layer. With a token budget ``L``, a prompt of the bucket shorter than ``L`` is
-        kept whole at every layer, so each layer reserves at least ``min(L, bucket)`` slots; fractional
-        budgets give the pyramid-shaped allocation."""
-        total = static_budget(self.budget, prompt_len)
-        self._check(total, prompt_len)
-        if total >= prompt_len:
-            return prompt_len
-        slots = min(prompt_len, max(self.window + 1,
-                                    int(pyramid_budget(total, prompt_len, layer, num_layers, self.window, self.beta))))
-        return slots if isinstance(self.budget, float) else max(slots, total)
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
+            raise ValueError(f"beta={self.beta!r} must be an int >= 1 (the harness uses 20)")
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
-        total = dynamic_budget(self.budget, lengths)
-        per_layer = pyramid_budget(total, lengths, layer, num_layers, self.window, self.beta)
-        return jnp.where(total >= lengths, lengths, jnp.maximum(per_layer, self.window + 1))
+        total = budget_tokens(self.budget, lengths)
+        w = kept_window(total, self.window) if hasattr(total, "shape") else min(self.window, total)
+        return pyramid_budget(total, lengths, layer, num_layers, w, self.beta)
+
+    def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
+        return _pyramid_slots(self.budget, self.window, self.beta, prompt_len, layer, num_layers)

@@ -1,10 +1,12 @@
 """``streaming_llm`` (Xiao et al., 2024, StreamingLLM §3.2): attention sinks plus a rolling recent window.
 
-The cache holds the first ``sinks`` tokens and the most recent ``S - sinks`` tokens, ``S`` the budget: a
-fraction of the prompt bucket, or a token count (capped at prompt bucket + ``max_new_tokens``); during decode the oldest recent token is evicted for each
-new one, so the cache never grows. The recent window is a ring: position ``p >= sinks`` lives in slot
-``sinks + (p - sinks) mod (S - sinks)``. (Positions are the original ones: RoPE is applied before
-caching, as in the papers' long-context harnesses, not re-indexed inside the cache.)
+Each sequence holds ``S = budget_tokens(budget, n)`` tokens of its own ``n``-token prompt (a fraction: ``ceil(b
+n)``; a token count ``c``: ``min(c, n + generated)``, so a count may cover generated tokens): the first ``s``
+sinks and the most recent ``S - s`` tokens, with ``s = min(sinks, S - 1)`` (a budget too small for the sinks
+keeps the most recent tokens first). During decode the oldest recent token is evicted for each new one, so a
+sequence never holds more than ``S``. The recent window is a per-sequence ring: position ``p >= s`` lives in slot
+``s + (p - s) mod (S - s)``; only slots ``[0, S)`` of a sequence are live and read. (Positions are the original
+ones: RoPE is applied before caching, as in the papers' long-context harnesses, not re-indexed in the cache.)
 """
 
 from __future__ import annotations
@@ -15,49 +17,56 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (Capacity, SlotCache, check_budget, empty_slots, static_budget,
-                                store_prompt, tree_bytes, write_token)
+from kvjax.methods.base import (Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
+                                slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM:
+class StreamingLLM(Method):
     name: ClassVar[str] = "streaming_llm"
+    has_decode_partial: ClassVar[bool] = True
     budget: float | int = 0.2
     sinks: int = 4
 
     def __post_init__(self):
         check_budget(self.budget)
-        if self.sinks < 0:
-            raise ValueError(f"sinks={self.sinks} must be >= 0")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks={self.sinks!r} must be an int >= 0 (StreamingLLM uses 4)")
+
+    def budget_for(self, n, new_tokens):
+        """Tokens ``S`` a sequence with an ``n``-token prompt holds (int or ``[B]`` array)."""
+        cap = n if isinstance(self.budget, float) else n + new_tokens
+        return budget_tokens(self.budget, n, cap)
+
+    def sinks_for(self, s):
+        """Sinks kept under a budget of ``s`` tokens: ``min(sinks, s - 1)`` (at least one recent slot)."""
+        return jnp.minimum(self.sinks, jnp.maximum(s - 1, 0)) if hasattr(s, "shape") else min(self.sinks, max(s - 1, 0))
 
     def slots(self, capacity: Capacity) -> int:
-        # A token budget may cover generated tokens too (no eviction until it is reached).
-        s = (static_budget(self.budget, capacity.prompt_len) if isinstance(self.budget, float)
-             else min(self.budget, capacity.prompt_len + capacity.max_new_tokens))
-        if s <= self.sinks:
-            raise ValueError(f"budget={self.budget} gives {s} slots at prompt length {capacity.prompt_len}, not "
-                             f"more than sinks={self.sinks}; raise the budget or lower sinks")
-        return s
+        return self.budget_for(capacity.prompt_len, capacity.max_new_tokens)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         s = self.slots(capacity)
         return empty_slots(model_cfg, batch, s, dtype, prompt_slots=s)
 
-    def _ring(self, slots: int) -> int:
-        return slots - self.sinks
-
-    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths) -> SlotCache:
+    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None) -> SlotCache:
         b, h, t, _ = k.shape
-        s = state.k.shape[2]
-        r = self._ring(s)
-        slot = jnp.arange(s)
-        # Latest position p < length living in each ring slot: j = p - sinks with j = slot - sinks (mod r).
-        jmax = (lengths - self.sinks - 1)[:, None]  # [B, 1]
-        j = jmax - jnp.mod(jmax - (slot[None, :] - self.sinks), r)
-        idx = jnp.where(slot[None, :] < self.sinks, slot[None, :], self.sinks + j)  # [B, S]
-        ok = (idx >= 0) & (idx < lengths[:, None]) & ((slot[None, :] < self.sinks) | (j >= 0))
-        idx = jnp.broadcast_to(jnp.where(ok, idx, -1)[:, None], (b, h, s)).astype(jnp.int32)
-        return store_prompt(state, k, v, idx, jnp.broadcast_to(ok[:, None], (b, h, s)))
+        slots = state.k.shape[2]
+        # [B] tokens each sequence may hold: ceil(b n), or the count (generated tokens fill it up; slots beyond
+        # bucket + max_new_tokens are never reached, so the ring never wraps there).
+        s = (budget_tokens(self.budget, lengths) if isinstance(self.budget, float)
+             else jnp.full_like(lengths, min(self.budget, slots)))
+        sk = self.sinks_for(s)[:, None]  # [B, 1]
+        r = jnp.maximum(s[:, None] - sk, 1)
+        slot = jnp.arange(slots)[None, :]
+        # Latest position p < length living in each ring slot: j = p - sk with j = slot - sk (mod r).
+        jmax = (lengths[:, None] - sk - 1)
+        j = jmax - jnp.mod(jmax - (slot - sk), r)
+        idx = jnp.where(slot < sk, slot, sk + j)  # [B, S]
+        ok = (idx >= 0) & (idx < lengths[:, None]) & ((slot < sk) | (j >= 0)) & (slot < s[:, None])
+        idx = jnp.broadcast_to(jnp.where(ok, idx, -1)[:, None], (b, h, slots)).astype(jnp.int32)
+        state = store_prompt(state, k, v, idx, jnp.broadcast_to(ok[:, None], (b, h, slots)), limit=s)
+        return state
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
         part, state, _ = self.decode_partial(state, layer, q, k, v, pos)
@@ -67,14 +76,22 @@ class StreamingLLM:
         """``decode`` returning the attention partials ``(o, m, l)`` and the pair the new token overwrote
         ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (evicted before this step's attention), for LESS."""
         b, h = k.shape[:2]
-        s = state.k.shape[2]
-        slot = jnp.where(pos < self.sinks, pos, self.sinks + jnp.mod(pos - self.sinks, self._ring(s)))
+        s = state.limit
+        sk = self.sinks_for(s)
+        slot = jnp.where(pos < sk, pos, sk + jnp.mod(pos - sk, jnp.maximum(s - sk, 1)))
         slot = jnp.broadcast_to(slot[:, None], (b, h)).astype(jnp.int32)
         ek = jnp.take_along_axis(state.k, slot[..., None, None], axis=2)[:, :, 0]
         ev = jnp.take_along_axis(state.v, slot[..., None, None], axis=2)[:, :, 0]
         gone = jnp.take_along_axis(state.pos, slot[..., None], axis=2)[..., 0] >= 0
         state = write_token(state, slot, k, v, pos)
-        return attention.attend(q, state.k, state.v, state.valid), state, (ek, ev, gone)
+        part = attention.attend(q, state.k, state.v, state.valid, lengths=state.length)
+        return part, state, (ek, ev, gone)
 
-    def memory_bytes(self, state: SlotCache) -> int:
-        return tree_bytes(state)
+    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
+        return slot_bytes_read(state, num_heads)
+
+    def tokens_held(self, state: SlotCache):
+        return slot_tokens_held(state)
+
+    def held(self, n: int, steps: int) -> int:
+        return min(n + steps, self.budget_for(n, steps))

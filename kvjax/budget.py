@@ -1,0 +1,118 @@
+"""The budget contract, in one place: what a budget is, how it is parsed, and how many tokens it gives.
+
+A budget is either
+
+- a **fraction** ``b`` (a Python float in ``(0, 1]``): each sequence keeps ``ceil(b * n)`` tokens of its own
+  prompt of ``n`` tokens (at least one, never more than ``n``). It is relative to the sequence's own length,
+  never to the prompt bucket (the bucket is a compile-time shape, not a semantic); or
+- a **token count** (a Python int ``>= 1``).
+
+Arithmetic is exact integer arithmetic. ``b`` is taken as the decimal it is written as (``0.3`` is 3/10, not the
+binary float ``0.29999999999999998890``): :func:`as_fraction` gives ``p/q`` with ``q <= MAX_DENOMINATOR``
+(fractions with more than four decimal places are rounded *down* to the nearest ``1/MAX_DENOMINATOR``, so the
+budget stays a ceiling). :func:`budget_tokens` then computes ``ceil(p n / q)`` as
+``(n // q) p + ceil((n % q) p / q)``, which never overflows int32 for any ``n < 2^31`` (``(n % q) p < q^2``), on
+Python ints (static sizes) and on traced int32 arrays (per-sequence budgets inside ``jit``) alike.
+
+:func:`parse_budget` is the one parser of the ``--budget`` / ``--budgets`` options of ``kvjax``, ``kvjax-eval``
+and ``kvjax-train-less``: ``"0.2"`` is a fraction, ``"256"`` a token count.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax.numpy as jnp
+
+#: Largest denominator of a fractional budget (4 decimal places are exact).
+MAX_DENOMINATOR = 10_000
+
+Budget = float | int
+
+
+def check_budget(budget, name: str = "budget", max_tokens: int | None = None) -> Budget:
+    """``budget`` unchanged if it is a legal budget, else a ValueError naming ``name``, the value and the fix.
+
+    Legal: a float in (0, 1] (a fraction of each prompt) or an int >= 1 (tokens; at most ``max_tokens`` when
+    given, e.g. the model context). Bools, NaN, 0, negatives and floats above 1 are refused.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{name}={budget!r} must be a fraction in (0, 1] (a float, e.g. 0.2) or a token count "
+                         ">= 1 (an int, e.g. 256)")
+    if isinstance(budget, float):
+        if math.isnan(budget) or not 0.0 < budget <= 1.0:
+            raise ValueError(f"{name}={budget} as a fraction must be in (0, 1], e.g. 0.2; pass an int (e.g. 256) "
+                             "for a token count")
+        return budget
+    if budget < 1:
+        raise ValueError(f"{name}={budget} tokens must be >= 1; pass e.g. 256, or a float in (0, 1] for a fraction")
+    if max_tokens is not None and budget > max_tokens:
+        raise ValueError(f"{name}={budget} tokens exceeds the model context of {max_tokens} tokens; pass at most "
+                         f"{max_tokens}, or a fraction in (0, 1]")
+    return int(budget)
+
+
+def parse_budget(text: str) -> Budget:
+    """``"0.2"`` -> 0.2 (fraction), ``"256"`` -> 256 (tokens); a ValueError naming the option otherwise.
+
+    Used as an argparse ``type=`` by every CLI (argparse turns the ValueError into a usage error)."""
+    s = str(text).strip()
+    try:
+        value: Budget = int(s)
+    except ValueError:
+        try:
+            value = float(s)
+        except ValueError:
+            raise ValueError(f"--budget {text!r} is not a number; use a fraction like 0.2 or a token count like "
+                             "256") from None
+    return check_budget(value, name="--budget")
+
+
+def parse_budgets(text: str) -> list[Budget]:
+    """Comma-separated budgets (``"0.2,0.5,256"``) for ``--budgets``."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"--budgets {text!r} is empty; pass e.g. 0.2,0.5 or 256,512")
+    return [parse_budget(p) for p in parts]
+
+
+def as_fraction(budget: float) -> tuple[int, int]:
+    """``(p, q)``: the fraction ``budget`` as written, ``q <= MAX_DENOMINATOR`` (rounded down beyond that)."""
+    f = Fraction(repr(float(budget)))
+    if f.denominator > MAX_DENOMINATOR:
+        f = Fraction(math.floor(f * MAX_DENOMINATOR), MAX_DENOMINATOR)
+    return f.numerator, f.denominator
+
+
+def ceil_mul(n, p: int, q: int):
+    """``ceil(n p / q)`` exactly, for ``0 <= p <= q <= MAX_DENOMINATOR`` and int or int32-array ``n >= 0``."""
+    return (n // q) * p + ((n % q) * p + q - 1) // q
+
+
+def floor_mul(n, p: int, q: int):
+    """``floor(n p / q)`` exactly (same ranges as :func:`ceil_mul`)."""
+    return (n // q) * p + ((n % q) * p) // q
+
+
+def budget_tokens(budget: Budget, n, cap=None):
+    """Tokens a sequence of ``n`` tokens keeps under ``budget``: ``ceil(b n)`` for a fraction, the count for an
+    int; at least ``min(1, n)`` and at most ``cap`` (default ``n``: a budget never asks for more tokens than
+    exist). ``n`` is a Python int or an int array (``[B]``, traced or not); the result has the same kind.
+
+    Methods that evict during decode pass ``cap = n + generated`` so a token count can cover generated tokens.
+    """
+    cap = n if cap is None else cap
+    if isinstance(budget, float):
+        p, q = as_fraction(budget)
+        t = ceil_mul(n, p, q)
+    else:
+        t = budget if isinstance(n, int) else jnp.full_like(n, budget)
+    if isinstance(n, int) and isinstance(cap, int):
+        return max(min(t, cap), min(1, n))
+    t = jnp.minimum(t, cap)
+    return jnp.maximum(t, jnp.minimum(1, n)).astype(jnp.int32)
+
+
+__all__ = ["Budget", "MAX_DENOMINATOR", "as_fraction", "budget_tokens", "ceil_mul", "check_budget", "floor_mul",
+           "parse_budget", "parse_budgets"]

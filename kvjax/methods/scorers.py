@@ -1,0 +1,79 @@
+"""Token scorers: which prompt tokens matter, separate from which to keep (DESIGN principle 4).
+
+A scorer maps the prompt's post-RoPE ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` and ``lengths [B]`` to scores
+``[B, Hkv, T]`` float32 (larger is kept; GQA: aggregated over each KV group's query heads as the mean). The
+selection methods (``snapkv``, ``pyramidkv``, ``chunkkv``) take any scorer, as kvpress's ``ChunkKVPress(press)``
+wraps any press: ``methods.get("chunkkv", scorer="h2o")``.
+
+- ``snapkv`` (:class:`WindowScorer`, SnapKV §4.2 Alg. 1): softmax of the last ``window`` real queries over all
+  keys, summed over those queries, pooled with a 1-D kernel (``kernel=1``: no pooling). Only prefix votes
+  (positions before ``prefix_end``, which the selector always keeps after) are pooled, so kept-window votes do
+  not leak into the prefix.
+- ``h2o`` (:class:`AccumulatedScorer`, H2O §3): column sums of the causal softmax of every real prompt query.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from kvjax.methods.select import accumulated_scores, pool1d, window_scores
+
+
+class Scorer(abc.ABC):
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def __call__(self, q, k, lengths, prefix_end) -> jnp.ndarray:
+        """Scores ``[B, Hkv, T]`` float32; ``prefix_end [B]``: positions ``>= prefix_end`` are kept anyway."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScorer(Scorer):
+    name: ClassVar[str] = "snapkv"
+    window: int = 8
+    kernel: int = 5
+    pool: str = "avg"
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window={self.window!r} must be an int >= 1 (the observation window, e.g. 8)")
+        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel!r} must be an odd int >= 1 (1 disables pooling)")
+        if self.pool not in ("avg", "max"):
+            raise ValueError(f"pool={self.pool!r} must be 'avg' or 'max'")
+
+    def __call__(self, q, k, lengths, prefix_end):
+        s = window_scores(q, k, lengths, self.window)
+        if self.kernel == 1:
+            return s
+        s = jnp.where(jnp.arange(s.shape[-1]) < prefix_end[:, None, None], s, 0.0)
+        return pool1d(s, self.kernel, self.pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulatedScorer(Scorer):
+    name: ClassVar[str] = "h2o"
+    chunk: int = 512
+
+    def __call__(self, q, k, lengths, prefix_end):
+        return accumulated_scores(q, k, lengths, self.chunk)
+
+
+SCORERS = ("snapkv", "h2o")
+
+
+def make_scorer(scorer, window: int, kernel: int = 5, pool: str = "avg") -> Scorer:
+    """A scorer from a name (``"snapkv"`` with the method's ``window``/``kernel``/``pool``, or ``"h2o"``) or a
+    :class:`Scorer` instance (used as is)."""
+    if isinstance(scorer, Scorer):
+        return scorer
+    if scorer == "snapkv":
+        return WindowScorer(window=window, kernel=kernel, pool=pool)
+    if scorer == "h2o":
+        return AccumulatedScorer()
+    raise ValueError(f"scorer={scorer!r} is not a scorer; choose one of {', '.join(SCORERS)} or pass a "
+                     "kvjax.methods.scorers.Scorer instance")
