@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.base import Capacity, Method, SlotCache
 from kvjax.methods.chelsea import Chelsea
 from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.full import Full
@@ -38,5 +38,6 @@ def get(name: str, **options):
     return cls(**options)
 
 
-__all__ = ["Capacity", "Chelsea", "ChunkKV", "Full", "H2O", "Less", "PQCache", "PyramidKV", "REGISTRY", "SlotCache",
+__all__ = ["Capacity", "Chelsea", "ChunkKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV", "REGISTRY",
+           "SlotCache",
            "SnapKV", "StreamingLLM", "get", "names"]

@@ -186,4 +186,6 @@ def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, m
     else:
         tok = jnp.zeros((b, h, 0), jnp.int32)
         tok_ok = jnp.zeros((b, h, 0), bool)
-    return append_window(tok, tok_ok, lengths, budgets, window, slots, windows)
+    # A window that took the whole budget (no chunk fits beside it) is at most window + chunk - 1 tokens.
+    wmax = max(window, min(slots, window + c - 1 if mode == "prefix_exclusive" else c - 1))
+    return append_window(tok, tok_ok, lengths, budgets, wmax, slots, windows)

@@ -18,6 +18,7 @@ Conventions shared by every function:
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -47,17 +48,12 @@ def group_of(hq: int, hkv: int) -> int:
 
 
 def sequence_budget(budget, length: int) -> int:
-    """Tokens a sequence of ``length`` may keep: ``ceil(b * length)`` (>= 1) for a fraction, the count else."""
+    """Tokens a sequence of ``length`` may keep: ``ceil(b * length)`` computed on the exact decimal fraction
+    (``Fraction("0.3") = 3/10``), clipped to ``[1, length]``, for a fraction; the count for an int."""
     if isinstance(budget, float):
-        return max(1, math.ceil(budget * length))
+        exact = Fraction(repr(budget)) * length
+        return max(1, min(length, -(-exact.numerator // exact.denominator)))
     return int(budget)
-
-
-def bucket_budget(budget, bucket: int) -> int:
-    """Static slots for the compressed prompt at prompt bucket ``bucket`` (never more than the bucket)."""
-    if isinstance(budget, float):
-        return max(1, min(bucket, math.ceil(budget * bucket)))
-    return min(int(budget), bucket)
 
 
 def top_positions(scores: np.ndarray, n: int) -> list[int]:
@@ -83,6 +79,7 @@ def streaming_keep(num_tokens: int, slots: int, sinks: int) -> list[int]:
     """
     if num_tokens <= slots:
         return list(range(num_tokens))
+    sinks = min(sinks, slots - 1)  # a budget too small for the sinks keeps the most recent tokens first
     recent = slots - sinks
     return list(range(sinks)) + list(range(num_tokens - recent, num_tokens))
 
@@ -145,6 +142,7 @@ def snapkv_keep(q, k, length: int, window: int, budget_tokens: int, kernel: int,
     hkv = k.shape[0]
     if length <= budget_tokens:
         return [list(range(length)) for _ in range(hkv)], None
+    window = min(window, budget_tokens)  # a budget below the window keeps the most recent tokens
     scores = snapkv_prefix_scores(q, k, length, window, kernel, pool)
     prefix = length - window
     keep = [top_positions(scores[h], budget_tokens - window) + list(range(prefix, length)) for h in range(hkv)]
@@ -166,6 +164,17 @@ def pyramid_schedule(total: int, length: int, layer: int, num_layers: int, windo
         lo = 2 * base - hi
     step = (hi - lo) // max(num_layers - 1, 1)
     return hi - layer * step + window
+
+
+def pyramid_layer_budget(total: int, length: int, layer: int, num_layers: int, window: int, beta: int) -> int:
+    """Tokens layer ``layer`` keeps in KVCache-Factory's ``PyramidKVCluster.update_kv`` (three branches):
+    ``length < total``: every token; ``length < 2 (total - window)``: SnapKV with ``total``; else the pyramid
+    schedule. ``window`` is already the kept window ``min(w, total)``."""
+    if length < total:
+        return length
+    if length < 2 * (total - window):
+        return total
+    return pyramid_schedule(total, length, layer, num_layers, window, beta)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -164,15 +165,16 @@ def test_full_keeps_everything_and_attends_over_all(hq, hkv):
 @pytest.mark.parametrize("hq,hkv", HEADS, ids=HEAD_IDS)
 def test_streaming_llm(hq, hkv, budget, sinks):
     m = methods.get("streaming_llm", budget=budget, sinks=sinks)
-    slots = ref.bucket_budget(budget, T) if isinstance(budget, float) else min(budget, T + MAX_NEW)
+    static = ref.sequence_budget(budget, T) if isinstance(budget, float) else min(budget, T + MAX_NEW)
     first, trace, data = run(m, hq, hkv)
     lengths = data[3]
-    assert np.asarray(first.pos).shape[-1] == slots
-    want = {(b, h): ref.streaming_keep(int(lengths[b]), slots, sinks) for b in range(B) for h in range(hkv)}
+    assert np.asarray(first.pos).shape[-1] == static  # the bucket sizes the buffer ...
+    slots = [ref.sequence_budget(budget, int(n)) for n in lengths]  # ... each sequence's own n its budget
+    want = {(b, h): ref.streaming_keep(int(lengths[b]), slots[b], sinks) for b in range(B) for h in range(hkv)}
     assert kept(first) == want
     check_slot_contents(first, data, 0)
     for s, (out, st) in enumerate(trace):
-        keep = lambda b, h: ref.streaming_keep(int(lengths[b]) + s + 1, slots, sinks)  # noqa: E731
+        keep = lambda b, h: ref.streaming_keep(int(lengths[b]) + s + 1, slots[b], sinks)  # noqa: E731
         assert kept(st) == {(b, h): keep(b, h) for b in range(B) for h in range(hkv)}, f"step {s}"
         check_decode_out(out, data, s, keep)
     check_slot_contents(trace[-1][1], data, STEPS)
@@ -217,8 +219,7 @@ def check_snapkv_like(m, hq, hkv, budgets_of, layer=0, num_layers=4):
 
 
 def snapkv_budgets(budget, window):
-    slots = ref.bucket_budget(budget, T)
-    return lambda b: min(ref.sequence_budget(budget, LENGTHS[b]), slots)
+    return lambda b: min(ref.sequence_budget(budget, LENGTHS[b]), LENGTHS[b])
 
 
 POOLS = [
@@ -248,21 +249,14 @@ def test_snapkv_pooling_ignores_the_window_reference():
 
 
 def pyramid_budgets(budget, window, layer, num_layers, beta=20):
-    """Per-sequence layer budgets: the schedule on the sequence's own total, capped by the bucket's slots.
-
-    kvjax floors each per-layer budget at ``window + 1`` (one prefix token at least; the harness would keep
-    the window alone when the schedule reaches ``window``); that happens here for length 37 at layer 3.
-    """
-    total_t = ref.bucket_budget(budget, T)
-    slots = T if total_t >= T else min(T, max(window + 1, ref.pyramid_schedule(total_t, T, layer, num_layers,
-                                                                                 window, beta)))
-
-    def of(b):
-        n = LENGTHS[b]
+    """Per-sequence layer budgets: the harness's three branches on each sequence's own length and total; the
+    static slots are the largest of them over every length the bucket can hold."""
+    def layer_budget(n):
         total = ref.sequence_budget(budget, n)
-        mine = n if total >= n else max(window + 1, ref.pyramid_schedule(total, n, layer, num_layers, window, beta))
-        return min(mine, slots)
-    return of, slots
+        return ref.pyramid_layer_budget(total, n, layer, num_layers, min(window, total), beta)
+
+    slots = max(layer_budget(n) for n in range(1, T + 1))
+    return (lambda b: layer_budget(LENGTHS[b])), slots
 
 
 def test_pyramid_schedule_reference():
@@ -300,13 +294,12 @@ def test_h2o(hq, hkv, budget, recent):
     first, trace, data = run(m, hq, hkv)
     q, k, v, lengths, dq, dk, dv = data
     g = hq // hkv
-    cap = ref.bucket_budget(budget, T) if isinstance(budget, float) else min(budget, T + MAX_NEW)
     heads = {}
     for b in range(B):
         n = int(lengths[b])
         acc = ref.accumulated_attention(q[b], k[b], n)
-        bud = min(ref.sequence_budget(budget, n), cap)
-        rec = int(bud * recent) if isinstance(recent, float) else min(recent, bud - 1)
+        bud = ref.sequence_budget(budget, n) if isinstance(budget, float) else min(budget, T + MAX_NEW)
+        rec = int(Fraction(repr(recent)) * bud) if isinstance(recent, float) else min(recent, bud - 1)
         for h in range(hkv):
             heads[b, h] = ref.H2OHead(bud, rec)
             heads[b, h].prefill(acc[h], k[b, h], v[b, h], n)
@@ -385,8 +378,8 @@ def test_memory_bytes(name, options, dtype):
     if name == "full":
         s = T + MAX_NEW
         item = np.dtype(dtype).itemsize
-        pos_bytes, score_bytes, cursor_bytes = B * hkv * s * 4, 0, 4
-        assert want == 2 * B * hkv * s * D * item + pos_bytes + score_bytes + cursor_bytes
+        pos_bytes, score_bytes, count_bytes = B * hkv * s * 4, 0, 2 * B * 4  # fill count + limit [B] int32
+        assert want == 2 * B * hkv * s * D * item + pos_bytes + score_bytes + count_bytes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -417,16 +410,16 @@ def test_unknown_option(name):
 
 
 @pytest.mark.parametrize("name,budget,window", [("snapkv", 8, 8), ("snapkv", 6, 8), ("snapkv", 0.125, 8),
-                                                 ("pyramidkv", 8, 8)])
-def test_window_not_below_budget_at_init(name, budget, window):
-    m = methods.get(name, budget=budget, window=window)  # the slot count is only known at init
-    _raises(lambda: m.init(model_cfg(4, 2), B, Capacity(T, MAX_NEW), 0, jnp.float32), "window", "budget")
-
-
-def test_window_below_budget_is_fine_at_init():
-    m = methods.get("snapkv", budget=9, window=8)
-    st = m.init(model_cfg(4, 2), B, Capacity(T, MAX_NEW), 0, jnp.float32)
-    assert st.prompt_slots == 9
+                                                 ("pyramidkv", 8, 8), ("chunkkv", 0.125, 8)])
+def test_window_above_budget_shrinks_to_the_budget(name, budget, window):
+    """A budget at or below the window keeps the most recent ``budget`` tokens (never more, never an error)."""
+    m = methods.get(name, budget=budget, window=window)
+    first, _, data = run(m, 4, 2, steps=0)
+    for b in range(B):
+        n = int(data[3][b])
+        p = ref.sequence_budget(budget, n) if isinstance(budget, float) else min(budget, n)
+        for h in range(2):
+            assert kept(first)[b, h] == list(range(n - p, n)), (b, h)
 
 
 @pytest.mark.parametrize("name,options,word", [
@@ -438,6 +431,10 @@ def test_bad_options(name, options, word):
     _raises(lambda: methods.get(name, **options), word)
 
 
-def test_streaming_sinks_not_below_budget_at_init():
-    m = methods.get("streaming_llm", budget=4, sinks=4)
-    _raises(lambda: m.init(model_cfg(4, 2), B, Capacity(T, MAX_NEW), 0, jnp.float32), "sinks", "budget")
+def test_streaming_sinks_shrink_below_a_small_budget():
+    """budget=4 with sinks=4: 3 sinks and 1 recent token (the most recent first), never 5 tokens."""
+    first, trace, data = run(methods.get("streaming_llm", budget=4, sinks=4), 4, 2, steps=2)
+    for b in range(B):
+        n = int(data[3][b])
+        assert kept(first)[b, 0] == [0, 1, 2, n - 1]
+        assert kept(trace[-1][1])[b, 0] == [0, 1, 2, n + 1]

@@ -25,13 +25,15 @@ import ref_chunkkv as ref  # noqa: E402
 from test_baselines import (B, LENGTHS, MAX_NEW, T, check_decode_out, check_slot_contents, inputs, kept,  # noqa: E402
                             model_cfg, run)
 
+import ref_baselines as rb  # noqa: E402
+
+
 def seq_budget(budget, n, slots):
-    b = max(1, int(np.ceil(budget * n))) if isinstance(budget, float) else int(budget)
-    return min(b, slots)
+    return min(rb.sequence_budget(budget, n), slots)  # exact ceil(b n) of the sequence's own n
 
 
 def slots_of(budget):
-    return min(int(np.ceil(budget * T)), T) if isinstance(budget, float) else min(budget, T)
+    return min(rb.sequence_budget(budget, T), T)
 
 
 def check_near_tie(got_chunks, want_chunks, scores, n, what, tol=1e-5):
@@ -295,7 +297,7 @@ def test_state_shapes_identical_across_layers_and_memory():
     shapes = {tuple(x.shape for x in jax.tree.leaves(s)) for s in states}
     assert len(shapes) == 1 and {s.prompt_slots for s in states} == {24}
     want = sum(np.asarray(x).nbytes for x in jax.tree.leaves(states[0]))
-    assert m.memory_bytes(states[0]) == want == 2 * B * 2 * (24 + MAX_NEW) * 16 * 4 + B * 2 * (24 + MAX_NEW) * 4 + 4
+    assert m.memory_bytes(states[0]) == want == 2 * B * 2 * (24 + MAX_NEW) * 16 * 4 + B * 2 * (24 + MAX_NEW) * 4 + 2 * B * 4
 
 
 def test_registry():
@@ -319,19 +321,28 @@ def _raises(fn, *words):
     ({"chunk_size": 0}, ("chunk_size", "0")), ({"chunk_size": -3}, ("chunk_size", "-3")),
     ({"chunk_size": 2.5}, ("chunk_size",)), ({"reuse": 0}, ("reuse", "0")), ({"reuse": -1}, ("reuse",)),
     ({"window": 0}, ("window",)), ({"mode": "kvpress"}, ("mode", "kvpress")),
-    ({"budget": 8, "window": 8}, ("window", "budget")), ({"budget": 6, "window": 8}, ("window", "budget")),
-    ({"budget": 1.5}, ("budget",)), ({"budget": 0}, ("budget",)),
+    ({"budget": 1.5}, ("budget",)), ({"budget": 0}, ("budget",)), ({"scorer": "kvpress"}, ("scorer",)),
 ])
 def test_bad_options(options, words):
     _raises(lambda: methods.get("chunkkv", **options), *words)
 
 
-@pytest.mark.parametrize("options,words", [
-    ({"budget": 0.125, "window": 8}, ("window", "budget")),  # 6 slots at T=48
-    ({"budget": 16, "window": 8, "chunk_size": 10}, ("chunk_size", "budget")),  # 8 slots left: no chunk fits
+@pytest.mark.parametrize("options", [
+    {"budget": 0.125, "window": 8},  # 6 tokens at n=48: below the window
+    {"budget": 16, "window": 8, "chunk_size": 10},  # 8 tokens beside the window: no chunk fits
+    {"budget": 8, "window": 8}, {"budget": 6, "window": 8},
 ])
-def test_bad_sizes_at_init(options, words):
-    _raises(lambda: _init(ChunkKV(**options), 4, 2, 0), *words)
+def test_budget_below_window_plus_chunk_keeps_the_most_recent_tokens(options):
+    """When no whole chunk fits beside the window, the window takes the whole budget: the most recent
+    ``P`` tokens, never more than the budget and never an error (the budget contract)."""
+    m = ChunkKV(**options)
+    q, k, v, lengths = (jnp.asarray(x) for x in inputs(4, 2)[:4])
+    st = jax.jit(lambda st: m.prefill(st, 0, q, k, v, lengths))(_init(m, 4, 2, 0))
+    pos = np.asarray(st.pos)
+    for b, n in enumerate(np.asarray(lengths)):
+        p = min(m.budget, int(n)) if isinstance(m.budget, int) else -(-int(n) // 8)
+        for h in range(2):
+            assert sorted(x for x in pos[b, h] if x >= 0) == list(range(n - p, n)), (options, b, h)
 
 
 def test_sizes_that_only_fit_whole_prompts_are_fine():

@@ -1,0 +1,263 @@
+"""The budget contract and the method interface, for every registered method (issue: one budget contract).
+
+- Budget arithmetic equals exact fractions (``fractions.Fraction`` of the decimal as written) over a sweep,
+  including the float-tricky values (0.15, 0.3, 0.29).
+- Invariant: the same prompts with ``prompt_len`` = bucket, 2x and 4x the bucket give identical kept positions,
+  identical greedy tokens and identical reported tokens held (the bucket is a shape, not a semantic).
+- Short prompts (1, 5, 30 tokens) work with every method at budgets 0.1..1.0 and hold no more than the contract.
+- PyramidKV's per-sequence layer budgets equal the KVCache-Factory harness formula (ported in ``ref_baselines``).
+- ``bytes_read_per_step`` of the slot caches equals a hand count of the live K/V rows the kernel's block plan
+  visits; ``memory_bytes`` equals the bytes the state holds, for every method.
+- Bad budgets raise a ValueError naming the option and the fix, from the Python API.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import budget as kb
+from kvjax import engine, methods
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.methods.base import Capacity, SlotCache
+from kvjax.model import random_params
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ref_baselines as ref  # noqa: E402
+
+
+def exact_tokens(b: float, n: int) -> int:
+    f = Fraction(repr(b)) * n
+    return max(min(n, -(-f.numerator // f.denominator)), min(1, n))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arithmetic
+
+TRICKY = [0.15, 0.3, 0.29, 0.1, 0.2, 0.7, 0.33, 0.07, 0.999, 0.5, 1.0, 0.0001]
+
+
+@pytest.mark.parametrize("b", TRICKY)
+def test_fraction_budgets_are_exact(b):
+    ns = np.arange(0, 4097, dtype=np.int32)
+    want = [exact_tokens(b, int(n)) for n in ns]
+    assert [kb.budget_tokens(b, int(n)) for n in ns] == want  # host ints (static sizes)
+    got = np.asarray(jax.jit(lambda n: kb.budget_tokens(b, n))(jnp.asarray(ns)))  # traced int32 (per sequence)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_float32_trap_values():
+    # 0.3f * 50 = 15.000001 -> 16 in float32; exactly 15 here. 0.29 * 100 = 28.999999999999996 in float64.
+    assert kb.budget_tokens(0.3, 50) == 15 and kb.budget_tokens(0.29, 100) == 29
+    assert int(kb.budget_tokens(0.3, jnp.asarray([50]))[0]) == 15
+    assert kb.budget_tokens(0.15, 20) == 3 and kb.budget_tokens(0.15, 21) == 4
+
+
+def test_large_lengths_do_not_overflow_int32():
+    ns = np.asarray([2**20, 2**24 + 7, 2**31 - 1], np.int64)
+    got = np.asarray(kb.budget_tokens(0.2999, jnp.asarray(ns, jnp.int32)))
+    np.testing.assert_array_equal(got, [exact_tokens(0.2999, int(n)) for n in ns])
+
+
+def test_more_than_four_decimals_rounds_down():
+    p, q = kb.as_fraction(0.123456)
+    assert q <= kb.MAX_DENOMINATOR and Fraction(p, q) <= Fraction("0.123456") and Fraction(p, q) == Fraction(1234, 10000)
+
+
+def test_token_budgets_are_counts():
+    assert kb.budget_tokens(256, 100) == 100 and kb.budget_tokens(256, 1000) == 256
+    assert kb.budget_tokens(256, 100, cap=300) == 256  # an evicting method's count covers generated tokens
+
+
+@pytest.mark.parametrize("text,want", [("0.2", 0.2), ("256", 256), (" 1.0 ", 1.0), ("1", 1)])
+def test_parse_budget(text, want):
+    got = kb.parse_budget(text)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "abc", "1.5", "0.0", "-0.2", "", "true"])
+def test_parse_budget_rejects(bad):
+    with pytest.raises(ValueError, match="--budget"):
+        kb.parse_budget(bad)
+
+
+@pytest.mark.parametrize("name", [n for n in methods.names() if n != "full"])
+@pytest.mark.parametrize("bad", [0, -1, 0.0, float("nan"), 1.5, True, "0.2", None], ids=repr)
+def test_every_method_rejects_bad_budgets(name, bad):
+    with pytest.raises(ValueError, match="budget"):
+        methods.get(name, budget=bad)
+
+
+def test_token_budget_above_the_model_context(tiny):
+    with pytest.raises(ValueError, match="budget=99999 tokens exceeds the model context"):
+        kvjax.generate(tiny, [[1, 2, 3]], methods.get("snapkv", budget=99999), max_new_tokens=2)
+
+
+def test_public_api():
+    assert kvjax.generate is engine.generate and kvjax.methods.get("h2o", budget=0.2).name == "h2o"
+    assert isinstance(kvjax.methods.get("chunkkv"), kvjax.methods.Method)
+    assert kvjax.engine.run_loop is engine.run_loop
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the bucket invariant and short prompts, every registered method
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+                      sliding_windows=(None, None))
+    return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
+
+
+SMALL_OPTIONS = {  # options that make the small-window methods compress at these lengths
+    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
+    "pqcache": dict(sink=2, bits=3),
+    "less": dict(hidden=16),
+}
+NEW = 5
+
+
+def _method(name, budget):
+    opts = dict(SMALL_OPTIONS.get(name, {}))
+    if name != "full":
+        opts["budget"] = budget
+    return methods.get(name, **opts)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(1, 64, n)] for n in lengths]
+
+
+def _kept(states):
+    """What each layer holds, in a bucket-independent form: kept positions of slot caches (LESS's sparse part
+    too), occupied counts otherwise (Chelsea's cluster sizes, PQCache's stored tokens)."""
+    out = []
+    for st in states:
+        st = getattr(st, "sparse", st)  # LESS: its sparse policy's cache
+        if isinstance(st, SlotCache):
+            pos = np.asarray(st.pos)
+            out.append([[sorted(int(p) for p in pos[b, h] if p >= 0) for h in range(pos.shape[1])]
+                        for b in range(pos.shape[0])])
+        elif hasattr(st, "n"):  # Chelsea: sorted cluster counts per head
+            n = np.asarray(st.n)
+            out.append([[sorted(float(x) for x in n[b, h] if x > 0) for h in range(n.shape[1])]
+                        for b in range(n.shape[0])])
+        else:
+            out.append(np.asarray(st.lengths).tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budget):
+    ids = _prompts((5, 30, 57))
+    m = _method(name, budget)
+    runs = []
+    for bucket in (64, 128, 256):
+        tokens, lengths = engine.pad_prompts(ids, bucket)
+        states = engine.init_states(tiny.config, m, len(ids), Capacity(bucket, NEW), jnp.float32)
+        states, _ = engine.prefill(tiny.config, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+        res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False, prompt_len=bucket)
+        runs.append((_kept(states), res.tokens, [s["tokens_held"] for s in res.stats],
+                     [s["tokens_held_prefill"] for s in res.stats]))
+    for bucket, other in zip((128, 256), runs[1:]):
+        assert other[0] == runs[0][0], f"kept differ at bucket {bucket}"
+        assert other[1] == runs[0][1], f"greedy tokens differ at bucket {bucket}"
+        assert other[2:] == runs[0][2:], f"tokens held differ at bucket {bucket}"
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_short_prompts_work_within_the_contract(tiny, name):
+    ids = _prompts((1, 5, 30), seed=3)
+    for budget in (0.1, 0.25, 0.5, 1.0):
+        m = _method(name, budget)
+        res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False)
+        for n, st in zip((1, 5, 30), res.stats):
+            assert all(len(t) == NEW for t in res.tokens)
+            # every layer holds at most held(n, steps) per KV head; the reported mean is within it
+            assert st["tokens_held_prefill"] <= m.held(n, 0) + 1e-6, (budget, n, st)
+            assert st["tokens_held"] <= m.held(n, NEW - 1) + 1e-6, (budget, n, st)
+            if name not in ("full", "pqcache"):
+                assert st["tokens_held_prefill"] <= max(exact_tokens(budget, n), 1) + 1e-6 or name == "chelsea"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PyramidKV against the harness formula
+
+
+@pytest.mark.parametrize("budget,window", [(0.2, 8), (0.3, 4), (64, 8), (0.05, 8), (9, 8)])
+@pytest.mark.parametrize("num_layers", [4, 30])
+def test_pyramid_layer_budgets_follow_the_harness(budget, window, num_layers):
+    m = methods.get("pyramidkv", budget=budget, window=window)
+    ns = np.arange(1, 700, dtype=np.int32)
+    for layer in range(num_layers):
+        got = np.asarray(m.layer_budgets(jnp.asarray(ns), layer, num_layers))
+        want = []
+        for n in ns:
+            total = ref.sequence_budget(budget, int(n)) if isinstance(budget, float) else min(budget, int(n))
+            want.append(ref.pyramid_layer_budget(total, int(n), layer, num_layers, min(window, total), 20))
+        np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
+        assert m.prompt_slots(699, layer, num_layers) == max(want)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bytes read and bytes held
+
+
+def _live_rows_bytes(st: SlotCache, num_heads: int, block: int = 128) -> int:
+    """Hand count of the kernel's block plan: every KV head of sequence b reads the whole blocks of ``block``
+    slots that start below its fill count ``length_b`` (K, V and the float32 mask rows), never a block of
+    bucket padding or unwritten decode slots; plus the query and the partial outputs."""
+    b, h, s, d = st.k.shape
+    item = np.dtype(st.k.dtype).itemsize
+    bs = min(block, s)
+    rows = 0
+    for n in np.asarray(st.length):
+        starts = np.arange(0, int(n), bs)
+        rows += h * int(np.sum(np.minimum(bs, s - starts)))
+    return rows * (2 * d * item + 4) + b * num_heads * d * item + b * num_heads * (d + 2) * 4
+
+
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "chunkkv", "less"])
+def test_bytes_read_per_step_counts_live_slots_only(tiny, name):
+    cfg = tiny.config
+    m = _method(name, 0.25)
+    ids = _prompts((5, 30, 57))
+    tokens, lengths = engine.pad_prompts(ids, 512)  # a large bucket: most slots are padding
+    states = engine.init_states(cfg, m, 3, Capacity(512, NEW), jnp.float32)
+    states, _ = engine.prefill(cfg, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    for layer, st in enumerate(states):
+        sc = st.sparse if name == "less" else st
+        extra = {"h2o": 8 * int(np.sum(np.asarray(sc.length))) * sc.k.shape[1]}.get(m.sparse.name if name == "less"
+                                                                                     else name, 0)
+        want = _live_rows_bytes(sc, cfg.num_heads) + extra
+        if name == "less":
+            want += 2 * (st.H.nbytes + st.z.nbytes) + sum(x.nbytes for x in jax.tree.leaves(st.kernels))
+        assert m.bytes_read_per_step(st, cfg.num_heads) == want, layer
+        # never the bucket: far less than the whole buffer
+        assert m.bytes_read_per_step(st, cfg.num_heads) < np.asarray(sc.k).nbytes * 2
+        live = np.asarray(sc.length)
+        held = np.sum(np.asarray(sc.pos) >= 0, axis=-1).max(axis=-1)
+        assert np.all(held <= live) and np.all(live <= held + (1 if name in ("h2o", "less") else 0))
+
+
+@pytest.mark.parametrize("name", methods.names())
+def test_memory_bytes_equals_the_bytes_held(tiny, name):
+    cfg = tiny.config
+    m = _method(name, 0.25)
+    states = engine.init_states(cfg, m, 2, Capacity(64, NEW), jnp.float32)
+    for st in states:
+        leaves = jax.tree.leaves(st.sparse) + [st.H, st.z] if name == "less" else jax.tree.leaves(st)
+        assert m.memory_bytes(st) == sum(np.asarray(x).nbytes for x in leaves)
