@@ -2,14 +2,17 @@
 
     python benchmarks/decode.py --lengths 1024,2048,4096,8192 --budget 0.2 --out results/decode.json
 
-For each prompt length (filler text from the Paul Graham essays) and method, it times the compiled decode
-loop (``scan`` driver, fixed steps, compile excluded by a warm-up run), and reports the cache bytes held,
-the bytes read per step (weights + K/V of the valid slots of every layer), the ratio of each method to
-``full``, and the fraction of the device's memory bandwidth (known GPUs are detected; else
+For each prompt length (filler text from the Paul Graham essays) and every registered method
+(``kvjax.methods.names()``, or ``--methods``; ``full`` always first), it times the compiled decode loop
+(``kvjax.engine.run_loop``, ``scan`` driver, fixed steps, compile excluded by a warm-up run), and reports step
+time, tokens/s, the cache bytes held, the tokens held per sequence, the K/V (+ index) bytes one step reads by
+the method's own plan (``engine.bytes_read_per_step``; plus the weights for the total), the ratios of each
+method to ``full`` in the same run, and the fraction of the device's memory bandwidth (known GPUs are detected; else
 ``--bandwidth-gbs``). JSON includes the jax version and device.
 
 ``--random-weights`` uses SmolLM2-135M's shapes with random weights and random token ids (no GGUF file
 needed): step time does not depend on the weights' values, so the timings are those of the real model.
+``--tiny`` uses a 2-layer random model (smoke runs).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import kvjax
 from kvjax import assets, engine, methods
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.loading import Model, default_dtype
+from kvjax.budget import parse_budget
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
@@ -39,9 +43,19 @@ SMOLLM2_135M = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                            rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
                            tie_word_embeddings=True)
+#: A 2-layer random model for smoke runs (``--tiny``).
+TINY = ModelConfig(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192)
 #: Peak HBM bandwidth in GB/s by ``device_kind`` substring.
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "TPU v5 lite": 819.0, "TPU v5": 2765.0,
             "TPU v4": 1228.0, "TPU v6": 1640.0}
+
+
+def _budget(text):
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def peak_bandwidth_gbs(device) -> float | None:
@@ -49,44 +63,60 @@ def peak_bandwidth_gbs(device) -> float | None:
     return next((v for k, v in PEAK_GBS.items() if k in kind), None)
 
 
+def cannot_run(model, method, n, steps) -> str | None:
+    """Why ``method`` cannot build its cache for an ``n``-token prompt + ``steps`` (its ``init`` refuses the
+    capacity, e.g. too few slots for Chelsea's sink + recent windows), else None. Shapes only, nothing runs."""
+    cap = Capacity(engine.bucket_length(n), steps + 1)
+    try:
+        engine.check_method(model.config, method)
+        jax.eval_shape(lambda: engine.init_states(model.config, method, 1, cap, model.dtype))
+    except ValueError as e:
+        return str(e)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None  # init is not abstractly evaluable (it runs concretely in run_one)
+    return None
+
+
 def run_one(model, ids, method, steps, batch=1):
+    """Time ``steps`` decode steps of ``method`` after a prompt ``ids`` (``batch`` copies), compile excluded."""
     cfg = model.config
-    lengths = jnp.full((batch,), len(ids), jnp.int32)
     bucket = engine.bucket_length(len(ids))
-    tokens = np.zeros((batch, bucket), np.int32)
-    tokens[:, : len(ids)] = ids
+    tokens, lengths = engine.pad_prompts([list(ids)] * batch, bucket)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     cap = Capacity(bucket, steps + 1)
-    loop = engine._Loop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
+    engine.check_method(cfg, method)
+    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
     times = []
     for _ in range(2):  # first run compiles
         states = engine.init_states(cfg, method, batch, cap, model.dtype)
-        states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), lengths, states)
+        states, logits = engine.prefill(cfg, method, model.params, tokens, lengths, states)
         first = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(states)
         t0 = time.perf_counter()
-        out, n, states = engine._generate_compiled(loop, "scan", model.params, states, first, lengths,
-                                                   jax.random.PRNGKey(0))
+        out, n, states = engine.run_loop(loop, "scan", model.params, states, first, lengths, jax.random.PRNGKey(0))
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     step = times[-1] / steps
-    held = sum(method.memory_bytes(s) for s in states)
-    valid = sum(int((s.pos >= 0).sum()) for s in states)  # slots holding a token after the run
-    itemsize = jnp.dtype(model.dtype).itemsize
-    read = valid * cfg.head_dim * 2 * itemsize  # K and V of valid slots (all layers, KV heads, batch)
+    held = engine.memory_bytes(method, states)
+    kv_read = engine.bytes_read_per_step(method, states, cfg.num_heads)  # the method's own plan, all layers
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     return {"step_seconds": step, "tokens_per_second": batch / step, "cache_bytes": held,
-            "kv_bytes_read_per_step": read, "bytes_read_per_step": read + weights}
+            "cache_bytes_per_seq": held / batch,
+            "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states))),
+            "kv_bytes_read_per_step": kv_read, "bytes_read_per_step": kv_read + weights}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--methods", default="full,streaming_llm,h2o,snapkv,pyramidkv")
-    p.add_argument("--budget", type=float, default=0.2)
+    p.add_argument("--methods", default=",".join(methods.names()),
+                   help="comma-separated registered methods (default: all; full is always timed first)")
+    p.add_argument("--budget", type=_budget, default=0.2, help="fraction in (0, 1] or token count")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes, random weights/tokens")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer random model (smoke runs, seconds per method)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 else)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
     p.add_argument("--impl", default=None, choices=("xla", "pallas_tpu", "pallas_gpu"),
@@ -97,11 +127,11 @@ def main(argv=None):
     if args.impl:
         os.environ["KVJAX_DECODE_ATTENTION_IMPL"] = args.impl  # read by attention.attend at trace time
 
-    if args.random_weights:
+    if args.random_weights or args.tiny:
+        cfg, label = (TINY, "tiny (random weights)") if args.tiny else (SMOLLM2_135M, "smollm2-135m (random weights)")
         dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
-        model = Model(SMOLLM2_135M, random_params(SMOLLM2_135M, jax.random.PRNGKey(0), dtype), None,
-                      "smollm2-135m (random weights)")
-        text_ids = np.random.default_rng(0).integers(0, SMOLLM2_135M.vocab_size, 1 << 15).tolist()
+        model = Model(cfg, random_params(cfg, jax.random.PRNGKey(0), dtype), None, label)
+        text_ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 1 << 15).tolist()
     else:
         model = kvjax.load_model(args.model, dtype=args.dtype)
         text_ids = model.tokenizer.encode(assets.essays_text())
@@ -113,7 +143,8 @@ def main(argv=None):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(jax.devices()[0]),
                                    "device_kind": jax.devices()[0].device_kind, "batch": args.batch,
-                                   "random_weights": args.random_weights, "peak_bandwidth_gbs": bandwidth,
+                                   "random_weights": args.random_weights or args.tiny, "model_label": model.name,
+                                   "peak_bandwidth_gbs": bandwidth,
                                    "backend": jax.default_backend(), "python": platform.python_version(),
                                    "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
                                    "steps": args.steps, "attention_impl": args.impl or "by backend",
@@ -123,23 +154,33 @@ def main(argv=None):
         if n + args.steps + 1 > model.config.max_position_embeddings:
             raise ValueError(f"--lengths {n} + --steps {args.steps} + 1 exceeds the model context "
                              f"({model.config.max_position_embeddings}); use a shorter length (e.g. 8000 for 8k)")
+        names = args.methods.split(",")
+        names = ["full"] + [m for m in names if m != "full"]  # the baseline of every ratio, in the same run
         base = None
-        for name in args.methods.split(","):
+        for name in names:
             method = methods.get(name) if name == "full" else methods.get(name, budget=args.budget)
+            reason = cannot_run(model, method, n, args.steps)
+            if reason:  # a documented skip (e.g. chelsea's sink + recent exceed its budget at a short prompt)
+                rows.append({"prompt_len": n, "method": name, "skipped": reason})
+                write()
+                print(f"{n:6d} {name:14s} skipped: {reason}", flush=True)
+                continue
             r = {"prompt_len": n, "method": name, **run_one(model, text_ids[:n], method, args.steps, args.batch)}
             if name == "full":
                 base = r
-            if base is not None:
-                r["speedup_vs_full"] = base["step_seconds"] / r["step_seconds"]
-                r["cache_ratio_vs_full"] = r["cache_bytes"] / base["cache_bytes"]
+            r["speedup_vs_full"] = base["step_seconds"] / r["step_seconds"]
+            r["cache_ratio_vs_full"] = r["cache_bytes"] / base["cache_bytes"]
+            r["kv_read_ratio_vs_full"] = r["kv_bytes_read_per_step"] / base["kv_bytes_read_per_step"]
+            r["read_ratio_vs_full"] = r["bytes_read_per_step"] / base["bytes_read_per_step"]
             if bandwidth:
                 r["bandwidth_fraction"] = r["bytes_read_per_step"] / r["step_seconds"] / (bandwidth * 1e9)
             rows.append(r)
             write()  # after every row, so an interrupted run keeps what it measured
             print(f"{n:6d} {name:14s} step {r['step_seconds'] * 1e3:8.2f} ms  {r['tokens_per_second']:7.1f} tok/s  "
-                  f"cache {r['cache_bytes'] / 2**20:7.1f} MiB  x{r.get('speedup_vs_full', float('nan')):.2f} speed  "
-                  f"x{r.get('cache_ratio_vs_full', float('nan')):.2f} memory  "
-                  f"{r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
+                  f"x{r['speedup_vs_full']:.2f} speed  cache {r['cache_bytes'] / 2**20:7.2f} MiB "
+                  f"(x{r['cache_ratio_vs_full']:.2f})  held {r['tokens_held_per_seq']:7.1f} tok/seq  "
+                  f"KV read {r['kv_bytes_read_per_step'] / 2**20:7.2f} MiB/step (x{r['kv_read_ratio_vs_full']:.2f})  "
+                  f"total {r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
                   + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""), flush=True)
     print(f"wrote {args.out}")
 

@@ -95,7 +95,7 @@ def main(argv=None):
     model = kvjax.load_model("smollm2-135m-instruct")
     ids, names = essay_batch(model, lengths_list)
     bucket = engine.bucket_length(max(lengths_list))
-    tokens, lengths = (jnp.asarray(x) for x in engine._pad(ids, bucket))
+    tokens, lengths = (jnp.asarray(x) for x in engine.pad_prompts(ids, bucket))
     w, c = args.window, args.chunk_size
     configs = {
         "h2o": methods.get("h2o", budget=args.budget, recent=w),

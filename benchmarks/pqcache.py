@@ -45,15 +45,14 @@ def layer_qk(model, ids):
     n = len(ids) - 1
 
     @jax.jit
-    def layer(lp, x):
-        q, k, v = M.layer_qkv(cfg, lp, x, jnp.arange(len(ids))[None])
-        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None))
-        return q[:, :, n].astype(jnp.float32), k[:, :, :n].astype(jnp.float32), x
+    def run(params, tokens):
+        def attend(layer, x, q, k, v, out):
+            attn = M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None)
+            return attn, out + ((q[:, :, n].astype(jnp.float32), k[:, :, :n].astype(jnp.float32)),)
 
-    x = M.embed(model.params, jnp.asarray([ids]))
-    for lp in model.params["layers"]:
-        q, k, x = layer(lp, x)
-        yield q, k
+        return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(len(ids))[None], attend, ())[1]
+
+    yield from run(model.params, jnp.asarray([ids]))
 
 
 def recall_one(method: PQCache, q, k):
@@ -86,10 +85,9 @@ def recall_one(method: PQCache, q, k):
 def time_decode(model, ids, method, steps):
     cfg = model.config
     bucket = engine.bucket_length(len(ids))
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[0, :len(ids)] = ids
-    lengths = jnp.asarray([len(ids)], jnp.int32)
-    loop = engine._Loop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
+    tokens, lengths = engine.pad_prompts([ids], bucket)
+    lengths = jnp.asarray(lengths)
+    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
     times = []
     for _ in range(2):  # the first run compiles
         states = engine.init_states(cfg, method, 1, Capacity(bucket, steps + 1), model.dtype)
@@ -97,8 +95,8 @@ def time_decode(model, ids, method, steps):
         first = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(states)
         t0 = time.perf_counter()
-        out, _, states = engine._generate_compiled(loop, "scan", model.params, states, first, lengths,
-                                                   jax.random.PRNGKey(0))
+        out, _, states = engine.run_loop(loop, "scan", model.params, states, first, lengths,
+                                         jax.random.PRNGKey(0))
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     row = {"step_seconds": times[-1] / steps, "cache_bytes": sum(method.memory_bytes(s) for s in states)}

@@ -6,6 +6,7 @@
     kvjax-eval ruler --lengths 1024
     kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
     kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
+    kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
     kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
 """
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvjax import assets
+from kvjax.cli import budget_type
 
 MAIN_METHODS = "full,streaming_llm,h2o,snapkv,pyramidkv,chunkkv"
 
@@ -84,7 +86,8 @@ def cmd_run(args) -> int:
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress)
+    results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
+                         equal_bytes=args.equal_bytes)
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     paths = report.write_all(results, args.out)
     print(report.markdown_table(results))
@@ -110,7 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp, methods, budgets, lengths, batch, max_new, out):
         sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
         sp.add_argument("--methods", default=methods, help="comma-separated registered methods")
-        sp.add_argument("--budgets", type=_floats, default=budgets, help="fractions of the context in (0, 1]")
+        sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
+                        help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
+                             "counts (256)")
+        sp.add_argument("--equal-bytes", default=None, metavar="REF",
+                        help="a method of --methods (e.g. less, snapkv): every other compressed method runs at the "
+                             "token budget whose cache bytes per sequence are closest to, not above, REF's at "
+                             "each nominal budget (chosen budgets are recorded in results.json)")
         sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
         sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
         sp.add_argument("--max-new-tokens", type=int, default=max_new)

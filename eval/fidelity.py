@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import analysis, assets, methods
+from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
 from kvjax.methods.base import Capacity
 
@@ -39,7 +39,7 @@ def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int):
     next ones. Returns (state after prefill, outputs ``[P, B, Hq, D]``). ``previous`` (the previous layer's
     prefill state) is passed only to methods that read it (ChunkKV's index reuse)."""
     lengths = jnp.full((q.shape[0],), n, jnp.int32)
-    extra = {"previous": previous} if getattr(method, "reads_previous_layer", False) else {}
+    extra = {"previous": previous} if method.reuses_previous_layer else {}
     state = method.prefill(state, layer, q[:, :, :n], k[:, :, :n], v[:, :, :n], lengths, **extra)
 
     def step(st, i):
@@ -69,15 +69,14 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype):
 
     def run(params, tokens):
         positions = jnp.arange(tokens.shape[1])[None]
-        x = M.embed(params, tokens)
-        out, prev = [], None
-        for layer, lp in enumerate(params["layers"]):
-            q, k, v = M.layer_qkv(cfg, lp, x, positions)
+
+        def attend(layer, x, q, k, v, out):
+            prev = out[-1][2] if out else None
             _, ref = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
             st, o = _layer(method, layer, method.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes)
-            out.append((ref, o, st, full_weights(q, k, n)))
-            prev = st
-            x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v))
+            return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n))]
+
+        _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, [])
         return out
 
     return jax.jit(run)
@@ -98,7 +97,8 @@ def topk_recall(weights: np.ndarray, kept: np.ndarray) -> float:
 
 def probe(model, ids, method, probes: int = 8) -> dict:
     """Fidelity of ``method`` against the full cache on one prompt ``ids`` (its last ``probes`` tokens are the
-    decode probes). Returns ``{"rel_error": [L], "recall": [L] | None, "jaccard": [L-1] | None}``."""
+    decode probes). Returns ``{"rel_error": [L], "recall": [L] | None, "jaccard": [L-1] | None, "tokens_held",
+    "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache after prefill, one sequence)."""
     cfg, params = model.config, model.params
     if probes < 1:
         raise ValueError(f"probes={probes} must be >= 1")
@@ -121,7 +121,10 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     jac = None
     if has_pos and len(states) > 1:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
-    return {"rel_error": errors, "recall": recalls if has_pos else None, "jaccard": jac}
+    held = float(engine.tokens_held(method, states)[0])
+    cache = engine.memory_bytes(method, states)
+    return {"rel_error": errors, "recall": recalls if has_pos else None, "jaccard": jac,
+            "tokens_held": held, "cache_bytes": cache, "kib_per_seq": cache / 1024}
 
 
 def essay_prompt(model, length: int, offset: int = 0) -> list[int]:

@@ -16,12 +16,13 @@ uses one bucket per task, so each (method, bucket) compiles ``prefill`` and ``de
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import engine, methods
+from kvjax.budget import check_budget
 from kvjax.methods.base import Capacity
 
 
@@ -36,29 +37,47 @@ def check_methods(names: Sequence[str]) -> list[str]:
     return names
 
 
-def check_budgets(budgets: Sequence[float]) -> list[float]:
-    """Budgets as fractions of each prompt in (0, 1]; anything else is a ValueError (nothing is clipped)."""
-    out = []
-    for b in budgets:
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < float(b) <= 1.0:
-            raise ValueError(f"budget={b!r} must be a fraction of the context in (0, 1], e.g. --budgets 0.2,0.5")
-        out.append(float(b))
+def check_budgets(budgets: Sequence, max_tokens: int | None = None) -> list:
+    """Budgets as :func:`kvjax.budget.check_budget` defines them: a fraction of each prompt in (0, 1] (a float)
+    or a token count >= 1 (an int; at most ``max_tokens``, the model context, when given). Anything else is a
+    ValueError naming ``--budgets`` (nothing is clipped)."""
+    out = [check_budget(b, "--budgets", max_tokens=max_tokens) for b in budgets]
     if not out:
-        raise ValueError("budgets is empty; pass e.g. --budgets 0.2,0.5")
+        raise ValueError("budgets is empty; pass e.g. --budgets 0.2,0.5 or 0.2,256")
     return out
 
 
-def method_grid(names: Sequence[str], budgets: Sequence[float]) -> list[tuple[str, float | None]]:
+def method_grid(names: Sequence[str], budgets: Sequence, max_tokens: int | None = None) -> list[tuple[str, Any]]:
     """(method, budget) pairs: ``full`` once (budget None), every other method at every budget."""
-    names, budgets = check_methods(names), check_budgets(budgets)
+    names, budgets = check_methods(names), check_budgets(budgets, max_tokens)
     grid = []
     for n in names:
         grid.extend([(n, None)] if n == "full" else [(n, b) for b in budgets])
     return grid
 
 
-def make_method(name: str, budget: float | None):
-    return methods.get(name) if budget is None else methods.get(name, budget=budget)
+def make_method(name: str, budget=None):
+    """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default)."""
+    if budget is None:
+        return methods.get(name)
+    return methods.get(name, budget=check_budget(budget, "--budgets"))
+
+
+def memory_rows(method, states, batch: int | None = None) -> list[dict]:
+    """Per sequence: ``tokens_held`` (mean over layers and KV heads, measured on ``states``), ``cache_bytes``
+    (the batch's :func:`kvjax.engine.memory_bytes` / B) and ``kib_per_seq`` (the same in KiB). The first
+    ``batch`` sequences (default all)."""
+    held = engine.tokens_held(method, states)
+    b = len(held)
+    per_seq = engine.memory_bytes(method, states) // b
+    return [{"tokens_held": float(h), "cache_bytes": per_seq, "kib_per_seq": per_seq / 1024}
+            for h in held[: batch or b]]
+
+
+def memory_from_stats(stats: dict) -> dict:
+    """The same three fields from one ``engine.generate`` stats dict."""
+    return {"tokens_held": float(stats["tokens_held"]), "cache_bytes": int(stats["cache_bytes"]),
+            "kib_per_seq": stats["cache_bytes"] / 1024}
 
 
 def check_context(model, length: int, extra: int, what: str = "lengths"):
@@ -83,20 +102,24 @@ def _eos(model) -> set[int]:
     return ids
 
 
-def generate_answers(model, method, prompts: list[list[int]], bucket: int, max_new_tokens: int) -> list[str]:
-    """Greedy answers to whole prompts (token ids), each compressed by ``method`` at prefill."""
+def generate_answers(model, method, prompts: list[list[int]], bucket: int, max_new_tokens: int,
+                     memory: bool = False):
+    """Greedy answers to whole prompts (token ids), each compressed by ``method`` at prefill. With
+    ``memory=True``: ``(answers, memory rows)`` (:func:`memory_from_stats` per prompt)."""
     out = engine.generate(model, prompts, method, max_new_tokens, driver="python", prompt_len=bucket)
-    return [t or "" for t in out.text]
+    answers = [t or "" for t in out.text]
+    return (answers, [memory_from_stats(st) for st in out.stats]) if memory else answers
 
 
 def answer_after_context(model, method, contexts: list[list[int]], questions: list[list[int]], bucket: int,
-                         max_new_tokens: int, capacity_new: int | None = None) -> list[str]:
+                         max_new_tokens: int, capacity_new: int | None = None, memory: bool = False):
     """kvpress protocol: compress ``contexts`` at prefill, then feed ``questions`` uncompressed, then answer.
 
     contexts, questions: token ids per sequence (same count). ``capacity_new`` (default: longest question +
     ``max_new_tokens``) is the decode capacity; pass a fixed value to share compiled shapes across batches.
     Returns the decoded answers (up to EOS or ``max_new_tokens`` tokens); token id lists for a model loaded
-    without a tokenizer.
+    without a tokenizer. With ``memory=True``: ``(answers, memory rows)`` (:func:`memory_rows` of the final
+    states).
     """
     cfg = model.config
     b = len(contexts)
@@ -109,9 +132,7 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
     if max(lengths) > bucket:
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
     check_context(model, max(lengths), cap_new)
-    tokens = np.zeros((b, bucket), np.int32)
-    for i, c in enumerate(contexts):
-        tokens[i, : len(c)] = c
+    tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
     states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype)
     states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     eos = _eos(model)
@@ -136,4 +157,53 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
             break
         logits, states = engine.decode_step(cfg, method, model.params, states, jnp.asarray(feed), jnp.asarray(pos))
         pos = pos + 1
-    return answers if model.tokenizer is None else [model.tokenizer.decode(a) for a in answers]
+    answers = answers if model.tokenizer is None else [model.tokenizer.decode(a) for a in answers]
+    return (answers, memory_rows(method, states)) if memory else answers
+
+
+def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
+    """Bytes one sequence's cache of ``method`` holds at ``capacity`` (all layers), from the states' shapes
+    (``jax.eval_shape`` of :func:`kvjax.engine.init_states`: nothing is allocated). A method whose ``init``
+    cannot be evaluated abstractly is initialised for one sequence instead."""
+    import jax
+
+    try:
+        states = jax.eval_shape(lambda: engine.init_states(model_cfg, method, 1, capacity, dtype))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        states = engine.init_states(model_cfg, method, 1, capacity, dtype)
+    return engine.memory_bytes(method, states)
+
+
+def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype) -> tuple[int, int]:
+    """The largest token budget ``t`` of method ``name`` whose cache holds at most ``ref_bytes`` per sequence at
+    ``capacity``: ``(t, its bytes)``. Bytes grow with ``t``; budgets ``init`` refuses (too few slots for the
+    method's structure, e.g. Chelsea's sink + recent) are below every legal one. Binary search over
+    ``[1, prompt_len + max_new_tokens]``. A ValueError when no legal budget fits (e.g. PQCache, which keeps every
+    token's K/V whatever the budget, against a smaller reference)."""
+    hi = capacity.prompt_len + capacity.max_new_tokens
+
+    def size(t):
+        try:
+            return bytes_per_seq(model_cfg, methods.get(name, budget=t), capacity, dtype)
+        except ValueError:
+            return None
+
+    lo = 1
+    if size(lo) is None:  # find the smallest legal budget (legality is monotone in t)
+        if size(hi) is None:
+            raise ValueError(f"--equal-bytes: method {name} refuses every token budget at {capacity}")
+        a, b = 1, hi  # size(a) illegal, size(b) legal
+        while b - a > 1:
+            mid = (a + b) // 2
+            a, b = (a, mid) if size(mid) is not None else (mid, b)
+        lo = b
+    if size(lo) > ref_bytes:
+        raise ValueError(f"--equal-bytes: method {name} holds {size(lo)} bytes per sequence at its smallest "
+                         f"budget ({lo} tokens), more than the reference's {ref_bytes}")
+    if size(hi) <= ref_bytes:
+        return hi, size(hi)
+    a, b = lo, hi  # size(a) <= ref < size(b)
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (mid, b) if size(mid) <= ref_bytes else (a, mid)
+    return a, size(a)

@@ -47,11 +47,12 @@ def _logprob(logits, target):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
 
 
-def streaming_nll(model, method, seqs: np.ndarray, prefix: int) -> np.ndarray:
+def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False):
     """Negative log-likelihoods ``[B, N]`` of the ``N = T - prefix`` continuation tokens of ``seqs [B, T]``.
 
     Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
     ``Capacity(prefix, N)``; ``N - 1`` decode steps, all through the same compiled ``decode_step``.
+    With ``memory=True``: ``(nll, memory rows)`` (:func:`eval.harness.memory_rows` of the final states).
     """
     cfg = model.config
     b, t = seqs.shape
@@ -70,7 +71,12 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int) -> np.ndarray:
         logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],
                                             lengths + i - 1)
         out.append(_logprob(logits, seqs[:, prefix + i]))
-    return -np.asarray(jnp.stack(out, axis=1))
+    nll = -np.asarray(jnp.stack(out, axis=1))
+    if not memory:
+        return nll
+    from eval.harness import memory_rows
+
+    return nll, memory_rows(method, states)
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -92,11 +92,17 @@ def load(path: str | Path) -> dict[str, Any]:
     return results
 
 
-def _key(row) -> tuple[str, str, float | None]:
-    return row["task"], row["method"], row["budget"]
+def _config(row) -> tuple[str, float | int | None]:
+    """A row's (method, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose token budget is
+    chosen per task to match the reference method's memory)."""
+    return row["method"], row.get("nominal_budget", row["budget"])
 
 
-def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | None], float]:
+def _key(row) -> tuple[str, str, float | int | None]:
+    return (row["task"],) + _config(row)
+
+
+def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | int | None], float]:
     """(task, method, budget) -> aggregated score (see ``TASKS``)."""
     groups: dict[tuple, list] = collections.defaultdict(list)
     for row in results["rows"]:
@@ -113,39 +119,63 @@ def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | None], fl
     return out
 
 
-def _configs(results) -> list[tuple[str, float | None]]:
-    seen = []
+def _kib(row) -> float | None:
+    if row.get("kib_per_seq") is not None:
+        return row["kib_per_seq"]
+    return None if row.get("cache_bytes") is None else row["cache_bytes"] / 1024
+
+
+def summarise_memory(results: dict[str, Any]) -> dict[tuple, dict[str, float]]:
+    """(task, method, budget) -> ``{"tokens_held": mean, "kib_per_seq": mean}`` over the rows that record them
+    (a key is absent when no row does; old results with only ``cache_bytes`` give KiB/seq alone)."""
+    acc: dict[tuple, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for row in results["rows"]:
-        mb = (row["method"], row["budget"])
-        if mb not in seen:
-            seen.append(mb)
-    return seen
+        if row.get("tokens_held") is not None:
+            acc[_key(row)]["tokens_held"].append(row["tokens_held"])
+        if _kib(row) is not None:
+            acc[_key(row)]["kib_per_seq"].append(_kib(row))
+    return {k: {f: sum(xs) / len(xs) for f, xs in v.items()} for k, v in acc.items()}
+
+
+def _configs(results) -> list[tuple[str, float | int | None]]:
+    return list(dict.fromkeys(_config(row) for row in results["rows"]))
 
 
 def _tasks(results) -> list[str]:
     return list(dict.fromkeys(row["task"] for row in results["rows"]))
 
 
+MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("KiB/seq", "kib_per_seq"))
+
+
+def _budget_cell(results, method, budget) -> str:
+    if budget is None:
+        return "-"
+    ref = results.get("config", {}).get("equal_bytes")
+    text = f"{budget:g}"
+    return f"{text} (bytes of {ref})" if ref and method not in ("full", ref) else text
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One line per (method, budget), one column per task (plus the KV cache size where rows record it)."""
+    """One line per (method, budget); per task its score (and extra columns), then the measured mean tokens
+    held per sequence and the cache KiB per sequence (where rows record them)."""
     summary = summarise(results)
+    memory = summarise_memory(results)
     tasks = _tasks(results)
-    cache = collections.defaultdict(list)
-    for row in results["rows"]:
-        if "cache_bytes" in row:
-            cache[(row["method"], row["budget"])].append(row["cache_bytes"])
     extra = collections.defaultdict(list)
     for row in results["rows"]:
         for _, field in EXTRA_COLUMNS.get(row["task"], ()):
             if row.get(field) is not None:
-                extra[(row["task"], field, row["method"], row["budget"])].append(row[field])
+                extra[(row["task"], field) + _config(row)].append(row[field])
+    mem_cols = {t: [(title, f) for title, f in MEMORY_COLUMNS
+                    if any(f in v for k, v in memory.items() if k[0] == t)] for t in tasks}
     head = ["method", "budget"]
     for t in tasks:
         head += [TASKS.get(t, (t,))[0]] + [title for title, _ in EXTRA_COLUMNS.get(t, ())]
-    head += ["KV cache (KiB)"] if cache else []
+        head += [title if len(tasks) == 1 else f"{title} ({t})" for title, _ in mem_cols[t]]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for method, budget in _configs(results):
-        cells = [method, "-" if budget is None else f"{budget:g}"]
+        cells = [method, _budget_cell(results, method, budget)]
         for t in tasks:
             v = summary.get((t, method, budget))
             agg = TASKS.get(t, ("", "mean"))[1]
@@ -154,41 +184,54 @@ def markdown_table(results: dict[str, Any]) -> str:
             for _, field in EXTRA_COLUMNS.get(t, ()):
                 xs = extra.get((t, field, method, budget))
                 cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")
-        if cache:
-            c = cache.get((method, budget))
-            cells.append(f"{sum(c) / len(c) / 1024:.0f}" if c else "")
+            for _, field in mem_cols[t]:
+                m = memory.get((t, method, budget), {}).get(field)
+                cells.append("" if m is None else f"{m:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
-    """Score vs budget, one line per method, one panel per task; ``full`` is a dashed horizontal line."""
+    """Per task (columns): score vs budget (top; one line per method, ``full`` a dashed horizontal line) and
+    score vs measured cache KiB per sequence (bottom; where rows record memory)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     summary = summarise(results)
+    memory = summarise_memory(results)
     tasks = _tasks(results)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.6), squeeze=False)
+    for ax, kax, task in zip(axes[0], axes[1], tasks):
         by_method = collections.defaultdict(list)
         for (t, m, b), v in summary.items():
             if t == task:
                 by_method[m].append((b, v))
+        title, _, higher = TASKS.get(task, (task, "mean", True))
         for m, pts in by_method.items():
+            kib = [(memory.get((task, m, b), {}).get("kib_per_seq"), v) for b, v in pts]
+            kib = sorted((k, v) for k, v in kib if k is not None)
             if m == "full" or all(b is None for b, _ in pts):
                 for b, v in pts:
                     ax.axhline(v, ls="--", color="k", lw=1, label=f"{m} ({v:.3g})")
+                if kib:
+                    kax.plot([k for k, _ in kib], [v for _, v in kib], marker="s", ls="", color="k", label=m)
                 continue
-            pts = sorted((b, v) for b, v in pts if b is not None)
-            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=m)
-        title, _, higher = TASKS.get(task, (task, "mean", True))
+            pts = sorted(((b, v) for b, v in pts if b is not None), key=lambda p: (isinstance(p[0], int), p[0]))
+            line, = ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=m)
+            if kib:
+                kax.plot([k for k, _ in kib], [v for _, v in kib], marker="o", color=line.get_color(), label=m)
         ax.set_title(f"{task} ({'higher' if higher else 'lower'} is better)")
-        ax.set_xlabel("budget (fraction of the context)")
+        ax.set_xlabel("budget (fraction of the prompt, or tokens)")
         ax.set_ylabel(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        kax.set_title(f"{task}: score vs memory")
+        kax.set_xlabel("KV cache per sequence (KiB, measured)")
+        kax.set_ylabel(title)
+        for a in (ax, kax):
+            a.grid(alpha=0.3)
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,7 +253,7 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
 
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
-    configs = [c for c in _configs(results) if any((r["method"], r["budget"]) == c for r in rows)]
+    configs = [c for c in _configs(results) if any(_config(r) == c for r in rows)]
     cols = min(4, len(configs))
     nrows = -(-len(configs) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 2.8 * nrows), squeeze=False)
@@ -220,7 +263,7 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
         grid = np.full((len(depths), len(lengths)), np.nan)
         acc = collections.defaultdict(list)
         for r in rows:
-            if (r["method"], r["budget"]) == (m, b):
+            if _config(r) == (m, b):
                 acc[(r["depth"], r["length"])].append(r["score"])
         for (d, n), s in acc.items():
             grid[depths.index(d), lengths.index(n)] = 100.0 * sum(s) / len(s)

@@ -154,12 +154,17 @@ class RulerTask:
         batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
         return (bucket, longest_q + self.max_new_tokens), batches
 
+    def capacity(self, prepared):
+        from kvjax.methods.base import Capacity
+
+        return Capacity(*prepared[0])
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, cap_new = prepared[0]
         padded, real = harness.pad_batch(list(batch), self.batch)
-        answers = harness.answer_after_context(model, method, [list(e.context) for e in padded],
-                                               [list(e.question) for e in padded], bucket, self.max_new_tokens,
-                                               capacity_new=cap_new)
+        answers, mem = harness.answer_after_context(model, method, [list(e.context) for e in padded],
+                                                    [list(e.question) for e in padded], bucket,
+                                                    self.max_new_tokens, capacity_new=cap_new, memory=True)
         return [{**meta, "subtask": e.task, "length": e.length, "context_tokens": len(e.context),
-                 "expected": list(e.answers), "answer": a, "score": metrics.string_match_all(a, e.answers)}
-                for e, a in zip(batch, answers[:real])]
+                 "expected": list(e.answers), "answer": a, "score": metrics.string_match_all(a, e.answers), **m}
+                for e, a, m in zip(batch, answers[:real], mem[:real])]

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
 from kvjax.engine import bucket_length
+from kvjax.methods.base import Capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,9 @@ class NeedleTask:
         batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
         return bucket, batches
 
+    def capacity(self, prepared) -> Capacity:
+        return Capacity(prepared[0], self.max_new_tokens)
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, _ = prepared
         padded, real = harness.pad_batch([list(e.prompt) for e in batch], self.batch)
@@ -45,7 +49,7 @@ class NeedleTask:
         for e, text, stats in zip(batch, out.text[:real], out.stats[:real]):
             rows.append({**meta, "length": e.length, "depth": e.depth, "prompt_tokens": len(e.prompt),
                          "key": e.key, "answer": text, "score": needle.score(text or "", e.key),
-                         "cache_bytes": stats["cache_bytes"]})
+                         **harness.memory_from_stats(stats)})
         return rows
 
 
@@ -62,39 +66,91 @@ class PerplexityTask:
         seqs = perplexity.build(model, self.num_sequences, self.prefix, self.continuation, self.book)
         return self.prefix, [seqs]
 
+    def capacity(self, prepared) -> Capacity:
+        return Capacity(self.prefix, self.continuation)
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
-        nll = perplexity.streaming_nll(model, method, batch, self.prefix)
+        nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True)
         return [{**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size),
-                 "score": float(row.mean())} for i, row in enumerate(nll)]
+                 "score": float(row.mean()), **m} for i, (row, m) in enumerate(zip(nll, mem))]
 
 
-def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence[float],
-        config: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict."""
-    grid = harness.method_grid(method_names, budgets)
-    methods = [(name, b, harness.make_method(name, b)) for name, b in grid]  # option errors surface here
+def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[dict]]:
+    """``--equal-bytes REF`` for one task: ``full`` and ``ref`` keep their budgets; every other method at
+    nominal budget ``b`` gets the largest token budget whose cache holds at most ``ref``'s bytes per sequence
+    at ``b`` (at the task's capacity). Returns (configs ``(name, budget, nominal budget)``, records)."""
+    if not hasattr(task, "capacity"):
+        raise ValueError(f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
+                         "per example); run it without --equal-bytes")
+    cap = task.capacity(prepared)
+    configs, records = [], []
+    for name, b in grid:
+        if name in ("full", ref):
+            configs.append((name, b, b))
+            continue
+        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b), cap, model.dtype)
+        try:
+            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype)
+        except ValueError as e:
+            print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
+            records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
+                            "ref": ref, "ref_bytes": ref_bytes, "skipped": str(e)})
+            continue
+        configs.append((name, t, b))
+        records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": t, "bytes": got,
+                        "ref": ref, "ref_bytes": ref_bytes, "prompt_len": cap.prompt_len,
+                        "max_new_tokens": cap.max_new_tokens})
+    return configs, records
+
+
+def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
+        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None
+        ) -> dict[str, Any]:
+    """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
+
+    ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the token budget
+    whose memory matches that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
+    ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget."""
+    grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
+    if equal_bytes is not None and equal_bytes not in [n for n, _ in grid if n != "full"]:
+        raise ValueError(f"--equal-bytes {equal_bytes!r} must be one of the compressed methods run "
+                         f"({', '.join(n for n, _ in dict.fromkeys(grid) if n != 'full')})")
+    for name, b in grid:
+        harness.make_method(name, b)  # option errors surface here
     prepared = {t.name: t.prepare(model) for t in tasks}
     results = report.new_results({**(config or {}), "model": model.name, "methods": list(method_names),
-                                  "budgets": list(budgets),
+                                  "budgets": list(budgets), "equal_bytes": equal_bytes,
                                   "tasks": {t.name: dataclasses.asdict(t) for t in tasks}})
     results["timings"]["load_seconds"] = model.load_seconds
-    total = sum(len(prepared[t.name][1]) for t in tasks) * len(methods)
+    plan = []  # (task, name, budget, nominal budget)
+    for task in tasks:
+        if equal_bytes is None:
+            configs = [(n, b, b) for n, b in grid]
+        else:
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes)
+            results.setdefault("equal_bytes", []).extend(records)
+        plan.extend((task, n, b, nb) for n, b, nb in configs)
+    order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
+    plan.sort(key=lambda p: order[p[1]])  # method-major: each compiled method is reused across its batches
+    total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
-        for name, budget, method in methods:
-            for task in tasks:
-                t0 = time.perf_counter()
-                meta = {"task": task.name, "method": name, "budget": budget}
-                for i, batch in enumerate(prepared[task.name][1]):
-                    bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}"))
-                    tb = time.perf_counter()
-                    rows = task.run_batch(model, method, prepared[task.name], batch, meta)
-                    for r in rows:
-                        r["batch_seconds"] = time.perf_counter() - tb
-                    results["rows"].extend(rows)
-                    bar.update(1)
-                results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
-                                                   "seconds": time.perf_counter() - t0,
-                                                   "note": "first batch includes compilation"})
+        for task, name, budget, nominal in plan:
+            method = harness.make_method(name, budget)
+            t0 = time.perf_counter()
+            meta = {"task": task.name, "method": name, "budget": budget}
+            if equal_bytes is not None:
+                meta.update(nominal_budget=nominal, equal_bytes_ref=equal_bytes)
+            for i, batch in enumerate(prepared[task.name][1]):
+                bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}"))
+                tb = time.perf_counter()
+                rows = task.run_batch(model, method, prepared[task.name], batch, meta)
+                for r in rows:
+                    r["batch_seconds"] = time.perf_counter() - tb
+                results["rows"].extend(rows)
+                bar.update(1)
+            results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
+                                               "seconds": time.perf_counter() - t0,
+                                               "note": "first batch includes compilation"})
     results["timings"]["total_seconds"] = time.perf_counter() - start
     return results

@@ -97,7 +97,7 @@ def kept_prompt_positions(model, method, prompts, *, prompt_len: int | None = No
         raise ValueError(f"prompt of {max(lengths_list)} tokens is longer than prompt_len={bucket}; raise "
                          "prompt_len (prompts are never truncated)")
     cfg = model.config
-    tokens, lengths = engine._pad(ids, bucket)
+    tokens, lengths = engine.pad_prompts(ids, bucket)
     states = engine.init_states(cfg, method, len(ids), Capacity(bucket, max_new_tokens), model.dtype)
     states, _ = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     return mask_from_states(states, lengths, bucket)

@@ -14,16 +14,17 @@ loads. The paper calibrates on WikiText-2; any text works here, the embedded Pau
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.chunked_similarity import chunk_best_match
+from kvjax import model as M
 
 
 def no_edge_fraction(k, lengths, *, n_sink: int, n_recent: int, chunk: int, threshold: float, impl=None):
@@ -46,21 +47,30 @@ def no_edge_fraction(k, lengths, *, n_sink: int, n_recent: int, chunk: int, thre
 
 @dataclasses.dataclass(frozen=True)
 class _Probe:
-    """A pseudo cache method whose prefill records ``no_edge_fraction`` per KV head (state ``[B, Hkv]``)."""
+    """The calibration measure's settings (hashable: a static argument of :func:`_window_fractions`)."""
 
-    name: ClassVar[str] = "chelsea_calibration_probe"
     n_sink: int
     n_recent: int
     chunk: int
     threshold: float
     impl: str | None = None
 
-    def init(self, model_cfg, batch, capacity, layer, dtype):
-        return jnp.zeros((batch, model_cfg.num_kv_heads), jnp.float32)
 
-    def prefill(self, state, layer, q, k, v, lengths):
-        return no_edge_fraction(k, lengths, n_sink=self.n_sink, n_recent=self.n_recent, chunk=self.chunk,
-                                threshold=self.threshold, impl=self.impl)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _window_fractions(cfg, probe: _Probe, params, tokens):
+    """``no_edge_fraction`` of every layer's post-RoPE keys on the full-attention forward of ``tokens [B, T]``:
+    ``[L, B, Hkv]``."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    lengths = jnp.full((b,), t, jnp.int32)
+
+    def attend(layer, x, q, k, v, out):
+        frac = no_edge_fraction(k, lengths, n_sink=probe.n_sink, n_recent=probe.n_recent, chunk=probe.chunk,
+                                threshold=probe.threshold, impl=probe.impl)
+        return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), out + (frac,)
+
+    _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
+    return jnp.stack(out)
 
 
 def default_text() -> str:
@@ -79,9 +89,6 @@ def calibrate(model, out, *, text_path=None, token_ids=None, window: int = 4096,
     (deterministic). Shows progress with tqdm.
     """
     from tqdm.auto import tqdm
-
-    from kvjax import engine
-    from kvjax.methods.base import Capacity
 
     cfg = model.config
     if not 0.0 <= ratio <= 1.0:
@@ -112,9 +119,7 @@ def calibrate(model, out, *, text_path=None, token_ids=None, window: int = 4096,
     total = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float64)
     for i in tqdm(range(count), desc="calibrate-chelsea", unit="window"):
         toks = jnp.asarray(ids[None, i * window:(i + 1) * window])
-        states = engine.init_states(cfg, probe, 1, Capacity(window, 1), model.dtype)
-        states, _ = engine.prefill(cfg, probe, model.params, toks, jnp.asarray([window], jnp.int32), states)
-        total += np.stack([np.asarray(s[0]) for s in states])
+        total += np.asarray(_window_fractions(cfg, probe, model.params, toks))[:, 0]
     frac = total / count
     n_out = math.ceil(ratio * cfg.num_layers * cfg.num_kv_heads - 1e-9)
     chosen = [(layer, h) for layer in sorted(set(keep_layers)) for h in range(cfg.num_kv_heads)]

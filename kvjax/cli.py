@@ -8,22 +8,30 @@ with compressed caches, printing text, cache bytes and timings.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
 from kvjax import assets
 
 
-def parse_budget(text: str) -> float | int:
-    """``"0.2"`` -> 0.2 (fraction of the prompt); ``"256"`` -> 256 (tokens)."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget {text!r} must be a fraction like 0.2 or a token count like 256")
+def budget_type(option: str = "--budget", many: bool = False):
+    """An argparse ``type=`` for a budget option: :func:`kvjax.budget.parse_budget` (or ``parse_budgets`` when
+    ``many``), the one parser of ``kvjax``, ``kvjax-eval`` and ``kvjax-train-less``. Bad input (0, -1, nan,
+    abc, 1.5, true) becomes an argparse usage error (exit code 2) naming ``option`` and the fix."""
+    from kvjax.budget import parse_budget, parse_budgets
+
+    def parse(text: str):
+        try:
+            return parse_budgets(text) if many else parse_budget(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(re.sub(r"--budgets?\b", option, str(e))) from None
+
+    parse.__name__ = option.lstrip("-").replace("-", "_")  # argparse names the type in some messages
+    return parse
+
+
+parse_budget = budget_type("--budget")
 
 
 def _method(name: str, budget):
@@ -47,6 +55,7 @@ def cmd_generate(args) -> int:
     model = kvjax.load_model(args.model)
     print(f"[kvjax] loaded {args.model} in {model.load_seconds:.1f}s", file=sys.stderr)
     method = _method(args.method, args.budget)
+    engine.check_method(model.config, method)  # here: engine.stream generates in a thread
     chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
     t0 = time.perf_counter()
     for piece in engine.stream(model, args.prompt, method, args.max_new_tokens, _sampling(args), chat=chat,

@@ -25,16 +25,17 @@ def stack_layers(params) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _capture_batch(cfg, policies, params, layers, tokens):
+def _capture_batch(cfg, policies, params, tokens):
     b, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s), (b, s))
 
-    def layer(x, lp):
-        q, k, v = M.layer_qkv(cfg, lp, x, positions)
+    def attend(layer, x, q, k, v, out):
         packed = tuple(jnp.packbits(p.parallel_mask(q, k), axis=-1) for p in policies)
-        return M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v)), (x, packed)
+        return M.causal_attention(q, k, v), out + ((x, packed),)
 
-    _, (xs, packed) = jax.lax.scan(layer, M.embed(params, tokens), layers)
+    _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
+    xs = jnp.stack([x for x, _ in out])
+    packed = tuple(jnp.stack([pk[i] for _, pk in out]) for i in range(len(policies)))
     return xs, packed  # [L, B, S, H], each [L, B, Hkv, S, ceil(S/8)]
 
 
@@ -48,11 +49,10 @@ def capture(cfg, params, tokens: np.ndarray, policies: tuple, batch: int = 4, st
     if any(w is not None for w in cfg.sliding_windows):
         raise ValueError("LESS training does not support sliding-window attention layers (model has "
                          f"sliding_windows={cfg.sliding_windows}); use a model with full attention")
-    layers = stack_layers(params)
     n = tokens.shape[0]
     xs_out, masks_out = [], [[] for _ in policies]
     for i in tqdm(range(0, n, batch), desc="capture", disable=not progress, unit="batch"):
-        xs, packed = _capture_batch(cfg, tuple(policies), params, layers, jnp.asarray(tokens[i:i + batch]))
+        xs, packed = _capture_batch(cfg, tuple(policies), params, jnp.asarray(tokens[i:i + batch]))
         xs_out.append(np.asarray(jnp.swapaxes(xs, 0, 1).astype(store_dtype or xs.dtype)))
         for out, p in zip(masks_out, packed):
             out.append(np.asarray(jnp.swapaxes(p, 0, 1)))

@@ -13,6 +13,8 @@ import json
 import sys
 import time
 
+from kvjax.cli import budget_type
+
 
 def _number(text: str):
     return float(text) if "." in text else int(text)
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-split", default="train")
     p.add_argument("--hf-field", default="text")
     p.add_argument("--policy", choices=("h2o", "lambda"), default="h2o")
-    p.add_argument("--budget", type=int, default=None, help="sparse cache tokens (default: 10%% of --seq-len)")
+    p.add_argument("--budget", type=budget_type("--budget"), default=None,
+                   help="sparse cache tokens (256), or a fraction of --seq-len (0.1) (default: 10%% of --seq-len)")
     p.add_argument("--recent", type=_number, default=0.5, help="H2O recent window: fraction of budget or tokens")
     p.add_argument("--sinks", type=int, default=4, help="lambda policy: attention-sink tokens")
     p.add_argument("--rank", type=int, default=8)
@@ -59,11 +62,19 @@ def main(argv=None) -> int:
     from train_less import data
     from train_less.trainer import TrainConfig, train
 
-    tc = TrainConfig(policy=args.policy, budget=args.budget, recent=args.recent, sinks=args.sinks, rank=args.rank,
-                     hidden=args.hidden, dropout=args.dropout, epochs=args.epochs, batch=args.batch,
-                     seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac, lr=args.lr,
-                     halve_every=args.halve_every, layers_per_step=args.layers_per_step, seed=args.seed,
-                     store_dtype=args.store_dtype)
+    if isinstance(args.budget, float):  # a fraction of the training sequence length, in tokens
+        from kvjax.budget import budget_tokens
+
+        args.budget = budget_tokens(args.budget, args.seq_len)
+    try:
+        tc = TrainConfig(policy=args.policy, budget=args.budget, recent=args.recent, sinks=args.sinks,
+                         rank=args.rank, hidden=args.hidden, dropout=args.dropout, epochs=args.epochs,
+                         batch=args.batch, seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac,
+                         lr=args.lr, halve_every=args.halve_every, layers_per_step=args.layers_per_step,
+                         seed=args.seed, store_dtype=args.store_dtype)
+    except ValueError as e:  # e.g. --budget not below --seq-len
+        print(f"kvjax-train-less: error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     model = kvjax.load_model(args.model)
     if model.tokenizer is None:

@@ -23,13 +23,12 @@ def tiny():
 def numpy_layers(model, ids):
     """Per-layer post-RoPE q, k, v ``[1, H, T, D]`` float64 of the full-attention forward."""
     cfg, params = model.config, model.params
-    x = M.embed(params, np.asarray([ids], np.int32))
     positions = np.arange(len(ids))[None]
-    out = []
-    for lp in params["layers"]:
-        q, k, v = M.layer_qkv(cfg, lp, x, positions)
-        out.append(tuple(np.asarray(a, np.float64) for a in (q, k, v)))
-        x = M.layer_finish(cfg, lp, x, M.causal_attention(q, k, v))
+
+    def attend(layer, x, q, k, v, out):
+        return M.causal_attention(q, k, v), out + [tuple(np.asarray(a, np.float64) for a in (q, k, v))]
+
+    _, out = M.run_layers(cfg, params, M.embed(params, np.asarray([ids], np.int32)), positions, attend, [])
     return out
 
 

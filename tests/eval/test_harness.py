@@ -87,15 +87,43 @@ def test_runner_perplexity_rows_and_timings(tiny):
     rows = task.run_batch(tiny, methods.get("full"), None, seqs, {"task": "perplexity",
                                                                         "method": "full", "budget": None})
     assert [r["tokens"] for r in rows] == [8, 8] and all(np.isfinite(r["nll"]) for r in rows)
+    # memory beside the score: the full cache at Capacity(32, 8) holds 32 + 7 tokens per sequence at the end
+    cap_bytes = harness.bytes_per_seq(tiny.config, methods.get("full"), task.capacity(None), tiny.dtype)
+    for r in rows:
+        assert r["tokens_held"] == 39.0 and r["cache_bytes"] == cap_bytes and r["kib_per_seq"] == cap_bytes / 1024
+    rows = task.run_batch(tiny, methods.get("snapkv", budget=0.25), None, seqs, {})
+    assert all(r["tokens_held"] == 8 + 7 for r in rows)  # ceil(0.25 * 32) prompt tokens + 7 decoded
+
+
+def test_equal_bytes_budget_search(tiny):
+    cap = runner.PerplexityTask(prefix=128, continuation=8).capacity(None)
+    ref = harness.bytes_per_seq(tiny.config, methods.get("less", budget=0.2), cap, tiny.dtype)
+    for name in ("snapkv", "streaming_llm"):
+        t, got = harness.equal_bytes_budget(tiny.config, name, ref, cap, tiny.dtype)
+        assert isinstance(t, int) and got <= ref
+        assert got == harness.bytes_per_seq(tiny.config, methods.get(name, budget=t), cap, tiny.dtype)
+        assert harness.bytes_per_seq(tiny.config, methods.get(name, budget=t + 1), cap, tiny.dtype) > ref
+    with pytest.raises(ValueError, match="more than the reference"):  # keeps every token's K/V whatever the budget
+        harness.equal_bytes_budget(tiny.config, "pqcache", ref, cap, tiny.dtype)
+    task = runner.PerplexityTask(prefix=128, continuation=8)
+    configs, records = runner.equal_bytes_grid(tiny, task, None, harness.method_grid(
+        ["full", "less", "snapkv", "pqcache"], [0.2]), "less")
+    t, _ = harness.equal_bytes_budget(tiny.config, "snapkv", ref, cap, tiny.dtype)
+    assert configs == [("full", None, None), ("less", 0.2, 0.2), ("snapkv", t, 0.2)]
+    assert records[0]["budget"] == t and records[0]["ref_bytes"] == ref and "skipped" in records[1]
 
 
 def test_bad_input(tiny):
     with pytest.raises(ValueError, match="method='nope' is not registered"):
         harness.method_grid(["full", "nope"], [0.2])
-    for bad in (0.0, 1.5, -0.2, True, "0.2"):
-        with pytest.raises(ValueError, match="budget=.* must be a fraction of the context in \\(0, 1\\]"):
+    for bad in (0.0, 1.5, -0.2, 0, -1, float("nan"), True, "0.2"):
+        with pytest.raises(ValueError, match="--budgets"):
             harness.method_grid(["snapkv"], [bad])
-    assert harness.method_grid(["full", "snapkv"], [0.2, 1]) == [("full", None), ("snapkv", 0.2), ("snapkv", 1.0)]
+    # a float is a fraction of each prompt, an int a token count (at most the model context when given)
+    assert harness.method_grid(["full", "snapkv"], [0.2, 1.0, 64]) == [("full", None), ("snapkv", 0.2),
+                                                                       ("snapkv", 1.0), ("snapkv", 64)]
+    with pytest.raises(ValueError, match="--budgets=300 tokens exceeds the model context of 256"):
+        harness.method_grid(["snapkv"], [300], max_tokens=tiny.config.max_position_embeddings)
     with pytest.raises(ValueError, match="longer than the model's context of 256"):
         runner.NeedleTask(lengths=(300,)).prepare(tiny)
     with pytest.raises(ValueError, match="longer than the model's context of 256"):

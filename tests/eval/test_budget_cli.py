@@ -1,0 +1,75 @@
+"""One budget parser (kvjax.budget.parse_budget) behind --budget / --budgets of kvjax, kvjax-eval and
+kvjax-train-less: bad values are argparse usage errors (exit code 2) naming the option; a token budget above
+the model context is a clear error."""
+
+import jax
+import pytest
+
+from eval import cli as eval_cli
+from kvjax import cli as kvjax_cli
+from kvjax import engine, methods
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.model import random_params
+from train_less import cli as train_cli
+
+BAD = ["0", "-1", "nan", "abc", "1.5", "true"]
+
+
+def _exit_code(fn, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_kvjax_budget_bad(bad, capsys):
+    for argv in (["generate", "--prompt", "hi", "--budget", bad], ["demo", "--budget", bad]):
+        code, err = _exit_code(kvjax_cli.build_parser().parse_args, argv, capsys)
+        assert code == 2 and "argument --budget:" in err and "--budget" in err.split("argument --budget:")[1]
+
+
+@pytest.mark.parametrize("bad", BAD + ["0.2,abc", ","])
+def test_eval_budgets_bad(bad, capsys):
+    code, err = _exit_code(eval_cli.main, ["needle", "--budgets", bad], capsys)
+    assert code == 2 and "argument --budgets:" in err and "--budgets" in err.split("argument --budgets:")[1]
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_train_less_budget_bad(bad, capsys, tmp_path):
+    code, err = _exit_code(train_cli.main, ["--out", str(tmp_path), "--budget", bad], capsys)
+    assert code == 2 and "argument --budget:" in err
+
+
+def test_good_values_parse():
+    args = eval_cli.build_parser().parse_args(["needle", "--budgets", "0.2,256,1.0"])
+    assert args.budgets == [0.2, 256, 1.0] and isinstance(args.budgets[1], int)
+    assert kvjax_cli.build_parser().parse_args(["demo", "--budget", "256"]).budget == 256
+    assert kvjax_cli.build_parser().parse_args(["demo", "--budget", "0.25"]).budget == 0.25
+    assert train_cli.build_parser().parse_args(["--out", "x", "--budget", "52"]).budget == 52
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128,
+                      sliding_windows=(None,))
+    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0)), None, "tiny")
+
+
+def test_token_budget_above_context(tiny, monkeypatch, capsys, tmp_path):
+    import kvjax
+
+    monkeypatch.setattr(kvjax, "load_model", lambda *a, **k: tiny)
+    code = kvjax_cli.main(["generate", "--prompt", "hi", "--method", "snapkv", "--budget", "1000"])
+    assert code == 2 and "budget=1000 tokens exceeds the model context of 128" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="exceeds the model context of 128"):
+        engine.check_method(tiny.config, methods.get("snapkv", budget=1000))
+    # kvjax-train-less: the sparse budget must be below the training sequence length
+    code = train_cli.main(["--out", str(tmp_path), "--budget", "1000", "--seq-len", "64"])
+    assert code == 2 and "budget=1000" in capsys.readouterr().err
+    # kvjax-eval refuses before running anything (the runner checks against the loaded model's context)
+    from eval import runner
+
+    with pytest.raises(ValueError, match="--budgets=1000 tokens exceeds the model context of 128"):
+        runner.run(tiny, [], ["snapkv"], [1000], progress=False)
