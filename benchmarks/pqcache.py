@@ -10,7 +10,7 @@
    greedy answer with ``full`` and with PQCache at each ratio; "found" = the answer mentions the sandwich or
    Dolores Park.
 3. Decode: compiled ``scan`` loop step time of ``full`` and PQCache (compile excluded by a warm-up run), cache
-   bytes held and the K/V + index bytes each step reads (``PQCache.bytes_read_per_step``, all layers).
+   bytes held and the K/V + index bytes each step reads (``PQCache.bytes_read_breakdown``, all layers).
 JSON includes the jax version and the device. ``--random-weights`` times SmolLM2-135M shapes with random
 weights (skips recall and needle).
 """
@@ -101,7 +101,10 @@ def time_decode(model, ids, method, steps):
         times.append(time.perf_counter() - t0)
     row = {"step_seconds": times[-1] / steps, "cache_bytes": sum(method.memory_bytes(s) for s in states)}
     if isinstance(method, PQCache):
-        reads = [method.bytes_read_per_step(s, cfg.num_heads) for s in states]
+        # Per part, all layers, for the next step of the final state (PQCache.bytes_read_breakdown: codes below
+        # the candidate end, centroids, LUT, score buffers, gathered K/V rows, attention; ``total`` is
+        # bytes_read_per_step; ``full_kv`` is what full attention over the same live slots would read).
+        reads = [method.bytes_read_breakdown(s, cfg.num_heads) for s in states]
         row["bytes_read_per_step"] = {k: sum(r[k] for r in reads) for k in reads[0]}
     return row
 

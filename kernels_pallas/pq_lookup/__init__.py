@@ -1,11 +1,15 @@
 """``pq_lookup``: approximate attention logits from PQ codes and a lookup table (PQCache §3.1).
 
 >>> scores = pq_lookup(lut, codes)                    # impl chosen by backend
+>>> scores = pq_lookup(lut, codes, lengths)           # only slots [0, lengths[b]) are read and scored
 >>> scores = pq_lookup(lut, codes, impl="xla")        # the pure-JAX reference
 
 lut ``[B, Hkv, G, m, K]`` float32 (per query head, ``lut[..., i, c] = q_i · C_{i,c}``), codes
-``[B, Hkv, S, m]`` integer (uint8, values in ``[0, K)``) -> scores ``[B, Hkv, G, S]`` float32,
-``scores[b,h,g,s] = sum_i lut[b,h,g,i,codes[b,h,s,i]]`` (= ``q · k_hat`` with ``k_hat`` the PQ reconstruction).
+``[B, Hkv, m, S]`` integer (uint8, values in ``[0, K)``; **sub-space-major**, the layout the kernels read, so
+no per-call repack), lengths ``[B]`` int32 or None -> scores ``[B, Hkv, G, S]`` float32,
+``scores[b,h,g,s] = sum_i lut[b,h,g,i,codes[b,h,i,s]]`` (= ``q · k_hat`` with ``k_hat`` the PQ reconstruction)
+for ``s < lengths[b]`` and ``NEG_INF`` (-1e30) beyond. The Pallas kernels read and compute no token block that
+starts at or past ``lengths[b]``. Allocate ``S`` as a multiple of ``CODE_ALIGN`` (512) to avoid a padding copy.
 
 impl: ``"xla"`` (reference), ``"pallas_tpu"`` (one-hot MXU matmul), ``"pallas_gpu"`` (Triton), or None:
 ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by
@@ -18,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.pq_lookup._common import CODE_ALIGN, NEG_INF
 from kernels_pallas.pq_lookup.reference import pq_lookup_reference
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -27,34 +32,37 @@ def default_impl() -> str:
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
-def check_inputs(lut, codes, block_t):
+def check_inputs(lut, codes, block_t, lengths=None):
     if lut.ndim != 5:
         raise ValueError(f"lut has shape {lut.shape}; expected [B, Hkv, G, m, K]")
     if codes.ndim != 4:
-        raise ValueError(f"codes has shape {codes.shape}; expected [B, Hkv, S, m]")
+        raise ValueError(f"codes has shape {codes.shape}; expected [B, Hkv, m, S] (sub-space-major)")
     b, h, _, m, _ = lut.shape
-    if codes.shape[:2] != (b, h) or codes.shape[3] != m:
+    if codes.shape[:3] != (b, h, m):
         raise ValueError(f"codes has shape {codes.shape}, inconsistent with lut {lut.shape}; expected "
-                         f"[{b}, {h}, S, {m}]")
+                         f"[{b}, {h}, {m}, S] (sub-space-major)")
+    if lengths is not None and jnp.shape(lengths) != (b,):
+        raise ValueError(f"lengths has shape {jnp.shape(lengths)}; expected [{b}]")
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise ValueError(f"codes has dtype {codes.dtype}; expected an integer dtype (uint8)")
     if block_t is not None and (not isinstance(block_t, int) or block_t < 1):
         raise ValueError(f"block_t={block_t!r} must be a positive int (TPU: a multiple of 128)")
 
 
-def pq_lookup(lut, codes, impl: str | None = None, interpret: bool = False, block_t: int | None = None):
+def pq_lookup(lut, codes, lengths=None, impl: str | None = None, interpret: bool = False,
+              block_t: int | None = None):
     """See the module docstring. Returns scores ``[B, Hkv, G, S]`` float32."""
-    check_inputs(lut, codes, block_t)
+    check_inputs(lut, codes, block_t, lengths)
     impl = impl or default_impl()
     if impl == "xla":
-        return pq_lookup_reference(lut, codes)
+        return pq_lookup_reference(lut, codes, lengths)
     if impl == "pallas_tpu":
         from kernels_pallas.pq_lookup.pallas_tpu import pq_lookup_tpu
-        return pq_lookup_tpu(lut, codes, block_t=block_t or 512, interpret=interpret)
+        return pq_lookup_tpu(lut, codes, lengths, block_t=block_t or 512, interpret=interpret)
     if impl == "pallas_gpu":
         from kernels_pallas.pq_lookup.pallas_gpu import pq_lookup_gpu
-        return pq_lookup_gpu(lut, codes, block_t=block_t or 128, interpret=interpret)
+        return pq_lookup_gpu(lut, codes, lengths, block_t=block_t or 128, interpret=interpret)
     raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
 
 
-__all__ = ["IMPLS", "default_impl", "pq_lookup", "pq_lookup_reference"]
+__all__ = ["CODE_ALIGN", "IMPLS", "NEG_INF", "default_impl", "pq_lookup", "pq_lookup_reference"]

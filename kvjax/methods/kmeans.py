@@ -20,12 +20,17 @@ _HI = jax.lax.Precision.HIGHEST
 def init_rows(key, valid: jnp.ndarray, k: int) -> jnp.ndarray:
     """``k`` row indices ``[B, k]`` int32 per sequence, sampled without replacement from the valid rows.
 
-    valid: ``[B, P]`` bool. Sampling is a Gumbel top-k with a fixed ``key`` (deterministic). A sequence with
+    valid: ``[B, P]`` bool. Sampling is a Gumbel top-k with a fixed ``key`` (deterministic; the noise of row
+    ``i`` is ``gumbel(fold_in(key, i))``, independent of ``P`` and of the batch). A sequence with
     fewer than ``k`` valid rows repeats them cyclically (duplicate centroids stay empty; ties go to the
     first). With no valid row the indices are arbitrary (those centroids are never used for the prompt).
     """
     b, p = valid.shape
-    g = jnp.where(valid, jax.random.gumbel(key, (b, p)), -jnp.inf)
+    # One Gumbel draw per *position* (key folded with the position), shared by the batch rows: the draw of a
+    # row does not depend on the padded length P (the prompt bucket) or on the batch, so the same prompt gets
+    # the same init rows in any bucket (the budget contract's bucket invariance).
+    noise = jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(key, i), ()))(jnp.arange(p))
+    g = jnp.where(valid, noise[None, :], -jnp.inf)
     if p < k:
         g = jnp.pad(g, ((0, 0), (0, k - p)), constant_values=-jnp.inf)
     _, perm = jax.lax.top_k(g, k)  # valid rows first, in Gumbel order

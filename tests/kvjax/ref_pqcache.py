@@ -12,6 +12,7 @@ buffer), so agreement also checks that encode-at-write equals encode-at-eviction
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 
@@ -67,11 +68,14 @@ def pq_score(qvec: np.ndarray, cents: np.ndarray, code: np.ndarray) -> float:
 
 
 def split(length: int, sink: int, budget, local_ratio: float):
-    """(W, k) of the authors' code: W = int((L - S) r lr), k = int((L - S) r (1 - lr)); an int budget is W + k."""
+    """(W, k) of the authors' code: W = int((L - S) r lr), k = int((L - S) r (1 - lr)), in exact rational
+    arithmetic with r and lr read as the decimals they are written as (0.3 is 3/10); an int budget is W + k."""
     n = max(length - sink, 0)
+    lr = Fraction(repr(float(local_ratio)))
     if isinstance(budget, float):
-        return int(n * budget * local_ratio), int(n * budget * (1 - local_ratio))
-    w = int(budget * local_ratio)
+        r = Fraction(repr(budget))
+        return math.floor(n * r * lr), math.floor(n * r * (1 - lr))
+    w = math.floor(budget * lr)
     return w, budget - w
 
 

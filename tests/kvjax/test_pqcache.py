@@ -1,7 +1,9 @@
 """PQCache against the NumPy reference in ``ref_pqcache.py``: K-means steps and codes, init rows, exact scores
 when the centroids are the data, prefill + decode (codes, retrieved sets and outputs, MHA and GQA; the
 reference encodes generated tokens at eviction), top-k recall on random and on real keys, a covering budget
-equal to full attention on the tiny model, no retrace, memory accounting and bad input."""
+equal to full attention on the tiny model, no retrace, memory and bytes-read accounting (hand count), the
+exact per-sequence split (vs fractions.Fraction), bucket invariance (codes, retrieved indices, greedy tokens),
+unwritten slots never scored or selected, short prompts at any budget, and bad input."""
 
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
         for h in range(hkv):
             np.testing.assert_allclose(cents[bi, h], seq.pq[h][0], atol=1e-5)
             for p_, c in seq.pq[h][1].items():
-                np.testing.assert_array_equal(codes[bi, h, p_], c)
+                np.testing.assert_array_equal(codes[bi, h, :, p_], c)
     rng = np.random.default_rng(1)
     decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
     select = jax.jit(method.select)
@@ -275,17 +277,197 @@ def test_no_retrace_in_bucket(tiny):
     assert dict(engine.TRACE_COUNTS) == before
 
 
-def test_memory_and_bytes_read(tiny):
-    method = PQCache(budget=0.25, m=2, bits=6, sink=4)
+def test_memory_and_bytes_read():
+    """memory_bytes is every leaf; bytes_read_per_step equals a hand count from the state: codes below the
+    candidate end, centroids, LUT, score buffers, gathered rows and the attention over them (sparse step), or
+    the live slots of the full cache (a batch with a dense_short row)."""
+    method = PQCache(budget=0.25, m=2, bits=3, sink=4, iters=2)
     st = method.init(model_cfg(4, 2), 1, Capacity(64, 16), 0, jnp.float32)
     w, k = method.split(64)
     assert (st.window, st.topk) == (w, k) == (7, 7)
     kv = 2 * 1 * 2 * 80 * D * 4
-    assert method.memory_bytes(st) == kv + 2 * 80 * 2 + 2 * 2 * 64 * (D // 2) * 4 + 4
-    r = method.bytes_read_per_step(st, num_heads=4)
-    assert r["full_kv"] == kv
-    assert r["kv_attended"] == 2 * 2 * (4 + 7 + 7 + 1) * D * 4
-    assert r["total"] == r["codes"] + r["centroids"] + r["scores"] + r["kv_attended"]
+    assert method.memory_bytes(st) == kv + 2 * 2 * 80 + 2 * 2 * 8 * (D // 2) * 4 + 4 + 4
+
+    b, hq, h, s, g, item = 2, 4, 2, 64 + 16, 2, 4
+    for lengths in [(40, 30), (40, 10)]:  # (40, 10): 10 - 4 <= 2^3, the dense fallback for the batch
+        st, _ = run_prefill(method, hq, h, lengths, 64, 16, seed=3)
+        dec = jax.jit(lambda st, q, kk, vv, p: method.decode(st, 0, q, kk, vv, p))
+        rng = np.random.default_rng(0)
+        for _ in range(3):  # a few decode steps: the fill count grows
+            pos = st.filled
+            _, st = dec(st, *(jnp.asarray(rng.standard_normal(x), jnp.float32)
+                              for x in [(b, hq, D), (b, h, D), (b, h, D)]), pos)
+        filled = np.asarray(st.filled)
+        np.testing.assert_array_equal(filled, np.asarray(lengths) + 3)
+        np.testing.assert_array_equal(np.asarray(method.tokens_held(st)), filled.astype(np.float32))
+        ws = [method.split(n)[0] for n in lengths]
+        codes = sum(h * 2 * max(f - wb, 0) for f, wb in zip(filled, ws))  # m=2 bytes per candidate slot
+        cent = b * h * 2 * 8 * (D // 2) * 4
+        lut = 2 * b * hq * 2 * 8 * 4
+        scores = b * hq * s * 4 + b * hq * (s - 4) * 4
+        topk = b * h * (s - 4) * 4
+        q_out = b * hq * D * item + b * hq * (D + 2) * 4
+        if 10 in lengths:
+            live = np.minimum(filled + 1, s)
+            bs = min(128, s)  # the decode-attention kernel reads whole blocks of the live slots
+            rows = sum(min(-(-int(n) // bs) * bs, s) for n in live)
+            att = h * rows * (2 * D * item + 4) + q_out
+            gathered = 0
+        else:
+            n_att = 4 + 7 + 7 + 1
+            gathered = 2 * b * h * n_att * D * item
+            att = b * h * n_att * (2 * D * item + 4) + q_out
+        r = method.bytes_read_breakdown(st, num_heads=hq)
+        assert (r["codes"], r["centroids"], r["lut"], r["scores"], r["topk"]) == (codes, cent, lut, scores, topk)
+        assert (r["kv_gathered"], r["attention"]) == (gathered, att)
+        assert method.bytes_read_per_step(st, hq) == codes + cent + lut + scores + topk + gathered + att
+        assert isinstance(method.bytes_read_per_step(st, hq), int)
+
+
+def test_held_and_attended():
+    method = PQCache(budget=0.2, sink=32, bits=6)
+    assert method.held(1000, 7) == 1007
+    w, k = method.split(1000)  # (968 * 1/10, 968 * 1/10) = (96, 96)
+    assert (w, k) == (96, 96)
+    assert method.attended(1000, 7) == 32 + 96 + 96 + 1
+    assert method.attended(40, 3) == 44  # 40 - 32 <= 64: dense fallback, every token
+    assert PQCache(budget=0.2, sink=4, bits=2, dense_short=False).attended(2, 0) == 2 + 1
+
+
+# ------------------------------------------------------------------------- exact split, bucket invariance
+
+
+@pytest.mark.parametrize("lr", [0.5, 0.3, 0.0, 1.0])
+def test_split_exact_vs_fractions(lr):
+    """W_b and k_b (host and traced int32) equal floor((n - sink) r lr) and floor((n - sink) r (1 - lr)) in
+    exact rationals, r and lr read as written (0.29 is 29/100): no float32 products."""
+    from fractions import Fraction
+    ns = list(range(0, 400)) + [1000, 4096, 32768, 131071, 10 ** 6 + 7, 2 ** 31 - 1]
+    for r in [0.15, 0.3, 0.29, 0.1, 0.2, 0.05, 0.333, 0.7, 1.0]:
+        method = PQCache(budget=r, sink=4, local_ratio=lr)
+        fr, fl = Fraction(repr(r)), Fraction(repr(lr))
+        want = [((max(n - 4, 0) * fr * fl).__floor__(), (max(n - 4, 0) * fr * (1 - fl)).__floor__()) for n in ns]
+        assert [method.split(n) for n in ns] == want, r
+        w, k = method.split_dynamic(jnp.asarray(ns, jnp.int32))
+        assert list(zip(np.asarray(w).tolist(), np.asarray(k).tolist())) == want, r
+        assert [ref.split(n, 4, r, lr) for n in ns[:400]] == want[:400]
+    # An int budget: W = floor(budget lr), k = the rest.
+    assert PQCache(budget=7, local_ratio=lr).split(100) == (int(7 * Fraction(repr(lr))), 7 - int(7 * Fraction(repr(lr))))
+
+
+def _layer_run(method, hq, hkv, lengths, bucket, steps, seed=0):
+    """Prefill the same real tokens padded to ``bucket`` (loud, bucket-dependent padding), then ``steps``
+    decode steps with the same inputs; returns (state after prefill, [(idx, ok, out) per step], state)."""
+    rng = np.random.default_rng(seed)
+    b, t = len(lengths), max(lengths)
+    q = rng.standard_normal((b, hq, t, D)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, t, D)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, t, D)).astype(np.float32)
+    pad = lambda x: np.concatenate([x, np.full(x.shape[:2] + (bucket - t, D), 7.0 + bucket, np.float32)], 2)
+    st = method.init(model_cfg(hq, hkv), b, Capacity(bucket, steps), 0, jnp.float32)
+    st = method.prefill(st, 0, *(jnp.asarray(pad(x)) for x in (q, k, v)), jnp.asarray(lengths))
+    st0 = st
+    out = []
+
+    @jax.jit
+    def step(st, qn, kn, vn):
+        pos = st.filled
+        o, st = method.decode(st, 0, qn, kn, vn, pos)
+        return o, st, *method.select(st, qn, pos)
+
+    for _ in range(steps):
+        qn, kn, vn = (jnp.asarray(rng.standard_normal(s_), jnp.float32) for s_ in [(b, hq, D), (b, hkv, D), (b, hkv, D)])
+        o, st, idx, ok = step(st, qn, kn, vn)
+        out.append(([sorted(np.asarray(idx)[bi, h][np.asarray(ok)[bi, h]].tolist()) for bi in range(b)
+                     for h in range(hkv)], np.asarray(o)))
+    return st0, out, st
+
+
+@pytest.mark.parametrize("hq,budget", [(4, 0.3), (2, 0.29)], ids=["gqa-0.3", "mha-0.29"])
+def test_bucket_invariance_layer(hq, budget):
+    """The same prompts in buckets 48, 96, 192: same codes for the real tokens, same W_b/k_b, same
+    retrieved indices and (to float tolerance) the same outputs at every decode step."""
+    method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=4)
+    lengths = (48, 31, 20)
+    runs = [_layer_run(method, hq, 2, lengths, bucket, 3) for bucket in (48, 96, 192)]
+    base0, base, _ = runs[0]
+    for st0, out, st in runs[1:]:
+        for bi, n in enumerate(lengths):
+            np.testing.assert_array_equal(np.asarray(st0.codes)[bi, ..., :n], np.asarray(base0.codes)[bi, ..., :n])
+        np.testing.assert_allclose(np.asarray(st0.centroids), np.asarray(base0.centroids), atol=1e-5)
+        for (sel, o), (sel0, o0) in zip(out, base):
+            assert sel == sel0
+            np.testing.assert_allclose(o, o0, atol=1e-5)
+    ws, ks = method.split_dynamic(jnp.asarray(lengths))
+    assert [method.split(n) for n in lengths] == list(zip(np.asarray(ws).tolist(), np.asarray(ks).tolist()))
+
+
+def test_bucket_invariance_greedy(tiny):
+    """Greedy tokens of the same prompts with prompt_len = bucket, 2x, 4x are identical (scan driver)."""
+    ps = prompts([40, 23, 33], seed=3)
+    method = methods.get("pqcache", budget=0.3, sink=3, bits=3, iters=4)
+    toks = [engine.generate(tiny, ps, method, max_new_tokens=6, driver="scan", stop_at_eos=False,
+                            prompt_len=pl).tokens for pl in (64, 128, 256)]
+    assert toks[0] == toks[1] == toks[2]
+
+
+def test_topk_never_selects_unfilled_slots():
+    """Plant huge keys (and the codes that score highest) in the unwritten slots: they are never scored,
+    selected or attended, and the outputs equal those of a clean state."""
+    method = PQCache(budget=0.5, m=2, bits=3, sink=3, iters=3)
+    hq, hkv, lengths, t = 4, 2, (40, 25), 48
+    st, _ = run_prefill(method, hq, hkv, lengths, t, 6, seed=5)
+    rng = np.random.default_rng(2)
+    qn = rng.standard_normal((2, hq, D)).astype(np.float32)
+    # Codes with the largest LUT entry of the first query head of each group, per sub-space.
+    lut = np.einsum("bhgid,bhicd->bhgic", qn.reshape(2, hkv, 2, 2, D // 2), np.asarray(st.centroids))
+    best = lut[:, :, 0].argmax(-1).astype(np.uint8)  # [B, Hkv, m]
+    s = st.k.shape[2]
+    dead = np.arange(s)[None, :] >= np.asarray(lengths)[:, None]  # [B, S]
+    codes = np.asarray(st.codes).copy()
+    codes[..., :s] = np.where(dead[:, None, None, :], best[..., None], codes[..., :s])
+    kk = np.where(dead[:, None, :, None], 1e3, np.asarray(st.k))
+    vv = np.where(dead[:, None, :, None], 1e3, np.asarray(st.v))
+    planted = st.replace(codes=jnp.asarray(codes), k=jnp.asarray(kk), v=jnp.asarray(vv))
+    sc = np.asarray(method.scores(planted, jnp.asarray(qn)))
+    for bi, n in enumerate(lengths):
+        assert (sc[bi, ..., n:] == -1e30).all()
+    dec = jax.jit(lambda st, q, k, v, p: method.decode(st, 0, q, k, v, p))
+    sel = jax.jit(method.select)
+    for _ in range(4):
+        kn, vn = (jnp.asarray(rng.standard_normal((2, hkv, D)), jnp.float32) for _ in range(2))
+        pos = st.filled
+        o_clean, st = dec(st, jnp.asarray(qn), kn, vn, pos)
+        o_plant, planted = dec(planted, jnp.asarray(qn), kn, vn, pos)
+        np.testing.assert_allclose(np.asarray(o_plant), np.asarray(o_clean), atol=1e-5)
+        idx, ok = (np.asarray(x) for x in sel(planted, jnp.asarray(qn), pos))
+        assert ok.any()
+        for bi in range(2):
+            w, _ = method.split(lengths[bi])
+            assert (idx[bi][ok[bi]] < int(pos[bi]) - w).all()
+            assert (idx[bi][ok[bi]] < int(planted.filled[bi])).all()
+
+
+@pytest.mark.parametrize("budget", [0.1, 1.0])
+def test_short_prompts_any_budget(tiny, budget):
+    """Prompts of 1, 5 and 30 tokens at any budget just work (default sink 32: dense fallback; without it,
+    sinks + what exists). Budgets 0.1..1.0 are checked on the host side (init, split, attended); two of them
+    end to end."""
+    for b10 in range(1, 11):
+        m = PQCache(budget=b10 / 10, sink=4, bits=2, dense_short=False)
+        m.init(model_cfg(4, 2), 3, Capacity(32, 4), 0, jnp.float32)
+        for n in (1, 5, 30):
+            w, k = m.split(n)
+            assert 0 <= w + k <= max(n - 4, 0)
+            assert m.attended(n, 0) <= n + 1 and m.held(n, 3) == n + 3
+    ps = prompts([1, 5, 30], seed=4)
+    for method in [methods.get("pqcache", budget=budget),
+                   methods.get("pqcache", budget=budget, sink=4, bits=2, dense_short=False)]:
+        res = engine.generate(tiny, ps, method, max_new_tokens=4, driver="scan", stop_at_eos=False)
+        assert [len(t) for t in res.tokens] == [4, 4, 4]
+    # The int budget larger than every candidate set and no window: clamped, not an error.
+    st = PQCache(budget=70, sink=4, local_ratio=0.0).init(model_cfg(4, 2), 1, Capacity(16, 4), 0, jnp.float32)
+    assert st.topk == 16 + 4 - 4
 
 
 def test_bad_input():
@@ -294,11 +476,12 @@ def test_bad_input():
         PQCache(m=3).init(cfg, 1, Capacity(64, 8), 0, jnp.float32)
     with pytest.raises(ValueError, match="bits=9"):
         PQCache(bits=9)
-    with pytest.raises(ValueError, match="candidates"):
-        PQCache(budget=70, sink=4, local_ratio=0.0).init(cfg, 1, Capacity(64, 8), 0, jnp.float32)
+    # Possible configurations never raise: more retrieved tokens than candidates (clamped), no local or
+    # retrieved token at this bucket (sinks + the new token), a bucket shorter than the sinks.
+    PQCache(budget=70, sink=4, local_ratio=0.0).init(cfg, 1, Capacity(64, 8), 0, jnp.float32)
     PQCache(budget=0.2, sink=32).init(cfg, 1, Capacity(32, 8), 0, jnp.float32)  # all short: dense fallback
-    with pytest.raises(ValueError, match="no local or retrieved"):
-        PQCache(budget=0.2, sink=32, dense_short=False).init(cfg, 1, Capacity(32, 8), 0, jnp.float32)
+    PQCache(budget=0.2, sink=32, dense_short=False).init(cfg, 1, Capacity(32, 8), 0, jnp.float32)
+    PQCache(budget=0.1, sink=32, dense_short=False).init(cfg, 1, Capacity(8, 2), 0, jnp.float32)
     with pytest.raises(ValueError, match="budget"):
         PQCache(budget=1.5)
     with pytest.raises(ValueError, match="impl"):
