@@ -49,6 +49,7 @@ class _Probe:
     """A pseudo cache method whose prefill records ``no_edge_fraction`` per KV head (state ``[B, Hkv]``)."""
 
     name: ClassVar[str] = "chelsea_calibration_probe"
+    reuses_previous_layer: ClassVar[bool] = False  # the engine asks every method (prefill-only probe)
     n_sink: int
     n_recent: int
     chunk: int
@@ -58,7 +59,7 @@ class _Probe:
     def init(self, model_cfg, batch, capacity, layer, dtype):
         return jnp.zeros((batch, model_cfg.num_kv_heads), jnp.float32)
 
-    def prefill(self, state, layer, q, k, v, lengths):
+    def prefill(self, state, layer, q, k, v, lengths, previous=None):
         return no_edge_fraction(k, lengths, n_sink=self.n_sink, n_recent=self.n_recent, chunk=self.chunk,
                                 threshold=self.threshold, impl=self.impl)
 
