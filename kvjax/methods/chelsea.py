@@ -3,25 +3,39 @@
 Algorithm 1 at fixed shapes; method details and the resolutions of what the paper leaves open follow
 ``../shared/specs/chelsea.md`` (section numbers below refer to the paper, A-numbers to the note).
 
-- Budget (§5.1, A12, A13): ``B = floor(R (n + Gamma))`` slots per compressed KV head, sinks and recent
-  included, with ``n`` the prompt *bucket* and ``Gamma = max_new_tokens`` (a fraction ``budget=R``), or
-  ``B = budget`` (an int). With outlier heads and ``reallocate=True`` the compressed heads get
-  ``(B H - O (n + Gamma)) / (H - O)`` so the total equals ``B`` per head (App. C.2 fairness).
-- Prefill (Alg. 1): prefill attention is full (the engine's); then, for every sequence with
-  ``length >= B + g``, one Chelsea call: CSM rounds (:mod:`kvjax.methods.csm`) with the ratio schedule
+- Budget (§5.1, A12, A13): per sequence, ``B_b = floor(R (n_b + Gamma))`` slots per compressed KV head, sinks
+  and recent included, with ``n_b`` the sequence's *own* prompt length (never the bucket) and ``Gamma =
+  max_new_tokens`` (a fraction ``budget=R``, exact integers: ``kvjax.budget.as_fraction`` / ``floor_mul``), or
+  ``B = budget`` (an int). With outlier heads and ``reallocate=True`` the compressed heads get the fraction
+  ``R_c = (R H - O) / (H - O)`` of ``n_b + Gamma`` (A12; the total stays ``R (n + Gamma)`` per head). ``R_c`` is
+  exact when its denominator is <= 10000, else it is rounded *down* to the 1/10000 grid (int32-safe, and the
+  budget stays a ceiling). ``B_b >= 1``. ``B_b`` lives in the state (``target [B]``); a sequence compresses when
+  it holds ``B_b + g`` slots. The same prompt in any bucket keeps the same merged slots and greedy output.
+- Short prompts: when ``B_b <= n_sink + n_recent`` the sequence's windows shrink to fit ``B_b - 1`` slots, the
+  recent window first (``n_recent_b = min(n_recent, B_b - 1)``, ``n_sink_b = min(n_sink, B_b - 1 -
+  n_recent_b)``), so at least one middle slot remains and every round can merge; the sequence is compressed to
+  exactly ``B_b`` like any other (the budget is a ceiling: after a Chelsea call no sequence holds more than
+  ``B_b``). The paper does not cover this case. Per-sequence windows are used (``csm_round`` with ``[B]``
+  sinks/recent) only when some prompt length in the bucket needs them; otherwise the static windows run.
+- Prefill (Alg. 1): prefill attention is full (the engine's); then, for every sequence with ``n_b >= B_b + g``,
+  one Chelsea call: CSM rounds (:mod:`kvjax.methods.csm`) with the ratio schedule
   ``r_i = max(r_init - alpha min(m, i), r_floor)`` (App. C.2; presets ``PRESETS``) and merges
-  ``min(floor(r_i M_i), s_i - B)`` until the cache holds exactly ``B``. The round count and every round's
-  static size come from the bucket (:func:`kvjax.methods.csm.plan`). The rounds of a call run as one
-  ``lax.scan`` at the input size (one compiled round body); ``unroll_rounds=True`` unrolls them at shrinking
-  sizes instead (less work per round, one compile per round; identical results).
+  ``min(floor(r_i M_i), s_i - B_b)`` until the cache holds exactly ``B_b``. By default the rounds of a call run
+  as one ``lax.while_loop`` at the input size (one compiled round body) until every active sequence is at its
+  budget (a shorter prompt has a smaller ``B_b`` and may need more rounds); ``unroll_rounds=True`` unrolls a
+  static worst-case plan over every prompt length of the bucket at shrinking sizes instead (less work per
+  round, one compile per round; identical results).
 - Decode (Alg. 1): the new token is appended with count 1, attention is
   ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias), and when the cache
-  reaches ``B + g`` slots a Chelsea call (``lax.cond``, same shapes) merges it back to ``B``.
+  reaches ``B_b + g`` slots a Chelsea call (``lax.cond``, same shapes) merges it back to ``B_b``. Attention
+  reads only the live slots (``lengths=`` to ``attention.attend``: ``length`` for the compressed heads,
+  ``pos + 1`` for the outlier heads).
 - Outlier heads (§5.4, App. B): KV heads listed by ``outlier_heads`` (a JSON from ``kvjax calibrate-chelsea``
   or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
   allocated only in layers that have outlier heads; their query heads attend there.
 
-State per layer (:class:`ChelseaState`): k, v ``[B, Hc, S, D]`` with ``S = min(B + g, n + Gamma)``;
+State per layer (:class:`ChelseaState`): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``
+(``B_max``: the budget of a bucket-length prompt); target, seen ``[B]`` int32 (``B_b``, tokens seen);
 n ``[B, Hc, S]`` float32 counts (0 = empty slot); length ``[B]`` int32 occupied slots (at the front);
 ko, vo ``[B, O, n + Gamma, D]`` (``O = 0``: zero-size). GQA native: clustering, counts and the outlier decision
 are per KV head; the query heads of a group share them (A10).
@@ -33,6 +47,7 @@ import dataclasses
 import functools
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import ClassVar
 
@@ -41,9 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
+from kvjax.budget import MAX_DENOMINATOR, as_fraction, floor_mul
 from kvjax.methods.base import Capacity, Method, check_budget, tree_bytes
-from kvjax.methods.csm import Round, csm_round, merges_for, plan
+from kvjax.methods.csm import RATIO_UNIT, Round, csm_round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
 PRESETS = {"llama2": (0.45, 0.05, 3), "llama3": (0.35, 0.1, 2), "qwen2": (0.2, 0.1, 2), "niah": (0.25, 0.0, 0)}
@@ -57,10 +74,14 @@ class ChelseaState:
     length: jnp.ndarray  # [B] int32 occupied slots of the compressed heads
     ko: jnp.ndarray  # [B, O, F, D] outlier heads, full cache (F = n + Gamma); O may be 0
     vo: jnp.ndarray
-    budget: int = struct.field(pytree_node=False, default=0)
-    trigger: int = struct.field(pytree_node=False, default=0)  # B + g: compress when length reaches it
+    target: jnp.ndarray  # [B] int32 B_b: slots per compressed head after a Chelsea call (trigger B_b + g)
+    seen: jnp.ndarray  # [B] int32 tokens seen (prompt + decoded), what each outlier head holds
+    rule: tuple = struct.field(pytree_node=False, default=())  # Chelsea.rule: how B_b follows from n
+    gamma: int = struct.field(pytree_node=False, default=0)  # max_new_tokens
+    budget_max: int = struct.field(pytree_node=False, default=0)  # largest B_b in this bucket
     prefill_rounds: tuple = struct.field(pytree_node=False, default=())
     decode_rounds: tuple = struct.field(pytree_node=False, default=())
+    per_seq_windows: bool = struct.field(pytree_node=False, default=False)
     comp_heads: tuple = struct.field(pytree_node=False, default=())
     out_heads: tuple = struct.field(pytree_node=False, default=())
 
@@ -151,46 +172,119 @@ class Chelsea(Method):
             out.add((layer, head))
         return frozenset(out)
 
-    def budget_tokens(self, model_cfg, capacity: Capacity) -> int:
-        """``B``: slots per compressed KV head (sinks and recent included)."""
-        full = capacity.prompt_len + capacity.max_new_tokens
+    def rule(self, model_cfg) -> tuple:
+        """The static per-head budget rule of the compressed heads (host side, exact integers):
+
+        - ``("frac", p, q)``: ``B = floor(p (n + Gamma) / q)``; ``p/q`` is ``R`` (:func:`kvjax.budget.as_fraction`)
+          or, with outlier heads and ``reallocate``, ``R_c = (R H - O) / (H - O)`` (A12). ``R_c`` is used exactly
+          when its denominator is at most ``MAX_DENOMINATOR`` (10000), else rounded *down* to the 1/10000 grid so
+          that ``floor_mul`` stays inside int32 and the budget stays a ceiling;
+        - ``("count", c, H, O)``: ``B = c`` (no outliers) or ``floor((c H - O (n + Gamma)) / (H - O))``;
+        - ``("all",)``: every KV head is an outlier head: nothing is compressed.
+        """
         total_heads = model_cfg.num_layers * model_cfg.num_kv_heads
-        n_out = len(self.outliers(model_cfg))
-        per_head = self.budget * full if isinstance(self.budget, float) else float(self.budget)
-        if n_out and self.reallocate:
-            if n_out >= total_heads:
-                return full
-            per_head = (per_head * total_heads - n_out * full) / (total_heads - n_out)
-            if per_head < 1:
-                raise ValueError(f"budget={self.budget} cannot pay for {n_out} full-cache outlier heads of "
-                                 f"{total_heads}; raise the budget, drop outlier heads or set reallocate=False")
-        return int(math.floor(per_head + 1e-9))
+        n_out = len(self.outliers(model_cfg)) if self.reallocate else 0
+        if n_out >= total_heads:
+            return ("all",)
+        if isinstance(self.budget, float):
+            p, q = as_fraction(self.budget)
+            if n_out:
+                rc = Fraction(p * total_heads - q * n_out, q * (total_heads - n_out))
+                if rc <= 0:
+                    raise ValueError(f"budget={self.budget} cannot pay for {n_out} full-cache outlier heads of "
+                                     f"{total_heads} (reallocated fraction {float(rc):.4f} <= 0); raise the budget, "
+                                     "drop outlier heads or set reallocate=False")
+                if rc.denominator > MAX_DENOMINATOR:
+                    rc = Fraction(math.floor(rc * MAX_DENOMINATOR), MAX_DENOMINATOR)
+                    if rc <= 0:
+                        raise ValueError(f"budget={self.budget}: the reallocated fraction for {n_out} outlier heads "
+                                         "rounds to 0; raise the budget or set reallocate=False")
+                p, q = rc.numerator, rc.denominator
+            return ("frac", p, q)
+        return ("count", int(self.budget), total_heads, n_out)
+
+    def target(self, rule: tuple, n, gamma: int):
+        """``B_b``: slots per compressed KV head (sinks and recent included) of a sequence with an ``n``-token
+        prompt (Python int, numpy or traced int32 array ``[B]``), at least 1 (see the module docstring)."""
+        full = n + gamma
+        if rule[0] == "all":
+            t = full
+        elif rule[0] == "frac":
+            t = floor_mul(full, rule[1], rule[2])
+        else:
+            c, h, o = rule[1:]
+            t = c if not o else (c * h - o * full) // (h - o)
+        if isinstance(n, int):
+            return max(t, 1)
+        if isinstance(n, np.ndarray):
+            return np.maximum(t, 1).astype(np.int64)
+        return jnp.maximum(t, 1).astype(jnp.int32)
+
+    def windows(self, target):
+        """Sinks and recent window ``(n_sink_b, n_recent_b)`` under a budget ``target``: the configured ones when
+        ``target > n_sink + n_recent``, else shrunk to fit ``target - 1`` slots, the recent window first (the
+        middle keeps at least one slot, so every round can merge). Ints, numpy or jnp arrays."""
+        mn = np.minimum if isinstance(target, np.ndarray) else (min if isinstance(target, int) else jnp.minimum)
+        nr = mn(self.n_recent, target - 1)
+        ns = mn(self.n_sink, target - 1 - nr)
+        return ns, nr
+
+    def needs_per_seq_windows(self, rule: tuple, gamma: int) -> bool:
+        """Does any prompt length (of any bucket) that compresses, in prefill or decode, have a budget of at most
+        ``n_sink + n_recent``? Decided from the config and ``Gamma`` only, never from the bucket, so that the same
+        prompt takes the same code path (and gives bit-identical merges) in every bucket."""
+        k, g = self.n_sink + self.n_recent, self.interval
+        if rule[0] == "all":
+            return False
+        if rule[0] == "count":
+            return rule[3] > 0 or rule[1] <= k  # with outliers B_b falls as n grows: assume it may
+        n_star = -(-(k + 1) * rule[2] // rule[1])  # B(n) > k for every n >= n_star (B is non-decreasing in n)
+        ns = np.arange(n_star + 1, dtype=np.int64)
+        tgt = self.target(rule, ns, gamma)
+        active = (ns >= tgt + g) | (tgt + g <= ns + gamma - 1)
+        return bool(np.any(active & (tgt <= k)))
+
+    def ratio_table(self) -> tuple[int, ...]:
+        """Quantised ratios of rounds ``0..m`` (round ``i`` uses entry ``min(i, m)``)."""
+        m = (PRESETS[self.schedule] if isinstance(self.schedule, str) else self.schedule)[2]
+        return tuple(quantise_ratio(self.ratio(i)) for i in range(m + 1))
+
+    def budget_tokens(self, model_cfg, capacity: Capacity, n: int | None = None) -> int:
+        """``B`` of an ``n``-token prompt (default: a bucket-length one, ``B_max`` for a fraction)."""
+        n = capacity.prompt_len if n is None else n
+        return self.target(self.rule(model_cfg), n, capacity.max_new_tokens)
 
     def sizes(self, model_cfg, capacity: Capacity):
-        """Static ``(B, trigger = B + g, slots S, prefill rounds, decode rounds)`` for this capacity."""
-        b = self.budget_tokens(model_cfg, capacity)
-        full = capacity.prompt_len + capacity.max_new_tokens
-        trigger = b + self.interval
-        peak = capacity.prompt_len + capacity.max_new_tokens - 1  # most tokens a sequence ever holds
-        if peak < trigger:  # never compresses: a plain full cache
-            return b, trigger, full, (), ()
-        if b <= self.n_sink + self.n_recent:
-            raise ValueError(f"budget={self.budget} gives B={b} slots per head at prompt bucket {capacity.prompt_len}"
-                             f" + {capacity.max_new_tokens} new tokens, not more than n_sink + n_recent = "
-                             f"{self.n_sink + self.n_recent}; raise the budget or shrink n_sink/n_recent")
-        slots = min(trigger, full)
-        pre = ()
-        if capacity.prompt_len >= trigger:
-            pre = plan(capacity.prompt_len, b, self.n_sink, self.n_recent, self.ratio,
-                       floor_slots=min(capacity.prompt_len, trigger - 1))
-        dec = plan(trigger, b, self.n_sink, self.n_recent, self.ratio, floor_slots=slots)
+        """Static ``(B_max, slots S, prefill rounds, decode rounds, per_seq_windows)`` for this capacity.
+
+        ``B_max`` is the largest budget of any prompt length in the bucket; ``S = min(B_max + g, bucket +
+        Gamma)``. The round plans are worst cases over every prompt length ``0..bucket`` (host simulation of the
+        exact traced arithmetic): round ``i``'s largest merge count and (prefill) the largest occupancy any
+        sequence has after it. The scan path only takes ``max_merges`` from them (its ``while_loop`` stops when
+        every sequence is at its budget); ``unroll_rounds=True`` runs them as listed. ``per_seq_windows``: some
+        compressing prompt may need sinks/recent shrunk (:meth:`needs_per_seq_windows`)."""
+        rule = self.rule(model_cfg)
+        gamma, g = capacity.max_new_tokens, self.interval
+        ns_all = np.arange(capacity.prompt_len + 1, dtype=np.int64)
+        tgt = self.target(rule, ns_all, gamma)
+        b_max = int(tgt.max())
+        slots = min(b_max + g, capacity.prompt_len + gamma)
+        if rule[0] == "all":
+            return b_max, slots, (), (), False
+        sink, recent = self.windows(tgt)
+        table = self.ratio_table()
+        pre_active = ns_all >= tgt + g
+        dec_active = tgt + g <= ns_all + gamma - 1  # reaches its trigger during decode (over-approximation)
+        per_seq = self.needs_per_seq_windows(rule, gamma)
+        pre = _simulate(ns_all, tgt, sink, recent, pre_active, table, idle=ns_all)
+        dec = _simulate(tgt + g, tgt, sink, recent, dec_active, table, idle=0 * ns_all)
         dec = tuple(dataclasses.replace(r, out_slots=slots) for r in dec)
-        return b, trigger, slots, pre, dec
+        return b_max, slots, pre, dec, per_seq
 
     # ---- the method interface --------------------------------------------------------------------------
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> ChelseaState:
-        b, trigger, slots, pre, dec = self.sizes(model_cfg, capacity)
+        b_max, slots, pre, dec, per_seq = self.sizes(model_cfg, capacity)
         out = sorted(h for (l, h) in self.outliers(model_cfg) if l == layer)
         comp = [h for h in range(model_cfg.num_kv_heads) if h not in out]
         d = model_cfg.head_dim
@@ -200,40 +294,54 @@ class Chelsea(Method):
             n=jnp.zeros((batch, len(comp), slots), jnp.float32), length=jnp.zeros((batch,), jnp.int32),
             ko=jnp.zeros((batch, len(out), full if out else 0, d), dtype),
             vo=jnp.zeros((batch, len(out), full if out else 0, d), dtype),
-            budget=b, trigger=trigger, prefill_rounds=pre, decode_rounds=dec, comp_heads=tuple(comp),
-            out_heads=tuple(out))
+            target=jnp.zeros((batch,), jnp.int32), seen=jnp.zeros((batch,), jnp.int32),
+            rule=self.rule(model_cfg), gamma=capacity.max_new_tokens, budget_max=b_max, prefill_rounds=pre,
+            decode_rounds=dec, per_seq_windows=per_seq, comp_heads=tuple(comp), out_heads=tuple(out))
 
     def _compress(self, state: ChelseaState, k, v, n, length, rounds: tuple[Round, ...], active):
-        """One Chelsea call (§5.1): the rounds of ``rounds`` for the elements with ``active [B]``.
+        """One Chelsea call (§5.1) for the elements with ``active [B]``: CSM rounds until every active element
+        holds at most its budget ``state.target``.
 
-        With ``unroll_rounds=False`` (default) several rounds run as one ``lax.scan`` at the input size (the
-        masked fixed-capacity variant, spec §8.4b): the same merges (top-k is sorted and stable, so the first m
-        of a larger top-k are the top m), one compiled round body instead of one per round (XLA compile time
-        on CPU is ~seconds per round per layer), at the cost of every round working on the input size.
+        Default (``unroll_rounds=False``): a ``lax.while_loop`` at the input size (the masked fixed-capacity
+        variant, spec §8.4b) that runs rounds until no active element is above its budget; round ``i`` uses
+        the quantised ratio ``table[min(i, m)]``. One compiled round body; the number of rounds adapts to the
+        batch (a short prompt has a smaller budget and may need more rounds). ``unroll_rounds=True`` runs the
+        static worst-case plan at shrinking sizes instead: the same merges (top-k is sorted and stable, so the
+        first m of a larger top-k are the top m; surplus rounds merge nothing), one compile per round.
         """
-        if len(rounds) > 1 and not self.unroll_rounds:
-            kmax = max(r.max_merges for r in rounds)
+        target = state.target
+        if state.per_seq_windows:
+            ns, nr = self.windows(target)
+        else:
+            ns, nr = self.n_sink, self.n_recent
+        if self.unroll_rounds:
+            for rnd in rounds:
+                m = jnp.where(active, merges_for(length, target, ns, nr, rnd.r_q), 0)
+                k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk,
+                                    max_merges=rnd.max_merges, out_slots=rnd.out_slots, impl=self.impl)
+                length = length - m
+            return k, v, n, length
+        kmax = max(r.max_merges for r in rounds)
+        table = self.ratio_table()
+        r_tab = jnp.asarray(table, jnp.int32)
 
-            def body(carry, r_q):
-                k, v, n, length = carry
-                m = jnp.where(active, merges_for(length, state.budget, self.n_sink, self.n_recent, r_q), 0)
-                k, v, n = csm_round(k, v, n, length, m, n_sink=self.n_sink, n_recent=self.n_recent,
-                                    chunk=self.chunk, max_merges=kmax, out_slots=k.shape[2], impl=self.impl)
-                return (k, v, n, length - m), None
+        def cond(carry):
+            return jnp.any(active & (carry[4] > target))
 
-            r_qs = jnp.asarray([r.r_q for r in rounds], jnp.int32)
-            (k, v, n, length), _ = jax.lax.scan(body, (k, v, n, length), r_qs)
-            out = rounds[-1].out_slots  # occupancy <= out after the last round (static plan)
-            return k[:, :, :out], v[:, :, :out], n[:, :, :out], length
-        for rnd in rounds:
-            m = jnp.where(active, merges_for(length, state.budget, self.n_sink, self.n_recent, rnd.r_q), 0)
-            k, v, n = csm_round(k, v, n, length, m, n_sink=self.n_sink, n_recent=self.n_recent, chunk=self.chunk,
-                                max_merges=rnd.max_merges, out_slots=rnd.out_slots, impl=self.impl)
-            length = length - m
+        def body(carry):
+            i, k, v, n, length = carry
+            r_q = r_tab[jnp.minimum(i, len(table) - 1)]
+            m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
+            k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk, max_merges=kmax,
+                                out_slots=k.shape[2], impl=self.impl)
+            return i + 1, k, v, n, (length - m).astype(jnp.int32)
+
+        _, k, v, n, length = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, n, length.astype(jnp.int32)))
         return k, v, n, length
 
     def prefill(self, state: ChelseaState, layer: int, q, k, v, lengths, previous=None) -> ChelseaState:
-        """Store the prompt ``k, v [B, Hkv, T, D]`` (``lengths [B]``) and compress it to ``B`` (Alg. 1)."""
+        """Store the prompt ``k, v [B, Hkv, T, D]`` (``lengths [B]``) and compress every sequence with
+        ``n >= B_b + g`` to its ``B_b`` (Alg. 1)."""
         b, _, t, _ = k.shape
         comp, out = state.comp_heads, state.out_heads
         kc, vc = _heads(k, comp), _heads(v, comp)
@@ -241,15 +349,17 @@ class Chelsea(Method):
         n = n.astype(jnp.float32)
         kc, vc = kc.astype(state.k.dtype), vc.astype(state.v.dtype)
         length = lengths.astype(jnp.int32)
-        if comp:
+        target = self.target(state.rule, length, state.gamma)
+        state = state.replace(target=target, seen=length)
+        if comp and state.prefill_rounds:
             kc, vc, n, length = self._compress(state, kc, vc, n, length, state.prefill_rounds,
-                                               lengths >= state.trigger)
+                                               length >= target + self.interval)
         slots = state.k.shape[2]
         have = kc.shape[2]
         if have < slots:
             pad = ((0, 0), (0, 0), (0, slots - have))
             kc, vc, n = jnp.pad(kc, pad + ((0, 0),)), jnp.pad(vc, pad + ((0, 0),)), jnp.pad(n, pad)
-        else:  # occupancy <= slots by the static plan; the tail is empty
+        else:  # occupancy <= slots (every compressed sequence holds B_b <= B_max, the others n < B_b + g)
             kc, vc, n = kc[:, :, :slots], vc[:, :, :slots], n[:, :, :slots]
         new = state.replace(k=kc, v=vc, n=n, length=length)
         if out:
@@ -258,7 +368,8 @@ class Chelsea(Method):
         return new
 
     def decode(self, state: ChelseaState, layer: int, q, k, v, pos):
-        """Append ``k, v [B, Hkv, D]``, attend with the ``log N`` bias (Eq. 2), compress at ``B + g``."""
+        """Append ``k, v [B, Hkv, D]``, attend over the live slots with the ``log N`` bias (Eq. 2), compress a
+        sequence back to ``B_b`` when it reaches ``B_b + g``."""
         b, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -275,10 +386,11 @@ class Chelsea(Method):
         bias = jnp.log(jnp.where(valid, n, 1.0))
         qc = _heads(q4, comp).reshape(b, len(comp) * g, d)
         if comp:
-            o_c = attention.normalise(attention.attend(qc, kk, vv, valid, bias=bias)).reshape(b, len(comp), g, d)
+            o_c = attention.normalise(attention.attend(qc, kk, vv, valid, bias=bias, lengths=length))
+            o_c = o_c.reshape(b, len(comp), g, d)
         else:  # every KV head of this layer is an outlier head
             o_c = jnp.zeros((b, 0, g, d), jnp.float32)
-        new = state
+        new = state.replace(seen=(pos + 1).astype(jnp.int32))
         if out:
             ho = jnp.arange(len(out))[None, :]
             p = jnp.broadcast_to(pos[:, None], (b, len(out)))
@@ -286,14 +398,15 @@ class Chelsea(Method):
             vo = state.vo.at[bi, ho, p].set(_heads(v, out).astype(state.vo.dtype))
             ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])
             qo = _heads(q4, out).reshape(b, len(out) * g, d)
-            o_o = attention.normalise(attention.attend(qo, ko, vo, ovalid)).reshape(b, len(out), g, d)
+            o_o = attention.normalise(attention.attend(qo, ko, vo, ovalid, lengths=(pos + 1).astype(jnp.int32)))
+            o_o = o_o.reshape(b, len(out), g, d)
             inv = np.argsort(np.asarray(comp + out))
             o = jnp.concatenate([o_c, o_o], axis=1)[:, inv]
             new = new.replace(ko=ko, vo=vo)
         else:
             o = o_c
         if state.decode_rounds and comp:
-            need = length >= state.trigger
+            need = length >= state.target + self.interval
 
             def compress(args):
                 return self._compress(state, *args, state.decode_rounds, need)
@@ -302,18 +415,77 @@ class Chelsea(Method):
         return o.reshape(b, hq, d), new.replace(k=kk, v=vv, n=n, length=length)
 
     def memory_bytes(self, state: ChelseaState) -> int:
-        """Every leaf: compressed K/V, counts, lengths, and the full-size outlier buffers."""
+        """Every leaf: compressed K/V, counts, lengths, budgets, and the full-size outlier buffers."""
         return tree_bytes(state)
 
     def bytes_read_per_step(self, state: ChelseaState, num_heads: int) -> int:
-        return tree_bytes(state)  # TODO(helper): live-slot block plan
+        """Bytes one decode step of this layer reads under the decode-attention kernel's block plan: the live
+        compressed slots ``[0, length)`` (K, V and the float32 additive mask carrying ``log N``) and the live
+        prefix ``[0, seen)`` of the outlier heads (K, V, mask), plus queries and outputs. ``num_heads``: the
+        model's query heads (split between the compressed and the outlier KV heads by GQA group)."""
+        hc, ho = state.k.shape[1], state.ko.shape[1]
+        g = num_heads // (hc + ho)
+        total = 0
+        if hc:
+            total += block_plan_bytes(state.k, state.length, num_heads=hc * g, with_mask=True)
+        if ho:
+            total += block_plan_bytes(state.ko, state.seen, num_heads=ho * g, with_mask=True)
+        return int(total)
 
     def tokens_held(self, state: ChelseaState):
-        """``[B]`` occupied slots (merged clusters count once), mean over all KV heads incl. outlier heads."""
-        return jnp.sum(state.n > 0, axis=-1).mean(axis=-1).astype(jnp.float32)
+        """``[B]`` occupied slots (merged clusters count once), mean over all KV heads of the layer: compressed
+        heads hold their occupied slots, outlier heads every token seen (``n + steps``)."""
+        hc, ho = state.k.shape[1], state.ko.shape[1]
+        comp = jnp.sum(jnp.sum(state.n > 0, axis=-1), axis=-1).astype(jnp.float32)
+        return ((comp + ho * state.seen.astype(jnp.float32)) / (hc + ho)).astype(jnp.float32)
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
-        return n + steps  # TODO(helper): B = R (n + Gamma)
+    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1, *, max_new_tokens: int | None = None,
+             model_cfg=None) -> int:
+        """Slots a compressed KV head of a sequence with an ``n``-token prompt holds after ``steps`` decode
+        steps (exact host simulation of Alg. 1): ``n + steps`` while it has not reached its trigger ``B + g``,
+        ``B`` right after every Chelsea call, ``B + (steps since the call)`` in between (always ``< B + g``).
+        ``B = floor(R (n + Gamma))`` with ``Gamma = max_new_tokens`` (default ``steps``). Outlier heads need
+        ``model_cfg`` (their reallocated budget depends on the head counts); the result is then the mean over
+        the KV heads of ``layer`` (outlier heads hold ``n + steps``), like :meth:`tokens_held`."""
+        gamma = steps if max_new_tokens is None else max_new_tokens
+        if self.outlier_heads and model_cfg is None:
+            raise ValueError("held() of a Chelsea with outlier heads needs model_cfg= (the reallocated budget "
+                             "depends on the model's head counts)")
+        rule = self.rule(model_cfg) if model_cfg is not None else (
+            ("frac", *as_fraction(self.budget)) if isinstance(self.budget, float) else ("count", self.budget, 1, 0))
+        b = self.target(rule, n, gamma)
+        trig, g = b + self.interval, self.interval
+        total = n + steps
+        if rule[0] == "all":
+            comp = total
+        elif n >= trig:
+            comp = b + steps % g
+        elif total < trig:
+            comp = total
+        else:
+            comp = b + (total - trig) % g
+        if model_cfg is None:
+            return int(comp)
+        out = sum(1 for (l, _) in self.outliers(model_cfg) if l == layer)
+        h = model_cfg.num_kv_heads
+        return int(math.floor((comp * (h - out) + total * out) / h))
+
+
+def _simulate(start, target, sink, recent, active, table, idle) -> tuple[Round, ...]:
+    """Host simulation (numpy int64, the traced arithmetic of ``merges_for``) of one Chelsea call for every
+    prompt length at once: ``Round(r_q, largest merge count, largest occupancy after the round)``; inactive
+    elements keep their occupancy ``idle`` (so it bounds them too)."""
+    s = np.where(active, start, idle).astype(np.int64)
+    rounds, i = [], 0
+    while np.any(active & (s > target)):
+        r_q = table[min(i, len(table) - 1)]
+        mid = s - sink - recent
+        m = np.minimum(np.maximum(r_q * mid // RATIO_UNIT, 1), s - target)
+        m = np.where(active & (s > target), m, 0)
+        s = s - m
+        rounds.append(Round(int(r_q), int(m.max()), int(s.max())))
+        i += 1
+    return tuple(rounds)
 
 
 def _heads(x, heads: tuple) -> jnp.ndarray:

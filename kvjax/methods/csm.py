@@ -13,7 +13,8 @@ follow ``../shared/specs/chelsea.md`` (A1–A8, A15, A16):
   counts add (§5.3, ``k = sum n_i k_i / sum n_i``); the centroid stays in the B slot and surviving slots keep
   their order (order-preserving compaction, A6).
 
-Merge counts ``m`` are per batch element (all heads of an element merge the same number, so occupancy stays a
+Sinks and the recent window may be per batch element (``[B]`` arrays, :func:`csm_round`). Merge counts ``m`` are
+per batch element (all heads of an element merge the same number, so occupancy stays a
 per-element ``length [B]``); the static ``max_merges`` and output size come from the host-side ``plan``.
 Shapes: k, v ``[B, H, S, D]``; n ``[B, H, S]`` float32 counts (0 = empty slot); length, merges ``[B]`` int32.
 """
@@ -73,7 +74,7 @@ def plan(start: int, budget: int, n_sink: int, n_recent: int, ratios, floor_slot
     return tuple(rounds)
 
 
-def csm_round(k, v, n, length, merges, *, n_sink: int, n_recent: int, chunk: int, max_merges: int,
+def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merges: int,
               out_slots: int, impl: str | None = None, return_matches: bool = False):
     """Merge ``merges [B]`` tokens per head (Chelsea §5.2–5.3) and compact to ``out_slots`` slots.
 
@@ -81,7 +82,39 @@ def csm_round(k, v, n, length, merges, *, n_sink: int, n_recent: int, chunk: int
     ``merges <= max_merges``. Returns ``(k, v, n)`` with ``out_slots`` slots; the new occupancy is
     ``length - merges``. ``return_matches=True`` also returns ``(src, dst)`` ``[B, H, P*c/2]`` int32 slot
     indices of every A token and its best B partner, with ``src = -1`` where the edge was not selected.
+
+    ``n_sink`` and ``n_recent`` are Python ints (static) or ``[B]`` int32 arrays (per-sequence windows, used by
+    Chelsea for prompts whose budget is too small for the configured windows). With an array ``n_sink`` each
+    sequence is rotated so that its middle starts at slot 0 (chunks stay aligned at its own sink boundary),
+    merged with no static sinks, and rotated back before the compaction: for ``n_sink[b] == c`` the result is
+    exactly that of the static ``n_sink=c``.
     """
+    if isinstance(n_sink, int):
+        k2, v2, n2, matches = _merge(k, v, n, length, merges, n_sink, n_recent, chunk, max_merges, impl)
+    else:
+        s = k.shape[2]
+        ns = jnp.asarray(n_sink, jnp.int32)
+        fwd = (jnp.arange(s)[None, :] + ns[:, None]) % s  # rotated slot j holds slot (j + ns) mod s
+        back = (jnp.arange(s)[None, :] - ns[:, None]) % s
+        k2, v2, n2, matches = _merge(_rotate(k, fwd), _rotate(v, fwd), _rotate(n, fwd), length - ns, merges, 0,
+                                     n_recent, chunk, max_merges, impl)
+        k2, v2, n2 = _rotate(k2, back), _rotate(v2, back), _rotate(n2, back)
+        src, dst = matches
+        nsb = ns[:, None, None]
+        matches = (jnp.where(src >= 0, (src + nsb) % s, -1).astype(jnp.int32), ((dst + nsb) % s).astype(jnp.int32))
+    out = compact(k2, v2, n2, out_slots)
+    return (out, matches) if return_matches else out
+
+
+def _rotate(x, idx):
+    """``x [B, H, S, ...]`` gathered along the slot axis by ``idx [B, S]``."""
+    b, h, s = x.shape[:3]
+    i = jnp.broadcast_to(idx.reshape(b, 1, s, *([1] * (x.ndim - 3))), (b, h, s, *x.shape[3:]))
+    return jnp.take_along_axis(x, i, axis=2)
+
+
+def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merges: int, impl):
+    """The merge of :func:`csm_round` with a static ``n_sink``, before compaction (``S`` slots out)."""
     b, h, s, d = k.shape
     half = chunk // 2
     mid = s - n_sink
@@ -94,7 +127,7 @@ def csm_round(k, v, n, length, merges, *, n_sink: int, n_recent: int, chunk: int
 
     km, vm, nm = middle(k), middle(v), middle(n)
     slot = n_sink + jnp.arange(p * chunk)
-    valid = jnp.broadcast_to(slot[None, None, :] < (length - n_recent)[:, None, None], (b, h, p * chunk))
+    valid = jnp.broadcast_to(slot[None, None, :] < jnp.asarray(length - n_recent)[:, None, None], (b, h, p * chunk))
     best, jst = chunk_best_match(km, valid, chunk, impl=impl)  # [B, H, P, c/2]
 
     # Global top-m edges per head; the first merges[b] of the static max_merges are taken.
@@ -128,13 +161,10 @@ def csm_round(k, v, n, length, merges, *, n_sink: int, n_recent: int, chunk: int
     k2 = full(ka, kb2, k[:, :, :n_sink])
     v2 = full(va, vb2, v[:, :, :n_sink])
     n2 = full(na2, nb2, n[:, :, :n_sink])
-    out = compact(k2, v2, n2, out_slots)
-    if not return_matches:
-        return out
     base = n_sink + jnp.arange(p)[:, None] * chunk  # [P, 1]
     src = jnp.where(sel, base + 2 * jnp.arange(half)[None, :], -1).reshape(b, h, p * half)
     dst = (base + 2 * jst + 1).reshape(b, h, p * half)
-    return out, (src.astype(jnp.int32), dst.astype(jnp.int32))
+    return k2, v2, n2, (src.astype(jnp.int32), dst.astype(jnp.int32))
 
 
 def compact(k, v, n, out_slots: int):

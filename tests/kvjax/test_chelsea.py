@@ -4,6 +4,8 @@ equivalence, outlier heads, schedules, Theorem 6.1 by brute force, calibration, 
 
 import itertools
 import json
+import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.chelsea import Chelsea
+from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax.methods.csm import csm_round, merges_for, plan
 
 import ref_chelsea as ref
@@ -68,6 +71,37 @@ def test_csm_round_matches_numpy(chunk):
             assert float(n2[bi, hi].sum()) == float(n[bi, hi].sum())  # sum of counts conserved
 
 
+def test_csm_round_per_sequence_windows_match_numpy():
+    """[B] sinks/recent (Chelsea's shrunk windows for short budgets) against the reference, sequence by sequence;
+    an array equal to the static value gives exactly the static result."""
+    rng = np.random.RandomState(11)
+    b, h, s, d, chunk = 3, 2, 40, 8, 8
+    lengths, merges = np.array([40, 29, 17]), np.array([7, 5, 4])
+    ns, nr = np.array([2, 0, 1]), np.array([3, 5, 0])
+    k = rng.randn(b, h, s, d).astype(np.float32)
+    v = rng.randn(b, h, s, d).astype(np.float32)
+    n = rng.randint(1, 4, size=(b, h, s)).astype(np.float32) * (np.arange(s) < lengths[:, None, None])
+    args = (jnp.asarray(k), jnp.asarray(v), jnp.asarray(n), jnp.asarray(lengths), jnp.asarray(merges))
+    (k2, v2, n2), (src, dst) = csm_round(*args, n_sink=jnp.asarray(ns), n_recent=jnp.asarray(nr), chunk=chunk,
+                                         max_merges=7, out_slots=s, impl="xla", return_matches=True)
+    for bi in range(b):
+        for hi in range(h):
+            L, m = int(lengths[bi]), int(merges[bi])
+            pairs, rk, rv, rn = ref.csm_round(k[bi, hi], v[bi, hi], n[bi, hi], L, m, int(ns[bi]), int(nr[bi]), chunk)
+            got = sorted((int(a), int(c)) for a, c in zip(np.asarray(src[bi, hi]), np.asarray(dst[bi, hi])) if a >= 0)
+            assert got == pairs
+            np.testing.assert_allclose(np.asarray(k2[bi, hi, :L - m]), rk, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(v2[bi, hi, :L - m]), rv, atol=1e-5)
+            np.testing.assert_array_equal(np.asarray(n2[bi, hi, :L - m]), rn)
+            assert np.all(np.asarray(n2[bi, hi, L - m:]) == 0)
+    static = csm_round(*args, n_sink=2, n_recent=3, chunk=chunk, max_merges=7, out_slots=s, impl="xla")
+    traced = csm_round(*args, n_sink=jnp.full((b,), 2, jnp.int32), n_recent=jnp.full((b,), 3, jnp.int32),
+                       chunk=chunk, max_merges=7, out_slots=s, impl="xla")
+    for x, y in zip(static, traced):  # the same merges; float sums may differ in the last bit (fusion)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(static[2]), np.asarray(traced[2]))
+
+
 def test_equal_key_merge_is_exact_only_with_log_counts():
     """Eq. (2): merging clusters of identical keys (any values) reproduces full attention with + log N."""
     rng = np.random.RandomState(1)
@@ -103,18 +137,23 @@ def test_budget_covering_everything_reproduces_full(tiny):
 
 
 def test_prefill_and_decode_invariants_no_retrace(tiny):
+    """Per-sequence budgets B_b = floor(R (n_b + Gamma)) (was: one B from the bucket): compression to exactly B_b
+    at B_b + g, counts conserved, sinks/recent kept, and no retrace through re-compression."""
     cfg, params = tiny.config, tiny.params
     method = methods.get("chelsea", budget=0.3, **SMALL)
     cap = Capacity(64, 40)
-    b_tok, trigger, slots, pre, dec = method.sizes(cfg, cap)
-    assert (b_tok, trigger, slots) == (31, 35, 35) and len(pre) >= 3 and len(dec) == 1
+    b_max, slots, pre, dec, per_seq = method.sizes(cfg, cap)
+    assert (b_max, slots, per_seq) == (31, 35, False) and len(pre) >= 3 and len(dec) >= 1
     ps = prompts([64, 50, 20])
     lengths = np.array([len(p) for p in ps])
+    b_tok = (3 * (lengths + 40)) // 10  # [31, 27, 18]
+    trigger = b_tok + 4
     tokens = np.zeros((3, 64), np.int32)
     for i, p in enumerate(ps):
         tokens[i, :len(p)] = p
     states = engine.init_states(cfg, method, 3, cap, jnp.float32)
     states, logits = engine.prefill(cfg, method, params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    np.testing.assert_array_equal(np.asarray(states[0].target), b_tok)
     seen = lengths.copy()
     before = engine.TRACE_COUNTS["decode_step"]
     compressed_in_decode = 0
@@ -123,14 +162,13 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
             n, length = np.asarray(st.n), np.asarray(st.length)
             for bi in range(3):
                 L = length[bi]
-                if seen[bi] >= trigger or step and L < seen[bi]:
-                    assert L <= trigger - 1
+                assert L <= trigger[bi] - 1 or (step == 0 and seen[bi] < trigger[bi])
                 assert np.all(n[bi, :, :L] >= 1) and np.all(n[bi, :, L:] == 0)
                 np.testing.assert_array_equal(n[bi].sum(-1), seen[bi])  # token conservation per head
                 np.testing.assert_array_equal(n[bi, :, :2], 1)  # sinks
                 np.testing.assert_array_equal(n[bi, :, L - 4:L], 1)  # recent window
             assert np.all(np.isfinite(np.asarray(st.k)))
-        if step == 0:  # after prefill: compressed to exactly B when length >= B + g, else untouched
+        if step == 0:  # after prefill: compressed to exactly B_b when n >= B_b + g, else untouched
             np.testing.assert_array_equal(np.asarray(states[0].length), np.where(lengths >= trigger, b_tok, lengths))
         nxt = jnp.argmax(logits, -1).astype(jnp.int32)
         prev = np.asarray(states[0].length).copy()
@@ -139,6 +177,8 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
         now = np.asarray(states[0].length)
         compressed_in_decode += int(np.any(now < prev))
         np.testing.assert_array_equal(now, np.where(prev + 1 >= trigger, b_tok, prev + 1))
+        for bi in range(3):
+            assert method.held(int(lengths[bi]), step + 1, max_new_tokens=40) == now[bi]
     assert compressed_in_decode >= 5
     assert engine.TRACE_COUNTS["decode_step"] - before == 1
 
@@ -192,6 +232,21 @@ def test_budget_reallocation_for_outliers(tiny):
         m.budget_tokens(cfg, cap)
     m = Chelsea(budget=0.4, outlier_heads=((0, 1),), **SMALL)
     assert m.budget_tokens(cfg, cap) == int((0.4 * 4 - 1) / 3 * 1024)
+    assert m.rule(cfg) == ("frac", 1, 5)  # (0.4 * 4 - 1) / 3 = 1/5 exactly
+    # R_c with a denominator <= 10000 is exact (3 outliers of 4 heads: R_c = 4 R - 3 = 623/2500) ...
+    m3 = Chelsea(budget=0.8123, outlier_heads=((0, 0), (0, 1), (1, 0)), **SMALL)
+    exact = (Fraction(8123, 10000) * 4 - 3) / 1
+    assert m3.rule(cfg) == ("frac", exact.numerator, exact.denominator)
+    big = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=7,
+                      num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=512,
+                      sliding_windows=(None,) * 7)
+    # ... beyond 10000 it is rounded down to the 1/10000 grid (int32-safe, still a ceiling)
+    m7 = Chelsea(budget=0.8123, outlier_heads=((0, 0),), **SMALL)
+    rc = (Fraction(8123, 10000) * 7 - 1) / 6  # denominator 60000 > 10000
+    _, p, q = m7.rule(big)
+    assert 10000 % q == 0 and Fraction(p, q) <= rc < Fraction(p, q) + Fraction(1, 10000)
+    for n in (1, 37, 1000, 12345):
+        assert m7.budget_tokens(big, Capacity(n, 24)) == math.floor(Fraction(p, q) * (n + 24)) <= rc * (n + 24)
 
 
 # ---- schedule -------------------------------------------------------------------------------------------
@@ -282,8 +337,7 @@ def test_bad_input(tiny):
         Chelsea(schedule="gpt")
     with pytest.raises(ValueError, match="budget=1.5"):
         Chelsea(budget=1.5)
-    with pytest.raises(ValueError, match="n_sink \\+ n_recent"):
-        engine.generate(tiny, prompts([60]), Chelsea(budget=0.05, **SMALL), max_new_tokens=8, prompt_len=64)
+    engine.generate(tiny, prompts([60]), Chelsea(budget=0.05, **SMALL), max_new_tokens=8, prompt_len=64)  # no error
     with pytest.raises(FileNotFoundError, match="calibrate-chelsea"):
         Chelsea(outlier_heads="/nonexistent.json").outliers(tiny.config)
     with pytest.raises(ValueError, match="outside the model"):
@@ -340,6 +394,151 @@ def test_scanned_rounds_equal_unrolled_rounds(tiny):
         st = engine.init_states(cfg, m, 3, Capacity(64, 24), jnp.float32)
         got.append(engine.prefill(cfg, m, tiny.params, jnp.asarray(tokens), jnp.asarray([64, 47, 38]), st)[0])
     assert len(got[0][0].prefill_rounds) >= 3
+    for a, b in zip(*got):
+        for x, y in ((a.k, b.k), (a.v, b.v), (a.n, b.n), (a.length, b.length)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+# ---- per-sequence budgets (budget contract, kvjax.budget) --------------------------------------------------
+
+def _batch(ps, bucket):
+    tokens = np.zeros((len(ps), bucket), np.int32)
+    for i, p in enumerate(ps):
+        tokens[i, :len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in ps], jnp.int32)
+
+
+def test_bucket_invariance(tiny):
+    """The same prompts (40, 70, 120 tokens) in buckets 128, 256, 512 keep identical merged slots and counts and
+    give identical greedy output: B_b comes from each sequence's own n, never from the bucket."""
+    cfg = tiny.config
+    ps = prompts([40, 70, 120], seed=7)
+    method = methods.get("chelsea", budget=0.25, **SMALL)
+    got, toks = [], []
+    for bucket in (128, 256, 512):
+        tokens, lens = _batch(ps, bucket)
+        st = engine.init_states(cfg, method, 3, Capacity(bucket, 16), jnp.float32)
+        got.append(engine.prefill(cfg, method, tiny.params, tokens, lens, st)[0])
+        toks.append(engine.generate(tiny, ps, method, max_new_tokens=16, stop_at_eos=False, prompt_len=bucket,
+                                    driver="scan").tokens)
+    want = [(n + 16) // 4 for n in (40, 70, 120)]
+    for layers in got:
+        for a, b in zip(got[0], layers):
+            np.testing.assert_array_equal(np.asarray(b.length), want)  # all three compress in prefill
+            np.testing.assert_array_equal(np.asarray(b.target), want)
+            for i, L in enumerate(want):
+                np.testing.assert_array_equal(np.asarray(a.n[i, :, :L]), np.asarray(b.n[i, :, :L]))
+                np.testing.assert_array_equal(np.asarray(a.k[i, :, :L]), np.asarray(b.k[i, :, :L]))
+                np.testing.assert_array_equal(np.asarray(a.v[i, :, :L]), np.asarray(b.v[i, :, :L]))
+                assert np.all(np.asarray(b.n[i, :, L:]) == 0)
+    assert toks[0] == toks[1] == toks[2]
+
+
+def test_per_sequence_budget_is_exact():
+    """B_b = floor(R (n_b + Gamma)) with R the decimal as written (Fraction), on ints, numpy and int32 arrays."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                      sliding_windows=(None, None))
+    n = np.array([1, 5, 40, 70, 99, 100, 130, 1000, 4099, 32767, 100_000, 2_000_000])
+    for budget in (0.1, 0.2, 0.25, 0.3, 0.7, 0.123, 0.33333, 1.0):
+        m = Chelsea(budget=budget, **SMALL)
+        rule = m.rule(cfg)
+        for gamma in (0, 16, 1000):
+            want = [max(math.floor(Fraction(str(budget)) * (int(x) + gamma)) if budget != 0.33333 else
+                        math.floor(Fraction(3333, 10000) * (int(x) + gamma)), 1) for x in n]
+            assert [m.target(rule, int(x), gamma) for x in n] == want
+            assert m.target(rule, n, gamma).tolist() == want
+            assert np.asarray(m.target(rule, jnp.asarray(n, jnp.int32), gamma)).tolist() == want
+
+
+def _run_and_check(tiny, method, ps, bucket, gamma, outliers=False):
+    """Prefill + decode step by step: tokens held never exceed B_b + g - 1 after a step and equal B_b right after a
+    Chelsea call; held() predicts them; bytes_read_per_step is the block plan of the live slots."""
+    cfg = tiny.config
+    tokens, lens = _batch(ps, bucket)
+    lengths = np.asarray(lens)
+    g = method.interval
+    st = engine.init_states(cfg, method, len(ps), Capacity(bucket, gamma), jnp.float32)
+    states, logits = engine.prefill(cfg, method, tiny.params, tokens, lens, st)
+    b_tok = np.asarray(states[0].target)
+    seen = lengths.copy()
+    calls = np.zeros(len(ps), int)
+    for step in range(gamma - 1):
+        for s in states:
+            held = np.asarray(method.tokens_held(s))
+            comp = np.asarray(jnp.sum(s.n > 0, axis=-1))  # [B, Hc]
+            for i in range(len(ps)):
+                assert np.all(comp[i] == s.length[i])
+                if seen[i] >= b_tok[i] + g or step > 0 and comp[i, 0] < min(seen[i], b_tok[i] + g):
+                    assert comp[i, 0] <= b_tok[i] + g - 1
+                if not outliers:
+                    assert held[i] == comp[i, 0] == method.held(int(lengths[i]), step, max_new_tokens=gamma)
+                    assert held[i] <= max(b_tok[i] + g - 1, seen[i] if seen[i] < b_tok[i] + g else 0)
+            hc, ho = s.k.shape[1], s.ko.shape[1]
+            gq = cfg.num_heads // cfg.num_kv_heads
+            want = block_plan_bytes(s.k, s.length, num_heads=hc * gq, with_mask=True) if hc else 0
+            if ho:
+                want += block_plan_bytes(s.ko, s.seen, num_heads=ho * gq, with_mask=True)
+                np.testing.assert_array_equal(np.asarray(s.seen), seen)
+            assert method.bytes_read_per_step(s, cfg.num_heads) == want
+        if step == 0:  # a prefill Chelsea call lands exactly on B_b
+            hit = lengths >= b_tok + g
+            np.testing.assert_array_equal(np.asarray(states[0].length)[hit], b_tok[hit])
+        prev = np.asarray(states[0].length).copy()
+        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+        logits, states = engine.decode_step(cfg, method, tiny.params, states, nxt, jnp.asarray(seen))
+        seen += 1
+        now = np.asarray(states[0].length)
+        called = prev + 1 >= b_tok + g
+        calls += called
+        np.testing.assert_array_equal(now[called], b_tok[called])  # right after a decode call: exactly B_b
+        assert np.all(now <= b_tok + g - 1)
+    return states, b_tok, calls
+
+
+def test_tokens_held_and_bytes_read(tiny):
+    method = methods.get("chelsea", budget=0.25, **SMALL)
+    ps = prompts([40, 70, 120], seed=2)
+    _, b_tok, calls = _run_and_check(tiny, method, ps, 128, 16)
+    np.testing.assert_array_equal(b_tok, [(n + 16) // 4 for n in (40, 70, 120)])
+    assert np.all(calls >= 3)
+    one = methods.get("chelsea", budget=0.25, outlier_heads=((0, 1),), reallocate=False, **SMALL)
+    states, _, _ = _run_and_check(tiny, one, ps, 128, 12, outliers=True)
+    s0 = states[0]  # layer 0: one compressed + one outlier head; tokens_held is their mean
+    np.testing.assert_allclose(np.asarray(one.tokens_held(s0)),
+                               (np.asarray(s0.length) + np.asarray(s0.seen)) / 2)
+    assert one.held(40, 11, layer=0, max_new_tokens=12, model_cfg=tiny.config) == \
+        (one.held(40, 11, layer=1, max_new_tokens=12, model_cfg=tiny.config) + 40 + 11) // 2
+
+
+def test_short_prompts_with_default_windows(tiny):
+    """A 100-token prompt at budget 0.25 (B = 31 <= n_sink + n_recent = 80) and a 5-token one work with the
+    default n_sink=16/n_recent=64: the windows shrink (recent first) and the budget stays a ceiling."""
+    method = methods.get("chelsea", budget=0.25, interval=8)
+    ps = prompts([100, 5], seed=4)
+    states, b_tok, calls = _run_and_check(tiny, method, ps, 128, 24)
+    np.testing.assert_array_equal(b_tok, [31, 7])
+    assert calls[1] >= 1  # the 5-token prompt reaches its trigger 15 during decode and is compressed to 7
+    assert method.windows(31) == (0, 30) and method.windows(7) == (0, 6) and method.windows(100) == (16, 64)
+    for s in states:
+        n = np.asarray(s.n)
+        for i, L in enumerate(np.asarray(s.length)):  # the recent window (n_recent_b = B_b - 1) stays unmerged
+            assert np.all(n[i, :, L - min(L, b_tok[i] - 1):L] == 1) or L < b_tok[i]
+    engine.generate(tiny, ps, methods.get("chelsea", budget=0.25), max_new_tokens=8, prompt_len=128)
+
+
+def test_scanned_rounds_equal_unrolled_rounds_short_prompts(tiny):
+    """The while_loop and the static worst-case plan agree with per-sequence (shrunk) windows too."""
+    cfg = tiny.config
+    ps = prompts([100, 61, 23], seed=9)
+    tokens, lens = _batch(ps, 128)
+    got = []
+    for unroll in (False, True):
+        m = methods.get("chelsea", budget=0.3, n_sink=4, n_recent=32, chunk=16, interval=8, unroll_rounds=unroll)
+        st = engine.init_states(cfg, m, 3, Capacity(128, 8), jnp.float32)
+        assert st[0].per_seq_windows
+        got.append(engine.prefill(cfg, m, tiny.params, tokens, lens, st)[0])
+    np.testing.assert_array_equal(np.asarray(got[0][0].length), [(n + 8) * 3 // 10 for n in (100, 61, 23)])  # 32 20 9
     for a, b in zip(*got):
         for x, y in ((a.k, b.k), (a.v, b.v), (a.n, b.n), (a.length, b.length)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
