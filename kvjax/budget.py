@@ -24,6 +24,7 @@ import math
 from fractions import Fraction
 
 import jax.numpy as jnp
+import numpy as np
 
 #: Largest denominator of a fractional budget (4 decimal places are exact).
 MAX_DENOMINATOR = 10_000
@@ -103,15 +104,15 @@ def budget_tokens(budget: Budget, n, cap=None):
     Methods that evict during decode pass ``cap = n + generated`` so a token count can cover generated tokens.
     """
     cap = n if cap is None else cap
-    if isinstance(budget, float):
-        p, q = as_fraction(budget)
-        t = ceil_mul(n, p, q)
-    else:
-        t = budget if isinstance(n, int) else jnp.full_like(n, budget)
-    if isinstance(n, int) and isinstance(cap, int):
+    if isinstance(n, (int, np.integer)) and isinstance(cap, (int, np.integer)):
+        n, cap = int(n), int(cap)
+        t = ceil_mul(n, *as_fraction(budget)) if isinstance(budget, float) else budget
         return max(min(t, cap), min(1, n))
-    t = jnp.minimum(t, cap)
-    return jnp.maximum(t, jnp.minimum(1, n)).astype(jnp.int32)
+    xp = np if isinstance(n, np.ndarray) and not isinstance(cap, jnp.ndarray) else jnp  # numpy in, numpy out
+    n64 = n.astype(np.int64) if xp is np else n
+    t = ceil_mul(n64, *as_fraction(budget)) if isinstance(budget, float) else xp.full_like(n64, budget)
+    t = xp.maximum(xp.minimum(t, cap), xp.minimum(1, n64))
+    return t.astype(np.int64 if xp is np else jnp.int32)
 
 
 __all__ = ["Budget", "MAX_DENOMINATOR", "as_fraction", "budget_tokens", "ceil_mul", "check_budget", "floor_mul",

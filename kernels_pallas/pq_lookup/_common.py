@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kernels_pallas.decode_attention.reference import NEG_INF  # noqa: E402  (defined once)
 #: Allocate code buffers with ``S`` a multiple of this (the default tiles 128 on GPU and 512 on TPU divide it).
 CODE_ALIGN = 512
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kernels_pallas.decode_attention.reference import NEG_INF  # noqa: E402  (defined once)
 
 
 def pq_lookup_reference(lut: jnp.ndarray, codes: jnp.ndarray, lengths=None) -> jnp.ndarray:

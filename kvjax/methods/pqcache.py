@@ -76,7 +76,7 @@ from kvjax.budget import MAX_DENOMINATOR, as_fraction, check_budget, floor_mul
 from kvjax.methods import kmeans as km
 from kvjax.methods.base import Capacity, Method, tree_bytes
 
-NEG_INF = -1e30
+from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
 _EXACT_Q = 46340
 

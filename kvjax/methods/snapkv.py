@@ -106,8 +106,7 @@ def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):
 def _pyramid_slots(budget, window: int, beta: int, bucket: int, layer: int, num_layers: int) -> int:
     """Largest per-layer budget of any prompt length ``1..bucket`` (the static slot count)."""
     n = np.arange(1, bucket + 1, dtype=np.int64)
-    total = np.asarray(budget_tokens(budget, n.astype(np.int32)), np.int64) if isinstance(budget, float) else \
-        np.minimum(budget, n)
+    total = budget_tokens(budget, n)
     w = np.minimum(window, total)
     return int(np.max(pyramid_budget(total, n, layer, num_layers, w, beta)))
 

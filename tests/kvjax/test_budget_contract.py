@@ -184,11 +184,12 @@ def test_short_prompts_work_within_the_contract(tiny, name):
     for budget in (0.1, 0.25, 0.5, 1.0):
         m = _method(name, budget)
         res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False)
+        gamma = {"max_new_tokens": NEW} if name == "chelsea" else {}  # Chelsea's B = R (n + Gamma)
         for n, st in zip((1, 5, 30), res.stats):
             assert all(len(t) == NEW for t in res.tokens)
             # every layer holds at most held(n, steps) per KV head; the reported mean is within it
-            assert st["tokens_held_prefill"] <= m.held(n, 0) + 1e-6, (budget, n, st)
-            assert st["tokens_held"] <= m.held(n, NEW - 1) + 1e-6, (budget, n, st)
+            assert st["tokens_held_prefill"] <= m.held(n, 0, **gamma) + 1e-6, (budget, n, st)
+            assert st["tokens_held"] <= m.held(n, NEW - 1, **gamma) + 1e-6, (budget, n, st)
             if name not in ("full", "pqcache"):
                 assert st["tokens_held_prefill"] <= max(exact_tokens(budget, n), 1) + 1e-6 or name == "chelsea"
 
@@ -235,8 +236,8 @@ def test_bytes_read_per_step_counts_live_slots_only(tiny, name):
     cfg = tiny.config
     m = _method(name, 0.25)
     ids = _prompts((5, 30, 57))
-    tokens, lengths = engine.pad_prompts(ids, 512)  # a large bucket: most slots are padding
-    states = engine.init_states(cfg, m, 3, Capacity(512, NEW), jnp.float32)
+    tokens, lengths = engine.pad_prompts(ids, 512)  # a large bucket and many decode slots: most are dead
+    states = engine.init_states(cfg, m, 3, Capacity(512, 400), jnp.float32)
     states, _ = engine.prefill(cfg, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     for layer, st in enumerate(states):
         sc = st.sparse if name == "less" else st
@@ -246,8 +247,8 @@ def test_bytes_read_per_step_counts_live_slots_only(tiny, name):
         if name == "less":
             want += 2 * (st.H.nbytes + st.z.nbytes) + sum(x.nbytes for x in jax.tree.leaves(st.kernels))
         assert m.bytes_read_per_step(st, cfg.num_heads) == want, layer
-        # never the bucket: far less than the whole buffer
-        assert m.bytes_read_per_step(st, cfg.num_heads) < np.asarray(sc.k).nbytes * 2
+        if name in ("full", "snapkv", "pyramidkv", "chunkkv"):  # buffers sized by the bucket: padding is skipped
+            assert m.bytes_read_per_step(st, cfg.num_heads) < np.asarray(sc.k).nbytes, layer
         live = np.asarray(sc.length)
         held = np.sum(np.asarray(sc.pos) >= 0, axis=-1).max(axis=-1)
         assert np.all(held <= live) and np.all(live <= held + (1 if name in ("h2o", "less") else 0))
