@@ -163,14 +163,11 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
 
 def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     """Bytes one sequence's cache of ``method`` holds at ``capacity`` (all layers), from the states' shapes
-    (``jax.eval_shape`` of :func:`kvjax.engine.init_states`: nothing is allocated). A method whose ``init``
-    cannot be evaluated abstractly is initialised for one sequence instead."""
+    (``jax.eval_shape`` of :func:`kvjax.engine.init_states`: nothing is allocated; every method sizes its state
+    on the host)."""
     import jax
 
-    try:
-        states = jax.eval_shape(lambda: engine.init_states(model_cfg, method, 1, capacity, dtype))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        states = engine.init_states(model_cfg, method, 1, capacity, dtype)
+    states = jax.eval_shape(lambda: engine.init_states(model_cfg, method, 1, capacity, dtype))
     return engine.memory_bytes(method, states)
 
 

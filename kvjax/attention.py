@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
 
-__all__ = ["NEG_INF", "attend", "attend_with_weights", "merge", "normalise", "probabilities", "scores"]
+__all__ = ["NEG_INF", "attend", "attend_with_weights", "merge", "normalise", "scores"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -59,14 +59,3 @@ def attend_with_weights(q, k, v, valid, lengths=None):
     o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     w = p / jnp.where(l > 0, l, 1.0)[..., None]
     return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), w
-
-
-def probabilities(q, k, valid, bias=None) -> jnp.ndarray:
-    """Softmax weights ``[B, Hkv, G, S]`` float32 of the new query over the slots (H2O's accumulation)."""
-    s = scores(q, k)
-    if bias is not None:
-        s = s + bias[:, :, None, :]
-    s = jnp.where(valid[:, :, None, :], s, NEG_INF)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    p = jnp.where(valid[:, :, None, :], p, 0.0)
-    return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)

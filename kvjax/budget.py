@@ -78,12 +78,17 @@ def parse_budgets(text: str) -> list[Budget]:
     return [parse_budget(p) for p in parts]
 
 
-def as_fraction(budget: float) -> tuple[int, int]:
-    """``(p, q)``: the fraction ``budget`` as written, ``q <= MAX_DENOMINATOR`` (rounded down beyond that)."""
-    f = Fraction(repr(float(budget)))
-    if f.denominator > MAX_DENOMINATOR:
+def floor_fraction(f: Fraction, max_denominator: int = MAX_DENOMINATOR) -> tuple[int, int]:
+    """``(p, q)`` of ``f >= 0``: exact when its denominator is at most ``max_denominator``, else rounded *down*
+    to the ``1/MAX_DENOMINATOR`` grid (so a budget built from it stays a ceiling)."""
+    if f.denominator > max_denominator:
         f = Fraction(math.floor(f * MAX_DENOMINATOR), MAX_DENOMINATOR)
     return f.numerator, f.denominator
+
+
+def as_fraction(budget: float) -> tuple[int, int]:
+    """``(p, q)``: the fraction ``budget`` as written, ``q <= MAX_DENOMINATOR`` (rounded down beyond that)."""
+    return floor_fraction(Fraction(repr(float(budget))))
 
 
 def ceil_mul(n, p: int, q: int):
@@ -115,5 +120,6 @@ def budget_tokens(budget: Budget, n, cap=None):
     return t.astype(np.int64 if xp is np else jnp.int32)
 
 
-__all__ = ["Budget", "MAX_DENOMINATOR", "as_fraction", "budget_tokens", "ceil_mul", "check_budget", "floor_mul",
+__all__ = ["Budget", "MAX_DENOMINATOR", "as_fraction", "budget_tokens", "ceil_mul", "check_budget", "floor_fraction",
+           "floor_mul",
            "parse_budget", "parse_budgets"]

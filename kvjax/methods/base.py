@@ -170,6 +170,14 @@ def write_token(state: SlotCache, slot: jnp.ndarray, k, v, pos) -> SlotCache:
         length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
 
 
+def evicting_budget(budget, n, most):
+    """Tokens a sequence of an evicting method (``streaming_llm``, ``h2o``, LESS's policies) may hold: a fraction
+    gives ``ceil(b n)`` of its own ``n``-token prompt; a count ``c`` also covers generated tokens, ``min(c,
+    most)`` with ``most`` the most tokens the sequence can reach (``n + new tokens``, or the static slots).
+    ``n``, ``most``: ints or ``[B]`` arrays."""
+    return budget_tokens(budget, n, n if isinstance(budget, float) else most)
+
+
 def attend_slots(state: SlotCache, q, bias=None):
     """Partials ``(o, m, l)`` of ``q [B,Hq,D]`` over the live slots: the kernel reads only ``[0, length)``."""
     return attention.attend(q, state.k, state.v, state.valid, bias=bias, lengths=state.length)

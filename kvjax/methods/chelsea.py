@@ -58,9 +58,9 @@ from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
-from kvjax.budget import MAX_DENOMINATOR, as_fraction, floor_mul
+from kvjax.budget import as_fraction, floor_fraction, floor_mul
 from kvjax.methods.base import Capacity, Method, check_budget, tree_bytes
-from kvjax.methods.csm import RATIO_UNIT, Round, csm_round, merges_for, quantise_ratio
+from kvjax.methods.csm import Round, csm_round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
 PRESETS = {"llama2": (0.45, 0.05, 3), "llama3": (0.35, 0.1, 2), "qwen2": (0.2, 0.1, 2), "niah": (0.25, 0.0, 0)}
@@ -172,7 +172,7 @@ class Chelsea(Method):
             out.add((layer, head))
         return frozenset(out)
 
-    def rule(self, model_cfg) -> tuple:
+    def rule(self, model_cfg=None) -> tuple:
         """The static per-head budget rule of the compressed heads (host side, exact integers):
 
         - ``("frac", p, q)``: ``B = floor(p (n + Gamma) / q)``; ``p/q`` is ``R`` (:func:`kvjax.budget.as_fraction`)
@@ -182,8 +182,14 @@ class Chelsea(Method):
         - ``("count", c, H, O)``: ``B = c`` (no outliers) or ``floor((c H - O (n + Gamma)) / (H - O))``;
         - ``("all",)``: every KV head is an outlier head: nothing is compressed.
         """
-        total_heads = model_cfg.num_layers * model_cfg.num_kv_heads
-        n_out = len(self.outliers(model_cfg)) if self.reallocate else 0
+        if model_cfg is None:  # the rule needs the model only to count and reallocate outlier heads
+            if self.outlier_heads:
+                raise ValueError("a Chelsea with outlier heads needs model_cfg= (the reallocated budget depends on "
+                                 "the model's head counts)")
+            total_heads, n_out = 1, 0
+        else:
+            total_heads = model_cfg.num_layers * model_cfg.num_kv_heads
+            n_out = len(self.outliers(model_cfg)) if self.reallocate else 0
         if n_out >= total_heads:
             return ("all",)
         if isinstance(self.budget, float):
@@ -194,12 +200,10 @@ class Chelsea(Method):
                     raise ValueError(f"budget={self.budget} cannot pay for {n_out} full-cache outlier heads of "
                                      f"{total_heads} (reallocated fraction {float(rc):.4f} <= 0); raise the budget, "
                                      "drop outlier heads or set reallocate=False")
-                if rc.denominator > MAX_DENOMINATOR:
-                    rc = Fraction(math.floor(rc * MAX_DENOMINATOR), MAX_DENOMINATOR)
-                    if rc <= 0:
-                        raise ValueError(f"budget={self.budget}: the reallocated fraction for {n_out} outlier heads "
-                                         "rounds to 0; raise the budget or set reallocate=False")
-                p, q = rc.numerator, rc.denominator
+                p, q = floor_fraction(rc)
+                if p <= 0:
+                    raise ValueError(f"budget={self.budget}: the reallocated fraction for {n_out} outlier heads "
+                                     "rounds to 0; raise the budget or set reallocate=False")
             return ("frac", p, q)
         return ("count", int(self.budget), total_heads, n_out)
 
@@ -217,8 +221,8 @@ class Chelsea(Method):
         if isinstance(n, int):
             return max(t, 1)
         if isinstance(n, np.ndarray):
-            return np.maximum(t, 1).astype(np.int64)
-        return jnp.maximum(t, 1).astype(jnp.int32)
+            return np.broadcast_to(np.maximum(t, 1), n.shape).astype(np.int64)
+        return jnp.broadcast_to(jnp.maximum(t, 1), jnp.shape(n)).astype(jnp.int32)
 
     def windows(self, target):
         """Sinks and recent window ``(n_sink_b, n_recent_b)`` under a budget ``target``: the configured ones when
@@ -448,11 +452,7 @@ class Chelsea(Method):
         ``model_cfg`` (their reallocated budget depends on the head counts); the result is then the mean over
         the KV heads of ``layer`` (outlier heads hold ``n + steps``), like :meth:`tokens_held`."""
         gamma = steps if max_new_tokens is None else max_new_tokens
-        if self.outlier_heads and model_cfg is None:
-            raise ValueError("held() of a Chelsea with outlier heads needs model_cfg= (the reallocated budget "
-                             "depends on the model's head counts)")
-        rule = self.rule(model_cfg) if model_cfg is not None else (
-            ("frac", *as_fraction(self.budget)) if isinstance(self.budget, float) else ("count", self.budget, 1, 0))
+        rule = self.rule(model_cfg)
         b = self.target(rule, n, gamma)
         trig, g = b + self.interval, self.interval
         total = n + steps
@@ -472,16 +472,14 @@ class Chelsea(Method):
 
 
 def _simulate(start, target, sink, recent, active, table, idle) -> tuple[Round, ...]:
-    """Host simulation (numpy int64, the traced arithmetic of ``merges_for``) of one Chelsea call for every
-    prompt length at once: ``Round(r_q, largest merge count, largest occupancy after the round)``; inactive
-    elements keep their occupancy ``idle`` (so it bounds them too)."""
+    """Host simulation (``merges_for`` on numpy int64) of one Chelsea call for every prompt length at once:
+    ``Round(r_q, largest merge count, largest occupancy after the round)``; inactive elements keep their
+    occupancy ``idle`` (so it bounds them too)."""
     s = np.where(active, start, idle).astype(np.int64)
     rounds, i = [], 0
     while np.any(active & (s > target)):
         r_q = table[min(i, len(table) - 1)]
-        mid = s - sink - recent
-        m = np.minimum(np.maximum(r_q * mid // RATIO_UNIT, 1), s - target)
-        m = np.where(active & (s > target), m, 0)
+        m = np.where(active, merges_for(s, target, sink, recent, r_q), 0)
         s = s - m
         rounds.append(Round(int(r_q), int(m.max()), int(s.max())))
         i += 1

@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.chunked_similarity import chunk_best_match
 
@@ -39,12 +40,14 @@ def quantise_ratio(r: float) -> int:
 def merges_for(length, budget: int, n_sink: int, n_recent: int, r_q: int):
     """Merges of one round: ``min(max(floor(r M), 1), length - budget)`` with ``M = length - n_sink - n_recent``
     (spec §2.4, A1, A3: r counts the mergeable middle; the cap lands exactly on the budget). ``max(., 1)``
-    guarantees progress when ``r M < 1``. 0 when ``length <= budget``. Works on ints and int32 arrays."""
+    guarantees progress when ``r M < 1``. 0 when ``length <= budget``. Works on ints, numpy int64 arrays (the
+    host-side round plans) and int32 arrays (traced)."""
     mid = length - n_sink - n_recent
     if isinstance(length, int):
         return 0 if length <= budget else min(max(r_q * mid // RATIO_UNIT, 1), length - budget)
-    m = jnp.minimum(jnp.maximum(r_q * mid // RATIO_UNIT, 1), length - budget)
-    return jnp.where(length > budget, m, 0).astype(jnp.int32)
+    xp = np if isinstance(length, np.ndarray) else jnp
+    m = xp.minimum(xp.maximum(r_q * mid // RATIO_UNIT, 1), length - budget)
+    return xp.where(length > budget, m, 0).astype(np.int64 if xp is np else jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

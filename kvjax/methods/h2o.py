@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
+from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
                                 slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 from kvjax.methods.select import accumulated_scores, topk_with_window
 
@@ -51,19 +51,13 @@ class H2O(Method):
             return jnp.maximum(jnp.minimum(self.recent, budget - 1), 0)
         return max(min(self.recent, budget - 1), 0)
 
-    def budget_for(self, n, new_tokens):
-        """Tokens ``P`` a sequence with an ``n``-token prompt may hold (int or ``[B]`` array)."""
-        cap = n if isinstance(self.budget, float) else n + new_tokens
-        return budget_tokens(self.budget, n, cap)
-
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
-        p = self.budget_for(capacity.prompt_len, capacity.max_new_tokens)
+        p = evicting_budget(self.budget, capacity.prompt_len, capacity.prompt_len + capacity.max_new_tokens)
         return empty_slots(model_cfg, batch, p + 1, dtype, prompt_slots=p, with_score=True)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None) -> SlotCache:
         p = state.prompt_slots
-        limit = (budget_tokens(self.budget, lengths) if isinstance(self.budget, float)
-                 else jnp.full_like(lengths, min(self.budget, p)))
+        limit = evicting_budget(self.budget, lengths, p)
         kept = jnp.minimum(limit, lengths)
         score = accumulated_scores(q, k, lengths)
         idx, ok = _heavy_plus_recent(score, lengths, kept, self._recent(limit), min(p, k.shape[2]))
@@ -107,7 +101,7 @@ class H2O(Method):
         return slot_tokens_held(state)
 
     def held(self, n: int, steps: int) -> int:
-        return min(n + steps, self.budget_for(n, steps))
+        return min(n + steps, evicting_budget(self.budget, n, n + steps))
 
 
 def _heavy_plus_recent(score, lengths, budgets, recent, slots):

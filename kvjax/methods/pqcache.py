@@ -72,7 +72,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
 from kvjax import attention
-from kvjax.budget import MAX_DENOMINATOR, as_fraction, check_budget, floor_mul
+from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
 from kvjax.methods.base import Capacity, Method, tree_bytes
 
@@ -113,9 +113,7 @@ def _host_sharding():
 
 def _int32_fraction(f: Fraction) -> tuple[int, int]:
     """``(p, q)`` of ``f`` in ``[0, 1]``, exact when ``q^2 < 2^31``, else rounded down to ``1/MAX_DENOMINATOR``."""
-    if f.denominator > _EXACT_Q:
-        f = Fraction(int(f * MAX_DENOMINATOR), MAX_DENOMINATOR)
-    return f.numerator, f.denominator
+    return floor_fraction(f, _EXACT_Q)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,7 +90,7 @@ def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):
     """PyramidKV's per-layer budget (window included) for a total of ``total`` tokens (window included) and a
     prompt of ``n`` tokens: the harness's three branches (module docstring). ``total``, ``n``, ``window``: ints or
     int arrays of one shape."""
-    xp = jnp if any(hasattr(x, "shape") for x in (total, n, window)) else np
+    xp = jnp if any(isinstance(x, jax.Array) for x in (total, n, window)) else np
     base = total - window
     lo = base // beta
     hi = 2 * base - lo
@@ -99,7 +100,9 @@ def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):
     step = (hi2 - lo2) // max(num_layers - 1, 1)
     pyramid = hi2 - layer * step + window
     out = xp.where(n < total, n, xp.where(n < 2 * base, total, pyramid))
-    return int(out) if xp is np else out.astype(jnp.int32)
+    if xp is jnp:
+        return out.astype(jnp.int32)
+    return int(out) if np.ndim(out) == 0 else out
 
 
 @functools.lru_cache(maxsize=256)

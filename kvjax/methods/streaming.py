@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
+from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
                                 slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 
 
@@ -33,17 +33,12 @@ class StreamingLLM(Method):
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"sinks={self.sinks!r} must be an int >= 0 (StreamingLLM uses 4)")
 
-    def budget_for(self, n, new_tokens):
-        """Tokens ``S`` a sequence with an ``n``-token prompt holds (int or ``[B]`` array)."""
-        cap = n if isinstance(self.budget, float) else n + new_tokens
-        return budget_tokens(self.budget, n, cap)
-
     def sinks_for(self, s):
         """Sinks kept under a budget of ``s`` tokens: ``min(sinks, s - 1)`` (at least one recent slot)."""
         return jnp.minimum(self.sinks, jnp.maximum(s - 1, 0)) if hasattr(s, "shape") else min(self.sinks, max(s - 1, 0))
 
     def slots(self, capacity: Capacity) -> int:
-        return self.budget_for(capacity.prompt_len, capacity.max_new_tokens)
+        return evicting_budget(self.budget, capacity.prompt_len, capacity.prompt_len + capacity.max_new_tokens)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         s = self.slots(capacity)
@@ -54,8 +49,7 @@ class StreamingLLM(Method):
         slots = state.k.shape[2]
         # [B] tokens each sequence may hold: ceil(b n), or the count (generated tokens fill it up; slots beyond
         # bucket + max_new_tokens are never reached, so the ring never wraps there).
-        s = (budget_tokens(self.budget, lengths) if isinstance(self.budget, float)
-             else jnp.full_like(lengths, min(self.budget, slots)))
+        s = evicting_budget(self.budget, lengths, slots)
         sk = self.sinks_for(s)[:, None]  # [B, 1]
         r = jnp.maximum(s[:, None] - sk, 1)
         slot = jnp.arange(slots)[None, :]
@@ -94,4 +88,4 @@ class StreamingLLM(Method):
         return slot_tokens_held(state)
 
     def held(self, n: int, steps: int) -> int:
-        return min(n + steps, self.budget_for(n, steps))
+        return min(n + steps, evicting_budget(self.budget, n, n + steps))
