@@ -45,7 +45,8 @@ def top_chunks(scores: np.ndarray, n: int) -> list[int]:
     return sorted(int(i) for i in np.argsort(-scores, kind="stable")[:n])
 
 
-def chunkkv_keep(q, k, length: int, window: int, chunk: int, budget_tokens: int, mode: str = "prefix_exclusive"):
+def chunkkv_keep(q, k, length: int, window: int, chunk: int, budget_tokens: int, mode: str = "prefix_exclusive",
+                 votes=None):
     """Kept positions per KV head **in storage order** (chunk tokens by position, then the window), the chunk
     scores per head and the number of chunks selected; ``(whole prompt, None, 0)`` when ``length <= budget``.
 
@@ -53,11 +54,12 @@ def chunkkv_keep(q, k, length: int, window: int, chunk: int, budget_tokens: int,
     the prefix end is cut there; ``(budget - window) // c`` chunks; then the window.
     paper_literal (Alg. 1 as written): chunks over all ``length`` keys; ``budget // c`` chunks; the first
     ``budget - window`` of their tokens; then the last ``window`` tokens (which may repeat chunk tokens).
+    ``votes [Hkv, length]``: token scores from another scorer (default: :func:`observation_votes`).
     """
     hkv = k.shape[0]
     if length <= budget_tokens:
         return [list(range(length)) for _ in range(hkv)], None, 0
-    votes = observation_votes(q, k, length, window)
+    votes = observation_votes(q, k, length, window) if votes is None else votes
     if mode == "prefix_exclusive":
         limit, n = length - window, (budget_tokens - window) // chunk
     elif mode == "paper_literal":

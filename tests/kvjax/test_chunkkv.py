@@ -310,6 +310,26 @@ def test_registry():
 # bad input
 
 
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4)], ids=["gqa2", "mha"])
+def test_chunkkv_wraps_the_h2o_scorer(hq, hkv):
+    """``scorer="h2o"``: whole chunks ranked by H2O's accumulated attention (kvpress's ``ChunkKVPress(press)``):
+    the reference's chunk selection fed the numpy accumulated attention of ``ref_baselines``."""
+    m = methods.get("chunkkv", budget=0.5, window=4, chunk_size=5, scorer="h2o")
+    first, _, data = run(m, hq, hkv, steps=0)
+    q, k, v, lengths = data[:4]
+    pos = np.asarray(first.pos)
+    for b in range(B):
+        n = int(lengths[b])
+        votes = rb.accumulated_attention(q[b], k[b], n)
+        want, scores, nsel = ref.chunkkv_keep(q[b], k[b], n, 4, 5, seq_budget(0.5, n, slots_of(0.5)), votes=votes)
+        for h in range(hkv):
+            stored = [int(p) for p in pos[b, h] if p >= 0]
+            got = sorted({p // 5 for p in stored[:-4]})
+            check_near_tie(got, sorted({p // 5 for p in want[h][:-4]}), scores[h], nsel, f"b={b} h={h}")
+            if got == sorted({p // 5 for p in want[h][:-4]}):
+                assert stored == want[h], f"b={b} h={h}"
+
 def _raises(fn, *words):
     with pytest.raises(ValueError) as info:
         fn()
