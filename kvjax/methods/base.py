@@ -23,6 +23,12 @@ Optional capabilities are declared here with their defaults; the engine, eval an
 - ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
 - ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
   ``n``-token prompt holds after ``steps`` decode steps. The README's budget table is this function.
+- ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
+  stored and each decode step attends to a query-dependent selection; it implements
+  ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
+  next decode step (the one whose new token goes at position ``filled``) would attend for the query ``q``, the
+  new token itself excluded (sinks, windows, pages, clusters, retrieved tokens included). ``kvjax-eval
+  fidelity`` compares it with the exact top-B attention tokens (ClusterKV Fig. 11's recall).
 
 Budgets (:mod:`kvjax.budget`): a float ``b`` in ``(0, 1]`` gives each sequence ``ceil(b n)`` tokens of its own
 prompt ``n`` (exact integers), an int is a token count. A method never holds more than its budget; on a prompt
@@ -64,6 +70,9 @@ class Method(abc.ABC):
     reuses_previous_layer: ClassVar[bool] = False
     #: ``decode_partial`` is implemented (partials + the evicted pair, for LESS).
     has_decode_partial: ClassVar[bool] = False
+    #: A recall method: ``selected_positions`` is implemented (every token stays stored, a step attends a
+    #: query-dependent subset).
+    recalls: ClassVar[bool] = False
 
     @abc.abstractmethod
     def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:
@@ -84,6 +93,12 @@ class Method(abc.ABC):
     def decode_partial(self, state, layer: int, q, k, v, pos):
         raise NotImplementedError(f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
                                   "a policy that does (h2o, streaming_llm)")
+
+    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: the token positions the next decode step would attend for ``q [B, Hq, D]`` (the
+        new token excluded). Only for methods that declare ``recalls``."""
+        raise NotImplementedError(f"method {self.name!r} does not declare recalls; selected_positions is for the "
+                                  "recall methods (pqcache, clusterkv, quest)")
 
     @abc.abstractmethod
     def bytes_read_per_step(self, state, num_heads: int) -> int:
