@@ -11,6 +11,7 @@ import dataclasses
 from kvjax.methods.base import Capacity, Method, SlotCache
 from kvjax.methods.chelsea import Chelsea
 from kvjax.methods.chunkkv import ChunkKV
+from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
 from kvjax.methods.less import Less
@@ -19,7 +20,7 @@ from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, ChunkKV, Chelsea,
-                                                         PQCache, Less)}
+                                                         PQCache, ClusterKV, Less)}
 
 
 def names() -> list[str]:
@@ -38,6 +39,6 @@ def get(name: str, **options):
     return cls(**options)
 
 
-__all__ = ["Capacity", "Chelsea", "ChunkKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV", "REGISTRY",
+__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV", "REGISTRY",
            "SlotCache",
            "SnapKV", "StreamingLLM", "get", "names"]

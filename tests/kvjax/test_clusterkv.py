@@ -1,0 +1,258 @@
+"""ClusterKV against the float64 numpy reference (``ref_clusterkv``) and its invariants.
+
+- K-means (cosine, mean of raw keys, empty keeps, convergence stop) equals the reference from the same init rows.
+- One layer through prefill and decode (MHA, GQA 4/2 and 8/2, a batch of 2 with different lengths, both GQA
+  rules, windows clustered during decode): the attended positions and the outputs of every step equal the
+  reference's.
+- The cluster-sorted layout: every token in exactly one cluster, prompt and windows, positions ascending inside.
+- One token per cluster selects exactly the top-``bsel`` tokens by ``q·k``; a budget >= the prompt equals full.
+- No retrace through decode-time clustering; layers < n_full are full; end to end through ``generate``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import engine, methods
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.methods.base import Capacity
+from kvjax.methods.clusterkv import ClusterKV, cosine_kmeans
+from kvjax.model import random_params
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ref_clusterkv as ref  # noqa: E402
+
+LAYER = 3  # a compressed layer (n_full=0 in most tests)
+
+
+def _cfg(hq, hkv, d=16, layers=2):
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=layers,
+                       num_heads=hq, num_kv_heads=hkv, head_dim=d, max_position_embeddings=1024,
+                       sliding_windows=(None,) * layers)
+
+
+def _clustered_keys(rng, shape, centers=6, noise=0.15, outliers=True):
+    """Keys around a few directions (well separated, so float32 and float64 K-means agree), with outlier
+    channels of large magnitude as real keys have (note §2.2)."""
+    *lead, t, d = shape
+    c = rng.normal(size=(*lead, centers, d))
+    lab = rng.integers(0, centers, size=(*lead, t))
+    x = np.take_along_axis(c, lab[..., None], axis=-2) * rng.uniform(0.5, 2.0, size=(*lead, t, 1))
+    x = x + noise * rng.normal(size=(*lead, t, d))
+    if outliers:
+        x[..., 0] *= 8.0
+    return x.astype(np.float32)
+
+
+def test_kmeans_equals_the_reference():
+    rng = np.random.default_rng(0)
+    x = _clustered_keys(rng, (3, 120, 16))
+    m = ClusterKV(budget=64, sink=0, seed=5)
+    valid = np.ones((3, 120), bool)
+    valid[1, 90:] = False  # a ragged row
+    pos = np.broadcast_to(np.arange(120), (3, 120))
+    init = np.asarray(m.init_rows(0, 1, jnp.asarray(pos), jnp.asarray(valid), 7))[:, 0]  # [3, 7]
+    c0 = np.take_along_axis(x, init[..., None], axis=1)
+    mu, labels, _ = cosine_kmeans(jnp.asarray(x), jnp.asarray(valid), jnp.asarray(c0), jnp.ones((3, 7), bool), 20)
+    for n in range(3):
+        nv = int(valid[n].sum())
+        assert len(set(init[n].tolist())) == 7 and init[n].max() < nv  # distinct valid rows
+        rmu, rlab = ref.cosine_kmeans(x[n, :nv], init[n], 20)
+        np.testing.assert_array_equal(np.asarray(labels)[n, :nv], rlab)
+        assert np.all(np.asarray(labels)[n, nv:] == 7)  # invalid rows get the sentinel
+        np.testing.assert_allclose(np.asarray(mu)[n], rmu, rtol=1e-4, atol=1e-4)
+
+
+def _run_layer(method, hq, hkv, lengths, steps, seed=0, d=16, bucket=48):
+    """Prefill + ``steps`` decode steps of one compressed layer for every row; returns the per-step outputs,
+    the positions ``selected_positions`` reported before each step, the final state and the inputs."""
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    cfg = _cfg(hq, hkv, d)
+    k = _clustered_keys(rng, (b, hkv, bucket + steps, d))
+    v = rng.normal(size=(b, hkv, bucket + steps, d)).astype(np.float32)
+    q = (rng.normal(size=(b, hq, bucket + steps, d)) * 0.5).astype(np.float32)
+    st = method.init(cfg, b, Capacity(bucket, steps + 1), LAYER, jnp.float32)
+    st = method.prefill(st, LAYER, jnp.asarray(q[:, :, :bucket]), jnp.asarray(k[:, :, :bucket]),
+                        jnp.asarray(v[:, :, :bucket]), jnp.asarray(lengths, jnp.int32))
+    dec = jax.jit(lambda s, qq, kk, vv, p: method.decode(s, LAYER, qq, kk, vv, p))
+    sel = jax.jit(lambda s, qq: method.selected_positions(s, LAYER, qq))
+    # decode token i of row r sits at position n_r + i; its q/k/v are column bucket + i of the inputs
+    kd, vd, qd = k[:, :, bucket:], v[:, :, bucket:], q[:, :, bucket:]
+    outs, sels, states = [], [], [st]
+    for i in range(steps):
+        pos = jnp.asarray([n + i for n in lengths], jnp.int32)
+        sels.append(np.asarray(sel(st, jnp.asarray(qd[:, :, i]))))
+        o, st = dec(st, jnp.asarray(qd[:, :, i]), jnp.asarray(kd[:, :, i]), jnp.asarray(vd[:, :, i]), pos)
+        outs.append(np.asarray(o))
+        states.append(st)
+    assert dec._cache_size() == 1  # no retrace, window clustering included
+    return outs, sels, states, (q, k, v, kd, vd, qd), bucket
+
+
+@pytest.mark.parametrize("hq,hkv,gqa", [(2, 2, "query"), (4, 2, "query"), (8, 2, "query"), (4, 2, "group_mean")])
+def test_decode_equals_the_reference(hq, hkv, gqa):
+    lengths, steps = [45, 29], 11
+    m = ClusterKV(budget=0.5, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0, gqa=gqa,
+                  iters=20, seed=1)
+    outs, sels, states, (q, k, v, kd, vd, qd), bucket = _run_layer(m, hq, hkv, lengths, steps)
+    g = hq // hkv
+    st0 = states[1]  # after the first decode step the prompt part of the state is final
+    for r, n in enumerate(lengths):
+        sink, bsel = m.split(n)
+        ncl = m.clusters_for(n)
+        assert int(st0.sinks[r]) == sink and int(st0.bsel[r]) == bsel
+        prompt_init = np.asarray(m.init_rows(LAYER, hkv, jnp.arange(bucket)[None],
+                                             (jnp.arange(bucket)[None] >= sink) & (jnp.arange(bucket)[None] < n),
+                                             st0.c0))[0]
+        for h in range(hkv):
+            kk = np.concatenate([k[r, h, :n], kd[r, h]])
+            vv = np.concatenate([v[r, h, :n], vd[r, h]])
+            rk = ref.ClusterKVRef(kk, vv, n, sink, bsel, m.window, m.iters, gqa)
+            rk.add_clusters(sink, n, prompt_init[h, :ncl] - sink)
+            windows = 0
+
+            def init_fn(lo, hi, w=None):
+                nonlocal windows
+                rows = np.asarray(m.init_rows(m.window_stream(LAYER, windows), hkv, jnp.arange(lo, hi)[None],
+                                              jnp.ones((1, hi - lo), bool), m.window_clusters))[0, h]
+                windows += 1
+                return rows
+
+            for i in range(steps):
+                t = n + i
+                qs = qd[r, h * g:(h + 1) * g, i]
+                want, att = rk.step(qs, t)
+                got_sel = sels[i][r, h * g:(h + 1) * g]
+                for gi in range(g):
+                    assert sorted(np.flatnonzero(got_sel[gi]).tolist() + [t]) == att[gi], (r, h, i, gi)
+                np.testing.assert_allclose(outs[i][r, h * g:(h + 1) * g], want, rtol=2e-5, atol=2e-5)
+                rk.after_step(t, init_fn)
+            assert windows == steps // m.window
+
+
+def test_cluster_layout_invariants():
+    lengths, steps = [45, 29], 13
+    m = ClusterKV(budget=0.5, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0)
+    _, _, states, _, _ = _run_layer(m, 4, 2, lengths, steps)
+    st = states[-1]
+    pos, size, start = np.asarray(st.pos), np.asarray(st.csize), np.asarray(st.cstart)
+    for r, n in enumerate(lengths):
+        sink = m.split(n)[0]
+        windows = steps // m.window
+        assert int(st.windows) == windows and int(st.clustered[r]) == n + windows * m.window
+        for h in range(2):
+            np.testing.assert_array_equal(pos[r, h, :sink], np.arange(sink))
+            seen = []
+            for c in np.flatnonzero(size[r, h]):
+                seg = pos[r, h, start[r, h, c]:start[r, h, c] + size[r, h, c]]
+                assert np.all(np.diff(seg) > 0)  # positions ascending inside a cluster
+                seen.extend(seg.tolist())
+            # every clustered token in exactly one cluster: the prompt after the sinks and each full window
+            assert sorted(seen) == list(range(sink, n + windows * m.window))
+            assert np.sum(size[r, h, :st.c0]) == n - sink and np.sum(size[r, h]) == n - sink + windows * m.window
+            assert np.sum(size[r, h, st.c0:] > 0) <= windows * m.window_clusters
+            # the unclustered window holds its own positions
+            np.testing.assert_array_equal(pos[r, h, n + windows * m.window:n + steps],
+                                          np.arange(n + windows * m.window, n + steps))
+
+
+def test_one_token_per_cluster_selects_the_exact_top_b():
+    n, bucket, hq, hkv = 40, 40, 4, 2
+    m = ClusterKV(budget=12, sink=2, tokens_per_cluster=1, n_full=0, window=8, window_clusters=1)
+    rng = np.random.default_rng(3)
+    k = rng.normal(size=(1, hkv, bucket, 16)).astype(np.float32)
+    q = rng.normal(size=(1, hq, bucket, 16)).astype(np.float32)
+    st = m.init(_cfg(hq, hkv), 1, Capacity(bucket, 2), LAYER, jnp.float32)
+    st = m.prefill(st, LAYER, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), jnp.asarray([n], jnp.int32))
+    assert np.all(np.asarray(st.csize)[..., :n - 2] == 1)  # singleton clusters: mu = k
+    qn = rng.normal(size=(1, hq, 16)).astype(np.float32)
+    sel = np.asarray(m.selected_positions(st, LAYER, jnp.asarray(qn)))[0]
+    for hh in range(hq):
+        s = k[0, hh // 2, 2:n] @ qn[0, hh]
+        top = set((2 + np.argsort(-s, kind="stable")[:10]).tolist())
+        assert set(np.flatnonzero(sel[hh]).tolist()) == top | {0, 1}
+
+
+@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+def test_budget_covering_the_prompt_equals_full(gqa):
+    lengths, steps = [45, 29], 9
+    # a token count covers the generated tokens once clustered (a fraction 1.0 covers the prompt only)
+    m = ClusterKV(budget=100, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0, gqa=gqa)
+    outs, _, _, (q, k, v, kd, vd, qd), bucket = _run_layer(m, 4, 2, lengths, steps)
+    full = methods.get("full")
+    cfg = _cfg(4, 2)
+    st = full.init(cfg, 2, Capacity(bucket, steps + 1), LAYER, jnp.float32)
+    st = full.prefill(st, LAYER, jnp.asarray(q[:, :, :bucket]), jnp.asarray(k[:, :, :bucket]),
+                      jnp.asarray(v[:, :, :bucket]), jnp.asarray(lengths, jnp.int32))
+    for i in range(steps):
+        o, st = full.decode(st, LAYER, jnp.asarray(qd[:, :, i]), jnp.asarray(kd[:, :, i]), jnp.asarray(vd[:, :, i]),
+                            jnp.asarray([n + i for n in lengths], jnp.int32))
+        np.testing.assert_allclose(outs[i], np.asarray(o), rtol=1e-5, atol=1e-5)
+
+
+def test_host_sizes():
+    m = ClusterKV(budget=0.25, sink=16)
+    assert m.split(1000) == (16, 234) and m.split(10) == (3, 0) and m.split(10, 50) == (3, 0) and m.clusters_for(1000) == (1000 - 16) // 80
+    assert m.clusters_for(20) == 1 and m.held(100, 7) == 107
+    m2 = ClusterKV(budget=100, sink=4, window=8)
+    assert m2.split(50) == (4, 46) and m2.split(50, 60) == (4, 96)
+    # sinks + min(bsel, clustered) + unclustered window + the new token
+    assert m2.attended(50, 0) == 4 + 46 + 0 + 1 and m2.attended(500, 11) == 4 + 96 + 3 + 1
+    assert m2.attended(50, 19, 40) == 4 + 46 + 16 + 3 + 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = _cfg(4, 2, layers=3)
+    return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
+
+
+def test_generate_end_to_end(tiny):
+    ids = [[int(x) for x in np.random.default_rng(s).integers(1, 64, n)] for s, n in ((0, 70), (1, 33))]
+    small = dict(sink=2, tokens_per_cluster=8, window=4, window_clusters=2, n_full=1)
+    full = kvjax.generate(tiny, ids, methods.get("full"), max_new_tokens=12, driver="scan", stop_at_eos=False)
+    same = kvjax.generate(tiny, ids, methods.get("clusterkv", budget=200, **small), max_new_tokens=12,
+                          driver="scan", stop_at_eos=False)
+    assert same.tokens == full.tokens
+    engine.TRACE_COUNTS.clear()
+    res = kvjax.generate(tiny, ids, methods.get("clusterkv", budget=0.3, **small), max_new_tokens=12,
+                         driver="python", stop_at_eos=False)
+    assert engine.TRACE_COUNTS["decode_step"] <= 1 and all(len(t) == 12 for t in res.tokens)
+    assert res.stats[0]["tokens_held"] == 70 + 11
+
+
+def test_layers_below_n_full_are_full():
+    m = ClusterKV(budget=8, sink=2, n_full=2)
+    st = m.init(_cfg(4, 2), 1, Capacity(32, 4), 1, jnp.float32)
+    assert type(st).__name__ == "SlotCache"
+    assert m.bytes_read_per_step(st, 4) == methods.get("full").bytes_read_per_step(st, 4)
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(budget=8, sink=16), "budget=8 tokens is below sink=16"),
+    (dict(tokens_per_cluster=0), "tokens_per_cluster=0"),
+    (dict(num_clusters=0), "num_clusters=0"),
+    (dict(iters=0), "iters=0"),
+    (dict(window=0), "window=0"),
+    (dict(window=4, window_clusters=5), "window_clusters=5"),
+    (dict(gqa="max"), "gqa='max'"),
+    (dict(budget=1.5), "budget=1.5"),
+    (dict(impl="cuda"), "impl='cuda'"),
+])
+def test_bad_options(opts, match):
+    with pytest.raises(ValueError, match=match):
+        methods.get("clusterkv", **opts)
+
+
+def test_more_clusters_than_tokens():
+    with pytest.raises(ValueError, match="num_clusters=40 is more clusters than the 16 clustered tokens"):
+        ClusterKV(num_clusters=40, n_full=0).init(_cfg(4, 2), 1, Capacity(32, 4), 0, jnp.float32)
