@@ -1,0 +1,289 @@
+"""cosine_kmeans: the pure-JAX reference against an independent numpy float64 implementation (cosine argmax with
+lowest-index ties and the sentinel, per-cluster sums by a loop, the Lloyd mean with empty clusters kept), the
+Pallas kernels (interpret mode on CPU) against the reference with TPU-legal and ragged row tiles, bf16 and f32
+keys, cross-platform lowering, and bad input. Data: keys with large-magnitude outlier channels (ClusterKV
+§III-B's reason for cosine), ragged valid masks, C not a multiple of 128, empty and invalid clusters.
+Labels must be equal except at near-ties (top-2 cosine gap < 1e-5, checked in float64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.cosine_kmeans import (centroid_update, centroid_update_reference, cosine_assign,
+                                          cosine_assign_reference, default_impl, lloyd_step)
+
+# ---------------------------------------------------------------------------------------------- numpy float64
+
+
+def np_normalise(c):
+    c = np.asarray(c, np.float64)
+    return c / (np.linalg.norm(c, axis=-1, keepdims=True) + 1e-8)
+
+
+def np_assign(x, cent, valid=None, cvalid=None):
+    x = np.asarray(x, np.float64)
+    n, l, _ = x.shape
+    c = cent.shape[1]
+    cn = np_normalise(cent)
+    out = np.full((n, l), c, np.int64)
+    for i in range(n):
+        ok = np.ones(c, bool) if cvalid is None else np.asarray(cvalid[i])
+        if not ok.any():
+            continue  # no valid centroid: every row keeps the sentinel
+        sim = x[i] @ cn[i].T  # [L, C]
+        sim[:, ~ok] = -np.inf
+        lab = np.argmax(sim, axis=1)  # the first maximum: the lowest index wins a tie
+        rows = np.ones(l, bool) if valid is None else np.asarray(valid[i])
+        out[i, rows] = lab[rows]
+    return out
+
+
+def np_update(x, labels, c):
+    x = np.asarray(x, np.float64)
+    n, l, d = x.shape
+    sums, counts, abssum = np.zeros((n, c, d)), np.zeros((n, c), np.int64), np.zeros((n, c, d))
+    for i in range(n):
+        for r in range(l):
+            j = int(labels[i, r])
+            if 0 <= j < c:
+                sums[i, j] += x[i, r]
+                abssum[i, j] += np.abs(x[i, r])
+                counts[i, j] += 1
+    return sums, counts, abssum
+
+
+def np_lloyd(x, cent, valid=None, cvalid=None):
+    lab = np_assign(x, cent, valid, cvalid)
+    sums, counts, _ = np_update(x, lab, cent.shape[1])
+    new = np.where(counts[..., None] > 0, sums / np.maximum(counts, 1)[..., None], np.asarray(cent, np.float64))
+    return new, lab, counts
+
+
+def assert_labels(got, want, x, cent):
+    """Equal, except where both labels are real centroids within 1e-5 cosine of each other (a near-tie)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.int32
+    c = cent.shape[1]
+    x = np.asarray(x, np.float64)
+    cn = np_normalise(cent)
+    for i, r in np.argwhere(got != want):
+        a, b = int(got[i, r]), int(want[i, r])
+        assert a < c and b < c, f"row ({i}, {r}): label {a} vs {b} (sentinel {c})"
+        cos = cn[i] @ x[i, r] / np.linalg.norm(x[i, r])
+        assert abs(cos[a] - cos[b]) < 1e-5, f"row ({i}, {r}): label {a} vs {b}, cosine gap {abs(cos[a] - cos[b])}"
+    assert (got != want).mean() <= 0.01
+
+
+def assert_sums(got, want, abssum):
+    """Relative 1e-4, with an absolute floor from the float32 summation of the member magnitudes."""
+    got = np.asarray(got, np.float64)
+    assert np.all(np.abs(got - want) <= 1e-4 * np.abs(want) + 1e-6 * abssum + 1e-6), np.abs(got - want).max()
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+CASES = ["d48_c5", "d64_c130_outliers", "d128_c7_masks"]
+
+
+def make_case(name, dtype=np.float32):
+    """Keys ``x [3, L, D]`` (bf16-rounded when asked), raw centroids, masks; see CASES."""
+    rng = np.random.default_rng(CASES.index(name))
+    n = 3
+    l, d, c = {"d48_c5": (50, 48, 5), "d64_c130_outliers": (300, 64, 130), "d128_c7_masks": (200, 128, 7)}[name]
+    dirs = rng.standard_normal((n, max(c, 8), d))
+    member = rng.integers(0, dirs.shape[1], (n, l))
+    x = np.take_along_axis(dirs, member[..., None], axis=1) + 0.3 * rng.standard_normal((n, l, d))
+    if name == "d64_c130_outliers":
+        x[..., [3, 17]] = 8.0 * x[..., [3, 17]] + 4.0  # large-magnitude outlier channels (KIVI, §III-B)
+        x[..., 40] = -np.abs(x[..., 40])  # a channel negative in every key (for the empty cluster below)
+    x *= rng.uniform(0.2, 5.0, (n, l, 1))  # row norms do not change a cosine argmax
+    valid = cvalid = None
+    if dtype is not np.float32:
+        x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    pick = np.stack([rng.choice(l, c, replace=False) for _ in range(n)])  # distinct sampled keys (§III-B init)
+    cent = x[np.arange(n)[:, None], pick] * rng.uniform(0.1, 10.0, (n, c, 1))
+    if name == "d48_c5":
+        cent[:, 4] = cent[:, 1]  # an exact duplicate: every tie must go to centroid 1, centroid 4 stays empty
+    if name == "d64_c130_outliers":
+        cent[:, 0] = 0.0
+        cent[:, 0, 40] = 5.0  # negative cosine with every key: an empty cluster
+        valid = np.arange(l)[None, :] < np.array([l, 157, 1])[:, None]  # ragged lengths, one single row
+        cvalid = rng.uniform(size=(n, c)) < 0.9
+        cvalid[:, [0, 7, 120]] = True
+        cent[:, 120] = cent[:, 7]  # an exact duplicate in another centroid tile (GPU tC = 64): 7 wins every tie
+    if name == "d128_c7_masks":
+        valid = rng.uniform(size=(n, l)) < 0.8
+        cvalid = np.ones((n, c), bool)
+        cvalid[1, [2, 5]] = False
+        cvalid[2] = False  # no valid centroid: every row of head 2 gets the sentinel
+    return x.astype(np.float32), cent.astype(np.float32), valid, cvalid
+
+
+def jx(a, dtype=None):
+    return None if a is None else jnp.asarray(a, dtype)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_reference_matches_numpy(name):
+    x, cent, valid, cvalid = make_case(name)
+    c = cent.shape[1]
+    want_lab = np_assign(x, cent, valid, cvalid)
+    lab = cosine_assign_reference(jx(x), jx(cent), jx(valid), jx(cvalid))
+    assert_labels(lab, want_lab, x, cent)
+    # the update with the numpy labels, plus labels outside [0, C) that must be ignored
+    bad = want_lab.copy()
+    bad[:, ::17] = -1
+    bad[:, 5::23] = c + 3
+    s, k, a = np_update(x, bad, c)
+    sums, counts = centroid_update_reference(jx(x), jx(bad, jnp.int32), c)
+    assert sums.dtype == jnp.float32 and counts.dtype == jnp.int32
+    assert_sums(sums, s, a)
+    np.testing.assert_array_equal(np.asarray(counts), k)
+    new, lab2 = lloyd_step(jx(x), jx(cent), jx(valid), jx(cvalid), impl="xla")
+    want_new, want_lab2, want_counts = np_lloyd(x, cent, valid, cvalid)
+    assert_labels(lab2, want_lab2, x, cent)
+    np.testing.assert_allclose(np.asarray(new), want_new, rtol=1e-4, atol=1e-4 * np.abs(x).max())
+    empty = want_counts == 0
+    assert empty.any()  # every case has an empty or invalid cluster: it keeps its old centroid exactly
+    np.testing.assert_array_equal(np.asarray(new)[empty], cent[empty])
+    tie = {"d48_c5": (1, 4), "d64_c130_outliers": (7, 120)}.get(name)
+    if tie:  # exact duplicate centroids: the lowest index wins every tie
+        assert (np.asarray(lab) == tie[0]).any() and (np.asarray(lab) != tie[1]).all()
+    if name == "d64_c130_outliers":
+        assert (want_counts[:, 0] == 0).all()
+        assert (np.asarray(lab)[1, 157:] == c).all() and (np.asarray(lab)[2, 1:] == c).all()
+    if name == "d128_c7_masks":
+        assert (np.asarray(lab)[2] == c).all() and (want_counts[2] == 0).all()
+
+
+def test_reference_ignores_row_norm():
+    x, cent, valid, cvalid = make_case("d48_c5")
+    scale = np.random.default_rng(1).uniform(1e-3, 1e3, x.shape[:2] + (1,)).astype(np.float32)
+    a = cosine_assign_reference(jx(x), jx(cent), jx(valid), jx(cvalid))
+    b = cosine_assign_reference(jx(x * scale), jx(cent), jx(valid), jx(cvalid))
+    assert_labels(b, np.asarray(a), x, cent)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+# (case, dtype, tpu block_l, gpu block_l): TPU tiles a multiple of 128 (ragged L: 300 rows pad to 384 or 512) or
+# one tile of all L (None: the default 512 >= L); GPU tiles powers of two, ragged (50 -> 64, 300 -> 320 or 384,
+# 200 -> 256 with the default 64), D=48 zero-padded to 64.
+KERNEL_CASES = [
+    ("d48_c5", np.float32, None, 16),
+    ("d64_c130_outliers", np.float32, 128, 64),
+    ("d64_c130_outliers", jnp.bfloat16, 256, 128),
+    ("d128_c7_masks", jnp.bfloat16, None, None),
+]
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("name,dtype,tpu_block,gpu_block", KERNEL_CASES)
+def test_kernels_match_reference(impl, name, dtype, tpu_block, gpu_block):
+    x, cent, valid, cvalid = make_case(name, dtype)
+    block_l = tpu_block if impl == "pallas_tpu" else gpu_block
+    c = cent.shape[1]
+    xj = jx(x, dtype)
+    kw = dict(impl=impl, interpret=True, block_l=block_l)
+    new, lab = lloyd_step(xj, jx(cent), jx(valid), jx(cvalid), **kw)
+    want_new, want_lab = lloyd_step(xj, jx(cent), jx(valid), jx(cvalid), impl="xla")
+    assert_labels(lab, want_lab, x, cent)
+    tie = {"d48_c5": (1, 4), "d64_c130_outliers": (7, 120)}.get(name)
+    if tie:  # exact duplicate centroids: the lowest index wins every tie
+        assert (np.asarray(lab) == tie[0]).any() and (np.asarray(lab) != tie[1]).all()
+    if (np.asarray(lab) == np.asarray(want_lab)).all():
+        np.testing.assert_allclose(np.asarray(new), np.asarray(want_new), rtol=1e-4, atol=1e-5 * np.abs(x).max())
+    # the update on the reference labels (plus ignored out-of-range labels): sums and counts
+    labels = np.asarray(want_lab).copy()
+    labels[:, ::19] = -1
+    labels[:, 7::29] = c + 3
+    sums, counts = centroid_update(xj, jx(labels), c, **kw)
+    s, k, a = np_update(x, labels, c)
+    assert sums.shape == s.shape and sums.dtype == jnp.float32 and counts.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(counts), k)
+    ws, wk = centroid_update_reference(xj, jx(labels), c)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(wk))
+    assert_sums(sums, np.asarray(ws, np.float64), a)
+    assert_sums(sums, s, a)
+
+
+@pytest.mark.parametrize("impl,platform", [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")])
+def test_kernels_lower_for_their_hardware(impl, platform):
+    """Cross-platform lowering on CPU runs the real Mosaic / Triton lowering rules (not the final compile):
+    ClusterKV's shapes (D=128, C=400 at 32k; here a short ragged L and bf16 keys)."""
+    n, l, d, c = 4, 1000, 128, 400
+    x = jax.ShapeDtypeStruct((n, l, d), jnp.bfloat16)
+    cent = jax.ShapeDtypeStruct((n, c, d), jnp.float32)
+    valid = jax.ShapeDtypeStruct((n, l), jnp.bool_)
+    cvalid = jax.ShapeDtypeStruct((n, c), jnp.bool_)
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def f(x, cent, valid, cvalid):
+        return lloyd_step(x, cent, valid, cvalid, impl=impl)
+
+    text = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(x, cent, valid,
+                                                                                      cvalid).mlir_module()
+    assert text.count("tpu_custom_call" if platform == "tpu" else "xla.gpu.triton") >= 2
+
+
+def test_empty_rows():
+    x = jnp.zeros((2, 0, 16), jnp.float32)
+    cent = jnp.ones((2, 3, 16), jnp.float32)
+    for impl in ("pallas_tpu", "pallas_gpu"):
+        new, lab = lloyd_step(x, cent, impl=impl, interpret=True)
+        assert lab.shape == (2, 0)
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(cent))
+
+
+def test_default_impl_on_cpu_is_xla():
+    if jax.default_backend() == "cpu":
+        assert default_impl() == "xla"
+
+
+def test_bad_input():
+    x, cent, valid, cvalid = (jx(a) for a in make_case("d48_c5"))
+    lab = jnp.zeros(x.shape[:2], jnp.int32)
+    with pytest.raises(ValueError, match="impl"):
+        cosine_assign(x, cent, impl="cuda")
+    with pytest.raises(ValueError, match="x has shape"):
+        cosine_assign(x[0], cent)
+    with pytest.raises(ValueError, match="x has dtype"):
+        cosine_assign(x.astype(jnp.int32), cent)
+    with pytest.raises(ValueError, match="centroids has shape"):
+        cosine_assign(x, cent[:, :, :8])
+    with pytest.raises(ValueError, match="centroids has C=0"):
+        cosine_assign(x, cent[:, :0])
+    with pytest.raises(ValueError, match="centroids has dtype"):
+        cosine_assign(x, cent.astype(jnp.int32))
+    with pytest.raises(ValueError, match="valid has shape"):
+        cosine_assign(x, cent, jnp.ones((3, 7), bool))
+    with pytest.raises(ValueError, match="valid has dtype"):
+        cosine_assign(x, cent, jnp.ones(x.shape[:2], jnp.int32))
+    with pytest.raises(ValueError, match="cvalid has shape"):
+        cosine_assign(x, cent, None, jnp.ones((3, 4), bool))
+    with pytest.raises(ValueError, match="num_clusters"):
+        centroid_update(x, lab, 0)
+    with pytest.raises(ValueError, match="num_clusters"):
+        centroid_update(x, lab, 2.0)
+    with pytest.raises(ValueError, match="labels has shape"):
+        centroid_update(x, lab[:, :3], 5)
+    with pytest.raises(ValueError, match="labels has dtype"):
+        centroid_update(x, lab.astype(jnp.float32), 5)
+    for bad in (0, -128, 1.5):
+        with pytest.raises(ValueError, match="block_l"):
+            cosine_assign(x, cent, impl="pallas_tpu", interpret=True, block_l=bad)
+    xl = jnp.zeros((1, 300, 16), jnp.float32)  # L=300 in tiles of 64: the [1, tL] label rows are TPU-illegal
+    with pytest.raises(ValueError, match="block_l=64 gives a TPU-illegal"):
+        cosine_assign(xl, jnp.ones((1, 3, 16)), impl="pallas_tpu", interpret=True, block_l=64)
+    with pytest.raises(ValueError, match="block_l=64 gives a TPU-illegal"):
+        centroid_update(xl, jnp.zeros((1, 300), jnp.int32), 3, impl="pallas_tpu", interpret=True, block_l=64)
+    for bad in (24, 8):
+        with pytest.raises(ValueError, match=f"block_l={bad} must be a power of two"):
+            cosine_assign(x, cent, impl="pallas_gpu", interpret=True, block_l=bad)
+        with pytest.raises(ValueError, match=f"block_l={bad} must be a power of two"):
+            centroid_update(x, lab, 5, impl="pallas_gpu", interpret=True, block_l=bad)
