@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
 
-    f = sub.add_parser("fidelity", help="per-layer attention error, top-k recall and layer Jaccard vs full")
+    f = sub.add_parser("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
+                       "top-B recall (recall methods) and layer Jaccard vs full")
     common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], [1024], 1, 0, "runs/eval-fidelity")
     f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
 

@@ -10,12 +10,24 @@ attends for the ``probes`` following tokens with its own ``decode``; the full me
   over the prompt, mean over each KV head's query group; ``k`` = the tokens the method keeps for that KV head,
   window included, at least 1), the fraction the method's cache holds after prefill, per layer (methods whose
   state has a ``pos`` leaf of original positions: full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv;
-  ``None`` for the others, e.g. chelsea (merges), pqcache (retrieves per step), less);
+  ``None`` for the others, e.g. chelsea (merges), pqcache (retrieves per step: see ``topb_recall``), less);
+- ``topb_recall``: for recall methods (``method.recalls``: pqcache, and clusterkv / quest once registered;
+  ``None`` for the others) the recall of important tokens of ClusterKV's Fig. 11 (method note
+  ``clusterkv.md`` §4.1): before each decode probe, the positions the method would attend
+  (``method.selected_positions`` of its state at that step: sinks, window, retrieved tokens) are restricted to
+  the prompt; with ``B`` = their count for a query head, the score is ``|selected ∩ topB(q · K_prompt)| / B``,
+  ``topB`` the ``B`` prompt tokens with the largest exact logits of that step's query for that head
+  (:func:`topb_recall`). Averaged over query heads and over *all* ``probes`` decode steps (each query against
+  the state it really decodes with, as the paper averages over steps), per layer. 1.0 = the method attended
+  exactly the top-B prompt tokens (e.g. a budget covering every token, or pqcache's ``dense_short`` fallback);
+  decoded tokens are left out of both sets;
 - ``jaccard``: Jaccard of the kept prompt positions between adjacent layers (the ChunkKV paper's Table 2
   measure, :func:`kvjax.analysis.adjacent_layer_jaccard`), window included.
 
 >>> res = probe(model, ids, methods.get("snapkv", budget=0.2), probes=8)
 >>> res["rel_error"], res["recall"], res["jaccard"]          # lists over layers / adjacent layer pairs
+>>> probe(model, ids, methods.get("pqcache", budget=0.2))["topb_recall"]   # [L] per-layer top-B recall
+>>> topb_recall(selected, q, k, n)                          # [B, Hq] for any mask (jit-friendly)
 
 ``FidelityTask`` runs it from ``kvjax-eval fidelity`` on essay prompts of ``--lengths`` tokens.
 """
@@ -36,18 +48,23 @@ from kvjax.methods.base import Capacity
 
 def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int):
     """One layer: ``method.prefill`` over the first ``n`` tokens, then ``method.decode`` for the ``probes``
-    next ones. Returns (state after prefill, outputs ``[P, B, Hq, D]``). ``previous`` (the previous layer's
-    prefill state) is passed only to methods that read it (ChunkKV's index reuse)."""
+    next ones. Returns (state after prefill, outputs ``[P, B, Hq, D]``, top-B recall ``[P, B, Hq]`` or None).
+    ``previous`` (the previous layer's prefill state) is passed only to methods that read it (ChunkKV's index
+    reuse). For a recall method, before each step the positions it would attend
+    (``method.selected_positions`` of the state at that step) are scored against the exact top-B of that step's
+    query over the prompt keys (:func:`topb_recall`)."""
     lengths = jnp.full((q.shape[0],), n, jnp.int32)
     extra = {"previous": previous} if method.reuses_previous_layer else {}
     state = method.prefill(state, layer, q[:, :, :n], k[:, :, :n], v[:, :, :n], lengths, **extra)
 
     def step(st, i):
-        o, st = method.decode(st, layer, q[:, :, n + i], k[:, :, n + i], v[:, :, n + i], jnp.full((1,), n + i))
-        return st, o
+        qi = q[:, :, n + i]
+        rec = topb_recall(method.selected_positions(st, layer, qi), qi, k[:, :, :n], n) if method.recalls else None
+        o, st = method.decode(st, layer, qi, k[:, :, n + i], v[:, :, n + i], jnp.full((1,), n + i))
+        return st, (o, rec)
 
-    _, outs = jax.lax.scan(step, state, jnp.arange(probes))
-    return state, outs
+    _, (outs, recs) = jax.lax.scan(step, state, jnp.arange(probes))
+    return state, outs, recs
 
 
 def full_weights(q, k, n: int) -> jnp.ndarray:
@@ -60,10 +77,39 @@ def full_weights(q, k, n: int) -> jnp.ndarray:
     return jax.nn.softmax(s, axis=-1).mean(axis=2)
 
 
+def topb_recall(selected, q, k, n) -> jnp.ndarray:
+    """``[B, Hq]`` float32: per query head, ``|selected ∩ topB(q · K)| / B`` over the prompt positions
+    ``[0, n)`` (ClusterKV Fig. 11's recall of important tokens; jit-friendly, boolean masks).
+
+    selected: ``[B, Hq, S]`` bool, the positions a recall method attends (``Method.selected_positions``; columns
+    from ``n`` on -- decoded tokens, padding -- are ignored, ``S`` may exceed ``T``); q: ``[B, Hq, D]`` one query
+    per head; k: ``[B, Hkv, T, D]`` keys (``T >= n``; query head ``i`` reads KV head ``i // (Hq / Hkv)``); n: the
+    prompt length, an int or ``[B]``. ``B`` is the number of prompt positions selected for that head and
+    ``topB`` the ``B`` prompt positions with the largest exact logits ``q · k`` (float32; ties go to the lower
+    position), so 1.0 means the method picked exactly the top-B attention tokens (softmax is monotone: the
+    top-B logits are the top-B weights). A head that selects no prompt position scores 1.0 (nothing missed)."""
+    selected, q, k = jnp.asarray(selected, bool), jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+    b, hq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    if selected.shape[-1] < t:
+        raise ValueError(f"selected has {selected.shape[-1]} positions, fewer than the {t} keys; pass the mask "
+                         "over at least the prompt positions")
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=jax.lax.Precision.HIGHEST).reshape(b, hq, t)
+    prompt = (jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(n), (b,))[:, None])[:, None, :]  # [B, 1, T]
+    sel = selected[..., :t] & prompt
+    order = jnp.argsort(jnp.where(prompt, -logits, jnp.inf), axis=-1, stable=True)  # descending, ties: lower
+    rank = jnp.argsort(order, axis=-1)  # rank of each position
+    count = sel.sum(-1)  # B per head
+    hit = (sel & (rank < count[..., None])).sum(-1)
+    return jnp.where(count > 0, hit / jnp.maximum(count, 1), 1.0).astype(jnp.float32)
+
+
 @functools.lru_cache(maxsize=16)
 def _probe_fn(cfg, method, n: int, probes: int, dtype):
-    """jit(params, tokens [1, n + probes]) -> per layer (full outputs, method outputs, method state, weights),
-    the whole model in one compiled function (teacher-forced with full attention, as the engine's prefill)."""
+    """jit(params, tokens [1, n + probes]) -> per layer (full outputs, method outputs, method state, weights,
+    top-B recall ``[P, 1, Hq]`` or None), the whole model in one compiled function (teacher-forced with full
+    attention, as the engine's prefill)."""
     full = methods.get("full")
     cap = Capacity(n, probes + 1)
 
@@ -72,9 +118,9 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype):
 
         def attend(layer, x, q, k, v, out):
             prev = out[-1][2] if out else None
-            _, ref = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
-            st, o = _layer(method, layer, method.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes)
-            return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n))]
+            _, ref, _ = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
+            st, o, rec = _layer(method, layer, method.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes)
+            return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n), rec)]
 
         _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, [])
         return out
@@ -97,8 +143,9 @@ def topk_recall(weights: np.ndarray, kept: np.ndarray) -> float:
 
 def probe(model, ids, method, probes: int = 8) -> dict:
     """Fidelity of ``method`` against the full cache on one prompt ``ids`` (its last ``probes`` tokens are the
-    decode probes). Returns ``{"rel_error": [L], "recall": [L] | None, "jaccard": [L-1] | None, "tokens_held",
-    "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache after prefill, one sequence)."""
+    decode probes). Returns ``{"rel_error": [L], "recall": [L] | None, "jaccard": [L-1] | None,
+    "topb_recall": [L] | None, "tokens_held", "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache
+    after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
     if probes < 1:
         raise ValueError(f"probes={probes} must be >= 1")
@@ -108,8 +155,8 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     if len(ids) > cfg.max_position_embeddings:
         raise ValueError(f"{len(ids)} tokens exceed the model's context of {cfg.max_position_embeddings}")
     per_layer = _probe_fn(cfg, method, n, probes, model.dtype)(params, jnp.asarray([ids], jnp.int32))
-    errors, recalls, states = [], [], []
-    for ref, o, st, weights in per_layer:
+    errors, recalls, states, topb = [], [], [], []
+    for ref, o, st, weights, rec in per_layer:
         ref, o = np.asarray(ref, np.float64), np.asarray(o, np.float64)
         num = np.linalg.norm(o - ref, axis=-1)
         errors.append(float(np.mean(num / np.maximum(np.linalg.norm(ref, axis=-1), 1e-12))))
@@ -117,6 +164,8 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         if hasattr(st, "pos"):
             kept = analysis.mask_from_states([st], np.asarray([n]), n).mask[0]
             recalls.append(topk_recall(np.asarray(weights), kept))
+        if rec is not None:
+            topb.append(float(np.mean(np.asarray(rec, np.float64))))  # mean over probes and query heads
     has_pos = hasattr(states[0], "pos")
     jac = None
     if has_pos and len(states) > 1:
@@ -124,6 +173,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     held = float(engine.tokens_held(method, states)[0])
     cache = engine.memory_bytes(method, states)
     return {"rel_error": errors, "recall": recalls if has_pos else None, "jaccard": jac,
+            "topb_recall": topb if method.recalls else None,
             "tokens_held": held, "cache_bytes": cache, "kib_per_seq": cache / 1024}
 
 
@@ -140,7 +190,8 @@ def essay_prompt(model, length: int, offset: int = 0) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class FidelityTask:
     """``kvjax-eval fidelity``: one row per (method, budget, prompt length) with the per-layer probes;
-    ``score`` = the mean relative attention error over layers."""
+    ``score`` = the mean relative attention error over layers; ``recall_mean``, ``topb_recall_mean`` and
+    ``jaccard_mean`` their means over layers (None where not measured; the report's extra columns)."""
 
     lengths: tuple[int, ...] = (1024,)
     probes: int = 8
@@ -156,5 +207,7 @@ class FidelityTask:
             rows.append({**meta, "length": len(ids), "probes": self.probes, **res,
                          "recall_mean": None if res["recall"] is None else float(np.mean(res["recall"])),
                          "jaccard_mean": None if res["jaccard"] is None else float(np.mean(res["jaccard"])),
+                         "topb_recall_mean": None if res["topb_recall"] is None
+                         else float(np.mean(res["topb_recall"])),
                          "score": float(np.mean(res["rel_error"]))})
         return rows

@@ -31,7 +31,8 @@ TASKS: dict[str, tuple[str, str, bool]] = {
 
 #: task -> extra columns (title, row field) averaged over the rows that have the field (None = not measured)
 EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "fidelity": (("top-k recall", "recall_mean"), ("layer Jaccard", "jaccard_mean")),
+    "fidelity": (("top-k recall", "recall_mean"), ("top-B recall", "topb_recall_mean"),
+                 ("layer Jaccard", "jaccard_mean")),
 }
 
 

@@ -35,6 +35,9 @@ new tokens), §3.3 (K-means at prefill).
 - Memory vs bandwidth: every token stays stored (``tokens_held = held(n, steps) = n + steps``); what a step
   *attends* is ``sink + W_b + k_b + 1`` tokens (:meth:`PQCache.attended`, the whole cache for a
   ``dense_short`` row), and what it reads is :meth:`PQCache.bytes_read_per_step`.
+- Recall method (``recalls = True``): :meth:`PQCache.selected_positions` is the mask of the positions the next
+  step attends (sinks + window + retrieved, the new token excluded), which ``kvjax-eval fidelity`` compares
+  with the exact top-B attention tokens (``topb_recall``).
 
 Shapes (per layer): k, v ``[B, Hkv, S, D]`` (``S`` = prompt bucket + max_new_tokens, slot = position); codes
 ``[B, Hkv, m, S_c]`` uint8, sub-space-major: the layout the PQ-lookup kernels read (no per-step repack), with
@@ -119,6 +122,7 @@ def _int32_fraction(f: Fraction) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
+    recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
     budget: float | int = 0.2  # r: fraction of the non-sink prompt tokens (local + retrieved), or a count
     m: int = 2  # sub-spaces
     bits: int = 6  # bits per code: 2^bits centroids per sub-space
@@ -337,6 +341,32 @@ class PQCache(Method):
                                     lengths=state.filled)
 
         return attention.normalise(jax.lax.cond(jnp.any(short), dense, sparse, None)), state
+
+    def selected_positions(self, state: PQState, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: the positions the next :meth:`decode` (new token at ``t = filled``) attends for
+        ``q [B, Hq, D]``, the new token excluded: the sinks ``[0, min(sink, t))``, the local window
+        ``[max(t - W_b, sink), t)`` and the ``k_b`` tokens :meth:`select` retrieves (the same per KV head, so
+        every query head of a group gets its KV head's set); every stored position ``[0, t)`` for a
+        ``dense_short`` row. :meth:`select` on this state equals the one ``decode`` runs after writing the new
+        token: the candidates end at ``t - W_b <= t``, so neither the new code nor the fill count changes it."""
+        b, hq, _ = q.shape
+        h, s = state.k.shape[1], state.k.shape[2]
+        t = state.filled  # [B]
+        j = jnp.arange(s)[None, :]  # [1, S]
+        w, _ = self.split_dynamic(state.lengths)
+        sel = j < jnp.minimum(state.sink, t)[:, None]  # sinks [B, S]
+        if state.window:  # decode's window rows: [t - window, t), kept from max(t - W_b, sink)
+            lo = jnp.maximum(t - w, jnp.maximum(t - state.window, state.sink))
+            sel = sel | ((j >= lo[:, None]) & (j < t[:, None]))
+        sel = jnp.broadcast_to(sel[:, None, :], (b, h, s))
+        if state.topk:
+            idx, ok = self.select(state, q, t)
+            bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+            sel = sel.at[bi, hi, jnp.clip(idx, 0, s - 1)].max(ok)
+        if self.dense_short:
+            short = (state.lengths - state.sink) <= self.num_centroids  # [B]
+            sel = jnp.where(short[:, None, None], (j < t[:, None])[:, None, :], sel)
+        return jnp.repeat(sel, hq // h, axis=1)
 
     def memory_bytes(self, state: PQState) -> int:
         """Stored bytes: full KV + codes + centroids + lengths + fill counts (the KV is not shrunk; see

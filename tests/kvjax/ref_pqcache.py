@@ -118,13 +118,14 @@ class Sequence:
         self.pq = [build_pq(self.k[h], length, sink, m, init_idx, iters) for h in range(len(self.k))]
         # Paper §3.1: prompt tokens are all coded at prefill; generated ones only when they leave the window.
         self.selected: list[list[list[int]]] = []
+        self.attended: list[list[list[int]]] = []  # per step, per KV head: positions attended, new token excluded
 
     def step(self, q, knew, vnew):
         """q ``[Hq, D]``, knew/vnew ``[Hkv, D]`` -> output ``[Hq, D]``. Position of the new token: len(keys)."""
         hkv = len(self.k)
         g = q.shape[0] // hkv
         t = self.k[0].shape[0]
-        outs, sel = [], []
+        outs, sel, att = [], [], []
         for h in range(hkv):
             cents, codes = self.pq[h]
             dm = self.k[h].shape[1] // self.m
@@ -140,6 +141,7 @@ class Sequence:
                 sel.append(chosen)
                 window = list(range(max(t - self.w, self.sink), t))
                 keep = sorted(set(range(min(self.sink, t))) | set(window) | set(chosen))
+            att.append(list(keep))
             keys = np.concatenate([self.k[h][keep], knew[h][None]], axis=0)
             vals = np.concatenate([self.v[h][keep], vnew[h][None]], axis=0)
             for qv in q[h * g:(h + 1) * g]:
@@ -147,4 +149,5 @@ class Sequence:
             self.k[h] = np.concatenate([self.k[h], np.asarray(knew[h], np.float64)[None]], axis=0)
             self.v[h] = np.concatenate([self.v[h], np.asarray(vnew[h], np.float64)[None]], axis=0)
         self.selected.append(sel)
+        self.attended.append(att)
         return np.stack(outs)

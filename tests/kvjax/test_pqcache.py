@@ -160,6 +160,48 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     assert decode._cache_size() == 1  # no retrace across steps
 
 
+# ------------------------------------------------------------------------------------- selected positions
+
+
+@pytest.mark.parametrize("hq,budget,lengths,dense_short", [(4, 0.5, (40, 29), True), (6, 12, (40, 29), True),
+                                                           (4, 0.5, (40, 10), True), (4, 0.5, (40, 10), False)],
+                         ids=["gqa2", "gqa3-int", "short-row", "short-row-no-fallback"])
+def test_selected_positions_are_what_decode_attends(hq, budget, lengths, dense_short):
+    """Before each decode step: ``selected_positions`` (jitted) equals the NumPy reference's attended set (sinks
+    + window + retrieved, or every token of a dense_short row), has ``attended(n, step) - 1`` positions, all
+    below the new position; and attention over exactly those positions of the state's K/V plus the new token,
+    recomputed in NumPy float64, reproduces the step's output."""
+    t, steps, hkv = 48, 4, 2
+    g = hq // hkv
+    method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=5, dense_short=dense_short)
+    assert method.recalls
+    state, (_, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
+    valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
+    init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
+    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
+                         init_idx=init[bi], dense_short=dense_short) for bi, n in enumerate(lengths)]
+    decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
+    selected = jax.jit(lambda st, qq: method.selected_positions(st, 0, qq))
+    rng = np.random.default_rng(1)
+    for step in range(steps):
+        qn, kn, vn = (rng.standard_normal(s_).astype(np.float32) for s_ in [(2, hq, D), (2, hkv, D), (2, hkv, D)])
+        sel = np.asarray(selected(state, jnp.asarray(qn)))
+        assert sel.shape == (2, hq, t + steps) and sel.dtype == bool
+        kk, vv = np.asarray(state.k, np.float64), np.asarray(state.v, np.float64)
+        pos = np.asarray(state.filled)
+        out, state = decode(state, jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(pos))
+        for bi, seq in enumerate(seqs):
+            seq.step(qn[bi], kn[bi], vn[bi])
+            for qh in range(hq):
+                idx = np.flatnonzero(sel[bi, qh])
+                assert idx.tolist() == seq.attended[-1][qh // g]
+                assert len(idx) == method.attended(lengths[bi], step) - 1 and (idx < pos[bi]).all()
+                keys = np.concatenate([kk[bi, qh // g, idx], kn[bi, qh // g][None]])
+                vals = np.concatenate([vv[bi, qh // g, idx], vn[bi, qh // g][None]])
+                want = ref.attend(np.asarray(qn[bi, qh], np.float64), keys, vals)
+                np.testing.assert_allclose(np.asarray(out)[bi, qh], want, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ recall
 
 
