@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.cosine_kmeans import centroid_update, cosine_assign, new_centroids
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.attention import NEG_INF
@@ -67,20 +68,6 @@ from kvjax.methods.base import Capacity, Method, evicting_budget, tree_bytes
 from kvjax.methods.full import Full
 
 BLOCK = 128  # decode-attention block size for the sink/window blocks
-
-
-def _cosine_assign(x, mu, valid, cvalid, impl):  # TEMP until kernels_pallas.cosine_kmeans lands
-    mn = mu / (jnp.linalg.norm(mu, axis=-1, keepdims=True) + 1e-8)
-    sim = jnp.einsum("nld,ncd->nlc", x.astype(jnp.float32), mn, precision=jax.lax.Precision.HIGHEST)
-    sim = jnp.where(cvalid[:, None, :], sim, -jnp.inf)
-    lab = jnp.argmax(sim, axis=-1).astype(jnp.int32)
-    return jnp.where(valid & jnp.any(cvalid, -1, keepdims=True), lab, mu.shape[1])
-
-
-def _centroid_update(x, labels, c, impl):  # TEMP
-    hot = (labels[..., None] == jnp.arange(c)).astype(jnp.float32)
-    return (jnp.einsum("nlc,nld->ncd", hot, x.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST),
-            hot.sum(1).astype(jnp.int32))
 
 
 def init_rows(key, positions: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
@@ -117,15 +104,14 @@ def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
 
     def body(carry):
         mu, prev, it, _ = carry
-        labels = _cosine_assign(x, mu, valid, cvalid, impl)
+        labels = cosine_assign(x, mu, valid, cvalid, impl=impl)
         done = jnp.all(labels == prev)
-        sums, counts = _centroid_update(x, labels, c, impl)
-        new = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None].astype(jnp.float32), mu)
-        return jnp.where(done, mu, new), labels, it + jnp.where(done, 0, 1), done
+        sums, counts = centroid_update(x, labels, c, impl=impl)
+        return jnp.where(done, mu, new_centroids(mu, sums, counts)), labels, it + jnp.where(done, 0, 1), done
 
     start = (c0.astype(jnp.float32), jnp.full(x.shape[:2], -1, jnp.int32), jnp.int32(0), jnp.bool_(False))
     mu, _, it, _ = jax.lax.while_loop(cond, body, start)
-    return mu, _cosine_assign(x, mu, valid, cvalid, impl), it
+    return mu, cosine_assign(x, mu, valid, cvalid, impl=impl), it
 
 
 @struct.dataclass
