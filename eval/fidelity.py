@@ -10,7 +10,7 @@ attends for the ``probes`` following tokens with its own ``decode``; the full me
   over the prompt, mean over each KV head's query group; ``k`` = the tokens the method keeps for that KV head,
   window included, at least 1), the fraction the method's cache holds after prefill, per layer (methods whose
   state has a ``pos`` leaf of original positions: full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv;
-  ``None`` for the others, e.g. chelsea (merges), pqcache (retrieves per step), less);
+  ``None`` for the others, e.g. chelsea (merges), pqcache and quest (retrieve per step), less);
 - ``jaccard``: Jaccard of the kept prompt positions between adjacent layers (the ChunkKV paper's Table 2
   measure, :func:`kvjax.analysis.adjacent_layer_jaccard`), window included.
 
@@ -117,7 +117,8 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         if hasattr(st, "pos"):
             kept = analysis.mask_from_states([st], np.asarray([n]), n).mask[0]
             recalls.append(topk_recall(np.asarray(weights), kept))
-    has_pos = hasattr(states[0], "pos")
+    # Every layer must hold kept positions (quest's full first layers are slot caches, the others are not).
+    has_pos = all(hasattr(st, "pos") for st in states)
     jac = None
     if has_pos and len(states) > 1:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
