@@ -10,8 +10,8 @@ attends for the ``probes`` following tokens with its own ``decode``; the full me
   over the prompt, mean over each KV head's query group; ``k`` = the tokens the method keeps for that KV head,
   window included, at least 1), the fraction the method's cache holds after prefill, per layer (methods whose
   state has a ``pos`` leaf of original positions: full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv;
-  ``None`` for the others, e.g. chelsea (merges), pqcache (retrieves per step: see ``topb_recall``), less);
-- ``topb_recall``: for recall methods (``method.recalls``: pqcache, and clusterkv / quest once registered;
+  ``None`` for the others, e.g. chelsea (merges), pqcache and quest (retrieve per step: see ``topb_recall``), less);
+- ``topb_recall``: for recall methods (``method.recalls``: pqcache, clusterkv, quest;
   ``None`` for the others) the recall of important tokens of ClusterKV's Fig. 11 (method note
   ``clusterkv.md`` §4.1): before each decode probe, the positions the method would attend
   (``method.selected_positions`` of its state at that step: sinks, window, retrieved tokens) are restricted to
@@ -161,12 +161,13 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         num = np.linalg.norm(o - ref, axis=-1)
         errors.append(float(np.mean(num / np.maximum(np.linalg.norm(ref, axis=-1), 1e-12))))
         states.append(st)
-        if hasattr(st, "pos"):
+        if hasattr(st, "pos") and not method.recalls:  # a recall method stores every token: see topb_recall
             kept = analysis.mask_from_states([st], np.asarray([n]), n).mask[0]
             recalls.append(topk_recall(np.asarray(weights), kept))
         if rec is not None:
             topb.append(float(np.mean(np.asarray(rec, np.float64))))  # mean over probes and query heads
-    has_pos = hasattr(states[0], "pos")
+    # Every layer must hold kept positions (quest's full first layers are slot caches, the others are not).
+    has_pos = all(hasattr(st, "pos") for st in states) and not method.recalls
     jac = None
     if has_pos and len(states) > 1:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]

@@ -2,6 +2,7 @@
 
 >>> kvjax.methods.get("snapkv", budget=0.2)     # 20% of each prompt
 >>> kvjax.methods.get("h2o", budget=256)        # 256 tokens
+>>> kvjax.methods.get("quest", budget=1024)     # attend <= 1024 tokens (pages of 16) per decode step
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
+from kvjax.methods.quest import Quest
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, ChunkKV, Chelsea,
-                                                         PQCache, ClusterKV, Less)}
+                                                         PQCache, ClusterKV, Quest, Less)}
 
 
 def names() -> list[str]:
@@ -39,6 +41,5 @@ def get(name: str, **options):
     return cls(**options)
 
 
-__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV", "REGISTRY",
-           "SlotCache",
-           "SnapKV", "StreamingLLM", "get", "names"]
+__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV",
+           "Quest", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get", "names"]

@@ -124,6 +124,7 @@ SMALL_OPTIONS = {  # options that make the small-window methods compress at thes
     "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
     "pqcache": dict(sink=2, bits=3),
     "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
+    "quest": dict(page_size=4, n_full=0),  # 2 layers: compress both
     "less": dict(hidden=16),
 }
 NEW = 5

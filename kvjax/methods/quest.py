@@ -1,0 +1,317 @@
+"""``quest`` (Tang et al., ICML 2024, *Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference*):
+query-aware page selection by a per-channel min/max upper bound.
+
+A recall method: the full KV stays stored (Quest shrinks what each decode step *reads*, not what is held). The
+ClusterKV paper (Liu et al., 2024, §II-C, §V-A; ``../shared/specs/clusterkv.md`` §3, §4) uses Quest as its
+recallable baseline with its original ``page_size = 16`` and the first two layers uncompressed; this module is
+that baseline, written from the Quest paper's description (§3: page criticality estimation, §3.2 the upper
+bound) and the brief of kvjax issue 16.
+
+- **Pages** (Quest §3): slots are positions (slot ``s`` holds the token at position ``s``), cut into pages of
+  ``page_size`` consecutive positions aligned at position 0 (page ``j`` holds ``[j P, (j+1) P)``).
+- **Page metadata** (Quest §3.1, "Representative"): per page and KV head, the per-channel minimum and maximum of
+  its post-RoPE keys, ``kmin, kmax [B, Hkv, n_pages, D]``, computed at prefill over the prompt's real tokens
+  only (bucket padding never enters), then updated as decode appends tokens: the page holding the new token
+  ``t`` gets ``kmin = min(kmin, k_t)`` and ``kmax = max(kmax, k_t)`` (``k_t`` itself when ``t`` opens the
+  page). Min and max are exact in any dtype, so they are stored in the KV dtype.
+- **Criticality** (Quest §3.2, Alg. 1): for a query ``q`` the upper bound of ``q·k`` over a page is
+  ``u = Σ_d max(q_d kmin_d, q_d kmax_d)``, computed as ``q⁺·kmax + q⁻·kmin`` (``q⁺ = max(q, 0)``, ``q⁻ =
+  min(q, 0)``: two matmuls, no ``[.., n_pages, D]`` intermediate). It is never below ``q·k`` of any key in the
+  page.
+- **GQA** (a kvjax resolution; Quest is defined for MHA, one query per KV head): the decode-attention kernel
+  takes one block list per KV head, so pages are chosen per KV head and ranked by the **mean over the group's
+  query heads** of their upper bounds (kvjax's ``group_mean`` convention, DESIGN principle 7). The mean of the
+  bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly.
+- **Selection** (Quest §3.2, its kernel-level rule): the current page (the one holding the new token) is always
+  attended; the other candidates are the complete pages before it, and the top ``pages_b - 1`` by score are
+  kept (``lax.top_k``: ties to the lower page index). Attention then runs over the listed pages only:
+  ``attention.attend(q, k, v, None, lengths=filled, block_indices=pages, block_size=page_size)``, so the Pallas
+  kernels read no other K/V block (bucket padding and unwritten decode slots included).
+- **Budget** (DESIGN principle 5, :mod:`kvjax.budget`): ``B_b`` tokens per sequence: a float ``b`` gives
+  ``ceil(b n_b)`` of the sequence's own prompt length ``n_b`` (never the bucket), an int is a token count
+  (Quest's and ClusterKV's unit). ``pages_b = max(B_b // page_size, 1)``. As in Quest (``min(kv_len, budget)``),
+  a sequence whose live tokens fit the budget (``t + 1 <= B_b``) or whose live pages fit ``pages_b`` attends to
+  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1 <= B_b`` tokens
+  (:meth:`Quest.attended`): the budget is a ceiling on tokens attended. Every token stays stored:
+  ``tokens_held = held(n, s) = n + s``. A fraction is of the *prompt*: generated tokens compete for the same
+  pages, so ``budget=1.0`` is not full attention once decode has passed the prompt's budget (as for PQCache);
+  an int ``>= n + max_new_tokens`` is.
+- **Default budget 1024 tokens**: the ClusterKV paper compares with Quest at token budgets (256-2048; 1024 for
+  PG19 perplexity and for the latency comparison), and Quest reports token budgets. Pass a float (e.g. 0.2)
+  for kvjax's usual fraction of each prompt. An int budget below ``page_size`` is an error (not one page).
+- **Layers** ``< n_full`` (default 2, Quest's and ClusterKV's setting) keep and attend the full cache: they are
+  the :class:`~kvjax.methods.full.Full` method's functions and state (states differ per layer).
+
+Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = prompt bucket + max_new_tokens, slot =
+position); kmin, kmax ``[B, Hkv, n_pages, D]`` (KV dtype, ``n_pages = ceil(S / page_size)``); lengths (prompt)
+and filled ``[B]`` int32. Static: ``page_size`` and ``topk`` (the block list holds ``topk + 1`` pages: the
+bucket's largest ``pages_b - 1`` or its largest all-live page count, whichever is larger, at most ``n_pages -
+1``). Einsum axes: b batch, h KV head, g query head in group, p page, d head dim.
+
+Not reproduced: Quest's CUDA kernels (page-metadata update, criticality estimation, its top-k kernel and the
+paged FlashInfer attention); here scoring is XLA (``lax.top_k`` over the static page count) and attention is
+kvjax's decode-attention kernel with a per-KV-head page list. Prefill is exact full attention (as in Quest).
+Pallas block rules apply to ``page_size`` on accelerators (``pallas_gpu``: a power of two; ``pallas_tpu``: a
+multiple of 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kernels_pallas.decode_attention import block_plan_bytes
+from kvjax import attention
+from kvjax.budget import budget_tokens, check_budget
+from kvjax.methods.base import Capacity, Method, SlotCache, slot_bytes_read, slot_tokens_held, tree_bytes
+from kvjax.methods.full import Full
+
+_FULL = Full()
+
+
+@struct.dataclass
+class QuestState:
+    """Full KV plus the page metadata of one compressed layer (see the module docstring)."""
+
+    k: jnp.ndarray  # [B, Hkv, S, D]
+    v: jnp.ndarray  # [B, Hkv, S, D]
+    kmin: jnp.ndarray  # [B, Hkv, n_pages, D] per-channel key minimum of each page
+    kmax: jnp.ndarray  # [B, Hkv, n_pages, D] per-channel key maximum of each page
+    lengths: jnp.ndarray  # [B] int32 prompt lengths (0 before prefill)
+    filled: jnp.ndarray  # [B] int32 slots written: prompt + decoded tokens
+    page_size: int = struct.field(pytree_node=False, default=16)
+    topk: int = struct.field(pytree_node=False, default=0)  # static top-k size; the list holds topk + 1 pages
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(Method):
+    name: ClassVar[str] = "quest"
+    recalls: ClassVar[bool] = True
+    budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)
+    page_size: int = 16  # tokens per page (Quest's and ClusterKV's setting)
+    n_full: int = 2  # the first n_full layers keep and attend the full cache (Quest skips the first two)
+
+    def __post_init__(self):
+        check_budget(self.budget)
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) \
+                or self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size!r} must be an int >= 1 (tokens per page; Quest uses 16)")
+        if isinstance(self.budget, int) and self.budget < self.page_size:
+            raise ValueError(f"budget={self.budget} tokens is less than one page of page_size={self.page_size}; "
+                             f"pass budget >= {self.page_size} or a smaller page_size")
+        if isinstance(self.n_full, bool) or not isinstance(self.n_full, (int, np.integer)) or self.n_full < 0:
+            raise ValueError(f"n_full={self.n_full!r} must be an int >= 0 (layers that keep the full cache; "
+                             "Quest uses 2, 0 compresses every layer)")
+
+    # ---- budget ----
+
+    def token_budget(self, lengths):
+        """``B_b``: tokens each sequence may attend (int32 ``[B]`` from ``lengths [B]``, or a Python int from an
+        int): ``ceil(b n)`` of its own prompt for a fraction, the count for an int."""
+        if isinstance(self.budget, float):
+            return budget_tokens(self.budget, lengths)
+        if isinstance(lengths, (int, np.integer)):
+            return int(self.budget)
+        return jnp.full_like(jnp.asarray(lengths, jnp.int32), self.budget)
+
+    def page_budget(self, lengths):
+        """``pages_b = max(B_b // page_size, 1)`` (same kind as ``lengths``)."""
+        b = self.token_budget(lengths)
+        if isinstance(b, int):
+            return max(b // self.page_size, 1)
+        return jnp.maximum(b // self.page_size, 1)
+
+    def _topk_size(self, prompt_len: int, slots: int) -> int:
+        """Static top-k size for a bucket: the most non-current pages any sequence of it attends."""
+        bmax = self.token_budget(int(prompt_len))  # B_b is non-decreasing in n: the bucket's is the largest
+        pmax = max(bmax // self.page_size, 1)
+        n_pages = -(-slots // self.page_size)
+        return int(max(min(max(pmax - 1, (bmax - 1) // self.page_size), n_pages - 1), 0))
+
+    def attended(self, n: int, steps: int) -> int:
+        """Tokens (per KV head) the decode step whose new token is at position ``t = n + steps`` attends in a
+        compressed layer, the new token included: every live token (``t + 1``) while they fit the budget or its
+        pages, else ``pages_b - 1`` whole pages plus the current page's ``t mod page_size + 1`` tokens. Layers
+        ``< n_full`` attend ``t + 1``. Quest saves bandwidth, not memory: compare with :meth:`held`."""
+        t = n + steps
+        bb, pb = self.token_budget(n), self.page_budget(n)
+        c = t // self.page_size
+        if t + 1 <= bb or c + 1 <= pb:
+            return t + 1
+        return (pb - 1) * self.page_size + t % self.page_size + 1
+
+    # ---- the method interface ----
+
+    def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
+        if layer < self.n_full:
+            return _FULL.init(model_cfg, batch, capacity, layer, dtype)
+        h, d = model_cfg.num_kv_heads, model_cfg.head_dim
+        slots = capacity.prompt_len + capacity.max_new_tokens
+        n_pages = -(-slots // self.page_size)
+        return QuestState(
+            k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
+            kmin=jnp.zeros((batch, h, n_pages, d), dtype), kmax=jnp.zeros((batch, h, n_pages, d), dtype),
+            lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32),
+            page_size=self.page_size, topk=self._topk_size(capacity.prompt_len, slots))
+
+    def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
+        """Store the prompt KV and build each page's per-channel key min/max over the real tokens (Quest §3.1).
+        k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
+        if layer < self.n_full:
+            return _FULL.prefill(state, layer, q, k, v, lengths)
+        b, h, t, d = k.shape
+        ps = self.page_size
+        pt = -(-t // ps)  # pages covering the prompt buffer
+        lengths = jnp.asarray(lengths, jnp.int32)
+        kk = k.astype(state.kmin.dtype)
+        if pt * ps > t:
+            kk = jnp.concatenate([kk, jnp.zeros((b, h, pt * ps - t, d), kk.dtype)], axis=2)
+        kk = kk.reshape(b, h, pt, ps, d)
+        real = (jnp.arange(pt * ps) < lengths[:, None]).reshape(b, 1, pt, ps, 1)
+        inf = jnp.asarray(jnp.inf, kk.dtype)
+        kmin = jnp.min(jnp.where(real, kk, inf), axis=3)
+        kmax = jnp.max(jnp.where(real, kk, -inf), axis=3)
+        any_real = jnp.any(real, axis=3)  # [B, 1, pt, 1]
+        kmin = jnp.where(any_real, kmin, 0)  # pages with no prompt token: overwritten by their first decode token
+        kmax = jnp.where(any_real, kmax, 0)
+        return state.replace(k=state.k.at[:, :, :t].set(k.astype(state.k.dtype)),
+                             v=state.v.at[:, :, :t].set(v.astype(state.v.dtype)),
+                             kmin=state.kmin.at[:, :, :pt].set(kmin), kmax=state.kmax.at[:, :, :pt].set(kmax),
+                             lengths=lengths, filled=lengths)
+
+    def page_scores(self, state: QuestState, q) -> jnp.ndarray:
+        """Quest's upper bound ``u = Σ_d max(q_d kmin_d, q_d kmax_d)`` per query head and page, ``[B, Hkv, G,
+        n_pages]`` float32 (unscaled; every page, live or not: mask with the candidates)."""
+        b, hq, d = q.shape
+        h = state.kmin.shape[1]
+        qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
+        hi = jax.lax.Precision.HIGHEST
+        return (jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), state.kmax.astype(jnp.float32), precision=hi)
+                + jnp.einsum("bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), state.kmin.astype(jnp.float32), precision=hi))
+
+    def select_pages(self, state: QuestState, q, t) -> jnp.ndarray:
+        """Pages the step whose new token is at position ``t [B]`` attends, per KV head: ``[B, Hkv, topk + 1]``
+        int32, the kept candidate pages (best first, ``-1`` pads) then the current page ``t // page_size``."""
+        b = q.shape[0]
+        h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
+        ps = self.page_size
+        t = jnp.asarray(t, jnp.int32)
+        cur = t // ps  # [B]; the candidates are the complete pages [0, cur)
+        bb, pb = self.token_budget(state.lengths), self.page_budget(state.lengths)
+        dense = (t + 1 <= bb) | (cur + 1 <= pb)
+        keep = jnp.where(dense, cur, jnp.minimum(pb - 1, cur))  # [B] candidate pages kept
+        current = jnp.broadcast_to(cur[:, None, None], (b, h, 1)).astype(jnp.int32)
+        if state.topk == 0:
+            return current
+        score = jnp.mean(self.page_scores(state, q), axis=2)  # [B, Hkv, n_pages]: group mean (kvjax's GQA rule)
+        cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
+        score = jnp.where(cand, score, -jnp.inf)
+        _, idx = jax.lax.top_k(score, state.topk)  # ties: the lower page index first
+        ok = jnp.arange(state.topk)[None, None, :] < keep[:, None, None]
+        return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)
+
+    def decode(self, state, layer: int, q, k, v, pos):
+        """Write the new token at slot ``pos``, update its page's min/max, select pages, attend over them.
+        q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]`` -> (out ``[B, Hq, D]`` float32, state)."""
+        if layer < self.n_full:
+            return _FULL.decode(state, layer, q, k, v, pos)
+        b, h, _ = k.shape
+        ps = self.page_size
+        t = pos.astype(jnp.int32)
+        bi, hi, ti, ci = jnp.arange(b)[:, None], jnp.arange(h)[None, :], t[:, None], (t // ps)[:, None]
+        kn = k.astype(state.kmin.dtype)
+        opens = (t % ps == 0)[:, None, None]  # the new token opens its page: no earlier token in it
+        kmin = jnp.where(opens, kn, jnp.minimum(state.kmin[bi, hi, ci], kn))
+        kmax = jnp.where(opens, kn, jnp.maximum(state.kmax[bi, hi, ci], kn))
+        state = state.replace(k=state.k.at[bi, hi, ti].set(k.astype(state.k.dtype)),
+                              v=state.v.at[bi, hi, ti].set(v.astype(state.v.dtype)),
+                              kmin=state.kmin.at[bi, hi, ci].set(kmin), kmax=state.kmax.at[bi, hi, ci].set(kmax),
+                              filled=jnp.maximum(state.filled, t + 1))
+        pages = self.select_pages(state, q, t)
+        part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,
+                                block_size=ps)
+        return attention.normalise(part), state
+
+    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: positions the next decode step (new token at ``t = filled``) attends for ``q``,
+        the new token excluded: the tokens ``< t`` of the listed pages (of the whole cache in a full layer),
+        the KV head's pages broadcast to its query heads."""
+        b, hq, _ = q.shape
+        if isinstance(state, SlotCache):  # a full layer: slot = position
+            h, s = state.k.shape[1], state.k.shape[2]
+            sel = jnp.broadcast_to(jnp.arange(s)[None, None, :] < state.length[:, None, None], (b, h, s))
+            return jnp.repeat(sel & state.valid, hq // h, axis=1)
+        h, s = state.k.shape[1], state.k.shape[2]
+        t = state.filled
+        pages = self.select_pages(state, q, t)  # [B, Hkv, N]
+        slot_page = jnp.arange(s) // self.page_size
+        listed = jnp.any(pages[..., None] == slot_page[None, None, None, :], axis=2)  # [B, Hkv, S]
+        sel = listed & (jnp.arange(s)[None, None, :] < t[:, None, None])
+        return jnp.repeat(sel, hq // h, axis=1)
+
+    def memory_bytes(self, state) -> int:
+        """Stored bytes: full KV + page min/max + lengths + fill counts (nothing is shrunk: see
+        :meth:`bytes_read_per_step`)."""
+        return tree_bytes(state)
+
+    def tokens_held(self, state):
+        """``[B]`` float32 tokens stored: every token stays resident (prompt + decoded so far)."""
+        if isinstance(state, SlotCache):
+            return slot_tokens_held(state)
+        return jnp.asarray(state.filled, jnp.float32)
+
+    def held(self, n: int, steps: int) -> int:
+        """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""
+        return n + steps
+
+    def bytes_read_breakdown(self, state, num_heads: int | None = None) -> dict[str, int]:
+        """Bytes the next decode step of this compressed layer reads (new token at ``t = filled``), by part;
+        concrete state only (call outside ``jit``). ``num_heads`` query heads (default the KV heads).
+
+        - ``metadata``: ``kmin`` and ``kmax`` of the live pages ``[0, t // page_size]`` per KV head (the
+          candidates scored, and the current page, read for its update; only the latter when ``topk = 0``). The
+          XLA einsum that scores them reads the static ``n_pages`` buffer; this counts what a length-aware
+          scoring kernel reads.
+        - ``scores``: the float32 group-mean page scores ``[Hkv, n_pages]`` ``lax.top_k`` reads (static size).
+        - ``attention``: the decode-attention block plan over the listed pages (``page_size`` rows of K and V
+          per visited page, the current page included), the query and the partial outputs
+          (:func:`~kernels_pallas.decode_attention.block_plan_bytes`; no mask is passed).
+
+        ``full_kv`` (not in ``total``) is what full attention over the same live slots would read."""
+        b, h, s, d = state.k.shape
+        hq = num_heads or h
+        ps = self.page_size
+        n_pages = state.kmin.shape[2]
+        t = np.asarray(state.filled, np.int64)
+        cur = t // ps
+        live = jnp.asarray(np.minimum(t + 1, s), jnp.int32)
+        lengths = np.asarray(state.lengths, np.int64)
+        bb = np.asarray(self.token_budget(jnp.asarray(lengths, jnp.int32)), np.int64)
+        pb = np.maximum(bb // ps, 1)
+        dense = (t + 1 <= bb) | (cur + 1 <= pb)
+        keep = np.where(dense, cur, np.minimum(pb - 1, cur))
+        # The kernel's block count does not depend on which candidates win: list the first ``keep`` pages.
+        blocks = np.full((b, h, state.topk + 1), -1, np.int32)
+        for bi in range(b):
+            blocks[bi, :, : keep[bi]] = np.arange(keep[bi])
+            blocks[bi, :, -1] = cur[bi]
+        scored = cur + 1 if state.topk else np.ones_like(cur)  # no candidate ever kept: only the update reads
+        out = {"metadata": int(h * 2 * np.sum(scored) * d * np.dtype(state.kmin.dtype).itemsize),
+               "scores": b * h * n_pages * 4 if state.topk else 0,
+               "attention": block_plan_bytes(state.k, live, jnp.asarray(blocks), block_size=ps, num_heads=hq)}
+        out["total"] = sum(out.values())
+        out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq)
+        return out
+
+    def bytes_read_per_step(self, state, num_heads: int | None = None) -> int:
+        """Bytes one decode step of this layer reads: the live slots' block plan in a full layer, else the total
+        of :meth:`bytes_read_breakdown` (live pages' min/max, the page scores, the listed pages' K/V rows, the
+        query and outputs)."""
+        if isinstance(state, SlotCache):
+            return slot_bytes_read(state, num_heads or state.k.shape[1])
+        return self.bytes_read_breakdown(state, num_heads)["total"]
