@@ -22,8 +22,8 @@ at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
   ``gqa="group_mean"`` ranks once per KV head with the group's mean query. Whole clusters are taken in
   descending score order until ``bsel_b`` tokens; the last one is cut to its earliest positions. The selected
   rows are *gathered* (exactly ``bsel`` rows per query head, or per KV head with ``group_mean``) and attended;
-  the sinks and the recent window ``[clustered_end, t]`` go through the decode-attention kernel with a block
-  list covering only their blocks; the two partials merge exactly. Every ``window`` decode steps the newest
+  the recent window ``[clustered_end, t]`` goes through the decode-attention kernel with a block list covering
+  only its blocks (16 slots, 128 on TPU), the sinks as a ``[0, sink)`` slice; the three partials merge exactly. Every ``window`` decode steps the newest
   window is clustered into ``window_clusters`` clusters and appended (paper §III-B "clustering within the
   generated tokens only", note §6 #9), inside the jitted step with ``lax.cond`` (one compile).
 - **Budget** (note §6 #1, kvjax contract): ``B_b`` tokens attended besides the recent window, sinks included: a
@@ -60,15 +60,12 @@ import numpy as np
 from flax import struct
 
 from kernels_pallas.cosine_kmeans import centroid_update, cosine_assign, new_centroids
-from kernels_pallas.decode_attention import block_plan_bytes
+from kernels_pallas.decode_attention import block_plan_bytes, default_impl
 from kvjax import attention
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
 from kvjax.methods.base import Capacity, Method, evicting_budget, tree_bytes
 from kvjax.methods.full import Full
-
-BLOCK = 128  # decode-attention block size for the sink/window blocks
-
 
 def init_rows(key, positions: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
     """``k`` distinct row indices ``[N, k]`` int32 of the valid rows, sampled without replacement.
@@ -343,20 +340,22 @@ class ClusterKV(Method):
         slot = jnp.where(ok, start + off, 0)
         return slot.astype(jnp.int32), ok
 
-    def _recent_mask(self, state: ClusterState, t):
-        """``[B, Hkv, S]`` bool: the sinks and the unclustered slots ``[clustered, t]``; and the block list
-        ``[B, N]`` covering only them."""
+    @staticmethod
+    def _window_block(s: int) -> int:
+        """Slots per block for the window's attention: 128 for the TPU kernel (a masked call needs lane-dense
+        blocks), 16 elsewhere (reads at most 15 clustered rows before the window)."""
+        return min(128 if default_impl() == "pallas_tpu" else 16, s)
+
+    def _window(self, state: ClusterState, t):
+        """The unclustered window ``[clustered, t]``: its mask ``[B, Hkv, S]``, the block list ``[B, N]``
+        covering only it, and the block size."""
         s = state.k.shape[2]
         slot = jnp.arange(s, dtype=jnp.int32)[None, :]
-        m = (slot < state.sinks[:, None]) | ((slot >= state.clustered[:, None]) & (slot <= t[:, None]))
-        bs = min(BLOCK, s)
-        nsink = -(-state.sink // bs) if state.sink else 0
-        nwin = -(-self.window // bs) + 1
+        m = (slot >= state.clustered[:, None]) & (slot <= t[:, None])
+        bs = self._window_block(s)
         first = state.clustered // bs
-        blocks = jnp.concatenate([jnp.broadcast_to(jnp.arange(nsink, dtype=jnp.int32), (t.shape[0], nsink)),
-                                  first[:, None] + jnp.arange(nwin, dtype=jnp.int32)[None, :]], axis=1)
-        nb = -(-s // bs)
-        blocks = jnp.where(blocks < nb, blocks, -1)
+        blocks = first[:, None] + jnp.arange(-(-self.window // bs) + 1, dtype=jnp.int32)[None, :]
+        blocks = jnp.where(blocks < -(-s // bs), blocks, -1)
         return jnp.broadcast_to(m[:, None], (t.shape[0], state.k.shape[1], s)), blocks, bs
 
     def _gathered(self, state: ClusterState, slot):
@@ -385,10 +384,13 @@ class ClusterKV(Method):
         kk, vv = self._gathered(state, slot)
         # gqa="query": [B, Hq, J, D] rows, one "KV head" per query head; group_mean: [B, Hkv, J, D], GQA-native
         part_sel = attention.attend(q, kk, vv, ok.reshape(b, h * slot.shape[2], -1))
-        mask, blocks, bs = self._recent_mask(state, t)
-        part_rec = attention.attend(q, state.k, state.v, mask, lengths=state.filled, block_indices=blocks,
-                                    block_size=bs)
-        out = attention.normalise(attention.merge(part_sel, part_rec))
+        mask, blocks, bs = self._window(state, t)
+        part = attention.merge(part_sel, attention.attend(q, state.k, state.v, mask, lengths=state.filled,
+                                                          block_indices=blocks, block_size=bs))
+        if state.sink:  # the sinks: slots [0, sinks_b) of a static [0, sink) slice
+            part = attention.merge(part, attention.attend(q, state.k[:, :, :state.sink], state.v[:, :, :state.sink],
+                                                          None, lengths=state.sinks))
+        out = attention.normalise(part)
         return out, self._maybe_cluster_window(state, layer, t)
 
     # ---- decode-time clustering (paper §III-B, note §2.4, §6 #9) ----
@@ -460,7 +462,7 @@ class ClusterKV(Method):
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         """Bytes one decode step reads: the centroids, sizes and starts of the live clusters (per KV head), the
         gathered rows (``bsel`` per selecting head, K and V), the sink/window blocks the kernel's block plan
-        visits with their float32 mask, and the query/outputs."""
+        visits with their float32 mask, the sinks, and the query/outputs (once per partial)."""
         if not isinstance(state, ClusterState):
             return self._full().bytes_read_per_step(state, num_heads)
         b, h, s, d = state.k.shape
@@ -473,7 +475,9 @@ class ClusterKV(Method):
         rows = np.minimum(bsel, clustered_tokens) * h * g
         total += int(np.sum(rows)) * 2 * d * item
         t = np.asarray(state.filled)  # the next token's position
-        mask, blocks, bs = self._recent_mask(state, jnp.asarray(t))
+        _, blocks, bs = self._window(state, jnp.asarray(t))
         total += block_plan_bytes(state.k, jnp.asarray(t + 1), blocks, block_size=bs, num_heads=num_heads,
                                   with_mask=True)
+        if state.sink:
+            total += block_plan_bytes(state.k[:, :, :state.sink], state.sinks, num_heads=num_heads)
         return int(total)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import methods
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
@@ -226,6 +226,34 @@ def test_generate_end_to_end(tiny):
                           driver="scan", stop_at_eos=False)
     assert same.tokens == full.tokens
     assert same.stats[0]["tokens_held"] == 70 + 11 and same.stats[1]["tokens_held"] == 33 + 11
+    # other prompt lengths in the same bucket: no new trace of prefill or the decode loop
+    engine.TRACE_COUNTS.clear()
+    ids2 = [ids[0][:65], ids[1][:40]]
+    kvjax.generate(tiny, ids2, methods.get("clusterkv", budget=200, **small), max_new_tokens=12, driver="scan",
+                   stop_at_eos=False)
+    assert sum(engine.TRACE_COUNTS.values()) == 0, dict(engine.TRACE_COUNTS)
+
+
+def test_bytes_read_follow_the_live_tokens_not_the_bucket():
+    """What a step reads depends on the sequence (its clusters, budget and window), not on the bucket or the
+    decode capacity, and is far below full's for a long prompt; offload is refused on CPU."""
+    m = ClusterKV(budget=32, sink=4, tokens_per_cluster=8, window=8, window_clusters=2, n_full=0)
+    rng = np.random.default_rng(0)
+    n = 200
+    reads = []
+    for bucket, new in ((256, 8), (512, 64)):
+        k = jnp.asarray(_clustered_keys(rng, (1, 2, bucket, 16)))
+        q = jnp.zeros((1, 4, bucket, 16))
+        st = m.init(_cfg(4, 2), 1, Capacity(bucket, new), LAYER, jnp.float32)
+        st = jax.jit(lambda s, *a: m.prefill(s, LAYER, *a))(st, q, k, k, jnp.asarray([n], jnp.int32))
+        reads.append(m.bytes_read_per_step(st, 4))
+        full = methods.get("full")
+        fs = full.prefill(full.init(_cfg(4, 2), 1, Capacity(bucket, new), LAYER, jnp.float32), LAYER, q, k, k,
+                          jnp.asarray([n], jnp.int32))
+        assert reads[-1] < 0.5 * full.bytes_read_per_step(fs, 4)
+    assert reads[0] == reads[1]
+    with pytest.raises(ValueError, match="offload=True is not supported on the CPU backend"):
+        ClusterKV(offload=True, n_full=0).init(_cfg(4, 2), 1, Capacity(32, 4), 0, jnp.float32)
 
 
 def test_layers_below_n_full_are_full():
