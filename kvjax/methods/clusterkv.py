@@ -64,26 +64,9 @@ from kernels_pallas.decode_attention import block_plan_bytes, default_impl
 from kvjax import attention
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
+from kvjax.methods import kmeans as km
 from kvjax.methods.base import Capacity, Method, evicting_budget, tree_bytes
 from kvjax.methods.full import Full
-
-def init_rows(key, positions: jnp.ndarray, valid: jnp.ndarray, k: int) -> jnp.ndarray:
-    """``k`` distinct row indices ``[N, k]`` int32 of the valid rows, sampled without replacement.
-
-    positions ``[N, L]`` int32 (the token position of each row) and valid ``[N, L]`` bool: each row's Gumbel
-    noise is ``gumbel(fold_in(key, position))``, so it depends on the token's position only (not the bucket, the
-    batch index or the row order). Rows past the valid ones (fewer valid rows than ``k``) repeat cyclically;
-    the caller marks those centroids invalid."""
-    noise = jax.vmap(jax.vmap(lambda p: jax.random.gumbel(jax.random.fold_in(key, p), ())))(positions)
-    g = jnp.where(valid, noise, -jnp.inf)
-    n, l = valid.shape
-    if l < k:
-        g = jnp.pad(g, ((0, 0), (0, k - l)), constant_values=-jnp.inf)
-    _, perm = jax.lax.top_k(g, k)
-    cnt = jnp.maximum(valid.sum(-1, keepdims=True), 1)
-    idx = jnp.take_along_axis(perm, jnp.arange(k)[None, :] % cnt, axis=-1)
-    return jnp.minimum(idx, l - 1).astype(jnp.int32)
-
 
 def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
     """Lloyd K-means under cosine distance (paper §III-B, note §2.3).
@@ -251,7 +234,7 @@ class ClusterKV(Method):
         valid ``[B, L]``."""
         key = jax.random.fold_in(jax.random.PRNGKey(self.seed), stream)
         keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_heads))  # one stream per KV head
-        return jax.vmap(lambda kk: init_rows(kk, positions, valid, num), out_axes=1)(keys)
+        return jax.vmap(lambda kk: km.init_rows(kk, valid, num, positions), out_axes=1)(keys)
 
     @staticmethod
     def window_stream(layer, window):

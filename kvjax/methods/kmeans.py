@@ -17,20 +17,24 @@ import jax.numpy as jnp
 _HI = jax.lax.Precision.HIGHEST
 
 
-def init_rows(key, valid: jnp.ndarray, k: int) -> jnp.ndarray:
+def init_rows(key, valid: jnp.ndarray, k: int, positions: jnp.ndarray | None = None) -> jnp.ndarray:
     """``k`` row indices ``[B, k]`` int32 per sequence, sampled without replacement from the valid rows.
 
-    valid: ``[B, P]`` bool. Sampling is a Gumbel top-k with a fixed ``key`` (deterministic; the noise of row
-    ``i`` is ``gumbel(fold_in(key, i))``, independent of ``P`` and of the batch). A sequence with
-    fewer than ``k`` valid rows repeats them cyclically (duplicate centroids stay empty; ties go to the
-    first). With no valid row the indices are arbitrary (those centroids are never used for the prompt).
+    valid: ``[B, P]`` bool; positions: the token position of each row, ``[P]`` or ``[B, P]`` int (default
+    ``arange(P)``). Sampling is a Gumbel top-k with a fixed ``key`` (deterministic; the noise of a row is
+    ``gumbel(fold_in(key, position))``, independent of ``P``, the batch index and the row order). A sequence
+    with fewer than ``k`` valid rows repeats them cyclically (duplicate centroids stay empty; ties go to the
+    first; ClusterKV marks them invalid instead). With no valid row the indices are arbitrary (those centroids
+    are never used for the prompt).
     """
     b, p = valid.shape
     # One Gumbel draw per *position* (key folded with the position), shared by the batch rows: the draw of a
     # row does not depend on the padded length P (the prompt bucket) or on the batch, so the same prompt gets
     # the same init rows in any bucket (the budget contract's bucket invariance).
-    noise = jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(key, i), ()))(jnp.arange(p))
-    g = jnp.where(valid, noise[None, :], -jnp.inf)
+    pos = jnp.arange(p) if positions is None else jnp.asarray(positions)
+    draw = lambda i: jax.random.gumbel(jax.random.fold_in(key, i), ())  # noqa: E731
+    noise = jax.vmap(draw)(pos) if pos.ndim == 1 else jax.vmap(jax.vmap(draw))(pos)
+    g = jnp.where(valid, noise if noise.ndim == 2 else noise[None, :], -jnp.inf)
     if p < k:
         g = jnp.pad(g, ((0, 0), (0, k - p)), constant_values=-jnp.inf)
     _, perm = jax.lax.top_k(g, k)  # valid rows first, in Gumbel order
