@@ -99,7 +99,9 @@ def main(argv=None):
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--prefill-budget", type=int, default=1024, help="clusterkv budget (tokens) for the timing")
-    p.add_argument("--methods", default="clusterkv,quest,pqcache", help="recall methods for attended/bytes")
+    p.add_argument("--methods", default="clusterkv,clusterkv:gqa=group_mean,quest,pqcache",
+                   help="recall methods for attended/bytes; NAME:OPT=VALUE[+OPT=VALUE] sets string options (e.g. clusterkv:gqa=group_mean)")
+    p.add_argument("--skip-prefill", action="store_true", help="only the attended/bytes-read table")
     p.add_argument("--budgets", default="256,512,1024", help="token budgets for attended/bytes")
     p.add_argument("--repeats", type=int, default=5, help="timed prefill runs per method (median)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer random model (smoke runs)")
@@ -119,7 +121,7 @@ def main(argv=None):
     cfg = model.config
     nl = cfg.num_layers
     budgets = [int(b) for b in args.budgets.split(",")]
-    names = args.methods.split(",")
+    names = [x for x in args.methods.split(",") if x]
     prefill_rows, step_rows = [], []
 
     def write():
@@ -135,7 +137,7 @@ def main(argv=None):
     print(f"{model.name}: {nl} layers, {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     print("\n== prefill: clustering share ==")
     print(f"{'n':>6} {'full ms':>9} {'clusterkv ms':>13} {'share':>7} {'C0':>4}  kmeans updates per compressed layer")
-    for n in [int(x) for x in args.lengths.split(",")]:
+    for n in [int(x) for x in args.lengths.split(",")] if not args.skip_prefill else []:
         tokens, lengths = prompt(text_ids[:n])
         full = methods.get("full")
         ck = methods.get("clusterkv", budget=args.prefill_budget, **extra)
@@ -169,22 +171,24 @@ def main(argv=None):
                           "attended_mean_layers": base_att, "bytes_read_per_step": base_read})
         print(f"{n:6d} {'full':10s} {'-':>6} {base_att:9d} {1:7.3f} {base_att:9.1f} {1:7.3f} "
               f"{base_read / 2**20:11.2f} {1:7.3f}", flush=True)
-        for name in names:
+        for spec in names:
+            name, _, opts = spec.partition(":")
+            opt = dict(o.split("=", 1) for o in opts.split("+") if o) if opts else {}
             for b in budgets:
-                kw = extra if name in ("clusterkv", "quest") else {}
+                kw = dict(extra if name in ("clusterkv", "quest") else {}, **opt)
                 m = methods.get(name, budget=b, **kw)
                 st, _ = prefill(model, m, tokens, lengths)
                 read = engine.bytes_read_per_step(m, st, cfg.num_heads)
                 att = attended(m, n)
                 nf = min(getattr(m, "n_full", 0), nl)
                 mean = (nf * base_att + (nl - nf) * att) / nl
-                r = {"prompt_len": n, "method": name, "budget": b, "n_full": nf, "attended_compressed_layer": att,
+                r = {"prompt_len": n, "method": spec, "budget": b, "n_full": nf, "attended_compressed_layer": att,
                      "attended_ratio_vs_full": att / base_att, "attended_mean_layers": mean,
                      "attended_mean_ratio_vs_full": mean / base_att, "bytes_read_per_step": read,
                      "read_ratio_vs_full": read / base_read}
                 step_rows.append(r)
                 write()
-                print(f"{n:6d} {name:10s} {b:6d} {att:9d} {att / base_att:7.3f} {mean:9.1f} {mean / base_att:7.3f} "
+                print(f"{n:6d} {spec:10s} {b:6d} {att:9d} {att / base_att:7.3f} {mean:9.1f} {mean / base_att:7.3f} "
                       f"{read / 2**20:11.2f} {read / base_read:7.3f}", flush=True)
     print(f"wrote {args.out}")
 
