@@ -162,7 +162,7 @@ def _kept(states):
 
 
 @pytest.mark.parametrize("name", methods.names())
-@pytest.mark.parametrize("budget", [0.25, 0.5])
+@pytest.mark.parametrize("budget", [0.25, pytest.param(0.5, marks=pytest.mark.slow)])  # 0.5: KVJAX_SLOW=1
 def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budget):
     ids = _prompts((5, 30, 57))
     m = _method(name, budget)

@@ -172,8 +172,8 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
             np.testing.assert_array_equal(np.asarray(states[0].length), np.where(lengths >= trigger, b_tok, lengths))
         nxt = jnp.argmax(logits, -1).astype(jnp.int32)
         prev = np.asarray(states[0].length).copy()
-        logits, states = engine.decode_step(cfg, method, params, states, nxt, jnp.asarray(seen))
-        seen += 1
+        logits, states = engine.decode_step(cfg, method, params, states, nxt, jnp.array(seen, copy=True))
+        seen = seen + 1  # never mutate a buffer jnp may alias (see _run_and_check)
         now = np.asarray(states[0].length)
         compressed_in_decode += int(np.any(now < prev))
         np.testing.assert_array_equal(now, np.where(prev + 1 >= trigger, b_tok, prev + 1))
@@ -486,8 +486,10 @@ def _run_and_check(tiny, method, ps, bucket, gamma, outliers=False):
             np.testing.assert_array_equal(np.asarray(states[0].length)[hit], b_tok[hit])
         prev = np.asarray(states[0].length).copy()
         nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-        logits, states = engine.decode_step(cfg, method, tiny.params, states, nxt, jnp.asarray(seen))
-        seen += 1
+        # a copy: jnp.asarray may alias the numpy buffer on CPU, and an in-place ``seen += 1`` would then race
+        # with the asynchronously dispatched step (seen as pos + 1 under load)
+        logits, states = engine.decode_step(cfg, method, tiny.params, states, nxt, jnp.array(seen, copy=True))
+        seen = seen + 1
         now = np.asarray(states[0].length)
         called = prev + 1 >= b_tok + g
         calls += called

@@ -184,7 +184,7 @@ def test_one_token_per_cluster_selects_the_exact_top_b():
         assert set(np.flatnonzero(sel[hh]).tolist()) == top | {0, 1}
 
 
-@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+@pytest.mark.parametrize("gqa", ["query", pytest.param("group_mean", marks=pytest.mark.slow)])
 def test_budget_covering_the_prompt_equals_full(gqa):
     lengths, steps = [45, 29], 9
     # a token count covers the generated tokens once clustered (a fraction 1.0 covers the prompt only)
