@@ -23,9 +23,10 @@ at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
   descending score order until ``bsel_b`` tokens; the last one is cut to its earliest positions. The selected
   rows are *gathered* (exactly ``bsel`` rows per query head, or per KV head with ``group_mean``) and attended;
   the recent window ``[clustered_end, t]`` goes through the decode-attention kernel with a block list covering
-  only its blocks (16 slots, 128 on TPU), the sinks as a ``[0, sink)`` slice; the three partials merge exactly. Every ``window`` decode steps the newest
-  window is clustered into ``window_clusters`` clusters and appended (paper §III-B "clustering within the
-  generated tokens only", note §6 #9), inside the jitted step with ``lax.cond`` (one compile).
+  only its blocks (16 slots, 128 on TPU), the sinks as a ``[0, sink)`` slice; the three partials merge exactly.
+  Every ``window`` decode steps the newest window is clustered into ``window_clusters`` clusters and appended
+  (paper §III-B "clustering within the generated tokens only", note §6 #9), inside the jitted step with
+  ``lax.cond`` (one compile).
 - **Budget** (note §6 #1, kvjax contract): ``B_b`` tokens attended besides the recent window, sinks included: a
   fraction gives ``ceil(b n)`` of the sequence's own prompt, a count ``min(c, n + max_new_tokens)`` (so a count
   can cover generated tokens once they are clustered; :func:`kvjax.methods.base.evicting_budget`):
@@ -46,7 +47,10 @@ g query head of the group, c cluster, s slot, j selected entry, d head dim.
 
 Not reproduced: the GPU cache of last step's clusters (R = 1) and CPU offload overlap (note §7.8), the
 asynchronous clustering stream (note §6 #18: XLA has no side stream; clustering runs in each layer's prefill).
-Per-sequence clamp: a sequence with fewer clustered tokens than ``num_clusters`` gets one cluster per token.
+Per-sequence clamp: a sequence with fewer clustered tokens than ``num_clusters`` gets one cluster per token (a
+bucket too short for ``num_clusters`` is an error at ``init``). Clustering is batched over batch x KV heads in
+each layer's prefill (the engine's layer loop calls ``prefill`` per layer; the note's batching over layers too
+would need a post-prefill hook).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from kvjax.budget import check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods.base import Capacity, Method, evicting_budget, tree_bytes
 from kvjax.methods.full import Full
+
 
 def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
     """Lloyd K-means under cosine distance (paper §III-B, note §2.3).
@@ -396,7 +401,8 @@ class ClusterKV(Method):
         kw = jnp.take_along_axis(state.k, idx, axis=2)
         vw = jnp.take_along_axis(state.v, idx, axis=2)
         pw = jnp.take_along_axis(state.pos, idx[..., 0], axis=2)
-        mu, labels = self._cluster(self.window_stream(layer, state.windows), kw, slots, jnp.ones((b, m), bool), jnp.full((b,), cp, jnp.int32), cp)
+        mu, labels = self._cluster(self.window_stream(layer, state.windows), kw, slots, jnp.ones((b, m), bool),
+                                   jnp.full((b,), cp, jnp.int32), cp)
         size, start, order = self._csr(labels, cp, state.clustered)
         ks = jnp.take_along_axis(kw, order[..., None], axis=2)
         vs = jnp.take_along_axis(vw, order[..., None], axis=2)
