@@ -69,8 +69,10 @@ from kvjax import attention
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, evicting_budget, tree_bytes
+from kvjax.methods.base import Capacity, Method, evicting_budget
 from kvjax.methods.full import Full
+
+_FULL = Full()  # layers < n_full
 
 
 def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
@@ -192,12 +194,9 @@ class ClusterKV(Method):
 
     # ---- the method interface ----
 
-    def _full(self) -> Full:
-        return Full()
-
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
         if layer < self.n_full:
-            return self._full().init(model_cfg, batch, capacity, layer, dtype)
+            return _FULL.init(model_cfg, batch, capacity, layer, dtype)
         p = capacity.prompt_len
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
             raise ValueError(f"num_clusters={self.num_clusters} is more clusters than the {p - min(self.sink, p)} "
@@ -260,25 +259,26 @@ class ClusterKV(Method):
 
     @staticmethod
     def _csr(labels, num: int, base):
-        """Sizes ``[B, Hkv, num]``, starts (``base [B]`` + exclusive prefix sums) and the stable cluster order
-        ``[B, Hkv, L]`` of the rows (invalid rows, label ``num``, last)."""
-        size = jnp.sum(labels[..., None] == jnp.arange(num), axis=-2).astype(jnp.int32)
+        """Sizes ``[B, Hkv, num]`` (a bincount: no ``[L, num]`` one-hot) and starts (``base [B]`` + exclusive
+        prefix sums) of labels ``[B, Hkv, L]`` (``num`` = invalid, not counted)."""
+        lead = labels.shape[:-1]
+        count = jax.vmap(lambda x: jnp.bincount(x, length=num + 1))(labels.reshape(-1, labels.shape[-1]))
+        size = count[:, :num].reshape(*lead, num).astype(jnp.int32)
         start = base[:, None, None] + jnp.cumsum(size, axis=-1) - size
-        order = jnp.argsort(labels, axis=-1, stable=True).astype(jnp.int32)
-        return size, start.astype(jnp.int32), order
+        return size, start.astype(jnp.int32)
 
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order.
         k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
         if layer < self.n_full:
-            return self._full().prefill(state, layer, q, k, v, lengths)
+            return _FULL.prefill(state, layer, q, k, v, lengths)
         b, h, t, d = k.shape
         n = jnp.asarray(lengths, jnp.int32)
         sinks, bsel, ncl = self._split_dynamic(n, state.max_new)
         p = jnp.arange(t, dtype=jnp.int32)
         valid = (p[None, :] >= sinks[:, None]) & (p[None, :] < n[:, None])  # [B, T]
         mu, labels = self._cluster(layer, k, jnp.broadcast_to(p, (b, t)), valid, ncl, state.c0)
-        size, start, _ = self._csr(labels, state.c0, sinks)
+        size, start = self._csr(labels, state.c0, sinks)
         # slot order: sinks (group -1), clusters by id, then padding (group c0); stable keeps positions ascending
         group = jnp.where(p[None, None, :] < sinks[:, None, None], -1, labels)
         order = jnp.argsort(group, axis=-1, stable=True).astype(jnp.int32)  # [B, Hkv, T]
@@ -361,7 +361,7 @@ class ClusterKV(Method):
         """Store the new token at slot ``pos``, attend sinks + selected clusters + the window, then cluster the
         window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
         if layer < self.n_full:
-            return self._full().decode(state, layer, q, k, v, pos)
+            return _FULL.decode(state, layer, q, k, v, pos)
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
         bi, hi, ti = jnp.arange(b)[:, None], jnp.arange(h)[None, :], t[:, None]
@@ -403,7 +403,8 @@ class ClusterKV(Method):
         pw = jnp.take_along_axis(state.pos, idx[..., 0], axis=2)
         mu, labels = self._cluster(self.window_stream(layer, state.windows), kw, slots, jnp.ones((b, m), bool),
                                    jnp.full((b,), cp, jnp.int32), cp)
-        size, start, order = self._csr(labels, cp, state.clustered)
+        size, start = self._csr(labels, cp, state.clustered)
+        order = jnp.argsort(labels, axis=-1, stable=True).astype(jnp.int32)  # cluster order, positions ascending
         ks = jnp.take_along_axis(kw, order[..., None], axis=2)
         vs = jnp.take_along_axis(vw, order[..., None], axis=2)
         ps = jnp.take_along_axis(pw, order, axis=2)
@@ -424,8 +425,7 @@ class ClusterKV(Method):
         """``[B, Hq, S]`` bool: positions the next decode step attends for ``q`` (the new token excluded)."""
         b, hq, _ = q.shape
         if layer < self.n_full:
-            valid = state.valid
-            return jnp.repeat(valid, hq // valid.shape[1], axis=1)
+            return _FULL.selected_positions(state, layer, q)
         h, s = state.k.shape[1], state.k.shape[2]
         slot, ok = self.select(state, q)  # [B, Hkv, G', J]
         g = slot.shape[2]
@@ -443,17 +443,14 @@ class ClusterKV(Method):
     def tokens_held(self, state):
         if isinstance(state, ClusterState):
             return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)
-        return self._full().tokens_held(state)
-
-    def memory_bytes(self, state) -> int:
-        return tree_bytes(state)
+        return _FULL.tokens_held(state)
 
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         """Bytes one decode step reads: the centroids, sizes and starts of the live clusters (per KV head), the
         gathered rows (``bsel`` per selecting head, K and V), the sink/window blocks the kernel's block plan
         visits with their float32 mask, the sinks, and the query/outputs (once per partial)."""
         if not isinstance(state, ClusterState):
-            return self._full().bytes_read_per_step(state, num_heads)
+            return _FULL.bytes_read_per_step(state, num_heads)
         b, h, s, d = state.k.shape
         item = np.dtype(state.k.dtype).itemsize
         g = 1 if self.gqa == "group_mean" else num_heads // h

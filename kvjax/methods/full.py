@@ -31,6 +31,11 @@ class Full(Method):
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
         return append_decode(state, q, k, v, pos)
 
+    def selected_positions(self, state: SlotCache, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: every stored position (slot = position here), broadcast to the query heads. Not
+        a recall method; the recall methods call it for their full layers (``n_full``)."""
+        return jnp.repeat(state.valid, q.shape[1] // state.valid.shape[1], axis=1)
+
     def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
         return slot_bytes_read(state, num_heads)
 

@@ -68,7 +68,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import budget_tokens, check_budget
-from kvjax.methods.base import Capacity, Method, SlotCache, slot_bytes_read, slot_tokens_held, tree_bytes
+from kvjax.methods.base import Capacity, Method, SlotCache, slot_bytes_read, slot_tokens_held
 from kvjax.methods.full import Full
 
 _FULL = Full()
@@ -132,6 +132,16 @@ class Quest(Method):
         pmax = max(bmax // self.page_size, 1)
         n_pages = -(-slots // self.page_size)
         return int(max(min(max(pmax - 1, (bmax - 1) // self.page_size), n_pages - 1), 0))
+
+    def kept_pages(self, lengths, t):
+        """``(cur, keep)`` ``[B]``: the current page of the new token at ``t [B]`` and how many candidate pages
+        ``[0, cur)`` the step keeps: all of them while the live tokens fit the budget or its pages, else
+        ``pages_b - 1`` (the one rule :meth:`select_pages` and :meth:`bytes_read_breakdown` share)."""
+        t = jnp.asarray(t, jnp.int32)
+        cur = t // self.page_size
+        bb, pb = self.token_budget(lengths), self.page_budget(lengths)
+        dense = (t + 1 <= bb) | (cur + 1 <= pb)
+        return cur, jnp.where(dense, cur, jnp.minimum(pb - 1, cur))
 
     def attended(self, n: int, steps: int) -> int:
         """Tokens (per KV head) the decode step whose new token is at position ``t = n + steps`` attends in a
@@ -199,12 +209,7 @@ class Quest(Method):
         int32, the kept candidate pages (best first, ``-1`` pads) then the current page ``t // page_size``."""
         b = q.shape[0]
         h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
-        ps = self.page_size
-        t = jnp.asarray(t, jnp.int32)
-        cur = t // ps  # [B]; the candidates are the complete pages [0, cur)
-        bb, pb = self.token_budget(state.lengths), self.page_budget(state.lengths)
-        dense = (t + 1 <= bb) | (cur + 1 <= pb)
-        keep = jnp.where(dense, cur, jnp.minimum(pb - 1, cur))  # [B] candidate pages kept
+        cur, keep = self.kept_pages(state.lengths, t)  # the candidates are the complete pages [0, cur)
         current = jnp.broadcast_to(cur[:, None, None], (b, h, 1)).astype(jnp.int32)
         if state.topk == 0:
             return current
@@ -241,11 +246,9 @@ class Quest(Method):
         """``[B, Hq, S]`` bool: positions the next decode step (new token at ``t = filled``) attends for ``q``,
         the new token excluded: the tokens ``< t`` of the listed pages (of the whole cache in a full layer),
         the KV head's pages broadcast to its query heads."""
-        b, hq, _ = q.shape
-        if isinstance(state, SlotCache):  # a full layer: slot = position
-            h, s = state.k.shape[1], state.k.shape[2]
-            sel = jnp.broadcast_to(jnp.arange(s)[None, None, :] < state.length[:, None, None], (b, h, s))
-            return jnp.repeat(sel & state.valid, hq // h, axis=1)
+        if isinstance(state, SlotCache):  # a full layer: every stored position
+            return _FULL.selected_positions(state, layer, q)
+        hq = q.shape[1]
         h, s = state.k.shape[1], state.k.shape[2]
         t = state.filled
         pages = self.select_pages(state, q, t)  # [B, Hkv, N]
@@ -253,11 +256,6 @@ class Quest(Method):
         listed = jnp.any(pages[..., None] == slot_page[None, None, None, :], axis=2)  # [B, Hkv, S]
         sel = listed & (jnp.arange(s)[None, None, :] < t[:, None, None])
         return jnp.repeat(sel, hq // h, axis=1)
-
-    def memory_bytes(self, state) -> int:
-        """Stored bytes: full KV + page min/max + lengths + fill counts (nothing is shrunk: see
-        :meth:`bytes_read_per_step`)."""
-        return tree_bytes(state)
 
     def tokens_held(self, state):
         """``[B]`` float32 tokens stored: every token stays resident (prompt + decoded so far)."""
@@ -288,13 +286,8 @@ class Quest(Method):
         ps = self.page_size
         n_pages = state.kmin.shape[2]
         t = np.asarray(state.filled, np.int64)
-        cur = t // ps
         live = jnp.asarray(np.minimum(t + 1, s), jnp.int32)
-        lengths = np.asarray(state.lengths, np.int64)
-        bb = np.asarray(self.token_budget(jnp.asarray(lengths, jnp.int32)), np.int64)
-        pb = np.maximum(bb // ps, 1)
-        dense = (t + 1 <= bb) | (cur + 1 <= pb)
-        keep = np.where(dense, cur, np.minimum(pb - 1, cur))
+        cur, keep = (np.asarray(x, np.int64) for x in self.kept_pages(state.lengths, state.filled))
         # The kernel's block count does not depend on which candidates win: list the first ``keep`` pages.
         blocks = np.full((b, h, state.topk + 1), -1, np.int32)
         for bi in range(b):
