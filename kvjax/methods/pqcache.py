@@ -114,6 +114,13 @@ def _host_sharding():
     return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
+def _rows_mask(idx, ok, s: int) -> jnp.ndarray:
+    """``[B, Hkv, S]`` bool: the slots ``idx [B, Hkv, N]`` whose ``ok`` is set."""
+    b, h = idx.shape[:2]
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
+    return jnp.zeros((b, h, s), bool).at[bi, hi, idx].max(ok)
+
+
 def _int32_fraction(f: Fraction) -> tuple[int, int]:
     """``(p, q)`` of ``f`` in ``[0, 1]``, exact when ``q^2 < 2^31``, else rounded down to ``1/MAX_DENOMINATOR``."""
     return floor_fraction(f, _EXACT_Q)
@@ -298,6 +305,58 @@ class PQCache(Method):
                               v=self._place(state.v.at[bi, hi, ti].set(v.astype(state.v.dtype))),
                               codes=state.codes.at[bi, hi, :, ti].set(code),
                               filled=jnp.maximum(state.filled, t + 1))
+        idx, ok = self._attended_rows(state, q, t)
+        idx = jnp.concatenate([idx, jnp.broadcast_to(t[:, None, None], (b, h, 1))], axis=-1)  # + the new token
+        ok = jnp.concatenate([ok, jnp.ones((b, h, 1), bool)], axis=-1)
+
+        def sparse(_):
+            # Reads exactly the N = sink + window + topk + 1 gathered rows per KV head.
+            kk = jnp.take_along_axis(state.k, idx[..., None], axis=2)
+            vv = jnp.take_along_axis(state.v, idx[..., None], axis=2)
+            if self.offload:
+                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+                kk, vv = jax.device_put(kk, dev), jax.device_put(vv, dev)
+            return attention.attend(q, kk, vv, ok)
+
+        if not self.dense_short:
+            return attention.normalise(sparse(None)), state
+        short = self._short(state)  # [B]
+
+        def dense(_):
+            # Authors' fallback (note A11): a short prompt's row attends to every cached token; the other
+            # rows of the batch keep exactly their sparse set, as a mask; only the live slots are read.
+            every = jnp.arange(state.k.shape[2])[None, None, :] <= t[:, None, None]
+            return attention.attend(q, state.k, state.v,
+                                    jnp.where(short[:, None, None], every, _rows_mask(idx, ok, state.k.shape[2])),
+                                    lengths=state.filled)
+
+        return attention.normalise(jax.lax.cond(jnp.any(short), dense, sparse, None)), state
+
+    def selected_positions(self, state: PQState, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: the positions the next :meth:`decode` (new token at ``t = filled``) attends for
+        ``q [B, Hq, D]``, the new token excluded: the sinks ``[0, min(sink, t))``, the local window
+        ``[max(t - W_b, sink), t)`` and the ``k_b`` tokens :meth:`select` retrieves (the same per KV head, so
+        every query head of a group gets its KV head's set); every stored position ``[0, t)`` for a
+        ``dense_short`` row. :meth:`select` on this state equals the one ``decode`` runs after writing the new
+        token: the candidates end at ``t - W_b <= t``, so neither the new code nor the fill count changes it."""
+        hq = q.shape[1]
+        h, s = state.k.shape[1], state.k.shape[2]
+        t = state.filled  # [B]
+        sel = _rows_mask(*self._attended_rows(state, q, t), s)
+        if self.dense_short:
+            every = (jnp.arange(s)[None, :] < t[:, None])[:, None, :]
+            sel = jnp.where(self._short(state)[:, None, None], every, sel)
+        return jnp.repeat(sel, hq // h, axis=1)
+
+    def _short(self, state: PQState) -> jnp.ndarray:
+        """``[B]`` bool: the row's prompt is short enough for the authors' dense fallback (note A11)."""
+        return (state.lengths - state.sink) <= self.num_centroids
+
+    def _attended_rows(self, state: PQState, q, t):
+        """Slots ``[B, Hkv, sink + window + topk]`` int32 (clipped into the buffer) and ``ok`` bool the step whose
+        new token is at ``t [B]`` attends besides it: the sinks ``[0, min(sink, t))``, the local window
+        ``[max(t - W_b, sink), t)`` and the retrieved tokens (:meth:`select`)."""
+        b, h = q.shape[0], state.k.shape[1]
         w, _ = self.split_dynamic(state.lengths)
         parts, oks = [], []
         if state.sink:
@@ -313,60 +372,10 @@ class PQCache(Method):
             idx, ok = self.select(state, q, t)
             parts.append(idx)
             oks.append(ok)
-        parts.append(jnp.broadcast_to(t[:, None, None], (b, h, 1)))
-        oks.append(jnp.ones((b, h, 1), bool))
-        idx = jnp.clip(jnp.concatenate(parts, axis=-1), 0, state.k.shape[2] - 1)  # [B, Hkv, N]
-        ok = jnp.concatenate(oks, axis=-1)
-
-        def sparse(_):
-            # Reads exactly the N = sink + window + topk + 1 gathered rows per KV head.
-            kk = jnp.take_along_axis(state.k, idx[..., None], axis=2)
-            vv = jnp.take_along_axis(state.v, idx[..., None], axis=2)
-            if self.offload:
-                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-                kk, vv = jax.device_put(kk, dev), jax.device_put(vv, dev)
-            return attention.attend(q, kk, vv, ok)
-
-        if not self.dense_short:
-            return attention.normalise(sparse(None)), state
-        short = (state.lengths - state.sink) <= self.num_centroids  # [B]
-
-        def dense(_):
-            # Authors' fallback (note A11): a short prompt's row attends to every cached token; the other
-            # rows of the batch keep exactly their sparse set, as a mask; only the live slots are read.
-            s = state.k.shape[2]
-            sel = jnp.zeros((b, h, s), jnp.int32).at[bi[..., None], hi[..., None], idx].max(ok.astype(jnp.int32))
-            every = jnp.arange(s)[None, None, :] <= t[:, None, None]
-            return attention.attend(q, state.k, state.v, jnp.where(short[:, None, None], every, sel > 0),
-                                    lengths=state.filled)
-
-        return attention.normalise(jax.lax.cond(jnp.any(short), dense, sparse, None)), state
-
-    def selected_positions(self, state: PQState, layer: int, q) -> jnp.ndarray:
-        """``[B, Hq, S]`` bool: the positions the next :meth:`decode` (new token at ``t = filled``) attends for
-        ``q [B, Hq, D]``, the new token excluded: the sinks ``[0, min(sink, t))``, the local window
-        ``[max(t - W_b, sink), t)`` and the ``k_b`` tokens :meth:`select` retrieves (the same per KV head, so
-        every query head of a group gets its KV head's set); every stored position ``[0, t)`` for a
-        ``dense_short`` row. :meth:`select` on this state equals the one ``decode`` runs after writing the new
-        token: the candidates end at ``t - W_b <= t``, so neither the new code nor the fill count changes it."""
-        b, hq, _ = q.shape
-        h, s = state.k.shape[1], state.k.shape[2]
-        t = state.filled  # [B]
-        j = jnp.arange(s)[None, :]  # [1, S]
-        w, _ = self.split_dynamic(state.lengths)
-        sel = j < jnp.minimum(state.sink, t)[:, None]  # sinks [B, S]
-        if state.window:  # decode's window rows: [t - window, t), kept from max(t - W_b, sink)
-            lo = jnp.maximum(t - w, jnp.maximum(t - state.window, state.sink))
-            sel = sel | ((j >= lo[:, None]) & (j < t[:, None]))
-        sel = jnp.broadcast_to(sel[:, None, :], (b, h, s))
-        if state.topk:
-            idx, ok = self.select(state, q, t)
-            bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-            sel = sel.at[bi, hi, jnp.clip(idx, 0, s - 1)].max(ok)
-        if self.dense_short:
-            short = (state.lengths - state.sink) <= self.num_centroids  # [B]
-            sel = jnp.where(short[:, None, None], (j < t[:, None])[:, None, :], sel)
-        return jnp.repeat(sel, hq // h, axis=1)
+        if not parts:
+            return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), bool)
+        idx = jnp.clip(jnp.concatenate(parts, axis=-1), 0, state.k.shape[2] - 1)
+        return idx, jnp.concatenate(oks, axis=-1)
 
     def memory_bytes(self, state: PQState) -> int:
         """Stored bytes: full KV + codes + centroids + lengths + fill counts (the KV is not shrunk; see
