@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kernels_pallas.cosine_kmeans import centroid_update, cosine_assign, new_centroids
+from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kernels_pallas.decode_attention import block_plan_bytes, default_impl
 from kvjax import attention
 from kvjax.attention import NEG_INF
@@ -83,7 +83,6 @@ def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
     Each iteration assigns with the current centroids (argmax cosine similarity, ties to the lower index) and, if
     some label changed, moves each centroid to the mean of its members' raw keys (empty: unchanged); at most
     ``iters`` updates; then a last assignment (the labels returned)."""
-    c = c0.shape[1]
 
     def cond(carry):
         _, _, it, done = carry
@@ -91,10 +90,9 @@ def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
 
     def body(carry):
         mu, prev, it, _ = carry
-        labels = cosine_assign(x, mu, valid, cvalid, impl=impl)
+        new, labels = lloyd_step(x, mu, valid, cvalid, impl=impl)  # labels: the assignment against mu
         done = jnp.all(labels == prev)
-        sums, counts = centroid_update(x, labels, c, impl=impl)
-        return jnp.where(done, mu, new_centroids(mu, sums, counts)), labels, it + jnp.where(done, 0, 1), done
+        return jnp.where(done, mu, new), labels, it + jnp.where(done, 0, 1), done
 
     start = (c0.astype(jnp.float32), jnp.full(x.shape[:2], -1, jnp.int32), jnp.int32(0), jnp.bool_(False))
     mu, _, it, _ = jax.lax.while_loop(cond, body, start)
