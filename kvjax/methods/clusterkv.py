@@ -244,7 +244,7 @@ class ClusterKV(Method):
         return layer * 100003 + 7919 * (window + 1)
 
     def _cluster(self, layer: int, k, positions, valid, ncl, num: int):
-        """K-means of rows ``k [B, Hkv, L, D]`` (positions ``[B, L]``, valid ``[B, L]``) into ``ncl [B]`` of
+        """K-means of rows ``k [B, Hkv, L, D]`` (positions ``[L]`` or ``[B, L]``, valid ``[B, L]``) into ``ncl [B]`` of
         ``num`` clusters -> (mu ``[B, Hkv, num, D]``, labels ``[B, Hkv, L]`` with ``num`` for invalid rows)."""
         b, h, l, d = k.shape
         init = self.init_rows(layer, h, positions, valid, num)  # [B, Hkv, num]
@@ -275,7 +275,7 @@ class ClusterKV(Method):
         sinks, bsel, ncl = self._split_dynamic(n, state.max_new)
         p = jnp.arange(t, dtype=jnp.int32)
         valid = (p[None, :] >= sinks[:, None]) & (p[None, :] < n[:, None])  # [B, T]
-        mu, labels = self._cluster(layer, k, jnp.broadcast_to(p, (b, t)), valid, ncl, state.c0)
+        mu, labels = self._cluster(layer, k, p, valid, ncl, state.c0)  # positions shared by the rows
         size, start = self._csr(labels, state.c0, sinks)
         # slot order: sinks (group -1), clusters by id, then padding (group c0); stable keeps positions ascending
         group = jnp.where(p[None, None, :] < sinks[:, None, None], -1, labels)
