@@ -2,9 +2,9 @@
 
     python benchmarks/pqcache.py --length 1024 --ratios 0.2,0.1 --out benchmarks/results/pqcache_cpu.json
 
-1. Recall (method note §8.12.9): on the embedded model's real post-RoPE keys for an essay prompt of
-   ``--length`` tokens, for every layer and KV head, |PQ top-k ∩ exact top-k| / k at token ratio r, where the
-   exact top-k ranks the same candidates ``[sink, L - W)`` by the same GQA rule (softmax over the candidates,
+1. Recall (method note ``docs/notes/pqcache.md`` §8.12.9): on the embedded model's real post-RoPE keys for an
+   essay prompt of ``--length`` tokens, for every layer and KV head, |PQ top-k ∩ exact top-k| / k at token ratio r,
+   where the exact top-k ranks the same candidates ``[sink, L - W)`` by the same GQA rule (softmax over the candidates,
    summed over the query group) with the true keys (the authors' Oracle). The query is the prompt's last token.
 2. Needle (``--needle``): the PQCache paper's needle sentence inside a Paul Graham haystack at several depths;
    greedy answer with ``full`` and with PQCache at each ratio; "found" = the answer mentions the sandwich or

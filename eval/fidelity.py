@@ -13,7 +13,7 @@ attends for the ``probes`` following tokens with its own ``decode``; the full me
   ``None`` for the others, e.g. chelsea (merges), pqcache and quest (retrieve per step: see ``topb_recall``), less);
 - ``topb_recall``: for recall methods (``method.recalls``: pqcache, clusterkv, quest;
   ``None`` for the others) the recall of important tokens of ClusterKV's Fig. 11 (method note
-  ``clusterkv.md`` §4.1): before each decode probe, the positions the method would attend
+  ``docs/notes/clusterkv.md`` §4.1): before each decode probe, the positions the method would attend
   (``method.selected_positions`` of its state at that step: sinks, window, retrieved tokens) are restricted to
   the prompt; with ``B`` = their count for a query head, the score is ``|selected ∩ topB(q · K_prompt)| / B``,
   ``topB`` the ``B`` prompt tokens with the largest exact logits of that step's query for that head

@@ -3,7 +3,7 @@
 The ChunkKV paper's Table 2 / Table 12 measure (arXiv 2502.00299, §3.3 and App. B.1.2): the Jaccard similarity
 ``|A ∩ B| / |A ∪ B|`` of the kept prompt positions of adjacent layers, averaged over the layer pairs. The paper
 logs only the first head of one prompt; here every (batch element, KV head) is measured and averaged, and the
-window positions (kept by every layer of every method) can be left out (method note §6 A18).
+window positions (kept by every layer of every method) can be left out (method note ``docs/notes/chunkkv.md`` §6 A18).
 
 Works for any method whose per-layer state has a ``pos`` leaf ``[B, Hkv, S]`` of original token positions with
 -1 for empty slots (``SlotCache``: full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv, ...).

@@ -1,4 +1,4 @@
-"""Decode attention over a buffer of slots, returning mergeable partials (DESIGN principle 6).
+"""Decode attention over a buffer of slots, returning mergeable partials (docs/architecture.md#kernels-return-partials).
 
 ``attend`` computes, for one new query per head, attention over ``S`` slots with a validity mask and an
 optional additive bias (e.g. Chelsea's ``log N``), and returns the flash-decoding partials

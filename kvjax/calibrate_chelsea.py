@@ -1,4 +1,4 @@
-"""Offline calibration of Chelsea's outlier heads (paper §5.4, App. B; ../shared/specs/chelsea.md §2.8, A11).
+"""Offline calibration of Chelsea's outlier heads (paper §5.4, App. B; docs/notes/chelsea.md §2.8, A11).
 
 For every (layer, KV head), run the model on calibration windows, build the CSM edges of the post-RoPE keys
 (each A token to its most cosine-similar B token in its chunk, sinks and recent window excluded), prune edges

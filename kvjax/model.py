@@ -7,7 +7,7 @@ Params layout (weights stored ``[in, out]``, i.e. transposed from PyTorch's ``[o
                  "bq"/"bk"/"bv": [..] and "bo": [H] when the config has biases,
                  "mlp_norm": [H], "w_gate": [H, F], "w_up": [H, F], "w_down": [F, H]}, ...)}
 
-A layer is split in two halves so that a KV-cache method can sit between them (DESIGN principle 4):
+A layer is split in two halves so that a KV-cache method can sit between them (docs/architecture.md#the-model):
 ``layer_qkv`` gives post-RoPE ``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]``; the method attends; and
 ``layer_finish`` applies the output projection, residuals and the MLP. ``forward`` composes them with dense
 causal attention and is the full-attention reference the engine and tests compare against.

@@ -1,4 +1,4 @@
-"""Activation capture from the frozen, full-attention model (method note §3, §8.5 step 2).
+"""Activation capture from the frozen, full-attention model (method note ``docs/notes/less.md`` §3, §8.5 step 2).
 
 For every sequence and layer we keep the residual stream entering the layer (``x [S, H]``, from which the
 layer's post-RoPE q, k, v and its target output ``o_proj(full attention)`` are recomputed exactly during

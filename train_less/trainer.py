@@ -1,4 +1,5 @@
-"""Per-layer training of the LESS kernels φ, ψ with optax (paper §3.2; method note §3, §8.5).
+"""Per-layer training of the LESS kernels φ, ψ with optax (paper §3.2; method note ``docs/notes/less.md`` §3,
+§8.5).
 
 Every layer is trained independently against its own frozen full-attention output: loss = MSE between
 ``o_proj(LESS parallel attention)`` and ``o_proj(full attention)`` over positions ``>= budget`` (earlier rows

@@ -14,8 +14,9 @@ row); cvalid ``[N, C]`` bool (None: every centroid).
   the lowest centroid index; an invalid row, and every row when no centroid is valid, gets the sentinel ``C``.
 - ``centroid_update -> (sums [N, C, D] float32, counts [N, C] int32)``: the member rows (as float32) summed
   per label; labels outside ``[0, C)`` (the sentinel ``C`` included) are ignored. The kernels accumulate a
-  one-hot matmul (§IV-B's update kernel, Fig. 7, without atomics; method note §7.3 kernel B), so rows must be
-  finite (``0 * inf`` is NaN even for ignored rows); the reference (``segment_sum``) does not need that.
+  one-hot matmul (§IV-B's update kernel, Fig. 7, without atomics; method note ``docs/notes/clusterkv.md`` §7.3
+  kernel B), so rows must be finite (``0 * inf`` is NaN even for ignored rows); the reference (``segment_sum``)
+  does not need that.
 - ``lloyd_step -> (new_centroids [N, C, D] float32, labels [N, L] int32)``: assign against the old centroids,
   then each centroid becomes the mean of its member rows (raw keys); an empty (or invalid) cluster keeps its
   old centroid. ``labels`` are the assignment against the old centroids.

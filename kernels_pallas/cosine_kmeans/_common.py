@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.cosine_kmeans.reference import normalise_centroids
 
-#: Default row tile on TPU (method note §7.3: ``tL = 256-512``); a multiple of 128 (lane-dense labels).
+#: Default row tile on TPU (method note ``docs/notes/clusterkv.md`` §7.3: ``tL = 256-512``); a multiple of 128
+#: (lane-dense labels).
 TPU_BLOCK_L = 512
 #: Centroids are padded to a multiple of this on TPU (one lane tile / MXU width).
 TPU_C_ALIGN = 128

@@ -1,5 +1,6 @@
 """Pallas GPU (Triton) kernels of ClusterKV's cosine K-means: the assignment (§III-B, "semantic distance") and
-the centroid update (§IV-B, Fig. 7) as a one-hot matmul (method note §7.3, kernels A and B).
+the centroid update (§IV-B, Fig. 7) as a one-hot matmul (method note ``docs/notes/clusterkv.md`` §7.3, kernels A
+and B).
 
 Backend: in jax 0.10-0.11 a GPU ``pl.pallas_call`` lowers to Mosaic GPU by default; passing
 ``compiler_params=jax.experimental.pallas.triton.CompilerParams(...)`` selects the Triton lowering, which is

@@ -1,5 +1,5 @@
 """Pallas TPU kernels of ClusterKV's cosine K-means: the assignment (§III-B, "semantic distance") and the
-centroid update (§IV-B, Fig. 7) as a one-hot matmul (method note §7.3, kernels A and B).
+centroid update (§IV-B, Fig. 7) as a one-hot matmul (method note ``docs/notes/clusterkv.md`` §7.3, kernels A and B).
 
 Layout: keys ``x [N, L_pad, D]`` as stored (bf16/f32, cast to f32 in VMEM); normalised centroids
 ``c_hat [N, C_pad, D]`` f32 (``C_pad`` a multiple of 128, padded rows invalid); centroid validity as a column

@@ -3,8 +3,8 @@
 ClusterKV §III-B clusters the keys of each head with K-means under the "semantic distance"
 ``D(i, j) = 1 - <k_i, k_j> / (|k_i| |k_j|)``: the assignment step gives each key the centroid of largest cosine
 similarity, the update step makes each centroid the mean of the (raw, un-normalised) keys assigned to it, and
-an empty cluster keeps its old centroid (method note §2.3). The row norm of a key does not change which
-centroid has the largest cosine, so keys are used as they are; centroids are normalised
+an empty cluster keeps its old centroid (method note ``docs/notes/clusterkv.md`` §2.3). The row norm of a key does
+not change which centroid has the largest cosine, so keys are used as they are; centroids are normalised
 ``c / (||c|| + 1e-8)``. Method note §7.3 batches this over ``N = batch x layers x KV heads`` clusterings.
 
 Shapes (einsum axes: n clustering (one head of one layer), l row (key), c centroid, d channel):

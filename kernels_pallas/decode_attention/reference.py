@@ -1,10 +1,10 @@
 """Pure-JAX decode attention returning flash-decoding partials: the spec and the CPU (``xla``) path.
 
-One new query per head attends over ``S`` slots (DESIGN principle 6). A slot ``s`` of batch row ``b``, KV head
-``h`` takes part iff all of: ``valid[b, h, s]`` (when given), ``s < lengths[b]`` (when given), and its block
-``s // block_size`` is listed in ``block_indices[b, h]`` (when given; entries outside ``[0, S/block_size)``,
-e.g. ``-1``, list nothing, repeats count once). Scores are ``q·k / sqrt(D) + bias`` (the bias is e.g.
-Chelsea's ``log N``, §5 Eq. 2). The result is the partial triple
+One new query per head attends over ``S`` slots (docs/architecture.md#kernels-return-partials). A slot ``s`` of
+batch row ``b``, KV head ``h`` takes part iff all of: ``valid[b, h, s]`` (when given), ``s < lengths[b]`` (when
+given), and its block ``s // block_size`` is listed in ``block_indices[b, h]`` (when given; entries outside
+``[0, S/block_size)``, e.g. ``-1``, list nothing, repeats count once). Scores are ``q·k / sqrt(D) + bias``
+(the bias is e.g. Chelsea's ``log N``, §5 Eq. 2). The result is the partial triple
 
     m = max_s score,   l = sum_s exp(score - m),   o = sum_s exp(score - m) v_s
 

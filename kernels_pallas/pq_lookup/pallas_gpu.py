@@ -1,4 +1,4 @@
-"""Pallas GPU (Triton) kernel of the PQ lookup (PQCache §3.1; method note §8.6).
+"""Pallas GPU (Triton) kernel of the PQ lookup (PQCache §3.1; method note ``docs/notes/pqcache.md`` §8.6).
 
 Grid ``(B*Hkv, S_pad/tT)``. Per program: for each sub-space ``i`` a row of ``tT`` codes is loaded from the
 sub-space-major uint8 layout (as stored; cast to int32 in registers), turned into a one-hot ``[tT, K]`` against

@@ -1,4 +1,4 @@
-"""Pallas TPU kernel of the PQ lookup as a one-hot matmul (PQCache §3.1; method note §8.6).
+"""Pallas TPU kernel of the PQ lookup as a one-hot matmul (PQCache §3.1; method note ``docs/notes/pqcache.md`` §8.6).
 
 Grid ``(B*Hkv, S_pad/tT)``; ``lengths [B]`` is scalar-prefetched into SMEM. Per step: the LUT block
 ``[G, m*K]`` (whole, so block dims equal array dims) and a codes tile ``[m, tT]`` (uint8 as stored, tokens on

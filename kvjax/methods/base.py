@@ -1,7 +1,7 @@
 """The cache-method interface (as code) and the slot cache most methods share.
 
 A method is a frozen, hashable config dataclass (static under ``jit``) that subclasses :class:`Method` and
-implements four pure functions over its own state pytree (DESIGN principle 4):
+implements four pure functions over its own state pytree (docs/interface.md#the-method-interface):
 
 - ``init(model_cfg, batch, capacity, layer, dtype) -> State``: fixed shapes from :class:`Capacity` (prompt
   bucket and ``max_new_tokens``); ``layer`` lets a method vary per layer (PyramidKV, outlier heads).
@@ -22,7 +22,8 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   the decode-attention kernel's block plan visits, masks, codes, ...), beside ``memory_bytes``.
 - ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
 - ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
-  ``n``-token prompt holds after ``steps`` decode steps. The README's budget table is this function.
+  ``n``-token prompt holds after ``steps`` decode steps. The budget table of
+  docs/interface.md#the-budget-contract is this function.
 - ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
   stored and each decode step attends to a query-dependent selection; it implements
   ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the

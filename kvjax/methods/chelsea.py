@@ -1,7 +1,7 @@
 """``chelsea``: KV-cache clustering by Chunked Soft Matching (Hu et al., 2025, arXiv:2506.11418).
 
 Algorithm 1 at fixed shapes; method details and the resolutions of what the paper leaves open follow
-``../shared/specs/chelsea.md`` (section numbers below refer to the paper, A-numbers to the note).
+``docs/notes/chelsea.md`` (section numbers below refer to the paper, A-numbers to the note).
 
 - Budget (§5.1, A12, A13): per sequence, ``B_b = floor(R (n_b + Gamma))`` slots per compressed KV head, sinks
   and recent included, with ``n_b`` the sequence's *own* prompt length (never the bucket) and ``Gamma =

@@ -9,9 +9,10 @@ PyTorch code picks chunks from batch element 0 for every element; kvjax does not
 
 Layer-wise index reuse (§3.3, Algorithm 2): layers with ``layer % reuse == 0`` select; layer ``l`` reuses the
 positions selected at layer ``(l // reuse) * reuse`` and gathers its *own* K/V at them (KV head ``h`` reuses
-head ``h``'s positions, method note §6 A14). ``reuse=1`` selects at every layer. The reused positions travel
-through the state itself (``SlotCache.pos``): the class declares ``reuses_previous_layer`` and the engine
-passes the previous layer's state as ``previous=``; the state shapes are the same at every layer.
+head ``h``'s positions, method note ``docs/notes/chunkkv.md`` §6 A14). ``reuse=1`` selects at every layer. The
+reused positions travel through the state itself (``SlotCache.pos``): the class declares
+``reuses_previous_layer`` and the engine passes the previous layer's state as ``previous=``; the state shapes
+are the same at every layer.
 
 Modes (method note §2.4, §6 A5):
 

@@ -2,7 +2,7 @@
 
 A recall method: every token stays stored; a decode step attends the sinks, the tokens of the clusters whose
 centroids score highest against the query, and the recent not-yet-clustered tokens. Method note
-``../shared/specs/clusterkv.md`` (§2, §6 resolutions, §7 layout); paper §III (semantic clustering, selection
+``docs/notes/clusterkv.md`` (§2, §6 resolutions, §7 layout); paper §III (semantic clustering, selection
 at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
 
 - **Prefill** (paper §III-B): per KV head, the post-RoPE prompt keys after the sinks are clustered by K-means

@@ -1,7 +1,7 @@
 """One round of Chelsea's Chunked Soft Matching (CSM) at fixed shapes, and its host-side schedule.
 
 Chelsea (Hu et al., 2025, arXiv:2506.11418) §5.2–5.3 and App. C.2; resolutions of what the paper leaves open
-follow ``../shared/specs/chelsea.md`` (A1–A8, A15, A16):
+follow ``docs/notes/chelsea.md`` (A1–A8, A15, A16):
 
 - a cache buffer holds its occupied slots at the front (``[0, length)``); the first ``n_sink`` slots and the
   last ``n_recent`` occupied slots are never merged; the middle ``[n_sink, length - n_recent)`` is cut into

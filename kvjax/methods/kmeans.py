@@ -1,4 +1,5 @@
-"""Batched Lloyd K-means for product quantization (PQCache §3.1 and §3.3; method note §2.3, §8.4, A5).
+"""Batched Lloyd K-means for product quantization (PQCache §3.1 and §3.3; method note §2.3, §8.4, A5 of
+``docs/notes/pqcache.md``).
 
 Every leading index is an independent problem (batch x KV head x sub-space), solved at once with einsums:
 x ``[..., P, d]`` rows (``d = D/m``), valid ``[..., P]`` bool (broadcastable), centroids ``[..., K, d]``

@@ -1,7 +1,7 @@
 """``pqcache`` (Zhang et al., 2024, *PQCache*): product-quantized keys, top-k retrieval by PQ lookup.
 
 A recall method: the full KV stays resident (it shrinks what each decode step *reads*, not what is stored).
-Method note ``../shared/specs/pqcache.md`` (§2.2-2.6, §8); paper §3.1 (PQ construction, decode retrieval,
+Method note ``docs/notes/pqcache.md`` (§2.2-2.6, §8); paper §3.1 (PQ construction, decode retrieval,
 new tokens), §3.3 (K-means at prefill).
 
 - Prefill (paper §3.1, note §2.3): every prompt KV is stored. Per KV head, the post-RoPE keys of the

@@ -2,10 +2,10 @@
 query-aware page selection by a per-channel min/max upper bound.
 
 A recall method: the full KV stays stored (Quest shrinks what each decode step *reads*, not what is held). The
-ClusterKV paper (Liu et al., 2024, §II-C, §V-A; ``../shared/specs/clusterkv.md`` §3, §4) uses Quest as its
+ClusterKV paper (Liu et al., 2024, §II-C, §V-A; ``docs/notes/clusterkv.md`` §3, §4) uses Quest as its
 recallable baseline with its original ``page_size = 16`` and the first two layers uncompressed; this module is
 that baseline, written from the Quest paper's description (§3: page criticality estimation, §3.2 the upper
-bound) and the brief of kvjax issue 16.
+bound) and kvjax's resolutions of what it leaves open (docs/methods/quest.md).
 
 - **Pages** (Quest §3): slots are positions (slot ``s`` holds the token at position ``s``), cut into pages of
   ``page_size`` consecutive positions aligned at position 0 (page ``j`` holds ``[j P, (j+1) P)``).
@@ -20,14 +20,14 @@ bound) and the brief of kvjax issue 16.
   page.
 - **GQA** (a kvjax resolution; Quest is defined for MHA, one query per KV head): the decode-attention kernel
   takes one block list per KV head, so pages are chosen per KV head and ranked by the **mean over the group's
-  query heads** of their upper bounds (kvjax's ``group_mean`` convention, DESIGN principle 7). The mean of the
-  bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly.
+  query heads** of their upper bounds (kvjax's ``group_mean`` convention, docs/architecture.md#gqa-native). The
+  mean of the bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly.
 - **Selection** (Quest §3.2, its kernel-level rule): the current page (the one holding the new token) is always
   attended; the other candidates are the complete pages before it, and the top ``pages_b - 1`` by score are
   kept (``lax.top_k``: ties to the lower page index). Attention then runs over the listed pages only:
   ``attention.attend(q, k, v, None, lengths=filled, block_indices=pages, block_size=page_size)``, so the Pallas
   kernels read no other K/V block (bucket padding and unwritten decode slots included).
-- **Budget** (DESIGN principle 5, :mod:`kvjax.budget`): ``B_b`` tokens per sequence: a float ``b`` gives
+- **Budget** (:mod:`kvjax.budget`): ``B_b`` tokens per sequence: a float ``b`` gives
   ``ceil(b n_b)`` of the sequence's own prompt length ``n_b`` (never the bucket), an int is a token count
   (Quest's and ClusterKV's unit). ``pages_b = max(B_b // page_size, 1)``. As in Quest (``min(kv_len, budget)``),
   a sequence whose live tokens fit the budget (``t + 1 <= B_b``) or whose live pages fit ``pages_b`` attends to
@@ -35,7 +35,7 @@ bound) and the brief of kvjax issue 16.
   (:meth:`Quest.attended`): the budget is a ceiling on tokens attended. Every token stays stored:
   ``tokens_held = held(n, s) = n + s``. A fraction is of the *prompt*: generated tokens compete for the same
   pages, so ``budget=1.0`` is not full attention once decode has passed the prompt's budget (as for PQCache);
-  an int ``>= n + max_new_tokens`` is.
+  an int ``>= n + max_new_tokens`` is (docs/architecture.md#one-budget-contract).
 - **Default budget 1024 tokens**: the ClusterKV paper compares with Quest at token budgets (256-2048; 1024 for
   PG19 perplexity and for the latency comparison), and Quest reports token budgets. Pass a float (e.g. 0.2)
   for kvjax's usual fraction of each prompt. An int budget below ``page_size`` is an error (not one page).

@@ -1,4 +1,4 @@
-"""Token scorers: which prompt tokens matter, separate from which to keep (DESIGN principle 4).
+"""Token scorers: which prompt tokens matter, separate from which to keep (docs/interface.md#scorers-and-selection).
 
 A scorer maps the prompt's post-RoPE ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` and ``lengths [B]`` to scores
 ``[B, Hkv, T]`` float32 (larger is kept; GQA: aggregated over each KV group's query heads as the mean). The

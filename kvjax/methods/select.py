@@ -1,6 +1,6 @@
 """Prefill scoring and selection shared by the score-based methods (SnapKV, PyramidKV, H2O, ChunkKV).
 
-Formulas follow the papers' harness (``../shared/specs/chunkkv.md`` section 4): softmax attention in float32,
+Formulas follow the papers' harness (``docs/notes/chunkkv.md`` section 4): softmax attention in float32,
 GQA aggregated as the mean over the query heads of each KV group, per-KV-head top-k over the prefix
 ``[0, len - w)`` plus the last ``w`` tokens always kept, kept tokens in position order, and no compression
 for a sequence whose length is within its budget. Ties in top-k go to the lower position (``lax.top_k``).

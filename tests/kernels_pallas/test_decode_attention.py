@@ -1,4 +1,5 @@
-"""Decode attention: both Pallas kernels in interpret mode against the pure-JAX reference (DESIGN principle 7).
+"""Decode attention: both Pallas kernels in interpret mode against the pure-JAX reference (the three tiers:
+docs/architecture.md#three-kernel-tiers).
 
 The reference itself is checked once against a plain numpy softmax attention (``_numpy_attention``).
 Cases cover GQA ratios 1/3/4/8, odd slot counts (ragged last block), odd lengths, empty and full masks, bias,

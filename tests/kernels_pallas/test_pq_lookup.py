@@ -43,7 +43,7 @@ def test_reference_matches_numpy_loop():
 
 
 def test_reconstruction_identity():
-    """scores == q · concat_i C[i, codes_i] (method note §8.12 test 2)."""
+    """scores == q · concat_i C[i, codes_i] (method note ``docs/notes/pqcache.md`` §8.12 test 2)."""
     rng = np.random.default_rng(3)
     b, h, g, m, k, dm, s = 1, 2, 2, 4, 16, 3, 11
     q = rng.standard_normal((b, h, g, m, dm))

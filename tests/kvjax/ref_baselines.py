@@ -1,6 +1,6 @@
 """Independent NumPy references for the baseline KV-cache methods (full, StreamingLLM, H2O, SnapKV, PyramidKV).
 
-Written from the papers' rules (``../shared/specs/chunkkv.md`` section 4 and the method docstrings), in float64
+Written from the papers' rules (``docs/notes/chunkkv.md`` section 4 and the method docstrings), in float64
 with plain loops over batch elements and KV heads. Nothing here imports kvjax: the tests compare kvjax against
 these functions, not against kvjax's own output.
 

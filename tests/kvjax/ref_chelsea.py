@@ -1,4 +1,4 @@
-"""Independent numpy reference of Chelsea's Chunked Soft Matching (paper §5.2–5.3; ../shared/specs/chelsea.md).
+"""Independent numpy reference of Chelsea's Chunked Soft Matching (paper §5.2–5.3; docs/notes/chelsea.md).
 
 Written from the paper and the method note with explicit loops and Python sets, sharing no code with
 ``kvjax.methods.csm``. One head, one round:

@@ -1,6 +1,6 @@
 """Independent NumPy reference for ChunkKV (Liu et al. 2025, Algorithms 1 and 2), float64, plain loops.
 
-Written from the paper and the method note (``../shared/specs/chunkkv.md`` §2.2-2.5, §6 A5/A6/A9/A17), not from
+Written from the paper and the method note (``docs/notes/chunkkv.md`` §2.2-2.5, §6 A5/A6/A9/A17), not from
 kvjax. Nothing here imports kvjax. One sequence at a time: ``q [Hq, T, D]``, ``k [Hkv, T, D]``; query head
 ``qh`` belongs to KV head ``qh // G``. Ties between chunks go to the lower chunk index
 (``np.argsort(-x, kind="stable")``).

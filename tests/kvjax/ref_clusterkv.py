@@ -1,6 +1,6 @@
-"""Float64 numpy reference of ClusterKV (Liu et al., DAC'25), written from the paper and the method note, one
-sequence and one KV head at a time with plain loops: the oracle ``tests/kvjax/test_clusterkv.py`` compares the
-JAX method against.
+"""Float64 numpy reference of ClusterKV (Liu et al., DAC'25), written from the paper and the method note
+(``docs/notes/clusterkv.md``), one sequence and one KV head at a time with plain loops: the oracle
+``tests/kvjax/test_clusterkv.py`` compares the JAX method against.
 
 - ``cosine_kmeans`` (paper §III-B): Lloyd iterations under cosine distance; centroids are the mean of the raw
   keys of their members, an empty cluster keeps its centroid, stop when no label changes or after ``iters``

@@ -1,4 +1,4 @@
-"""NumPy (float64) reference for LESS (Dong et al. 2024, §3; method note ../shared/specs/less.md), written
+"""NumPy (float64) reference for LESS (Dong et al. 2024, §3; method note docs/notes/less.md), written
 independently of ``kvjax.methods.less``: the kernel MLPs with an erf GELU, Eq. (3) attention over an explicit
 cache plus H, z, Eqs. (4)-(5) as explicit sums over an explicit evicted set, and the parallel form row by row.
 The sparse policies' keep/evict decisions come from ``ref_baselines`` (H2O) and a plain list (Λ)."""

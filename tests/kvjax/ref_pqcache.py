@@ -1,4 +1,4 @@
-"""Independent NumPy reference for PQCache (paper §3.1; method note ``../shared/specs/pqcache.md`` §2.2-2.6).
+"""Independent NumPy reference for PQCache (paper §3.1; method note ``docs/notes/pqcache.md`` §2.2-2.6).
 
 Written from the note's pseudo-code in float64 with plain loops over sequences and KV heads; nothing here
 imports kvjax. One sequence at a time: q ``[Hq, D]`` per step, keys/values ``[Hkv, n, D]``. Query head ``qh``

@@ -1,4 +1,4 @@
-"""Independent NumPy reference for Quest (Tang et al., ICML 2024, §3; kvjax issue 16's resolutions).
+"""Independent NumPy reference for Quest (Tang et al., ICML 2024, §3; kvjax's resolutions: docs/methods/quest.md).
 
 Written from the description in float64 with plain loops over KV heads and pages; nothing here imports kvjax.
 One sequence at a time: q ``[Hq, D]`` per step, keys/values per KV head ``[t, D]`` (position = row). Query head

@@ -41,7 +41,7 @@ def _cfg(hq, hkv, d=16, layers=2):
 
 def _clustered_keys(rng, shape, centers=6, noise=0.15, outliers=True):
     """Keys around a few directions (well separated, so float32 and float64 K-means agree), with outlier
-    channels of large magnitude as real keys have (note §2.2)."""
+    channels of large magnitude as real keys have (method note ``docs/notes/clusterkv.md`` §2.2)."""
     *lead, t, d = shape
     c = rng.normal(size=(*lead, centers, d))
     lab = rng.integers(0, centers, size=(*lead, t))

@@ -113,7 +113,7 @@ def test_compiles_once_per_bucket(tiny):
 
 
 def test_loop_updates_cache_in_place(tiny):
-    """The compiled while body must not copy a whole per-layer cache buffer (DESIGN principle 3)."""
+    """The compiled while body must not copy a whole per-layer cache buffer (docs/architecture.md#one-decode-loop)."""
     model, _ = tiny
     cfg = model.config
     cap = Capacity(32, 16)

@@ -106,7 +106,8 @@ def run_prefill(method, hq, hkv, lengths, t, max_new, seed=0, d=D):
 
 
 def test_scores_exact_when_centroids_are_the_data():
-    """2^bits >= number of fitted keys: every sub-vector is a centroid, so q·k_hat = q·k (note §8.12.1)."""
+    """2^bits >= number of fitted keys: every sub-vector is a centroid, so q·k_hat = q·k (method note
+    ``docs/notes/pqcache.md`` §8.12.1)."""
     method = PQCache(budget=8, m=2, bits=5, sink=2, iters=4)
     lengths = [30, 21]  # 28 and 19 fitted keys <= 32 centroids
     state, (q, k, _) = run_prefill(method, 4, 2, lengths, 32, 4)
