@@ -81,7 +81,11 @@ def cmd_run(args) -> int:
     names = _methods(args.methods, args.command == "main" and args.methods == MAIN_METHODS)
     from eval import harness
 
-    harness.method_grid(names, args.budgets)  # fail before loading the model
+    grid = harness.method_grid(names, args.budgets)  # fail before loading the model
+    compressed = [n for n, _ in dict.fromkeys(grid) if n != "full"]
+    if args.equal_bytes is not None and args.equal_bytes not in compressed:
+        raise ValueError(f"--equal-bytes {args.equal_bytes!r} must be one of the compressed methods of --methods "
+                         f"({', '.join(compressed) or 'none'})")
     model = kvjax.load_model(args.model)
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
@@ -110,23 +114,30 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp, methods, budgets, lengths, batch, max_new, out):
+    def common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True):
+        """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
+        subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
         sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
         sp.add_argument("--methods", default=methods, help="comma-separated registered methods")
         sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
                         help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
                              "counts (256)")
-        sp.add_argument("--equal-bytes", default=None, metavar="REF",
-                        help="a method of --methods (e.g. less, snapkv): every other compressed method runs at the "
-                             "token budget whose cache bytes per sequence are closest to, not above, REF's at "
-                             "each nominal budget (chosen budgets are recorded in results.json)")
-        sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
-        sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
-        sp.add_argument("--max-new-tokens", type=int, default=max_new)
-        sp.add_argument("--seed", type=int, default=0)
+        if equal_bytes:
+            sp.add_argument("--equal-bytes", default=None, metavar="REF",
+                            help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
+                                 "the token budget whose cache bytes per sequence are closest to, not above, REF's "
+                                 "at each nominal budget (chosen budgets are recorded in results.json)")
+        if lengths is not None:
+            sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
+        if batch is not None:
+            sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
+        if max_new is not None:
+            sp.add_argument("--max-new-tokens", type=int, default=max_new)
+        if seed:
+            sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
         sp.add_argument("--no-progress", action="store_true")
-        sp.set_defaults(func=cmd_run)
+        sp.set_defaults(func=cmd_run, equal_bytes=None)
 
     def needle_opts(sp, depths):
         sp.add_argument("--depths", type=_floats, default=depths, help="needle depths in [0, 1]")
@@ -138,30 +149,33 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--book", default="John", help="King James book used as held-out text")
 
     m = sub.add_parser("main", help="the main job: methods x 2 budgets on needle and perplexity (embedded model)")
-    common(m, MAIN_METHODS, [0.2, 0.5], [256, 512], 3, 48, "runs/eval-main")
+    common(m, MAIN_METHODS, [0.2, 0.5], "runs/eval-main", lengths=[256, 512], batch=3, max_new=48, seed=True)
     needle_opts(m, [0.0, 0.5, 1.0])
     ppl_opts(m, 3, 512, 48)
 
     n = sub.add_parser("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
-    common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], [1024, 2048], 4, 8, "runs/eval-needle")
+    common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
+           batch=4, max_new=8, seed=True)
     needle_opts(n, [0.0, 0.25, 0.5, 0.75, 1.0])
 
     pp = sub.add_parser("perplexity", help="streaming perplexity of held-out text under a compressed cache")
-    common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], [], 4, 0, "runs/eval-perplexity")
+    common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-perplexity")
     ppl_opts(pp, 4, 1024, 256)
 
     r = sub.add_parser("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
-    common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], [1024], 4, 32, "runs/eval-ruler")
+    common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], "runs/eval-ruler", lengths=[1024], batch=4,
+           max_new=32, seed=True)
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
 
     f = sub.add_parser("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
                        "top-B recall (recall methods) and layer Jaccard vs full")
-    common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], [1024], 1, 0, "runs/eval-fidelity")
+    common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], "runs/eval-fidelity", lengths=[1024],
+           equal_bytes=False)
     f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
 
     lb = sub.add_parser("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
-    common(lb, "full,snapkv", [0.2], [], 1, 0, "runs/eval-longbench")
+    common(lb, "full,snapkv", [0.2], "runs/eval-longbench", batch=1, equal_bytes=False)
     lb.add_argument("--data", required=True, help="folder of LongBench jsonl files, or the hub id THUDM/LongBench")
     lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
     lb.add_argument("--samples", type=int, default=8, help="examples per dataset")

@@ -73,3 +73,20 @@ def test_token_budget_above_context(tiny, monkeypatch, capsys, tmp_path):
 
     with pytest.raises(ValueError, match="--budgets=1000 tokens exceeds the model context of 128"):
         runner.run(tiny, [], ["snapkv"], [1000], progress=False)
+
+
+@pytest.mark.parametrize("argv", [["perplexity", "--lengths", "512"], ["perplexity", "--seed", "1"],
+                                  ["perplexity", "--max-new-tokens", "8"], ["fidelity", "--batch", "2"],
+                                  ["longbench", "--data", "x", "--lengths", "512"],
+                                  ["fidelity", "--equal-bytes", "snapkv"]])
+def test_eval_refuses_options_its_task_does_not_use(argv, capsys):
+    """An option a subcommand would ignore is a usage error naming it, not silently dropped."""
+    code, err = _exit_code(eval_cli.main, argv, capsys)
+    assert code == 2 and "unrecognized arguments" in err and argv[-2] in err
+
+
+def test_eval_equal_bytes_is_checked_before_loading_the_model(capsys, tmp_path):
+    missing = str(tmp_path / "no-model")  # would raise FileNotFoundError if the model were loaded first
+    code = eval_cli.main(["needle", "--model", missing, "--methods", "full,snapkv", "--equal-bytes", "h2o"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--equal-bytes 'h2o'" in err and "snapkv" in err and "no-model" not in err
