@@ -195,15 +195,13 @@ def markdown_table(results: dict[str, Any]) -> str:
 def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
     """Per task (columns): score vs budget (top; one line per method, ``full`` a dashed horizontal line) and
     score vs measured cache KiB per sequence (bottom; where rows record memory)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (e.g. a notebook's inline) is untouched
 
     summary = summarise(results)
     memory = summarise_memory(results)
     tasks = _tasks(results)
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.6), squeeze=False)
+    fig = Figure(figsize=(5 * len(tasks), 7.6))
+    axes = fig.subplots(2, len(tasks), squeeze=False)
     for ax, kax, task in zip(axes[0], axes[1], tasks):
         by_method = collections.defaultdict(list)
         for (t, m, b), v in summary.items():
@@ -237,7 +235,6 @@ def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -246,18 +243,16 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
     rows = [r for r in results["rows"] if r["task"] == "needle"]
     if not rows:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure
 
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     configs = [c for c in _configs(results) if any(_config(r) == c for r in rows)]
     cols = min(4, len(configs))
     nrows = -(-len(configs) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 2.8 * nrows), squeeze=False)
+    fig = Figure(figsize=(3.2 * cols + 1, 2.8 * nrows))
+    axes = fig.subplots(nrows, cols, squeeze=False)
     for ax in axes.flat[len(configs):]:
         ax.axis("off")
     for ax, (m, b) in zip(axes.flat, configs):
@@ -278,7 +273,6 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
