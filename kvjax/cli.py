@@ -8,6 +8,7 @@ with compressed caches, printing text, cache bytes and timings.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 import time
@@ -34,10 +35,27 @@ def budget_type(option: str = "--budget", many: bool = False):
 parse_budget = budget_type("--budget")
 
 
-def _method(name: str, budget):
+def parse_option(text: str) -> tuple[str, object]:
+    """``--option KEY=VALUE``: a method config field; VALUE is read as a Python literal (``8``, ``0.5``, ``True``,
+    ``None``, ``'max'``) and otherwise kept as a string (``kernels=runs/less-h2o``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} must be KEY=VALUE with KEY a method option, e.g. kernels=runs/less")
+    try:
+        return key.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key.strip(), value
+
+
+def _method(name: str, budget, options=()):
     from kvjax import methods
 
-    return methods.get(name) if name == "full" or budget is None else methods.get(name, budget=budget)
+    kw = dict(options)
+    if "budget" in kw:
+        raise ValueError("--option budget=... : set the budget with --budget")
+    if name != "full" and budget is not None:
+        kw["budget"] = budget
+    return methods.get(name, **kw)
 
 
 def _sampling(args):
@@ -54,7 +72,7 @@ def cmd_generate(args) -> int:
 
     model = kvjax.load_model(args.model)
     print(f"[kvjax] loaded {args.model} in {model.load_seconds:.1f}s", file=sys.stderr)
-    method = _method(args.method, args.budget)
+    method = _method(args.method, args.budget, args.option)
     engine.check_method(model.config, method)  # here: engine.stream generates in a thread
     chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
     t0 = time.perf_counter()
@@ -114,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
     g.add_argument("--method", default="full", help="cache method (kvjax.methods.names())")
     g.add_argument("--budget", type=parse_budget, default=None, help="fraction of the prompt (0.2) or tokens (256)")
+    g.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="another option of the method's config, repeatable (e.g. --option kernels=runs/less-h2o "
+                        "for trained LESS kernels, --option chunk_size=10)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

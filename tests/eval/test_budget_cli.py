@@ -90,3 +90,21 @@ def test_eval_equal_bytes_is_checked_before_loading_the_model(capsys, tmp_path):
     code = eval_cli.main(["needle", "--model", missing, "--methods", "full,snapkv", "--equal-bytes", "h2o"])
     err = capsys.readouterr().err
     assert code == 2 and "--equal-bytes 'h2o'" in err and "snapkv" in err and "no-model" not in err
+
+
+def test_kvjax_generate_method_options(capsys, tmp_path):
+    """``kvjax generate --option KEY=VALUE`` sets any field of the method's config (literals parsed, paths kept)."""
+    args = kvjax_cli.build_parser().parse_args(
+        ["generate", "--prompt", "hi", "--method", "chunkkv", "--budget", "0.3", "--option", "chunk_size=4",
+         "--option", "mode='paper_literal'"])
+    m = kvjax_cli._method(args.method, args.budget, args.option)
+    assert (m.chunk_size, m.mode, m.budget) == (4, "paper_literal", 0.3)
+    missing = tmp_path / "no-kernels"
+    with pytest.raises(FileNotFoundError, match="no-kernels"):  # the path reaches LESS's kernel loading
+        kvjax_cli._method("less", 24, [kvjax_cli.parse_option(f"kernels={missing}")])
+    with pytest.raises(ValueError, match="chunk_sise"):
+        kvjax_cli._method("chunkkv", 0.2, [("chunk_sise", 4)])
+    with pytest.raises(ValueError, match="--budget"):
+        kvjax_cli._method("snapkv", None, [("budget", 0.2)])
+    code, err = _exit_code(kvjax_cli.build_parser().parse_args, ["generate", "--prompt", "x", "--option", "4"], capsys)
+    assert code == 2 and "--option" in err and "KEY=VALUE" in err
