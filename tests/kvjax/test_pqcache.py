@@ -445,8 +445,10 @@ def test_bucket_invariance_layer(hq, budget):
     assert [method.split(n) for n in lengths] == list(zip(np.asarray(ws).tolist(), np.asarray(ks).tolist()))
 
 
+@pytest.mark.slow
 def test_bucket_invariance_greedy(tiny):
-    """Greedy tokens of the same prompts with prompt_len = bucket, 2x, 4x are identical (scan driver)."""
+    """Greedy tokens of the same prompts with prompt_len = bucket, 2x, 4x are identical (scan driver). Slow: the
+    budget-contract test checks the same (buckets 64/128/256, greedy tokens) for every method by default."""
     ps = prompts([40, 23, 33], seed=3)
     method = methods.get("pqcache", budget=0.3, sink=3, bits=3, iters=4)
     toks = [engine.generate(tiny, ps, method, max_new_tokens=6, driver="scan", stop_at_eos=False,
