@@ -96,4 +96,3 @@ def install(python: str = sys.executable) -> None:
     subprocess.run(
         [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", *WHEELS], check=True
     )
-

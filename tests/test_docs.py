@@ -53,8 +53,9 @@ def rel(p: Path) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Markdown: code stripping, headings and GitHub's anchor slugs.
 
-def strip_code(text: str) -> str:
-    """Markdown without fenced code blocks and inline code spans (links there are not links)."""
+def strip_code_blocks_only(text: str) -> str:
+    """Markdown with fenced code blocks blanked (line numbers kept; headings keep their inline code, which GitHub
+    renders as text)."""
     out, fence = [], None
     for line in text.splitlines():
         m = re.match(r"^\s{0,3}(`{3,}|~{3,})", line)
@@ -67,8 +68,14 @@ def strip_code(text: str) -> str:
                 fence = None
             out.append("")
             continue
-        out.append(re.sub(r"(`+)(?:(?!\1).)+?\1", "", line))
+        out.append(line)
     return "\n".join(out)
+
+
+def strip_code(text: str) -> str:
+    """Markdown without fenced code blocks and inline code spans (links there are not links)."""
+    return "\n".join(re.sub(r"(`+)(?:(?!\1).)+?\1", "", line)
+                     for line in strip_code_blocks_only(text).splitlines())
 
 
 def github_slug(heading: str) -> str:
@@ -97,22 +104,6 @@ def anchors_of(text: str) -> set[str]:
         out.add(slug if n == 0 else f"{slug}-{n}")
     out |= set(re.findall(r"<[^>]+\b(?:id|name)=[\"']([^\"']+)[\"']", text))
     return out
-
-
-def strip_code_blocks_only(text: str) -> str:
-    """Markdown without fenced code blocks (headings keep their inline code, which GitHub renders as text)."""
-    out, fence = [], None
-    for line in text.splitlines():
-        m = re.match(r"^\s{0,3}(`{3,}|~{3,})", line)
-        if fence is None and m:
-            fence = m.group(1)
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence[0] * len(fence)) and not line.strip().strip(fence[0]):
-                fence = None
-            continue
-        out.append(line)
-    return "\n".join(out)
 
 
 def notebook_markdown(path: Path) -> str:
