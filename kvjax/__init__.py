@@ -3,13 +3,16 @@
 Public API: :func:`load_model` (Hugging Face folders and hub ids, GGUF files, and the embedded default
 ``"smollm2-135m-instruct"``), :func:`generate`, :mod:`kvjax.methods` (``kvjax.methods.get("snapkv",
 budget=0.2)``), :mod:`kvjax.engine` (prefill / decode_step / run_loop for your own loops), :mod:`kvjax.budget`,
-:class:`Model`, :class:`ModelConfig`, and the pure model functions in :mod:`kvjax.model`.
+:class:`Model`, :class:`ModelConfig`, the pure model functions in :mod:`kvjax.model`, and :mod:`kvjax.sharding`
+(:func:`shard` a model over a ``("data", "model")`` mesh, or ``load_model(..., mesh=...)``).
 """
 
-from kvjax import budget, engine, methods, model
+from kvjax import budget, engine, methods, model, sharding
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.engine import generate
 from kvjax.loading import Model, load_model
+from kvjax.sharding import shard
 
-__all__ = ["Model", "ModelConfig", "RopeConfig", "budget", "engine", "generate", "load_model", "methods", "model"]
+__all__ = ["Model", "ModelConfig", "RopeConfig", "budget", "engine", "generate", "load_model", "methods", "model",
+           "shard", "sharding"]
 __version__ = "0.1.0"

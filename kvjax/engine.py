@@ -10,6 +10,10 @@
 Shapes are fixed by (batch, prompt bucket, ``max_new_tokens``, method): the loops compile once per bucket
 and never retrace (``TRACE_COUNTS`` counts traces, for tests). Capacity is decided up front; a prompt longer
 than the bucket or the model context is an error, never truncated.
+
+Sharded (:mod:`kvjax.sharding`): every function takes ``mesh`` (static; ``generate`` uses ``model.mesh``). The
+states are created split over the mesh, each layer's new state is pinned to its sharding (batch over ``data``,
+KV heads over ``model``) and q/k/v to theirs, and the SPMD partitioner splits the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import model as M
+from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.sampling import Greedy
@@ -39,12 +44,23 @@ def bucket_length(n: int) -> int:
     return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
 
 
-def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) -> tuple:
-    """Empty per-layer states ``(layer 0, ..., layer L-1)`` of ``method`` at ``capacity``."""
-    return tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
+def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype, mesh=None) -> tuple:
+    """Empty per-layer states ``(layer 0, ..., layer L-1)`` of ``method`` at ``capacity``; with a ``mesh``,
+    created split over it (batch over ``data``, KV heads over ``model``)."""
+    make = lambda: tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
+    if mesh is None:
+        return make()
+    S.check_mesh(mesh, cfg, batch)
+    shardings = tuple(S.state_shardings(method, st, mesh) for st in jax.eval_shape(make))
+    return jax.jit(make, out_shardings=shardings)()
 
 
-def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
+def _qkv(mesh, q, k, v):
+    """Pin q ``[B, Hq, ...]`` and k, v ``[B, Hkv, ...]`` to batch over ``data`` and heads over ``model``."""
+    return tuple(S.constrain(x, mesh, S.DATA, S.MODEL) for x in (q, k, v))
+
+
+def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states, mesh=None):
     """tokens ``[B, T]`` right-padded, lengths ``[B]`` -> (states, logits ``[B, V]`` at each last token)."""
     TRACE_COUNTS["prefill"] += 1
     b, t = tokens.shape
@@ -52,8 +68,10 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
     reuse = method.reuses_previous_layer  # declared capability (ChunkKV's index reuse)
 
     def attend(layer, x, q, k, v, new_states):
+        q, k, v = _qkv(mesh, q, k, v)
         previous = new_states[-1] if (reuse and new_states) else None
         st = method.prefill(states[layer], layer, q, k, v, lengths, previous=previous)
+        st = S.constrain_state(method, st, mesh)
         return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), new_states + (st,)
 
     x, new_states = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
@@ -61,13 +79,14 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states):
     return new_states, M.logits(cfg, params, last)[:, 0]
 
 
-def _decode_step(cfg: ModelConfig, method, params, states, token, pos):
+def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None):
     """token, pos ``[B]`` -> (logits ``[B, V]``, states)."""
     TRACE_COUNTS["decode_step"] += 1
 
     def attend(layer, x, q, k, v, new_states):
-        out, st = method.decode(states[layer], layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos)
-        return out[:, :, None], new_states + (st,)
+        q, k, v = _qkv(mesh, q[:, :, 0], k[:, :, 0], v[:, :, 0])
+        out, st = method.decode(states[layer], layer, q, k, v, pos)
+        return out[:, :, None], new_states + (S.constrain_state(method, st, mesh),)
 
     x, new_states = M.run_layers(cfg, params, M.embed(params, token[:, None]), pos[:, None], attend, ())
     return M.logits(cfg, params, x)[:, 0], new_states
@@ -82,6 +101,7 @@ class DecodeLoop:
     sampling: Any
     max_new_tokens: int
     eos: tuple[int, ...]
+    mesh: Any = None
 
 
 @struct.dataclass
@@ -100,7 +120,7 @@ class DecodeCarry:
 
 def _loop_body(loop: DecodeLoop, params, c: DecodeCarry) -> DecodeCarry:
     key, sub = jax.random.split(c.key)
-    logits, states = _decode_step(loop.cfg, loop.method, params, c.states, c.token, c.pos)
+    logits, states = _decode_step(loop.cfg, loop.method, params, c.states, c.token, c.pos, loop.mesh)
     nxt = jnp.where(c.done, c.token, loop.sampling(logits, sub))
     out = jax.lax.dynamic_update_slice(c.out, nxt[:, None], (0, c.step))
     is_eos = jnp.isin(nxt, jnp.asarray(loop.eos, jnp.int32)) if loop.eos else jnp.zeros_like(c.done)
@@ -127,11 +147,12 @@ def run_loop(loop: DecodeLoop, driver: str, params, states, first, lengths, key)
     return carry.out, carry.step, carry.states
 
 
-_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), donate_argnums=(5,))
-_step_jit = jax.jit(_decode_step, static_argnums=(0, 1), donate_argnums=(3,))
+_prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("mesh",), donate_argnums=(5,))
+_step_jit = jax.jit(_decode_step, static_argnums=(0, 1), static_argnames=("mesh",), donate_argnums=(3,))
 #: Public, jitted building blocks for users' own loops (states are donated):
-#: ``prefill(cfg, method, params, tokens [B,T], lengths [B], states) -> (states, logits [B,V])`` and
-#: ``decode_step(cfg, method, params, states, token [B], pos [B]) -> (logits [B,V], states)``.
+#: ``prefill(cfg, method, params, tokens [B,T], lengths [B], states, mesh=None) -> (states, logits [B,V])`` and
+#: ``decode_step(cfg, method, params, states, token [B], pos [B], mesh=None) -> (logits [B,V], states)``.
+#: With a mesh, pass sharded params (:func:`kvjax.shard`) and states (``init_states(..., mesh=mesh)``).
 prefill = _prefill_jit
 decode_step = _step_jit
 
@@ -253,21 +274,23 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()
-    states = init_states(cfg, method, len(ids), capacity, model.dtype)
+    mesh = model.mesh
+    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh)
+    tokens_d, lengths_d = S.put_batch(jnp.asarray(tokens), mesh), S.put_batch(jnp.asarray(lengths), mesh)
 
     t0 = time.perf_counter()
-    states, logits = _prefill_jit(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    states, logits = _prefill_jit(cfg, method, model.params, tokens_d, lengths_d, states, mesh=mesh)
     key, sub = jax.random.split(jax.random.PRNGKey(seed))
     first = sampling(logits, sub)
     first.block_until_ready()
     t1 = time.perf_counter()
     cache_bytes = memory_bytes(method, states)
     held_prefill = tokens_held(method, states)
-    loop = DecodeLoop(cfg, method, sampling, max_new_tokens, eos)
+    loop = DecodeLoop(cfg, method, sampling, max_new_tokens, eos, mesh)
     if driver == "python":
-        out, steps, states = _python_loop(loop, model.params, states, first, jnp.asarray(lengths), key, on_token)
+        out, steps, states = _python_loop(loop, model.params, states, first, lengths_d, key, on_token)
     else:
-        out, steps, states = run_loop(loop, driver, model.params, states, first, jnp.asarray(lengths), key)
+        out, steps, states = run_loop(loop, driver, model.params, states, first, lengths_d, key)
         out = np.asarray(out)
         steps = int(steps)
     t2 = time.perf_counter()
@@ -303,14 +326,14 @@ def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token
     step = 1
     while step < loop.max_new_tokens and not done.all():
         key, sub = jax.random.split(key)
-        logits, states = _step_jit(loop.cfg, loop.method, params, states, token, pos)
+        logits, states = _step_jit(loop.cfg, loop.method, params, states, token, pos, mesh=loop.mesh)
         nxt = np.asarray(loop.sampling(logits, sub))
         nxt = np.where(done, np.asarray(token), nxt)
         out[:, step] = nxt
         done |= np.isin(nxt, eos)
         if on_token is not None:
             on_token(step, nxt)
-        token, pos = jnp.asarray(nxt), pos + 1
+        token, pos = S.put_batch(jnp.asarray(nxt), loop.mesh), pos + 1
         step += 1
     return out, step, states
 

@@ -36,6 +36,8 @@ class Model:
     tokenizer: "Tokenizer | None"
     name: str
     load_seconds: float = 0.0
+    #: The ``jax.sharding.Mesh`` the params are split over (:mod:`kvjax.sharding`), or None (one device).
+    mesh: Any = None
 
     @property
     def dtype(self):
@@ -78,18 +80,26 @@ def _download(repo_id: str) -> Path:
             "where the hub is reachable and pass the local folder") from e
 
 
-def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True) -> Model:
+def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mesh=None) -> Model:
     """Load a Llama-family model into kvjax.
 
     name_or_path: ``"smollm2-135m-instruct"`` (embedded default), a local HF folder, a ``.gguf`` file or a
     hub id. dtype: parameter dtype (default: :func:`default_dtype`). tokenizer: also load the tokenizer.
+    mesh: a ``jax.sharding.Mesh`` from :func:`kvjax.sharding.make_mesh` or a spec such as ``"data=2,model=4"``:
+    the params are placed tensor-parallel on it and everything that runs the model runs sharded
+    (:mod:`kvjax.sharding`). The mesh is checked against the model before any weight is read.
     """
+    if mesh is not None:
+        from kvjax import sharding
+
+        mesh = mesh if isinstance(mesh, sharding.Mesh) else sharding.make_mesh(mesh)
     dtype = default_dtype() if dtype is None else jnp.dtype(dtype)
     start = time.perf_counter()
     kind, path = _resolve(name_or_path)
     if kind == "gguf":
         reader = open_gguf(path)
         cfg = config_from_gguf(reader)
+        _check(mesh, cfg)
         params = load_gguf_params(reader, cfg, dtype)
         if tokenizer:
             from kvjax.tokenizer import GGUFTokenizer
@@ -99,6 +109,7 @@ def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True) -> 
             tok = None
     else:
         cfg = ModelConfig.from_json_file(path / "config.json")
+        _check(mesh, cfg)
         params = load_safetensors_params(path, cfg, dtype)
         check_shapes(cfg, params)
         has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
@@ -108,8 +119,17 @@ def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True) -> 
             tok = HFTokenizer(path)
         else:
             tok = None  # token ids only
+    if mesh is not None:
+        params = sharding.shard_params(cfg, params, mesh)
     jax.block_until_ready(params)
-    return Model(cfg, params, tok, str(name_or_path), time.perf_counter() - start)
+    return Model(cfg, params, tok, str(name_or_path), time.perf_counter() - start, mesh)
+
+
+def _check(mesh, cfg: ModelConfig) -> None:
+    if mesh is not None:
+        from kvjax import sharding
+
+        sharding.check_mesh(mesh, cfg)
 
 
 def info(model: Model) -> dict[str, Any]:

@@ -20,6 +20,9 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   v_ev, evicted))`` returns the attention partials and the KV pair evicted this step (LESS wraps such a policy).
 - ``bytes_read_per_step(state, num_heads) -> int``: the bytes one decode step of this layer reads (K/V blocks
   the decode-attention kernel's block plan visits, masks, codes, ...), beside ``memory_bytes``.
+- ``state_axes(state)``: the logical axes of each state leaf, for sharding (:mod:`kvjax.sharding`): by default a
+  leaf is batch-major and head-major, ``[B]`` -> ``("batch",)`` and ``[B, Hkv, ...]`` -> ``("batch",
+  "kv_heads")``; a method overrides it for leaves that are not (LESS's learned kernels are replicated).
 - ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
 - ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
   ``n``-token prompt holds after ``steps`` decode steps. The budget table of
@@ -52,6 +55,7 @@ from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
+from kvjax.sharding import BATCH, KV_HEADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,13 @@ class Method(abc.ABC):
         new token excluded). Only for methods that declare ``recalls``."""
         raise NotImplementedError(f"method {self.name!r} does not declare recalls; selected_positions is for the "
                                   "recall methods (pqcache, clusterkv, quest)")
+
+    def state_axes(self, state) -> Any:
+        """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
+        leaves ``("batch",)``, ``[B, Hkv, ...]`` leaves ``("batch", "kv_heads")`` (head-major, the layout every
+        method keeps). :mod:`kvjax.sharding` maps ``batch`` to the mesh axis ``data`` and ``kv_heads`` to ``model``;
+        override for leaves without a batch axis (they are then replicated)."""
+        return jax.tree.map(lambda x: default_axes(x.ndim), state)
 
     @abc.abstractmethod
     def bytes_read_per_step(self, state, num_heads: int) -> int:
@@ -177,13 +188,19 @@ def write_token(state: SlotCache, slot: jnp.ndarray, k, v, pos) -> SlotCache:
     """Write the new token ``k, v [B,Hkv,D]`` at position ``pos [B]`` into ``slot [B,Hkv]`` (in place); the fill
     count grows to cover it."""
     b, h = slot.shape
-    bi = jnp.arange(b)[:, None]
-    hi = jnp.arange(h)[None, :]
     return state.replace(
-        k=state.k.at[bi, hi, slot].set(k.astype(state.k.dtype)),
-        v=state.v.at[bi, hi, slot].set(v.astype(state.v.dtype)),
-        pos=state.pos.at[bi, hi, slot].set(jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32)),
+        k=set_slot(state.k, slot, k.astype(state.k.dtype)), v=set_slot(state.v, slot, v.astype(state.v.dtype)),
+        pos=set_slot(state.pos, slot, jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32)),
         length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
+
+
+def set_slot(buf: jnp.ndarray, slot: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:
+    """``buf[b, h, slot[b, h]] = x[b, h]`` for ``buf [B, H, S, ...]``, ``slot [B, H]``, ``x [B, H, ...]``: one
+    dynamic-update-slice per (sequence, head), vmapped, so batch and head stay batching dimensions of the scatter
+    and a buffer split over them (:mod:`kvjax.sharding`) is updated where it lives (fancy indexing with iotas
+    made XLA all-gather the indices and updates)."""
+    one = lambda row, s, val: jax.lax.dynamic_update_index_in_dim(row, val, s, 0)
+    return jax.vmap(jax.vmap(one))(buf, slot, x)
 
 
 def evicting_budget(budget, n, most):
@@ -218,6 +235,11 @@ def slot_bytes_read(state: SlotCache, num_heads: int, extra_per_slot: int = 0) -
 def slot_tokens_held(state: SlotCache) -> jnp.ndarray:
     """``[B]`` float32: valid slots per sequence, mean over KV heads."""
     return jnp.mean(jnp.sum(state.valid, axis=-1), axis=-1).astype(jnp.float32)
+
+
+def default_axes(ndim: int) -> tuple:
+    """Logical axes of a batch-major, head-major state leaf of ``ndim`` dimensions (see ``Method.state_axes``)."""
+    return ((), (BATCH,))[ndim] if ndim < 2 else (BATCH, KV_HEADS)
 
 
 def tree_bytes(tree) -> int:

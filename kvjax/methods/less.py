@@ -398,6 +398,12 @@ class Less(Method):
             out = synthesize(part, self._phi(state.kernels, q), state.H, state.z)
         return out, state.replace(sparse=sparse, H=H, z=z)
 
+    def state_axes(self, state: LessState):
+        """The sparse part and ``H``, ``z`` are batch- and head-major; the kernels (weights, no batch axis) are
+        replicated."""
+        axes = super().state_axes(state)
+        return axes.replace(kernels=jax.tree.map(lambda x: (), state.kernels))
+
     def memory_bytes(self, state: LessState) -> int:
         """Sparse cache + ``H`` + ``z`` (the kernel weights are model weights, like the LLM's, not cache)."""
         return tree_bytes(state.sparse) + tree_bytes((state.H, state.z))
