@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
+from kvjax import sharding
 
 __all__ = ["NEG_INF", "attend", "attend_with_weights", "merge", "normalise", "scores"]
 
@@ -37,10 +38,17 @@ def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block
     ``block_indices``: the slot blocks to visit. A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF``
     (it merges as an empty set). Routed through ``kernels_pallas.decode_attention.decode_attention``: ``impl``
     is ``"xla" | "pallas_tpu" | "pallas_gpu"`` or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX
-    reference on CPU).
+    reference on CPU). On a mesh (:mod:`kvjax.sharding`) the kernel runs per device on its sequences and heads.
     """
-    return decode_attention(q, k, v, valid=valid, lengths=lengths, bias=bias, block_indices=block_indices,
-                            block_size=block_size, impl=impl)
+    args = {"q": q, "k": k, "v": v, "valid": valid, "lengths": lengths, "bias": bias,
+            "block_indices": block_indices}
+    names = [n for n, a in args.items() if a is not None]
+    shared = [i for i, n in enumerate(names) if n == "block_indices" and block_indices.ndim == 2]  # [B, N]
+
+    def run(*xs):
+        return decode_attention(**dict(zip(names, xs)), block_size=block_size, impl=impl)
+
+    return sharding.per_head(run, *(args[n] for n in names), batch_only=shared)  # local on a mesh
 
 
 def attend_with_weights(q, k, v, valid, lengths=None):

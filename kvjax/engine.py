@@ -63,6 +63,11 @@ def _qkv(mesh, q, k, v):
 def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states, mesh=None):
     """tokens ``[B, T]`` right-padded, lengths ``[B]`` -> (states, logits ``[B, V]`` at each last token)."""
     TRACE_COUNTS["prefill"] += 1
+    with S.tracing(mesh):
+        return _prefill_body(cfg, method, params, tokens, lengths, states, mesh)
+
+
+def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     reuse = method.reuses_previous_layer  # declared capability (ChunkKV's index reuse)
@@ -82,7 +87,11 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states, mesh=Non
 def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None):
     """token, pos ``[B]`` -> (logits ``[B, V]``, states)."""
     TRACE_COUNTS["decode_step"] += 1
+    with S.tracing(mesh):
+        return _decode_body(cfg, method, params, states, token, pos, mesh)
 
+
+def _decode_body(cfg, method, params, states, token, pos, mesh):
     def attend(layer, x, q, k, v, new_states):
         q, k, v = _qkv(mesh, q[:, :, 0], k[:, :, 0], v[:, :, 0])
         out, st = method.decode(states[layer], layer, q, k, v, pos)

@@ -32,6 +32,7 @@ program (``scripts/multihost.py``, docs/architecture.md#multi-host).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -259,3 +260,31 @@ def put_batch(x, mesh: Mesh | None):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-head operations the partitioner does not split by itself
+
+def tracing(mesh: Mesh | None):
+    """Context for tracing a sharded program: makes ``mesh`` the abstract mesh :func:`per_head` splits over (a
+    no-op context without a mesh). The engine enters it inside its jitted functions."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def per_head(fn, *arrays, batch_only: Sequence[int] = ()):
+    """``fn(*arrays)`` run on each device's shard of the leading ``(batch, head)`` axes of every array and
+    output, under the mesh of :func:`tracing` (directly, without one). For operations that are independent per
+    sequence and head but that XLA's partitioner would gather whole (``lax.top_k`` gathers its operand; a Pallas
+    kernel is opaque to it). Arrays are ``[B, H, ...]`` (query heads or KV heads: a group's query heads are
+    contiguous, so splitting both ``model`` ways keeps each group with its KV head); the arrays at the positions
+    ``batch_only`` (and 1-D ones) are ``[B, ...]``. Outputs are ``[B, H, ...]``. The batch axis is split over
+    ``data`` and the head axis over ``model`` when they divide for every array (else that axis stays whole)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(AXES) <= set(mesh.axis_names) or mesh.size == 1:
+        return fn(*arrays)
+    dp, tp = mesh.shape[DATA], mesh.shape[MODEL]
+    headed = [i not in batch_only and a.ndim > 1 for i, a in enumerate(arrays)]
+    batch = DATA if all(a.shape[0] % dp == 0 for a in arrays) else None
+    heads = MODEL if all(a.shape[1] % tp == 0 for a, h in zip(arrays, headed) if h) else None
+    specs = tuple(P(batch, heads) if h else P(batch) for h in headed)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(batch, heads), check_vma=False)(*arrays)

@@ -55,6 +55,7 @@ from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
+from kvjax import sharding
 from kvjax.sharding import BATCH, KV_HEADS
 
 
@@ -187,20 +188,28 @@ def store_prompt(state: SlotCache, k, v, idx, ok, score=None, limit=None) -> Slo
 def write_token(state: SlotCache, slot: jnp.ndarray, k, v, pos) -> SlotCache:
     """Write the new token ``k, v [B,Hkv,D]`` at position ``pos [B]`` into ``slot [B,Hkv]`` (in place); the fill
     count grows to cover it."""
-    b, h = slot.shape
     return state.replace(
-        k=set_slot(state.k, slot, k.astype(state.k.dtype)), v=set_slot(state.v, slot, v.astype(state.v.dtype)),
-        pos=set_slot(state.pos, slot, jnp.broadcast_to(pos[:, None], (b, h)).astype(jnp.int32)),
+        k=rows_at(state.k, slot, k), v=rows_at(state.v, slot, v), pos=rows_at(state.pos, slot, pos[:, None]),
         length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
 
 
-def set_slot(buf: jnp.ndarray, slot: jnp.ndarray, x: jnp.ndarray) -> jnp.ndarray:
-    """``buf[b, h, slot[b, h]] = x[b, h]`` for ``buf [B, H, S, ...]``, ``slot [B, H]``, ``x [B, H, ...]``: one
-    dynamic-update-slice per (sequence, head), vmapped, so batch and head stay batching dimensions of the scatter
-    and a buffer split over them (:mod:`kvjax.sharding`) is updated where it lives (fancy indexing with iotas
-    made XLA all-gather the indices and updates)."""
-    one = lambda row, s, val: jax.lax.dynamic_update_index_in_dim(row, val, s, 0)
-    return jax.vmap(jax.vmap(one))(buf, slot, x)
+def rows_at(buf: jnp.ndarray, idx: jnp.ndarray, x, op: str = "set") -> jnp.ndarray:
+    """``buf[b, h].at[idx[b, h]].<op>(x[b, h])`` for every sequence ``b`` and head ``h`` (``op``: ``"set"``,
+    ``"add"``, ``"max"``, ...; out-of-range indices are dropped, as ``.at`` does). ``buf [B, H, S, ...]``; ``idx
+    [B, H]`` (one slot) or ``[B, H, K]``; ``x`` broadcastable to ``buf[b, h][idx[b, h]]`` per row.
+
+    Vmapped over ``(b, h)`` so the scatter keeps batch and head as batching dimensions: a buffer split over them
+    (:mod:`kvjax.sharding`) is updated where it lives. Fancy indexing with ``arange`` index arrays
+    (``buf.at[bi, hi, idx]``) made XLA all-gather the indices and updates, or the whole buffer."""
+    x = jnp.broadcast_to(jnp.asarray(x).astype(buf.dtype), idx.shape + buf.shape[3:])
+    one = lambda row, i, val: getattr(row.at[i], op)(val, mode="drop")
+    return jax.vmap(jax.vmap(one))(buf, idx, x)
+
+
+def top_k(x: jnp.ndarray, k: int):
+    """``jax.lax.top_k(x, k)`` of a batch-major, head-major ``x [B, H, ..., N]``, split per (sequence, head) on a
+    mesh (:func:`kvjax.sharding.per_head`: XLA's partitioner gathers a ``top_k`` operand whole otherwise)."""
+    return sharding.per_head(lambda y: jax.lax.top_k(y, k), x)
 
 
 def evicting_budget(budget, n, most):

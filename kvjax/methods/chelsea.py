@@ -59,7 +59,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
-from kvjax.methods.base import Capacity, Method, check_budget, tree_bytes
+from kvjax.methods.base import Capacity, Method, check_budget, rows_at, tree_bytes
 from kvjax.methods.csm import Round, csm_round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
@@ -379,12 +379,10 @@ class Chelsea(Method):
         g = hq // hkv
         comp, out = state.comp_heads, state.out_heads
         q4 = q.reshape(b, hkv, g, d)
-        bi = jnp.arange(b)[:, None]
-        hc = jnp.arange(len(comp))[None, :]
         slot = jnp.broadcast_to(state.length[:, None], (b, len(comp)))
-        kk = state.k.at[bi, hc, slot].set(_heads(k, comp).astype(state.k.dtype))
-        vv = state.v.at[bi, hc, slot].set(_heads(v, comp).astype(state.v.dtype))
-        n = state.n.at[bi, hc, slot].set(1.0)
+        kk = rows_at(state.k, slot, _heads(k, comp))
+        vv = rows_at(state.v, slot, _heads(v, comp))
+        n = rows_at(state.n, slot, 1.0)
         length = state.length + 1
         valid = n > 0
         bias = jnp.log(jnp.where(valid, n, 1.0))
@@ -396,10 +394,9 @@ class Chelsea(Method):
             o_c = jnp.zeros((b, 0, g, d), jnp.float32)
         new = state.replace(seen=(pos + 1).astype(jnp.int32))
         if out:
-            ho = jnp.arange(len(out))[None, :]
             p = jnp.broadcast_to(pos[:, None], (b, len(out)))
-            ko = state.ko.at[bi, ho, p].set(_heads(k, out).astype(state.ko.dtype))
-            vo = state.vo.at[bi, ho, p].set(_heads(v, out).astype(state.vo.dtype))
+            ko = rows_at(state.ko, p, _heads(k, out))
+            vo = rows_at(state.vo, p, _heads(v, out))
             ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])
             qo = _heads(q4, out).reshape(b, len(out) * g, d)
             o_o = attention.normalise(attention.attend(qo, ko, vo, ovalid, lengths=(pos + 1).astype(jnp.int32)))

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
-                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
+                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt, top_k)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
 
@@ -177,7 +177,7 @@ def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, m
     cvalid = (jnp.arange(nc) * c)[None, None, :] < limit[:, None, None]
     chunk_scores = jnp.where(cvalid, chunk_scores, NEG_INF)
     if kmax:
-        val, top = jax.lax.top_k(chunk_scores, kmax)  # [B, Hkv, kmax]
+        val, top = top_k(chunk_scores, kmax)  # [B, Hkv, kmax]
         keep = (jnp.arange(kmax)[None, None, :] < kchunks[:, None, None]) & (val > NEG_INF / 2)
         top = jnp.sort(jnp.where(keep, top, nc), axis=-1)  # original order; unused ranks sort last
         tok = (top[..., None] * c + jnp.arange(c)).reshape(b, h, kmax * c)  # [B, Hkv, kmax * c]

@@ -65,11 +65,11 @@ from flax import struct
 
 from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kernels_pallas.decode_attention import block_plan_bytes, default_impl
-from kvjax import attention
+from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, evicting_budget
+from kvjax.methods.base import Capacity, Method, evicting_budget, rows_at, top_k
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
@@ -248,12 +248,17 @@ class ClusterKV(Method):
         ``num`` clusters -> (mu ``[B, Hkv, num, D]``, labels ``[B, Hkv, L]`` with ``num`` for invalid rows)."""
         b, h, l, d = k.shape
         init = self.init_rows(layer, h, positions, valid, num)  # [B, Hkv, num]
-        x = k.reshape(b * h, l, d)
-        c0 = jnp.take_along_axis(k, init[..., None], axis=2).reshape(b * h, num, d)
+        c0 = jnp.take_along_axis(k, init[..., None], axis=2)  # [B, Hkv, num, D]
         cvalid = jnp.broadcast_to((jnp.arange(num)[None, :] < ncl[:, None])[:, None], (b, h, num))
-        vmask = jnp.broadcast_to(valid[:, None], (b, h, l)).reshape(b * h, l)
-        mu, labels, _ = cosine_kmeans(x, vmask, c0, cvalid.reshape(b * h, num), self.iters, self.impl)
-        return mu.reshape(b, h, num, d), labels.reshape(b, h, l)
+        vmask = jnp.broadcast_to(valid[:, None], (b, h, l))
+
+        def rows(x, vm, c, cv):  # one device's (sequences, KV heads) as rows of the k-means kernel
+            bb, hh = x.shape[:2]
+            mu, labels, _ = cosine_kmeans(x.reshape(bb * hh, l, d), vm.reshape(bb * hh, l),
+                                          c.reshape(bb * hh, num, d), cv.reshape(bb * hh, num), self.iters, self.impl)
+            return mu.reshape(bb, hh, num, d), labels.reshape(bb, hh, l)
+
+        return sharding.per_head(rows, k, vmask, c0, cvalid)
 
     @staticmethod
     def _csr(labels, num: int, base):
@@ -308,16 +313,16 @@ class ClusterKV(Method):
         s = jnp.einsum("bhgd,bhcd->bhgc", qg, state.mu, precision=jax.lax.Precision.HIGHEST)
         live = (state.csize > 0)[:, :, None, :]
         s = jnp.where(live, s, NEG_INF)  # empty clusters rank last (ties: the lower id first)
-        _, order = jax.lax.top_k(s, c)  # [B, Hkv, G', C] descending
+        _, order = top_k(s, c)  # [B, Hkv, G', C] descending
         sz = jnp.take_along_axis(jnp.broadcast_to(state.csize[:, :, None], s.shape), order, axis=-1)
         ps = jnp.cumsum(sz, axis=-1)
         ps0 = ps - sz
         j = jnp.arange(state.select, dtype=jnp.int32)
         # rank r of the cluster holding entry j: one marker at each non-empty cluster's first entry
-        marks = jax.vmap(lambda p0, z: jnp.zeros((state.select + 1,), jnp.int32)
-                         .at[jnp.minimum(p0, state.select)].add((z > 0).astype(jnp.int32)))(
-            ps0.reshape(-1, c), sz.reshape(-1, c))
-        r = (jnp.cumsum(marks[:, :-1], axis=-1) - 1).reshape(*s.shape[:3], state.select)
+        mark = lambda p0, z: (jnp.zeros((state.select + 1,), jnp.int32)  # noqa: E731
+                              .at[jnp.minimum(p0, state.select)].add((z > 0).astype(jnp.int32)))
+        marks = jax.vmap(jax.vmap(jax.vmap(mark)))(ps0, sz)  # per (b, h, g): no flattening across heads
+        r = jnp.cumsum(marks[..., :-1], axis=-1) - 1
         r = jnp.clip(r, 0, c - 1)
         cid = jnp.take_along_axis(order, r, axis=-1)
         off = j - jnp.take_along_axis(ps0, r, axis=-1)
@@ -362,10 +367,9 @@ class ClusterKV(Method):
             return _FULL.decode(state, layer, q, k, v, pos)
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
-        bi, hi, ti = jnp.arange(b)[:, None], jnp.arange(h)[None, :], t[:, None]
-        state = state.replace(k=self._place(state.k.at[bi, hi, ti].set(k.astype(state.k.dtype))),
-                              v=self._place(state.v.at[bi, hi, ti].set(v.astype(state.v.dtype))),
-                              pos=state.pos.at[bi, hi, ti].set(ti), filled=jnp.maximum(state.filled, t + 1))
+        ti = jnp.broadcast_to(t[:, None], (b, h))
+        state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
+                              pos=rows_at(state.pos, ti, ti), filled=jnp.maximum(state.filled, t + 1))
         slot, ok = self.select(state, q)
         kk, vv = self._gathered(state, slot)
         # gqa="query": [B, Hq, J, D] rows, one "KV head" per query head; group_mean: [B, Hkv, J, D], GQA-native
@@ -406,12 +410,11 @@ class ClusterKV(Method):
         ks = jnp.take_along_axis(kw, order[..., None], axis=2)
         vs = jnp.take_along_axis(vw, order[..., None], axis=2)
         ps = jnp.take_along_axis(pw, order, axis=2)
-        bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-        si = slots[:, None, :]
+        si = jnp.broadcast_to(slots[:, None, :], (b, h, m))
         at = state.c0 + state.windows * cp
         return state.replace(
-            k=self._place(state.k.at[bi, hi, si].set(ks)), v=self._place(state.v.at[bi, hi, si].set(vs)),
-            pos=state.pos.at[bi, hi, si].set(ps),
+            k=self._place(rows_at(state.k, si, ks)), v=self._place(rows_at(state.v, si, vs)),
+            pos=rows_at(state.pos, si, ps),
             mu=jax.lax.dynamic_update_slice_in_dim(state.mu, mu, at, axis=2),
             csize=jax.lax.dynamic_update_slice_in_dim(state.csize, size, at, axis=2),
             cstart=jax.lax.dynamic_update_slice_in_dim(state.cstart, start, at, axis=2),

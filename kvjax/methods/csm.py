@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.chunked_similarity import chunk_best_match
+from kvjax import sharding
+from kvjax.methods.base import rows_at, top_k
 
 #: r is handled in units of 1/RATIO_UNIT so host plans and traced merge counts agree exactly (integer math).
 RATIO_UNIT = 10000
@@ -131,14 +133,14 @@ def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merge
     km, vm, nm = middle(k), middle(v), middle(n)
     slot = n_sink + jnp.arange(p * chunk)
     valid = jnp.broadcast_to(slot[None, None, :] < jnp.asarray(length - n_recent)[:, None, None], (b, h, p * chunk))
-    best, jst = chunk_best_match(km, valid, chunk, impl=impl)  # [B, H, P, c/2]
+    best, jst = sharding.per_head(lambda x, ok: chunk_best_match(x, ok, chunk, impl=impl), km, valid)  # [B,H,P,c/2]
 
     # Global top-m edges per head; the first merges[b] of the static max_merges are taken.
     sel = jnp.zeros((b, h, p * half), bool)
     if max_merges > 0:
-        _, top = jax.lax.top_k(best.reshape(b, h, p * half), max_merges)  # ties: lower index first
+        _, top = top_k(best.reshape(b, h, p * half), max_merges)  # ties: lower index first
         ok = jnp.arange(max_merges)[None, None, :] < merges[:, None, None]
-        sel = sel.at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], top].set(ok)
+        sel = rows_at(sel, top, ok)
     sel = sel.reshape(b, h, p, half)
 
     kc = km.reshape(b, h, p, half, 2, d).astype(jnp.float32)
@@ -147,11 +149,12 @@ def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merge
     nc = nm.reshape(b, h, p, half, 2)
     ka, kb, va, vb, na, nb = kc[..., 0, :], kc[..., 1, :], vc[..., 0, :], vc[..., 1, :], nc[..., 0], nc[..., 1]
     w = jnp.where(sel, na, 0.0)  # counts moved from each selected A token to its B partner
-    # Scatter-add into the B rows: flat destination index of every A row's partner.
-    rows = (jnp.arange(b * h * p).reshape(b, h, p, 1) * half + jst).reshape(-1)
-    nb2 = nb.reshape(-1).at[rows].add(w.reshape(-1)).reshape(b, h, p, half)
-    kb_sum = (nb[..., None] * kb).reshape(-1, d).at[rows].add((w[..., None] * ka).reshape(-1, d))
-    vb_sum = (nb[..., None] * vb).reshape(-1, dv).at[rows].add((w[..., None] * va).reshape(-1, dv))
+    # Scatter-add into the B rows: each A row's partner, as an index into its (sequence, head)'s P * c/2 B rows.
+    rows = (jnp.arange(p)[:, None] * half + jst).reshape(b, h, p * half)
+    flat = lambda x: x.reshape(b, h, p * half, *x.shape[4:])
+    nb2 = rows_at(flat(nb), rows, flat(w), "add").reshape(b, h, p, half)
+    kb_sum = rows_at(flat(nb[..., None] * kb), rows, flat(w[..., None] * ka), "add")
+    vb_sum = rows_at(flat(nb[..., None] * vb), rows, flat(w[..., None] * va), "add")
     denom = jnp.where(nb2 > 0, nb2, 1.0)[..., None]
     kb2 = jnp.where(nb2[..., None] > 0, kb_sum.reshape(b, h, p, half, d) / denom, kb)
     vb2 = jnp.where(nb2[..., None] > 0, vb_sum.reshape(b, h, p, half, dv) / denom, vb)
@@ -175,8 +178,7 @@ def compact(k, v, n, out_slots: int):
     b, h, s, d = k.shape
     keep = n > 0
     tgt = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, out_slots)
-    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-    ko = jnp.zeros((b, h, out_slots, d), k.dtype).at[bi, hi, tgt].set(k, mode="drop")
-    vo = jnp.zeros((b, h, out_slots, v.shape[-1]), v.dtype).at[bi, hi, tgt].set(v, mode="drop")
-    no = jnp.zeros((b, h, out_slots), n.dtype).at[bi, hi, tgt].set(n, mode="drop")
+    ko = rows_at(jnp.zeros((b, h, out_slots, d), k.dtype), tgt, k)
+    vo = rows_at(jnp.zeros((b, h, out_slots, v.shape[-1]), v.dtype), tgt, v)
+    no = rows_at(jnp.zeros((b, h, out_slots), n.dtype), tgt, n)
     return ko, vo, no

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
 from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
-                                slot_bytes_read, slot_tokens_held, store_prompt, write_token)
+                                rows_at, slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 from kvjax.methods.select import accumulated_scores, topk_with_window
 
 
@@ -74,8 +74,7 @@ class H2O(Method):
         # The spare slot: an empty one always exists in [0, limit] before the write (<= limit tokens held).
         slot = jnp.argmax(state.pos < 0, axis=-1).astype(jnp.int32)  # [B, Hkv]
         state = write_token(state, slot, k, v, pos)
-        bi, hi = jnp.arange(b)[:, None], jnp.arange(h)[None, :]
-        state = state.replace(score=state.score.at[bi, hi, slot].set(0.0))
+        state = state.replace(score=rows_at(state.score, slot, 0.0))
         valid = state.pos >= 0
         part, probs = attention.attend_with_weights(q, state.k, state.v, valid, state.length)
         score = state.score + probs.mean(axis=2)  # [B, Hkv, S]
@@ -86,8 +85,7 @@ class H2O(Method):
         over = (valid.sum(-1) > state.limit[:, None]) & cand.any(-1)
         vpos = jnp.where(over, -1, jnp.take_along_axis(state.pos, victim[..., None], -1)[..., 0])
         vscore = jnp.where(over, 0.0, jnp.take_along_axis(score, victim[..., None], -1)[..., 0])
-        state = state.replace(pos=state.pos.at[bi, hi, victim].set(vpos),
-                              score=score.at[bi, hi, victim].set(vscore))
+        state = state.replace(pos=rows_at(state.pos, victim, vpos), score=rows_at(score, victim, vscore))
         ek = jnp.take_along_axis(state.k, victim[..., None, None], axis=2)[:, :, 0]
         ev = jnp.take_along_axis(state.v, victim[..., None, None], axis=2)[:, :, 0]
         return part, state, (ek, ev, over)

@@ -74,10 +74,10 @@ from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
-from kvjax import attention
+from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, tree_bytes
+from kvjax.methods.base import Capacity, Method, rows_at, top_k, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
@@ -117,8 +117,7 @@ def _host_sharding():
 def _rows_mask(idx, ok, s: int) -> jnp.ndarray:
     """``[B, Hkv, S]`` bool: the slots ``idx [B, Hkv, N]`` whose ``ok`` is set."""
     b, h = idx.shape[:2]
-    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None]
-    return jnp.zeros((b, h, s), bool).at[bi, hi, idx].max(ok)
+    return rows_at(jnp.zeros((b, h, s), bool), idx, ok, "max")
 
 
 def _int32_fraction(f: Fraction) -> tuple[int, int]:
@@ -268,7 +267,8 @@ class PQCache(Method):
         qs = q.astype(jnp.float32).reshape(b, h, hq // h, self.m, d // self.m)
         lut = jnp.einsum("bhgid,bhicd->bhgic", qs, state.centroids, precision=jax.lax.Precision.HIGHEST)
         lengths = state.filled if lengths is None else lengths
-        return pq_lookup(lut, state.codes, lengths, impl=self.impl)[..., :s]
+        lookup = lambda t, c, n: pq_lookup(t, c, n, impl=self.impl)  # noqa: E731  (per device on a mesh)
+        return sharding.per_head(lookup, lut, state.codes, lengths)[..., :s]
 
     def select(self, state: PQState, q, t):
         """Retrieved slots ``idx [B, Hkv, k_max]`` int32 and ``ok`` bool (note §8.7). t ``[B]`` = new position.
@@ -290,7 +290,7 @@ class PQCache(Method):
             p = jnp.where(cand, p, 0.0)
             agg = (p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)).sum(axis=2)
         agg = jnp.where(cand[:, :, 0], agg, NEG_INF)  # [B, Hkv, S - sink]
-        vals, idx = jax.lax.top_k(agg, state.topk)
+        vals, idx = top_k(agg, state.topk)
         ok = (jnp.arange(state.topk)[None, None, :] < kk[:, None, None]) & (vals > NEG_INF / 2)
         return (idx + sink).astype(jnp.int32), ok
 
@@ -299,11 +299,11 @@ class PQCache(Method):
         ``[B, Hkv, D]``; pos ``[B]`` -> (out ``[B, Hq, D]`` float32, state)."""
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
-        bi, hi, ti = jnp.arange(b)[:, None], jnp.arange(h)[None, :], t[:, None]
+        ti = jnp.broadcast_to(t[:, None], (b, h))
         code = self.encode(state.centroids, k)  # [B, Hkv, m]
-        state = state.replace(k=self._place(state.k.at[bi, hi, ti].set(k.astype(state.k.dtype))),
-                              v=self._place(state.v.at[bi, hi, ti].set(v.astype(state.v.dtype))),
-                              codes=state.codes.at[bi, hi, :, ti].set(code),
+        codes = jnp.swapaxes(rows_at(jnp.swapaxes(state.codes, 2, 3), ti, code), 2, 3)  # [B, Hkv, m, S]
+        state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
+                              codes=codes,
                               filled=jnp.maximum(state.filled, t + 1))
         idx, ok = self._attended_rows(state, q, t)
         idx = jnp.concatenate([idx, jnp.broadcast_to(t[:, None, None], (b, h, 1))], axis=-1)  # + the new token

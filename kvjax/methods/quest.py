@@ -68,7 +68,8 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import budget_tokens, check_budget
-from kvjax.methods.base import Capacity, Method, SlotCache, slot_bytes_read, slot_tokens_held
+from kvjax.methods.base import (Capacity, Method, SlotCache, rows_at, slot_bytes_read, slot_tokens_held,
+                               top_k)
 from kvjax.methods.full import Full
 
 _FULL = Full()
@@ -216,7 +217,7 @@ class Quest(Method):
         score = jnp.mean(self.page_scores(state, q), axis=2)  # [B, Hkv, n_pages]: group mean (kvjax's GQA rule)
         cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
         score = jnp.where(cand, score, -jnp.inf)
-        _, idx = jax.lax.top_k(score, state.topk)  # ties: the lower page index first
+        _, idx = top_k(score, state.topk)  # ties: the lower page index first
         ok = jnp.arange(state.topk)[None, None, :] < keep[:, None, None]
         return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)
 
@@ -228,14 +229,14 @@ class Quest(Method):
         b, h, _ = k.shape
         ps = self.page_size
         t = pos.astype(jnp.int32)
-        bi, hi, ti, ci = jnp.arange(b)[:, None], jnp.arange(h)[None, :], t[:, None], (t // ps)[:, None]
+        ti, ci = jnp.broadcast_to(t[:, None], (b, h)), jnp.broadcast_to((t // ps)[:, None], (b, h))
         kn = k.astype(state.kmin.dtype)
         opens = (t % ps == 0)[:, None, None]  # the new token opens its page: no earlier token in it
-        kmin = jnp.where(opens, kn, jnp.minimum(state.kmin[bi, hi, ci], kn))
-        kmax = jnp.where(opens, kn, jnp.maximum(state.kmax[bi, hi, ci], kn))
-        state = state.replace(k=state.k.at[bi, hi, ti].set(k.astype(state.k.dtype)),
-                              v=state.v.at[bi, hi, ti].set(v.astype(state.v.dtype)),
-                              kmin=state.kmin.at[bi, hi, ci].set(kmin), kmax=state.kmax.at[bi, hi, ci].set(kmax),
+        page = lambda x: jnp.take_along_axis(x, ci[:, :, None, None], axis=2)[:, :, 0]  # [B, Hkv, D]
+        kmin = jnp.where(opens, kn, jnp.minimum(page(state.kmin), kn))
+        kmax = jnp.where(opens, kn, jnp.maximum(page(state.kmax), kn))
+        state = state.replace(k=rows_at(state.k, ti, k), v=rows_at(state.v, ti, v),
+                              kmin=rows_at(state.kmin, ci, kmin), kmax=rows_at(state.kmax, ci, kmax),
                               filled=jnp.maximum(state.filled, t + 1))
         pages = self.select_pages(state, q, t)
         part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,

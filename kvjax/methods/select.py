@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import NEG_INF
+from kvjax.methods.base import top_k
 
 
 def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
@@ -98,7 +99,7 @@ def topk_with_window(scores, lengths, budgets, window: int, slots: int, windows=
     cand = pos[None, None, :] < prefix
     masked = jnp.where(cand, scores, NEG_INF)
     if kmax:
-        val, top = jax.lax.top_k(masked, kmax)  # [B, H, kmax]
+        val, top = top_k(masked, kmax)  # [B, H, kmax]
         keep = (jnp.arange(kmax)[None, None, :] < (budgets - windows)[:, None, None]) & (val > NEG_INF / 2)
         top = jnp.sort(jnp.where(keep, top, t + slots), axis=-1)
         keep = top < t

@@ -1,0 +1,187 @@
+"""Sharded inference on 8 (fake) CPU devices against the same program on one device (kvjax.sharding).
+
+- Every registered method, on a tiny GQA model with 8 KV heads (split over ``model``) and with 2 KV heads
+  (replicated over ``model=4`` and ``model=8``), on meshes 1x8, 2x4 and 8x1: the prefill and every decode step give
+  logits within 1e-5 (fp32) of one device and the same greedy tokens.
+- ``generate`` on a sharded model equals one device, and its decode loop compiles once.
+- The compiled decode step's collectives, listed per method: only the tensor-parallel all-reduces of the hidden
+  state (two per layer, one for the vocabulary-split embedding) and scalars; no collective moves a cache buffer
+  (nothing with a slot axis).
+- Parameters and cache leaves are placed as documented; bad meshes give errors naming the axis and the fix.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kvjax
+from kvjax import engine, methods, sharding
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.methods.base import Capacity
+from kvjax.model import random_params
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: XLA_FLAGS="
+                                "--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
+
+MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
+SMALL_OPTIONS = {  # options that make the windowed methods compress at these lengths (as the budget contract)
+    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
+    "pqcache": dict(sink=2, bits=3),
+    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
+    "quest": dict(page_size=4, n_full=0),
+    "less": dict(hidden=16),
+}
+BATCH, BUCKET, STEPS = 8, 64, 6
+
+
+def method(name, budget=0.3):
+    opts = dict(SMALL_OPTIONS.get(name, {}))
+    if name != "full":
+        opts["budget"] = budget
+    return methods.get(name, **opts)
+
+
+def tiny(kv_heads: int, layers: int = 2) -> Model:
+    cfg = ModelConfig("llama", 256, 64, 128, layers, 8, kv_heads, 16, max_position_embeddings=512)
+    return Model(cfg, random_params(cfg, jax.random.PRNGKey(kv_heads), scale=0.15), None, f"tiny-kv{kv_heads}")
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {h: tiny(h) for h in (2, 8)}
+
+
+def prompts(seed=0):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(1, 255, size=n)) for n in (40, 17, 55, 33, 64, 9, 48, 26)]
+
+
+def run_steps(model: Model, m, ids, mesh=None):
+    """Prefill and STEPS greedy decode steps through the public jitted functions: (logits per step, tokens)."""
+    cfg = model.config
+    tokens, lengths = engine.pad_prompts(ids, BUCKET)
+    states = engine.init_states(cfg, m, len(ids), Capacity(BUCKET, STEPS + 1), model.dtype, mesh)
+    tokens, lengths = sharding.put_batch(jnp.asarray(tokens), mesh), sharding.put_batch(jnp.asarray(lengths), mesh)
+    states, logits = engine.prefill(cfg, m, model.params, tokens, lengths, states, mesh=mesh)
+    out, pos = [np.asarray(logits)], lengths
+    for _ in range(STEPS):
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, states = engine.decode_step(cfg, m, model.params, states, tok, pos, mesh=mesh)
+        out.append(np.asarray(logits))
+        pos = pos + 1
+    return np.stack(out), np.argmax(np.stack(out), axis=-1), states
+
+
+@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_every_mesh_matches_one_device(models, name, kv_heads):
+    model, m, ids = models[kv_heads], method(name), prompts()
+    ref_logits, ref_tokens, _ = run_steps(model, m, ids)
+    assert len(set(ref_tokens.ravel().tolist())) > 4  # the tokens depend on the input (no collapse)
+    for spec in MESHES:
+        mesh = sharding.make_mesh(spec)
+        logits, tokens, states = run_steps(kvjax.shard(model, mesh), m, ids, mesh)
+        np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5, err_msg=f"{name} on {spec}")
+        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{name} on {spec}")
+        k = jax.tree.leaves(states[-1])[0]  # every layer's first leaf: k [B, Hkv, S, D]
+        want = P(*(("data" if mesh.shape["data"] > 1 else None),
+                   ("model" if kv_heads % mesh.shape["model"] == 0 and mesh.shape["model"] > 1 else None)))
+        assert tuple(k.sharding.spec)[:2] == tuple(want) + (None,) * (2 - len(want)), (name, spec, k.sharding)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "chelsea"])
+def test_generate_on_a_sharded_model_equals_one_device_and_compiles_once(models, name):
+    model, m, ids = models[8], method(name), prompts(1)
+    ref = engine.generate(model, ids, m, max_new_tokens=8, stop_at_eos=False).tokens
+    sharded = kvjax.shard(model, "data=2,model=4")
+    assert engine.generate(sharded, ids, m, max_new_tokens=8, stop_at_eos=False).tokens == ref
+    before = dict(engine.TRACE_COUNTS)
+    again = engine.generate(sharded, prompts(2), m, max_new_tokens=8, stop_at_eos=False)
+    assert dict(engine.TRACE_COUNTS) == before  # same shapes: no retrace of prefill or the loop
+    assert again.stats[0]["new_tokens"] == 8
+
+
+def collectives(compiled_text: str) -> collections.Counter:
+    """``(op, result shape)`` -> count of the collectives in a compiled HLO module."""
+    found = collections.Counter()
+    for line in compiled_text.splitlines():
+        hit = re.search(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(",
+                        line)
+        if hit:
+            found[(hit.group(2), hit.group(1).split("{")[0])] += 1
+    return found
+
+
+def elements(shape: str) -> int:
+    dims = re.search(r"\[([\d,]*)\]", shape).group(1)
+    return int(np.prod([int(x) for x in dims.split(",") if x])) if dims else 1
+
+
+def test_decode_step_collectives_hold_no_cache_buffer(models):
+    """Lists, per method, the collectives of one compiled decode step on data=2 x model=4 (8 KV heads split 4
+    ways): the two all-reduces per layer of tensor parallelism and the embedding's, plus scalars; nothing as
+    large as one layer's per-device slot count (a cache buffer, its scores or its mask)."""
+    model = models[8]
+    cfg, mesh = model.config, sharding.make_mesh("data=2,model=4")
+    params = kvjax.shard(model, mesh).params
+    b = 4
+    tok = sharding.put_batch(jnp.ones((b,), jnp.int32), mesh)
+    report = {}
+    for name in methods.names():
+        m = method(name)
+        states = engine.init_states(cfg, m, b, Capacity(BUCKET, 16), jnp.float32, mesh)
+        text = engine.decode_step.lower(cfg, m, params, states, tok, tok, mesh=mesh).compile().as_text()
+        found = report[name] = collectives(text)
+        slots = min(leaf.shape[2] for leaf in jax.tree.leaves(states) if leaf.ndim >= 3)
+        per_device_slots = (b // 2) * (cfg.num_kv_heads // 4) * slots
+        hidden = f"f32[{b // 2},1,{cfg.hidden_size}]"
+        tp = found.pop(("all-reduce", hidden), 0)
+        assert tp == 2 * cfg.num_layers + 1, (name, found)  # o and down projections, and the embedding
+        for (op, shape), _ in found.items():
+            assert elements(shape) < per_device_slots, f"{name}: {op} of {shape} moves cache-sized data: {found}"
+    print("\ncollectives per decode step (data=2 x model=4, besides the 2L+1 tensor-parallel all-reduces):")
+    for name, found in report.items():
+        print(f"  {name:14s} {dict(found) or 'none'}")
+    assert all(not found for name, found in report.items() if name not in ("chelsea", "clusterkv")), report
+
+
+def test_params_and_cache_placement(models):
+    model = models[2]
+    mesh = sharding.make_mesh("data=2,model=4")
+    params = kvjax.shard(model, mesh).params
+    lp = params["layers"][0]
+    assert params["embed"].sharding.spec == P("model", None)  # vocabulary-split
+    assert lp["wq"].sharding.spec == P(None, "model") and lp["wo"].sharding.spec == P("model", None)
+    assert lp["w_up"].sharding.spec == P(None, "model") and lp["w_down"].sharding.spec == P("model", None)
+    assert lp["wk"].sharding.spec == P(None, None)  # 2 KV heads on model=4: replicated
+    assert "replicated" in sharding.describe(mesh, model.config)
+    shard = lp["wq"].addressable_shards[0].data
+    assert shard.shape == (64, 8 * 16 // 4)
+    mesh8 = sharding.make_mesh("data=2,model=4")
+    wk = kvjax.shard(models[8], mesh8).params["layers"][0]["wk"]
+    assert wk.sharding.spec == P(None, "model") and "2 KV heads per device" in sharding.describe(mesh8, models[8].config)
+
+
+def test_bad_meshes_name_the_axis_and_the_fix(models):
+    model = models[8]
+    with pytest.raises(ValueError, match="axis 'tensor' is unknown.*'data', 'model'"):
+        sharding.make_mesh("data=2,tensor=4")
+    with pytest.raises(ValueError, match="needs 16 devices but 8 exist"):
+        sharding.make_mesh("data=4,model=4")
+    with pytest.raises(ValueError, match="not AXIS=SIZE"):
+        sharding.make_mesh("data:2")
+    with pytest.raises(ValueError, match=r"'model' has size 3 but the model has 8 attention heads.*\[1, 2, 4, 8\]"):
+        kvjax.shard(model, "data=2,model=3")
+    with pytest.raises(ValueError, match="'data' has size 4 but the batch has 3 sequences; pass a multiple of 4"):
+        engine.generate(kvjax.shard(model, "data=4,model=2"), prompts()[:3], "full", max_new_tokens=2)
+    other = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("x", "model"))
+    with pytest.raises(ValueError, match="axis 'x' is unknown"):
+        kvjax.shard(model, other)
