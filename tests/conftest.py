@@ -1,8 +1,15 @@
-"""Shared pytest configuration: CPU only, fp32 matmuls, and the ``slow`` marker."""
+"""Shared pytest configuration: CPU only with 8 host devices, fp32 matmuls, and the ``slow`` marker.
+
+XLA splits the host CPU into 8 devices (``--xla_force_host_platform_device_count=8``, set before jax starts) so
+the sharding tests (``tests/sharding``) run meshes of up to 8 devices in this process; everything else runs on
+device 0 as before (measured: no slowdown of tests/kvjax/test_engine.py).
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402

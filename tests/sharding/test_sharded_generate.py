@@ -34,12 +34,12 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices:
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 SMALL_OPTIONS = {  # options that make the windowed methods compress at these lengths (as the budget contract)
     "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=3),
+    "pqcache": dict(sink=2, bits=4),  # at 3 bits a retrieval near-tie flips under a 1e-6 weight perturbation
     "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
     "quest": dict(page_size=4, n_full=0),
     "less": dict(hidden=16),
 }
-BATCH, BUCKET, STEPS = 8, 64, 6
+BATCH, BUCKET, STEPS = 8, 64, 5
 
 
 def method(name, budget=0.3):
@@ -80,24 +80,50 @@ def run_steps(model: Model, m, ids, mesh=None):
     return np.stack(out), np.argmax(np.stack(out), axis=-1), states
 
 
-@pytest.mark.parametrize("name", methods.names())
-@pytest.mark.parametrize("kv_heads", [8, 2])
-def test_every_mesh_matches_one_device(models, name, kv_heads):
+#: Every method on every mesh with both head layouts is the thorough run (--runslow, ~4 min more on 2 cores).
+#: The default runs every method with 8 KV heads on data=2 x model=4, four with 2 KV heads (replicated) there,
+#: and Chelsea (the state the partitioner found hardest) on every mesh.
+REPLICATED_QUICK = ("full", "snapkv", "chelsea", "pqcache")
+
+
+def mesh_cases():
+    for kv_heads in (8, 2):
+        for name in methods.names():
+            for spec in MESHES:
+                quick = ((spec == "data=2,model=4" and (kv_heads == 8 or name in REPLICATED_QUICK))
+                         or (name == "chelsea" and kv_heads == 8))
+                yield pytest.param(name, kv_heads, spec, marks=() if quick else pytest.mark.slow,
+                                   id=f"{name}-kv{kv_heads}-{spec.replace('data=', 'd').replace(',model=', 'm')}")
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    cache = {}
+
+    def get(name, kv_heads):
+        if (name, kv_heads) not in cache:
+            cache[(name, kv_heads)] = run_steps(models[kv_heads], method(name), prompts())[:2]
+        return cache[(name, kv_heads)]
+
+    return get
+
+
+@pytest.mark.parametrize("name,kv_heads,spec", list(mesh_cases()))
+def test_every_mesh_matches_one_device(models, references, name, kv_heads, spec):
     model, m, ids = models[kv_heads], method(name), prompts()
-    ref_logits, ref_tokens, _ = run_steps(model, m, ids)
+    ref_logits, ref_tokens = references(name, kv_heads)
     assert len(set(ref_tokens.ravel().tolist())) > 4  # the tokens depend on the input (no collapse)
-    for spec in MESHES:
-        mesh = sharding.make_mesh(spec)
-        logits, tokens, states = run_steps(kvjax.shard(model, mesh), m, ids, mesh)
-        np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5, err_msg=f"{name} on {spec}")
-        np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{name} on {spec}")
-        k = jax.tree.leaves(states[-1])[0]  # every layer's first leaf: k [B, Hkv, S, D]
-        want = P(*(("data" if mesh.shape["data"] > 1 else None),
-                   ("model" if kv_heads % mesh.shape["model"] == 0 and mesh.shape["model"] > 1 else None)))
-        assert tuple(k.sharding.spec)[:2] == tuple(want) + (None,) * (2 - len(want)), (name, spec, k.sharding)
+    mesh = sharding.make_mesh(spec)
+    logits, tokens, states = run_steps(kvjax.shard(model, mesh), m, ids, mesh)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5, err_msg=f"{name} on {spec}")
+    np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{name} on {spec}")
+    k = jax.tree.leaves(states[-1])[0]  # every layer's first leaf: k [B, Hkv, S, D]
+    want = ("data" if mesh.shape["data"] > 1 else None,
+            "model" if kv_heads % mesh.shape["model"] == 0 and mesh.shape["model"] > 1 else None)
+    assert (tuple(k.sharding.spec) + (None, None))[:2] == want, (name, spec, k.sharding)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "chelsea"])
+@pytest.mark.parametrize("name", ["snapkv"])
 def test_generate_on_a_sharded_model_equals_one_device_and_compiles_once(models, name):
     model, m, ids = models[8], method(name), prompts(1)
     ref = engine.generate(model, ids, m, max_new_tokens=8, stop_at_eos=False).tokens
@@ -140,7 +166,7 @@ def test_decode_step_collectives_hold_no_cache_buffer(models):
         states = engine.init_states(cfg, m, b, Capacity(BUCKET, 16), jnp.float32, mesh)
         text = engine.decode_step.lower(cfg, m, params, states, tok, tok, mesh=mesh).compile().as_text()
         found = report[name] = collectives(text)
-        slots = min(leaf.shape[2] for leaf in jax.tree.leaves(states) if leaf.ndim >= 3)
+        slots = min(leaf.shape[2] for leaf in jax.tree.leaves(states) if leaf.ndim == 4 and leaf.shape[2])
         per_device_slots = (b // 2) * (cfg.num_kv_heads // 4) * slots
         hidden = f"f32[{b // 2},1,{cfg.hidden_size}]"
         tp = found.pop(("all-reduce", hidden), 0)
