@@ -70,8 +70,10 @@ def cmd_generate(args) -> int:
     import kvjax
     from kvjax import engine
 
-    model = kvjax.load_model(args.model)
+    model = kvjax.load_model(args.model, mesh=args.mesh)
     print(f"[kvjax] loaded {args.model} in {model.load_seconds:.1f}s", file=sys.stderr)
+    if model.mesh is not None:
+        print(f"[kvjax] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     method = _method(args.method, args.budget, args.option)
     engine.check_method(model.config, method)  # here: engine.stream generates in a thread
     chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over 'model'")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="the main job: the embedded model answers with full and compressed caches")
