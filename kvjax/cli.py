@@ -70,7 +70,7 @@ def cmd_generate(args) -> int:
     import kvjax
     from kvjax import engine
 
-    model = kvjax.load_model(args.model, mesh=args.mesh)
+    model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
     print(f"[kvjax] loaded {args.model} in {model.load_seconds:.1f}s", file=sys.stderr)
     if model.mesh is not None:
         print(f"[kvjax] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over 'model'")
+    g.add_argument("--scan-layers", action="store_true",
+                   help="stack the layers and run them as one compiled loop body (compiles a deep model faster; "
+                        "each decode step then copies each layer's cache slice once)")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="the main job: the embedded model answers with full and compressed caches")

@@ -44,10 +44,63 @@ def bucket_length(n: int) -> int:
     return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
 
 
-def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype, mesh=None) -> tuple:
+@struct.dataclass
+class Stacked:
+    """The states of layers ``[start, stop)`` stacked on a leading layer axis (every leaf ``[stop - start, ...]``):
+    one segment of a scanned layer stack (:func:`layer_plan`). The engine runs these layers as one compiled loop
+    body (:func:`kvjax.model.scan_layers`) and updates the stack in place, layer by layer."""
+
+    state: Any
+    start: int = struct.field(pytree_node=False)
+    stop: int = struct.field(pytree_node=False)
+
+    def layer(self, i: int):
+        """Layer ``start + i``'s state (a slice; for inspection on the host)."""
+        return jax.tree.map(lambda a: a[i], self.state)
+
+
+def _layer_signature(st) -> tuple:
+    return jax.tree.structure(st), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(st))
+
+
+def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) -> tuple[range, ...]:
+    """Runs of consecutive layers whose states agree in structure, shapes and dtypes (abstractly, nothing is
+    allocated): each run of two or more layers is scanned, each other layer unrolled. E.g. ClusterKV with
+    ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer) gives
+    mostly single layers."""
+    sigs = [_layer_signature(jax.eval_shape(lambda l=l: method.init(cfg, batch, capacity, l, dtype)))
+            for l in range(cfg.num_layers)]
+    runs, start = [], 0
+    for l in range(1, cfg.num_layers + 1):
+        if l == cfg.num_layers or sigs[l] != sigs[start]:
+            runs.append(range(start, l))
+            start = l
+    return tuple(runs)
+
+
+def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype, mesh=None,
+                scan_layers: bool = False) -> tuple:
     """Empty per-layer states ``(layer 0, ..., layer L-1)`` of ``method`` at ``capacity``; with a ``mesh``,
-    created split over it (batch over ``data``, KV heads over ``model``)."""
-    make = lambda: tuple(method.init(cfg, batch, capacity, layer, dtype) for layer in range(cfg.num_layers))
+    created split over it (batch over ``data``, KV heads over ``model``).
+
+    ``scan_layers=True``: every run of two or more consecutive layers with agreeing states (:func:`layer_plan`)
+    becomes one :class:`Stacked` segment, which ``prefill``/``decode_step`` run as one compiled loop body; the
+    tuple then holds segments and single-layer states in layer order (:func:`layer_states` lists them per layer).
+    The method must declare ``traced_layer`` (all built-in methods do)."""
+    if scan_layers and not method.traced_layer:
+        raise ValueError(f"scan_layers=True needs a method that accepts a traced layer index (traced_layer=True); "
+                         f"{type(method).__name__} does not declare it, so use scan_layers=False")
+    plan = layer_plan(cfg, method, batch, capacity, dtype) if scan_layers else tuple(
+        range(l, l + 1) for l in range(cfg.num_layers))
+
+    def make():
+        out = []
+        for run in plan:
+            per = [method.init(cfg, batch, capacity, layer, dtype) for layer in run]
+            out.append(per[0] if len(run) == 1 else
+                       Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per), run.start, run.stop))
+        return tuple(out)
+
     if mesh is None:
         return make()
     S.check_mesh(mesh, cfg, batch)
@@ -55,8 +108,65 @@ def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype,
         raise ValueError(f"method {method.name!r} with offload=True keeps its K/V on one device's host memory, "
                          "which does not combine with a mesh; use offload=False (the cache is then split over "
                          "the mesh's devices)")
-    shardings = tuple(S.state_shardings(method, st, mesh) for st in jax.eval_shape(make))
+    shardings = tuple(_shardings(method, st, mesh) for st in jax.eval_shape(make))
     return jax.jit(make, out_shardings=shardings)()
+
+
+def _shardings(method, st, mesh):
+    """The sharding of one entry of the states tuple: a layer's state, or a :class:`Stacked` segment (its
+    layers' sharding with the stacked layer axis replicated)."""
+    if not isinstance(st, Stacked):
+        return S.state_shardings(method, st, mesh)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), st.state)
+    specs = jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, S.P(None, *p)), S.state_specs(method, one, mesh),
+                         is_leaf=lambda x: isinstance(x, S.P))
+    return Stacked(specs, st.start, st.stop)
+
+
+def layer_states(states) -> list:
+    """The states tuple as one state per layer (slicing :class:`Stacked` segments), for inspection."""
+    out = []
+    for st in states:
+        out.extend(st.layer(i) for i in range(st.stop - st.start)) if isinstance(st, Stacked) else out.append(st)
+    return out
+
+
+def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step, mesh):
+    """Run every layer with its method state: ``step(layer, x, q, k, v, state, previous) -> (attn, new_state)``
+    (``previous``: the previous layer's new state for methods that declare ``reuses_previous_layer``, else None).
+    Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
+    one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack, updated in place at the traced
+    layer. Returns ``(x, new states tuple)`` in the layout of ``states``."""
+    reuse = method.reuses_previous_layer
+    new, layer, prev = [], 0, None
+    for st in states:
+        if not isinstance(st, Stacked):
+            def attend(l, x, q, k, v, c):
+                attn, out = step(l, x, q, k, v, st, prev if reuse else None)
+                return attn, S.constrain_state(method, out, mesh)
+
+            x, out = M.run_layers(cfg, params, x, positions, attend, None, range(layer, layer + 1))
+            new.append(out)
+            prev, layer = out, layer + 1
+            continue
+
+        def attend(l, x, q, k, v, c):
+            stack, before = c
+            i = l - st.start
+            one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
+            attn, out = step(l, x, q, k, v, one, before)
+            out = S.constrain_state(method, out, mesh)
+            stack = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0),
+                                 stack, out)
+            return attn, (stack, out if reuse else None)
+
+        first = st.layer(0) if reuse else None
+        if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
+            first = prev
+        x, (stack, prev) = M.scan_layers(cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop))
+        new.append(st.replace(state=stack))
+        layer = st.stop
+    return x, tuple(new)
 
 
 def _qkv(mesh, q, k, v):
@@ -74,18 +184,26 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states, mesh=Non
 def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    reuse = method.reuses_previous_layer  # declared capability (ChunkKV's index reuse)
 
-    def attend(layer, x, q, k, v, new_states):
+    def step(layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q, k, v)
-        previous = new_states[-1] if (reuse and new_states) else None
-        st = method.prefill(states[layer], layer, q, k, v, lengths, previous=previous)
-        st = S.constrain_state(method, st, mesh)
-        return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), new_states + (st,)
+        st = method.prefill(st, layer, q, k, v, lengths, previous=previous)
+        return M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)), st
 
-    x, new_states = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
+    x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
     return new_states, M.logits(cfg, params, last)[:, 0]
+
+
+def _sliding_window(cfg: ModelConfig, layer):
+    """The layer's sliding window (None: none). A traced ``layer`` (a scanned segment) needs it to agree over
+    the model's layers."""
+    if isinstance(layer, int):
+        return cfg.sliding_windows[layer]
+    if len(set(cfg.sliding_windows)) > 1:
+        raise ValueError("scan_layers does not support models whose layers have different sliding windows; "
+                         "load the model with scan_layers=False")
+    return cfg.sliding_windows[0]
 
 
 def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None):
@@ -96,12 +214,13 @@ def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None
 
 
 def _decode_body(cfg, method, params, states, token, pos, mesh):
-    def attend(layer, x, q, k, v, new_states):
+    def step(layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q[:, :, 0], k[:, :, 0], v[:, :, 0])
-        out, st = method.decode(states[layer], layer, q, k, v, pos)
-        return out[:, :, None], new_states + (S.constrain_state(method, st, mesh),)
+        out, st = method.decode(st, layer, q, k, v, pos)
+        return out[:, :, None], st
 
-    x, new_states = M.run_layers(cfg, params, M.embed(params, token[:, None]), pos[:, None], attend, ())
+    x, new_states = _method_layers(cfg, method, params, M.embed(params, token[:, None]), pos[:, None], states,
+                                   step, mesh)
     return M.logits(cfg, params, x)[:, 0], new_states
 
 
@@ -172,17 +291,17 @@ decode_step = _step_jit
 
 def tokens_held(method, states) -> np.ndarray:
     """``[B]`` float: tokens each sequence holds, mean over layers (and KV heads)."""
-    return np.mean([np.asarray(method.tokens_held(s)) for s in states], axis=0)
+    return np.mean([np.asarray(method.tokens_held(s)) for s in layer_states(states)], axis=0)
 
 
 def memory_bytes(method, states) -> int:
     """Bytes all layers' states hold (the batch's)."""
-    return int(sum(method.memory_bytes(s) for s in states))
+    return int(sum(method.memory_bytes(s) for s in layer_states(states)))
 
 
 def bytes_read_per_step(method, states, num_heads: int) -> int:
     """Bytes one decode step reads over all layers (the batch's), from each layer's block plan."""
-    return int(sum(method.bytes_read_per_step(s, num_heads) for s in states))
+    return int(sum(method.bytes_read_per_step(s, num_heads) for s in layer_states(states)))
 
 
 @dataclasses.dataclass
@@ -288,7 +407,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()
     mesh = model.mesh
-    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh)
+    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh, scan_layers=M.is_stacked(model.params))
     tokens_d, lengths_d = S.put_batch(jnp.asarray(tokens), mesh), S.put_batch(jnp.asarray(lengths), mesh)
 
     t0 = time.perf_counter()

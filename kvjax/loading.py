@@ -80,7 +80,8 @@ def _download(repo_id: str) -> Path:
             "where the hub is reachable and pass the local folder") from e
 
 
-def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mesh=None) -> Model:
+def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mesh=None,
+               scan_layers: bool = False) -> Model:
     """Load a Llama-family model into kvjax.
 
     name_or_path: ``"smollm2-135m-instruct"`` (embedded default), a local HF folder, a ``.gguf`` file or a
@@ -88,6 +89,10 @@ def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mes
     mesh: a ``jax.sharding.Mesh`` from :func:`kvjax.sharding.make_mesh` or a spec such as ``"data=2,model=4"``:
     the params are placed tensor-parallel on it and everything that runs the model runs sharded
     (:mod:`kvjax.sharding`). The mesh is checked against the model before any weight is read.
+    scan_layers: store the layers stacked (``[L, ...]`` leaves, :func:`kvjax.model.stack_layers`); ``generate``
+    then runs the layers of every method whose per-layer states agree as one compiled loop body
+    (``lax.fori_loop``), so the decode loop of a deep model compiles one layer instead of ``L``
+    (docs/architecture.md#scan-over-layers).
     """
     if mesh is not None:
         from kvjax import sharding
@@ -119,6 +124,10 @@ def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mes
             tok = HFTokenizer(path)
         else:
             tok = None  # token ids only
+    if scan_layers:
+        from kvjax.model import stack_layers
+
+        params = stack_layers(params)
     if mesh is not None:
         params = sharding.shard_params(cfg, params, mesh)
     jax.block_until_ready(params)

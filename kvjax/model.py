@@ -18,7 +18,7 @@ d head dim.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -165,22 +165,72 @@ def _chunked_causal_attention(q, k, v, lengths, sliding_window, chunk: int):
     return out[:, :, :t]
 
 
+def is_stacked(params: Params) -> bool:
+    """Whether ``params["layers"]`` is the stacked layout (one dict of ``[L, ...]`` arrays) rather than a tuple of
+    per-layer dicts. Both run the same model; the stacked one is what :func:`scan_layers` reads."""
+    return isinstance(params["layers"], Mapping)
+
+
+def stack_layers(params: Params) -> Params:
+    """``params`` with its per-layer dicts stacked on a leading ``[L]`` axis (``params["layers"]`` becomes one
+    dict of ``[L, ...]`` arrays; unchanged when already stacked)."""
+    if is_stacked(params):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])}
+
+
+def unstack_layers(params: Params) -> Params:
+    """The inverse of :func:`stack_layers`: ``params["layers"]`` as a tuple of per-layer dicts."""
+    if not is_stacked(params):
+        return params
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], stacked) for i in range(n))}
+
+
+def layer_params(params: Params, layer) -> Params:
+    """One layer's parameter dict from either layout; ``layer`` may be traced when the layers are stacked."""
+    if is_stacked(params):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params["layers"])
+    return params["layers"][layer]
+
+
+def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, layer, carry):
+    """One decoder layer: ``q, k, v = layer_qkv(...)``, ``attn, carry = attend(layer, x, q, k, v, carry)``,
+    ``x = layer_finish(..., attn)``. Returns ``(x, carry)``. The body of both layer loops below."""
+    q, k, v = layer_qkv(cfg, lp, x, positions)
+    attn, carry = attend(layer, x, q, k, v, carry)
+    return layer_finish(cfg, lp, x, attn), carry
+
+
 def run_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry=None,
                layers: range | None = None):
-    """The layer loop, the only one in kvjax: for each layer ``q, k, v = layer_qkv(...)``, then
+    """The layer loop, unrolled: for each layer ``q, k, v = layer_qkv(...)``, then
     ``attn, carry = attend(layer, x, q, k, v, carry)``, then ``x = layer_finish(..., attn)``.
 
     x: ``[B, T, H]`` residual stream (the embedded tokens); positions: ``[B, T]``; attend: a function of
     ``(layer, x [B,T,H] (the layer's input), q [B,Hq,T,D], k, v [B,Hkv,T,D], carry)`` returning the attention
     output ``[B, Hq, T, D]`` and the new carry (the engine's method states, a probe's records, ...). ``layers``
-    runs a subset (default all). Returns ``(x, carry)``.
+    runs a subset (default all). Either parameter layout (:func:`is_stacked`). Returns ``(x, carry)``.
     """
     for layer in (range(cfg.num_layers) if layers is None else layers):
-        lp = params["layers"][layer]
-        q, k, v = layer_qkv(cfg, lp, x, positions)
-        attn, carry = attend(layer, x, q, k, v, carry)
-        x = layer_finish(cfg, lp, x, attn)
+        x, carry = layer_step(cfg, layer_params(params, layer), x, positions, attend, layer, carry)
     return x, carry
+
+
+def scan_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry,
+                layers: range):
+    """The layer loop as one compiled body: layers ``[start, stop)`` run by ``lax.fori_loop`` over stacked
+    parameters (:func:`stack_layers`; a per-layer tuple is stacked here, which copies the weights on every call),
+    so a deep model traces and compiles one layer instead of ``L``. ``attend`` is as in :func:`run_layers`, but
+    ``layer`` is a traced int32 scalar and ``carry`` must keep its structure and shapes from layer to layer.
+    Returns ``(x, carry)``."""
+    params = stack_layers(params)
+
+    def body(layer, c):
+        return layer_step(cfg, layer_params(params, layer), c[0], positions, attend, layer, c[1])
+
+    return jax.lax.fori_loop(layers.start, layers.stop, body, (x, carry))
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray | None = None,

@@ -27,6 +27,9 @@ Optional capabilities are declared here with their defaults; the engine, eval an
 - ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
   ``n``-token prompt holds after ``steps`` decode steps. The budget table of
   docs/interface.md#the-budget-contract is this function.
+- ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
+  scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
+  layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
 - ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
   stored and each decode step attends to a query-dependent selection; it implements
   ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
@@ -79,6 +82,10 @@ class Method(abc.ABC):
     #: A recall method: ``selected_positions`` is implemented (every token stays stored, a step attends a
     #: query-dependent subset).
     recalls: ClassVar[bool] = False
+    #: ``prefill``/``decode`` accept ``layer`` as a traced int32 scalar when called on a run of layers whose states
+    #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
+    #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
+    traced_layer: ClassVar[bool] = False
 
     @abc.abstractmethod
     def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:

@@ -104,6 +104,7 @@ class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 
     name: ClassVar[str] = "chelsea"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     budget: float | int = 0.2
     n_sink: int = 16
     n_recent: int = 64

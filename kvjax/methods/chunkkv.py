@@ -55,6 +55,7 @@ class ChunkKV(Method):
     pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.scorers.Scorer`)."""
 
     name: ClassVar[str] = "chunkkv"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     reuses_previous_layer: ClassVar[bool] = True  # the engine passes ``previous=`` (index reuse, Alg. 2)
     budget: float | int = 0.2
     window: int = 8
@@ -98,7 +99,7 @@ class ChunkKV(Method):
 
     def is_leader(self, layer: int) -> bool:
         """Whether ``layer`` selects its own positions (Algorithm 2: ``layer % reuse == 0``)."""
-        return layer % self.reuse == 0
+        return self.reuse == 1 or layer % self.reuse == 0  # reuse=1: every layer, traced or not
 
     # ------------------------------------------------------------------------------------------------------
     # the four functions
@@ -119,6 +120,16 @@ class ChunkKV(Method):
                 ) -> SlotCache:
         """Select (leader layer) or reuse ``previous.pos`` (follower layer), then gather this layer's K/V."""
         p = state.prompt_slots
+        if self.reuse > 1 and not isinstance(layer, int):  # a traced layer (scan over layers): choose on device
+            if previous is None:
+                raise ValueError("a traced layer with reuse > 1 needs previous=<the previous layer's prefill state>")
+
+            def follow():
+                idx = previous.pos[:, :, :p]
+                return idx, idx >= 0
+
+            idx, ok = jax.lax.cond(layer % self.reuse == 0, lambda: self.select(q, k, lengths, p), follow)
+            return store_prompt(state, k, v, idx, ok)
         if not self.is_leader(layer):
             if previous is None:
                 raise ValueError(f"layer={layer} reuses the positions of layer {layer - layer % self.reuse} "

@@ -69,7 +69,7 @@ from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, evicting_budget, rows_at, top_k
+from kvjax.methods.base import Capacity, Method, SlotCache, evicting_budget, rows_at, top_k
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
@@ -124,6 +124,7 @@ class ClusterState:
 @dataclasses.dataclass(frozen=True)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # prompt-side tokens attended, sinks included (the paper's B: 256..2048)
     sink: int = 16  # initial tokens always attended, never clustered (paper §III-B)
@@ -273,7 +274,7 @@ class ClusterKV(Method):
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order.
         k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        if layer < self.n_full:
+        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.prefill(state, layer, q, k, v, lengths)
         b, h, t, d = k.shape
         n = jnp.asarray(lengths, jnp.int32)
@@ -363,7 +364,7 @@ class ClusterKV(Method):
     def decode(self, state, layer: int, q, k, v, pos):
         """Store the new token at slot ``pos``, attend sinks + selected clusters + the window, then cluster the
         window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
-        if layer < self.n_full:
+        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.decode(state, layer, q, k, v, pos)
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
@@ -425,7 +426,7 @@ class ClusterKV(Method):
     def selected_positions(self, state, layer: int, q):
         """``[B, Hq, S]`` bool: positions the next decode step attends for ``q`` (the new token excluded)."""
         b, hq, _ = q.shape
-        if layer < self.n_full:
+        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.selected_positions(state, layer, q)
         h, s = state.k.shape[1], state.k.shape[2]
         slot, ok = self.select(state, q)  # [B, Hkv, G', J]

@@ -18,6 +18,7 @@ from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, empt
 @dataclasses.dataclass(frozen=True)
 class Full(Method):
     name: ClassVar[str] = "full"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:
         slots = capacity.prompt_len + capacity.max_new_tokens

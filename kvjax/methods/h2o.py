@@ -28,6 +28,7 @@ from kvjax.methods.select import accumulated_scores, topk_with_window
 @dataclasses.dataclass(frozen=True)
 class H2O(Method):
     name: ClassVar[str] = "h2o"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
     budget: float | int = 0.2
     recent: float | int = 0.5  # fraction of the budget, or a token count

@@ -315,6 +315,7 @@ class Less(Method):
     """
 
     name: ClassVar[str] = "less"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     policy: str = "h2o"
     budget: float | int = 0.1
     recent: float | int = 0.5

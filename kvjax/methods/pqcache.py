@@ -128,6 +128,7 @@ def _int32_fraction(f: Fraction) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
     budget: float | int = 0.2  # r: fraction of the non-sink prompt tokens (local + retrieved), or a count
     m: int = 2  # sub-spaces

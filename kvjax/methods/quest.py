@@ -92,6 +92,7 @@ class QuestState:
 @dataclasses.dataclass(frozen=True)
 class Quest(Method):
     name: ClassVar[str] = "quest"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)
     page_size: int = 16  # tokens per page (Quest's and ClusterKV's setting)
@@ -173,7 +174,7 @@ class Quest(Method):
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt KV and build each page's per-channel key min/max over the real tokens (Quest §3.1).
         k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        if layer < self.n_full:
+        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.prefill(state, layer, q, k, v, lengths)
         b, h, t, d = k.shape
         ps = self.page_size
@@ -224,7 +225,7 @@ class Quest(Method):
     def decode(self, state, layer: int, q, k, v, pos):
         """Write the new token at slot ``pos``, update its page's min/max, select pages, attend over them.
         q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]`` -> (out ``[B, Hq, D]`` float32, state)."""
-        if layer < self.n_full:
+        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.decode(state, layer, q, k, v, pos)
         b, h, _ = k.shape
         ps = self.page_size

@@ -35,6 +35,7 @@ from kvjax.methods.select import kept_window, topk_with_window
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Method):
     name: ClassVar[str] = "snapkv"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     budget: float | int = 0.2
     window: int = 8
     kernel: int = 5

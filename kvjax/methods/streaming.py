@@ -24,6 +24,7 @@ from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM(Method):
     name: ClassVar[str] = "streaming_llm"
+    traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
     budget: float | int = 0.2
     sinks: int = 4

@@ -1,0 +1,196 @@
+"""Scan over layers (``kvjax.load_model(..., scan_layers=True)``, ``engine.init_states(..., scan_layers=True)``).
+
+The reference is the unrolled engine (itself checked against ``transformers`` logits in test_parity.py): for
+every registered method, the scanned layer stack gives the same logits (fp32, 1e-5) at prefill and at every
+decode step, the same per-layer states (tokens held, bytes held, bytes read), and the same greedy tokens through
+``generate``, whose decode loop compiles once. Also: the layer plan (which layers form a scanned run), the
+stacked parameter layout, sharded scanning on a mesh, and the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvjax
+from kvjax import engine, methods, model as M, sharding
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.methods.base import Capacity
+from kvjax.methods.full import Full
+
+OPTIONS = {  # small windows so every method compresses at these lengths (as the budget contract tests)
+    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
+    "pqcache": dict(sink=2, bits=4),
+    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
+    "quest": dict(page_size=4, n_full=1),
+    "less": dict(hidden=16),
+    "chunkkv": dict(reuse=2),  # index reuse inside the scanned body (a lax.cond on the traced layer)
+}
+BUCKET, STEPS = 64, 4
+
+
+def method(name, budget=0.3, **extra):
+    opts = {**OPTIONS.get(name, {}), **extra}
+    if name != "full":
+        opts["budget"] = budget
+    return methods.get(name, **opts)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig("llama", 256, 64, 128, 4, 4, 2, 16, max_position_embeddings=512)
+    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+
+
+def prompts():
+    rng = np.random.RandomState(0)
+    return [list(rng.randint(1, 255, size=n)) for n in (45, 17, 60)]
+
+
+def run(model: Model, m, scan: bool, mesh=None):
+    """Prefill + STEPS greedy steps through the public jitted functions: (logits [STEPS+1, B, V], states)."""
+    cfg = model.config
+    params = M.stack_layers(model.params) if scan else model.params
+    if mesh is not None:
+        params = sharding.shard_params(cfg, params, mesh)
+    tokens, lengths = engine.pad_prompts(prompts(), BUCKET)
+    states = engine.init_states(cfg, m, len(lengths), Capacity(BUCKET, STEPS + 1), model.dtype, mesh,
+                                scan_layers=scan)
+    tokens, lengths = sharding.put_batch(jnp.asarray(tokens), mesh), sharding.put_batch(jnp.asarray(lengths), mesh)
+    states, logits = engine.prefill(cfg, m, params, tokens, lengths, states, mesh=mesh)
+    out, pos = [np.asarray(logits)], lengths
+    for _ in range(STEPS):
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logits, states = engine.decode_step(cfg, m, params, states, tok, pos, mesh=mesh)
+        out.append(np.asarray(logits))
+        pos = pos + 1
+    return np.stack(out), states
+
+
+#: The default run checks the methods whose scanned body differs most (index reuse under lax.cond, merged slots,
+#: stacked learned kernels) and the simple ones; the recall methods and PyramidKV (unrolled anyway) with --runslow.
+SLOW = ("pyramidkv", "pqcache", "clusterkv", "quest")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()])
+def test_scan_matches_unrolled(tiny, name):
+    m = method(name)
+    ref, ref_states = run(tiny, m, scan=False)
+    got, states = run(tiny, m, scan=True)
+    if name != "pyramidkv":  # PyramidKV's slot count differs per layer: its layers stay unrolled (test_layer_plan)
+        assert any(isinstance(s, engine.Stacked) for s in states), "nothing was scanned"
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+    per = engine.layer_states(states)
+    assert len(per) == tiny.config.num_layers
+    np.testing.assert_array_equal(engine.tokens_held(m, states), engine.tokens_held(m, ref_states))
+    assert engine.memory_bytes(m, states) == engine.memory_bytes(m, ref_states)
+    assert engine.bytes_read_per_step(m, states, 4) == engine.bytes_read_per_step(m, ref_states, 4)
+    for a, b in zip(per, ref_states):  # every leaf of every layer's state, bit for bit up to float tolerance
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_plan(tiny):
+    cfg, cap = tiny.config, Capacity(BUCKET, 8)
+    plan = lambda m: [(r.start, r.stop) for r in engine.layer_plan(cfg, m, 2, cap, jnp.float32)]
+    assert plan(method("snapkv")) == [(0, 4)]
+    assert plan(method("clusterkv")) == [(0, 1), (1, 4)]  # n_full=1: a full layer, then three clustered ones
+    assert plan(method("quest", n_full=2)) == [(0, 2), (2, 4)]  # two full layers agree with each other
+    assert plan(method("chelsea", outlier_heads=((2, 1),))) == [(0, 2), (2, 3), (3, 4)]  # layer 2 has outliers
+    pyramid = plan(method("pyramidkv"))  # one slot count per layer: runs only where neighbours agree
+    slots = [method("pyramidkv").prompt_slots(BUCKET, l, 4) for l in range(4)]
+    want, start = [], 0
+    for l in range(1, 5):
+        if l == 4 or slots[l] != slots[start]:
+            want.append((start, l))
+            start = l
+    assert pyramid == want
+
+
+def test_stacked_params_roundtrip(tiny):
+    stacked = M.stack_layers(tiny.params)
+    assert M.is_stacked(stacked) and not M.is_stacked(tiny.params)
+    assert stacked["layers"]["wq"].shape == (4, 64, 64)
+    back = M.unstack_layers(stacked)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tiny.params)):
+        np.testing.assert_array_equal(a, b)
+    tokens = jnp.asarray([prompts()[0]], jnp.int32)  # the dense forward reads either layout
+    np.testing.assert_allclose(M.forward(tiny.config, stacked, tokens), M.forward(tiny.config, tiny.params, tokens),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_generate_from_scanned_checkpoint_compiles_once(tmp_path):
+    """A local HF folder loaded with scan_layers=True: same tokens as the unrolled model, one compile of the
+    decode loop for two calls of one bucket."""
+    hf = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    import torch
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    plain = kvjax.load_model(tmp_path, dtype="float32")
+    scanned = kvjax.load_model(tmp_path, dtype="float32", scan_layers=True)
+    assert M.is_stacked(scanned.params)
+    m = method("h2o", budget=0.4)
+    want = engine.generate(plain, prompts(), m, 6, stop_at_eos=False)
+    before = engine.TRACE_COUNTS["loop_while"]
+    got = engine.generate(scanned, prompts(), m, 6, stop_at_eos=False)
+    again = engine.generate(scanned, prompts()[::-1], m, 6, stop_at_eos=False)
+    assert got.tokens == want.tokens
+    assert again.tokens == want.tokens[::-1]
+    assert engine.TRACE_COUNTS["loop_while"] - before == 1
+    assert [s["tokens_held"] for s in got.stats] == [s["tokens_held"] for s in want.stats]
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets them)")
+@pytest.mark.parametrize("name", [pytest.param("snapkv", marks=pytest.mark.slow), "chelsea"])
+def test_scan_on_a_mesh(name):
+    """Scanned layers on data=2 x model=4 (8 KV heads split): the same logits as one device unrolled."""
+    cfg = ModelConfig("llama", 256, 64, 128, 3, 8, 8, 16, max_position_embeddings=512)
+    model = Model(cfg, M.random_params(cfg, jax.random.PRNGKey(2), scale=0.15), None, "tiny8")
+    mesh = sharding.make_mesh("data=1,model=8")
+    m = method(name)
+    ref, _ = run(model, m, scan=False)
+    got, states = run(model, m, scan=True, mesh=mesh)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    stack = next(s for s in states if isinstance(s, engine.Stacked))
+    spec = stack.state.k.sharding.spec
+    assert spec[0] is None and spec[2] == "model", spec  # the layer axis whole, KV heads split
+
+
+def test_errors(tiny):
+    @dataclasses.dataclass(frozen=True)
+    class Mine(Full):
+        traced_layer = False
+
+    with pytest.raises(ValueError, match="traced_layer"):
+        engine.init_states(tiny.config, Mine(), 1, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
+    windows = dataclasses.replace(tiny.config, sliding_windows=(None, None, 16, 16))  # Qwen2's per-layer windows
+    tokens, lengths = engine.pad_prompts(prompts(), BUCKET)
+    states = engine.init_states(windows, Full(), 3, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
+    with pytest.raises(ValueError, match="sliding windows"):
+        engine.prefill(windows, Full(), M.stack_layers(tiny.params), jnp.asarray(tokens), jnp.asarray(lengths), states)
+
+
+def test_scanned_loop_updates_the_stack_in_place(tiny):
+    """The compiled while body never copies the whole stacked cache ``[L, B, Hkv, S, D]``: each layer's slice is
+    written back into the stack in place (dynamic-update-slice). What scanning costs is a copy of one layer's
+    slice per layer and step (the method updates a slice; docs/architecture.md#scan-over-layers)."""
+    cfg = tiny.config
+    method = methods.get("full")
+    states = engine.init_states(cfg, method, 2, Capacity(32, 16), jnp.float32, scan_layers=True)
+    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), 16, (95,))
+    args = (M.stack_layers(tiny.params), states, jnp.zeros((2,), jnp.int32), jnp.asarray([5, 9]),
+            jax.random.PRNGKey(0))
+    hlo = engine.run_loop.lower(loop, "while", *args).compile().as_text()
+    stack = "f32[4,2,2,48,16]"
+    copies = [l for l in hlo.splitlines() if " copy(" in l and stack in l.split("=")[1].split("copy(")[0]]
+    assert hlo.count(stack) > 0
+    assert copies == [], copies[:3]
