@@ -185,11 +185,16 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("name,dtype,tpu_block,gpu_block", KERNEL_CASES)
 def test_kernels_match_reference(impl, name, dtype, tpu_block, gpu_block):
+    check_kernel(impl, name, dtype, tpu_block, gpu_block)
+
+
+def check_kernel(impl, name, dtype, tpu_block, gpu_block, *, interpret=True):
+    """lloyd_step and centroid_update against the reference and numpy (also used compiled by tests/accelerator)."""
     x, cent, valid, cvalid = make_case(name, dtype)
     block_l = tpu_block if impl == "pallas_tpu" else gpu_block
     c = cent.shape[1]
     xj = jx(x, dtype)
-    kw = dict(impl=impl, interpret=True, block_l=block_l)
+    kw = dict(impl=impl, interpret=interpret, block_l=block_l)
     new, lab = lloyd_step(xj, jx(cent), jx(valid), jx(cvalid), **kw)
     want_new, want_lab = lloyd_step(xj, jx(cent), jx(valid), jx(cvalid), impl="xla")
     assert_labels(lab, want_lab, x, cent)

@@ -86,32 +86,42 @@ def test_reference_matches_numpy_softmax():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+def check_against_reference(impl, q, k, v, kw, *, interpret=True, tol=1e-5):
+    """The kernel's partials equal the reference's within ``tol``; empty rows are exactly (0, NEG_INF, 0).
+    Returns the reference's empty-row mask. (Also used compiled by tests/accelerator.)"""
+    run = jax.jit(lambda q, k, v, kw: decode_attention(q, k, v, **kw, impl=impl, interpret=interpret))  # traced
+    o, m, l = run(q, k, v, kw)
+    o_r, m_r, l_r = decode_attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(l), np.asarray(l_r), rtol=tol, atol=tol)
+    empty = np.asarray(l_r) == 0
+    assert np.all(np.asarray(m)[empty] == np.float32(NEG_INF)) and np.all(np.asarray(o)[empty] == 0)
+    return empty
+
+
 @pytest.mark.parametrize("impl", PALLAS)
 @pytest.mark.parametrize("case", CASES)
 def test_pallas_matches_reference_fp32(impl, case):
-    q, k, v, kw = _case(case)
-    run = jax.jit(lambda q, k, v, kw: decode_attention(q, k, v, **kw, impl=impl, interpret=True))  # traced args
-    o, m, l = run(q, k, v, kw)
-    o_r, m_r, l_r = decode_attention_reference(q, k, v, **kw)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(l), np.asarray(l_r), rtol=1e-5, atol=1e-5)
-    empty = np.asarray(l_r) == 0
-    assert np.all(np.asarray(m)[empty] == np.float32(NEG_INF)) and np.all(np.asarray(o)[empty] == 0)
+    empty = check_against_reference(impl, *_case(case))
     if case.startswith("g8"):
         assert empty[0].all() and not empty[1].any()  # the empty-mask row and the full-mask row
 
 
-@pytest.mark.parametrize("impl", PALLAS)
-def test_pallas_bf16_inputs(impl):
+def check_bf16(impl, *, interpret=True):
     r, q, k, v = _inputs(1, 2, 4, 160, 64, dtype=jnp.bfloat16, seed=4)
     valid = jnp.asarray(r.random((1, 2, 160)) < 0.9)
-    o, m, l = decode_attention(q, k, v, valid, impl=impl, interpret=True)
+    o, m, l = decode_attention(q, k, v, valid, impl=impl, interpret=interpret)
     assert o.dtype == m.dtype == l.dtype == jnp.float32
     o_r, m_r, l_r = decode_attention_reference(q, k, v, valid)
     np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("impl", PALLAS)
+def test_pallas_bf16_inputs(impl):
+    check_bf16(impl)
 
 
 def test_partials_over_block_subsets_merge_to_the_whole():
