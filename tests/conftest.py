@@ -1,4 +1,9 @@
-"""Shared pytest configuration: CPU only with 8 host devices, fp32 matmuls, and the ``slow`` marker.
+"""Shared pytest configuration: CPU only with 8 host devices, fp32 matmuls, the ``slow`` and ``accelerator`` markers.
+
+``JAX_PLATFORMS`` defaults to ``cpu`` (``setdefault``: a value set by the caller wins). The ``accelerator`` tests
+(tests/accelerator) are skipped unless the backend is a GPU or TPU, so they run only with the platform named:
+``JAX_PLATFORMS=cuda python3 -m pytest tests/accelerator -m accelerator`` (``tpu`` on a TPU).
+``KVJAX_ACCELERATOR_DRY_RUN=1`` runs them on CPU instead, the kernels in interpret mode (checks the test code).
 
 XLA splits the host CPU into 8 devices (``--xla_force_host_platform_device_count=8``, set before jax starts) so
 the sharding tests (``tests/sharding``) run meshes of up to 8 devices in this process; everything else runs on
@@ -23,6 +28,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    accelerator = [item for item in items if "accelerator" in item.keywords]
+    dry_run = os.environ.get("KVJAX_ACCELERATOR_DRY_RUN") == "1"
+    if accelerator and jax.default_backend() not in ("gpu", "tpu") and not dry_run:
+        skip = pytest.mark.skip(reason=f"accelerator: needs a GPU or TPU backend, not {jax.default_backend()}; run "
+                                "JAX_PLATFORMS=cuda (or tpu) python3 -m pytest tests/accelerator -m accelerator")
+        for item in accelerator:
+            item.add_marker(skip)
     if config.getoption("--runslow") or os.environ.get("KVJAX_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or KVJAX_SLOW=1")

@@ -52,6 +52,7 @@ def chunk_best_match_gpu(k, valid, chunk: int, interpret: bool = False, num_warp
                    pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0))],
         out_shape=out_shape,
         interpret=interpret,
+        name="chunk_best_match_gpu",
         **params,
     )(kp, va, vb)
     return _common.unpack(best, idx, b, h)

@@ -41,5 +41,6 @@ def chunk_best_match_tpu(k, valid, chunk: int, interpret: bool = False):
                    pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0))],
         out_shape=out_shape,
         interpret=interpret,
+        name="chunk_best_match_tpu",
     )(kp, va, vb)
     return _common.unpack(best, idx, b, h)

@@ -25,7 +25,7 @@ from kernels_pallas.pq_lookup import _common
 
 def _kernel(len_ref, lut_ref, codes_ref, out_ref, *, h: int, m: int, k: int, tt: int):
     row, j = pl.program_id(0), pl.program_id(1)
-    length = len_ref[row // h]
+    length = len_ref[jax.lax.div(row, h)]  # lax.div, not //: see codes_map
     start = j * tt
 
     @pl.when(start < length)
@@ -53,7 +53,9 @@ def pq_lookup_tpu(lut, codes, lengths=None, block_t: int = 512, interpret: bool 
     lut2, c, lens, s_pad = _common.pack(lut, codes, lengths, block_t)
 
     def codes_map(i, j, len_ref):
-        last = jnp.maximum((len_ref[i // h] + block_t - 1) // block_t - 1, 0)
+        # Non-negative ints: truncating lax.div is floor division without the sign correction ``//`` adds
+        # (Mosaic's sign lowering queries the TPU generation, which fails when exporting for TPU off-device).
+        last = jnp.maximum(jax.lax.div(len_ref[jax.lax.div(i, h)] + block_t - 1, block_t) - 1, 0)
         return i, 0, jnp.minimum(j, last)
 
     out = pl.pallas_call(

@@ -57,39 +57,53 @@ def test_reconstruction_identity():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-@pytest.mark.parametrize("shape,block_t", [
+KERNEL_CASES = [
     ((2, 3, 1, 1, 4, 37), 16),      # G=1, m=1, S not a multiple of the tile
     ((1, 2, 4, 2, 6, 200), 128),    # the paper's m=2, b=6: m*K = 128 lanes; TPU-legal tT=128
     ((1, 1, 8, 4, 8, 64), 32),      # G=8, m=4, b=8 (m*K = 1024)
     ((1, 2, 3, 2, 6, 1024), 512),   # TPU-legal default tile tT=512, G=3
-])
-def test_kernels_match_reference(impl, shape, block_t):
+]
+LENGTH_CASES = [
+    ((3, 2, 1, 2, 4, 100), 16, (100, 37, 0)),     # full, mid-block, empty
+    ((2, 2, 3, 2, 6, 300), 128, (129, 128)),      # one past a tile edge, exactly a tile; G=3
+    ((2, 1, 4, 4, 4, 64), 32, (1, 64)),           # a single live slot
+]
+
+
+def check_kernel(impl, shape, block_t, *, interpret=True):
+    """The kernel equals the reference (also used compiled by tests/accelerator)."""
     lut, codes = inputs(*shape, seed=shape[-1])
     want = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl="xla"))
-    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl=impl, interpret=True, block_t=block_t))
+    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl=impl, interpret=interpret,
+                               block_t=block_t))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-@pytest.mark.parametrize("shape,block_t,lengths", [
-    ((3, 2, 1, 2, 4, 100), 16, (100, 37, 0)),     # full, mid-block, empty
-    ((2, 2, 3, 2, 6, 300), 128, (129, 128)),      # one past a tile edge, exactly a tile; G=3
-    ((2, 1, 4, 4, 4, 64), 32, (1, 64)),           # a single live slot
-])
-def test_kernels_with_lengths_match_reference(impl, shape, block_t, lengths):
+@pytest.mark.parametrize("shape,block_t", KERNEL_CASES)
+def test_kernels_match_reference(impl, shape, block_t):
+    check_kernel(impl, shape, block_t)
+
+
+def check_kernel_with_lengths(impl, shape, block_t, lengths, *, interpret=True):
     """Slots past ``lengths[b]`` are NEG_INF; live slots equal the reference (and the numpy loop)."""
     lut, codes = inputs(*shape, seed=7)
     lens = jnp.asarray(lengths, jnp.int32)
     want = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl="xla"))
     np.testing.assert_allclose(want, numpy_lookup(lut, codes, lengths), atol=1e-5)
-    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=True,
+    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=interpret,
                                block_t=block_t))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for bi, n in enumerate(lengths):
         assert (got[bi, :, :, n:] == NEG_INF).all()
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("shape,block_t,lengths", LENGTH_CASES)
+def test_kernels_with_lengths_match_reference(impl, shape, block_t, lengths):
+    check_kernel_with_lengths(impl, shape, block_t, lengths)
 
 
 def test_kernels_skip_dead_blocks():

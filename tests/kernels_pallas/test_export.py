@@ -1,0 +1,141 @@
+"""Every Pallas kernel, and one whole engine decode step, lowers for its hardware: exported from this CPU-only
+jaxlib with ``jax.export`` for ``platforms=["cuda"]`` (the ``pallas_gpu`` kernels) and ``["tpu"]`` (the
+``pallas_tpu`` kernels), so a lowering break is caught in CI without a device.
+
+What this checks: exporting runs the real Pallas lowering for the target, the Triton lowering for ``cuda`` (the
+Triton IR is embedded in a ``__gpu$xla.gpu.triton`` custom call) and the Mosaic lowering for ``tpu`` (a
+``tpu_custom_call``). It does not run the final compile (Triton to PTX; Mosaic's layout passes and VMEM
+checks), which happens on the device. Kernels are found in the module by their ``pallas_call`` name. Inputs are
+``jax.ShapeDtypeStruct``s (``jax.eval_shape`` for the model and the caches), so Llama-3.1-8B sizes allocate
+nothing. Shapes: SmolLM2's heads (9 query / 3 KV, head_dim 64) and Llama-3.1-8B's (32 / 8, 128), bf16 and fp32,
+odd buffer lengths, per-sequence lengths and block lists. The numbers are checked elsewhere: interpret mode on
+CPU (the other files here) and compiled on a device (tests/accelerator).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.chunked_similarity import chunk_best_match
+from kernels_pallas.cosine_kmeans import lloyd_step
+from kernels_pallas.decode_attention import ENV_IMPL, decode_attention
+from kernels_pallas.pq_lookup import pq_lookup
+from kvjax import engine, methods
+from kvjax import model as M
+from kvjax.config import ModelConfig, RopeConfig
+from kvjax.methods.base import Capacity
+
+S = jax.ShapeDtypeStruct
+PLATFORMS = [("cuda", "pallas_gpu", "gpu"), ("tpu", "pallas_tpu", "tpu")]  # (export platform, impl, name suffix)
+HEADS = {"smollm2": (9, 3, 64), "llama31_8b": (32, 8, 128)}  # query heads, KV heads, head_dim
+DTYPES = [jnp.bfloat16, jnp.float32]
+CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]  # not in export's stable list
+
+
+def exported_kernels(f, args, platform: str) -> list[str]:
+    """Export ``jit(f)(*args)`` for ``platform``; the sorted ``pallas_call`` names in the module."""
+    text = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=CHECKS)(*args).mlir_module()
+    assert ("tpu_custom_call" in text) if platform == "tpu" else ("__gpu$xla.gpu.triton" in text)
+    return sorted(set(re.findall(r'name = "(\w+_(?:tpu|gpu))"', text)))
+
+
+@pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_exports(platform, impl, suffix, heads, dtype):
+    hq, hkv, d = HEADS[heads]
+    b, s = 2, 1087  # odd capacity (1024-token bucket + 63 decode steps): a ragged last block
+    q, kv = S((b, hq, d), dtype), S((b, hkv, s, d), dtype)
+    valid, bias = S((b, hkv, s), jnp.bool_), S((b, hkv, s), jnp.float32)
+    lengths = S((b,), jnp.int32)
+    blocks, shared_blocks = S((b, hkv, 5), jnp.int32), S((b, 3), jnp.int32)  # -1-padded lists ([B, Hkv, N], [B, N])
+    calls = [(lambda q, k, v: decode_attention(q, k, v, impl=impl), (q, kv, kv)),
+             (lambda q, k, v, n: decode_attention(q, k, v, lengths=n, impl=impl), (q, kv, kv, lengths)),
+             (lambda q, k, v, va, bs, n, bi: decode_attention(q, k, v, va, n, bs, bi, impl=impl),
+              (q, kv, kv, valid, bias, lengths, blocks)),
+             (lambda q, k, v, n, bi: decode_attention(q, k, v, lengths=n, block_indices=bi, impl=impl),
+              (q, kv, kv, lengths, shared_blocks))]
+    for f, args in calls:
+        assert exported_kernels(f, args, platform) == [f"decode_attention_{suffix}"]
+
+
+@pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_similarity_exports(platform, impl, suffix, heads, dtype):
+    _, hkv, d = HEADS[heads]
+    for m, chunk in ((1024, 256), (96, 16)):  # Chelsea's default chunk; a small one
+        args = (S((2, hkv, m, d), dtype), S((2, hkv, m), jnp.bool_))
+        f = functools.partial(chunk_best_match, chunk=chunk, impl=impl)
+        assert exported_kernels(f, args, platform) == [f"chunk_best_match_{suffix}"]
+
+
+@pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_pq_lookup_exports(platform, impl, suffix, heads):
+    hq, hkv, _ = HEADS[heads]
+    g = hq // hkv
+    for m, bits, s in ((2, 6, 1087), (2, 6, 4096), (4, 8, 1536)):  # the paper's m=2, b=6; ragged and aligned S
+        args = (S((2, hkv, g, m, 2 ** bits), jnp.float32), S((2, hkv, m, s), jnp.uint8), S((2,), jnp.int32))
+        f = functools.partial(pq_lookup, impl=impl)
+        assert exported_kernels(f, args, platform) == [f"pq_lookup_{suffix}"]
+
+
+@pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cosine_kmeans_exports(platform, impl, suffix, heads, dtype):
+    _, hkv, d = HEADS[heads]
+    n = 2 * hkv  # batch x KV heads clusterings
+    for rows, c in ((1057, 13), (4000, 400)):  # ClusterKV's L/80 clusters; 400 as at 32k tokens
+        args = (S((n, rows, d), dtype), S((n, c, d), jnp.float32), S((n, rows), jnp.bool_), S((n, c), jnp.bool_))
+        f = functools.partial(lloyd_step, impl=impl)
+        assert exported_kernels(f, args, platform) == [f"centroid_update_{suffix}", f"cosine_assign_{suffix}"]
+
+
+# ---------------------------------------------------------------------------------------------- decode step
+
+MODELS = {  # a few layers of each; random weights, only their shapes are used
+    "llama31_8b": (ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                               num_layers=3, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                               rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
+                               max_position_embeddings=131072), jnp.bfloat16),
+    "smollm2": (ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                            num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
+                            rope=RopeConfig(theta=100000.0), max_position_embeddings=8192), jnp.float32),
+}
+# The kernels each method's decode step calls. H2O and LESS attend in pure JAX (they need per-slot weights);
+# ClusterKV's window of 32 makes the step re-cluster (cosine K-means) within the 63 decode steps.
+STEP_KERNELS = {"chelsea": ("chunk_best_match", "decode_attention"), "pqcache": ("decode_attention", "pq_lookup"),
+                "clusterkv": ("centroid_update", "cosine_assign", "decode_attention"), "h2o": (), "less": ()}
+METHOD_OPTIONS = {"full": {}, "clusterkv": {"budget": 256, "window": 32}, "quest": {"budget": 256}}
+KERNEL_IMPL = ("chelsea", "pqcache", "clusterkv")  # the methods with an ``impl`` option for their own kernel
+
+
+@pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("name", methods.names())
+def test_decode_step_exports(monkeypatch, platform, impl, suffix, model, name):
+    """``engine._decode_step`` (the body of ``engine.decode_step`` and of the compiled loop) for 2 sequences,
+    a 1024-token bucket and 63 decode steps. The decode-attention impl is chosen by ``KVJAX_DECODE_ATTENTION_IMPL``
+    (``impl=None`` would pick ``xla`` by this CPU backend), the methods' own kernels by their ``impl`` option."""
+    cfg, dtype = MODELS[model]
+    monkeypatch.setenv(ENV_IMPL, impl)
+    opts = dict(METHOD_OPTIONS.get(name, {"budget": 0.2}), **({"impl": impl} if name in KERNEL_IMPL else {}))
+    method = methods.get(name, **opts)
+    b = 2
+    params = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
+    states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(1024, 63), dtype))
+    token = pos = S((b,), jnp.int32)
+    step = functools.partial(engine._decode_step, cfg, method)  # a fresh function: no trace cached under xla
+    want = STEP_KERNELS.get(name, ("decode_attention",))
+    if not want:
+        text = jax.export.export(jax.jit(step), platforms=[platform])(params, states, token, pos).mlir_module()
+        assert "tpu_custom_call" not in text and "triton" not in text
+        return
+    assert exported_kernels(step, (params, states, token, pos), platform) == sorted(f"{k}_{suffix}" for k in want)
