@@ -7,6 +7,7 @@
     kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
     kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
     kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
+    kvjax-eval main --mesh data=2,model=4            # sharded over 8 devices: batch over data, heads over model
     kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
 """
 
@@ -73,6 +74,20 @@ def _tasks(args):
     return tasks
 
 
+def _check_mesh_batches(model, args) -> None:
+    """Every batch a task runs (``--batch``, ``--sequences``) must split over the mesh's ``data`` axis; checked
+    before anything runs, naming the option. (Fidelity probes one prompt at a time: only ``model`` splits it.)"""
+    from kvjax import sharding
+
+    for option in ("batch", "sequences"):
+        n = getattr(args, option, None)
+        if n is not None:
+            try:
+                sharding.check_mesh(model.mesh, model.config, n)
+            except ValueError as e:
+                raise ValueError(f"--{option} {n}: {e}") from None
+
+
 def cmd_run(args) -> int:
     import kvjax
     from eval import report, runner
@@ -86,9 +101,12 @@ def cmd_run(args) -> int:
     if args.equal_bytes is not None and args.equal_bytes not in compressed:
         raise ValueError(f"--equal-bytes {args.equal_bytes!r} must be one of the compressed methods of --methods "
                          f"({', '.join(compressed) or 'none'})")
-    model = kvjax.load_model(args.model)
+    model = kvjax.load_model(args.model, mesh=args.mesh)
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
+    if model.mesh is not None:
+        _check_mesh_batches(model, args)
+        print(f"[kvjax-eval] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
                          equal_bytes=args.equal_bytes)
@@ -135,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-new-tokens", type=int, default=max_new)
         if seed:
             sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                        help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
+                             "'model'; --batch / --sequences must be multiples of the 'data' size")
         sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
         sp.add_argument("--no-progress", action="store_true")
         sp.set_defaults(func=cmd_run, equal_bytes=None)

@@ -30,6 +30,10 @@ attends for the ``probes`` following tokens with its own ``decode``; the full me
 >>> topb_recall(selected, q, k, n)                          # [B, Hq] for any mask (jit-friendly)
 
 ``FidelityTask`` runs it from ``kvjax-eval fidelity`` on essay prompts of ``--lengths`` tokens.
+
+On a sharded model (``model.mesh``) the probe runs under the mesh: parameters tensor-parallel and the
+per-head operations (``top_k``, kernels) split over ``model`` (:func:`kvjax.sharding.per_head`). A probe is one
+prompt, so ``data`` does not split it (each ``data`` replica computes the same probe).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 
 from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
+from kvjax import sharding as S
 from kvjax.methods.base import Capacity
 
 
@@ -106,14 +111,18 @@ def topb_recall(selected, q, k, n) -> jnp.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _probe_fn(cfg, method, n: int, probes: int, dtype):
+def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     """jit(params, tokens [1, n + probes]) -> per layer (full outputs, method outputs, method state, weights,
     top-B recall ``[P, 1, Hq]`` or None), the whole model in one compiled function (teacher-forced with full
-    attention, as the engine's prefill)."""
+    attention, as the engine's prefill); traced under ``mesh`` (:func:`kvjax.sharding.tracing`) when given."""
     full = methods.get("full")
     cap = Capacity(n, probes + 1)
 
     def run(params, tokens):
+        with S.tracing(mesh):
+            return body(params, tokens)
+
+    def body(params, tokens):
         positions = jnp.arange(tokens.shape[1])[None]
 
         def attend(layer, x, q, k, v, out):
@@ -154,7 +163,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         raise ValueError(f"a prompt of {len(ids)} tokens leaves {n} tokens before {probes} probes; use a longer one")
     if len(ids) > cfg.max_position_embeddings:
         raise ValueError(f"{len(ids)} tokens exceed the model's context of {cfg.max_position_embeddings}")
-    per_layer = _probe_fn(cfg, method, n, probes, model.dtype)(params, jnp.asarray([ids], jnp.int32))
+    per_layer = _probe_fn(cfg, method, n, probes, model.dtype, model.mesh)(params, jnp.asarray([ids], jnp.int32))
     errors, recalls, states, topb = [], [], [], []
     for ref, o, st, weights, rec in per_layer:
         ref, o = np.asarray(ref, np.float64), np.asarray(o, np.float64)

@@ -12,6 +12,10 @@ Two protocols, both greedy:
 
 Shapes are fixed per (method, batch, bucket, ``Capacity``): the runner pads every batch to the same size and
 uses one bucket per task, so each (method, bucket) compiles ``prefill`` and ``decode_step`` once.
+
+On a sharded model (``model.mesh``) both protocols run sharded: ``engine.generate`` uses the mesh itself, and
+``answer_after_context`` creates its states on the mesh and places every batch array over ``data``. The
+equal-bytes sizing (:func:`bytes_per_seq`) reads state shapes only, the same with or without a mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import engine, methods
+from kvjax import sharding as S
 from kvjax.budget import check_budget
 from kvjax.methods.base import Capacity
 
@@ -133,8 +138,11 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
     check_context(model, max(lengths), cap_new)
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
-    states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype)
-    states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    mesh = model.mesh
+    put = lambda x: S.put_batch(jnp.asarray(x), mesh)
+    states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh)
+    states, logits = engine.prefill(cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)),
+                                    states, mesh=mesh)
     eos = _eos(model)
     answers: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
@@ -155,7 +163,7 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
             feed[i] = tok
         if all(done) or step == cap_new - 1:
             break
-        logits, states = engine.decode_step(cfg, method, model.params, states, jnp.asarray(feed), jnp.asarray(pos))
+        logits, states = engine.decode_step(cfg, method, model.params, states, put(feed), put(pos), mesh=mesh)
         pos = pos + 1
     answers = answers if model.tokenizer is None else [model.tokenizer.decode(a) for a in answers]
     return (answers, memory_rows(method, states)) if memory else answers

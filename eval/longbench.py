@@ -270,10 +270,10 @@ class LongBenchTask:
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket = prepared[0]
         new = max(MAX_NEW_TOKENS[d] for d, *_ in batch)
-        answers, mem = harness.generate_answers(model, method, [ids for _, _, ids, _, _ in batch], bucket, new,
-                                                memory=True)
+        padded, real = harness.pad_batch([ids for _, _, ids, _, _ in batch], self.batch)  # fixed batch shape
+        answers, mem = harness.generate_answers(model, method, padded, bucket, new, memory=True)
         rows = []
-        for (d, r, ids, cut, n), text, m in zip(batch, answers, mem):
+        for (d, r, ids, cut, n), text, m in zip(batch, answers[:real], mem[:real]):
             rows.append({**meta, "dataset": d, "_id": r["_id"], "prompt_tokens": len(ids), "truncated": cut,
                          "original_tokens": n, "answer": text,
                          "score": score(d, text, r["answers"], r.get("all_classes")), **m})

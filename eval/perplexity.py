@@ -8,6 +8,9 @@ through the jitted, fixed-shape ``kvjax.engine.decode_step``, one token per step
 (StreamingLLM, H2O) keep compressing as the text streams in and appending methods keep every new token.
 Each continuation token is scored by the log-probability the model gave it at the previous step (the first
 one from the prefill logits). Perplexity = ``exp(mean NLL)`` over all scored tokens.
+
+On a sharded model (``model.mesh``, :mod:`kvjax.sharding`) the sequences are split over ``data`` and the states
+created on the mesh, so the same compiled steps run sharded (the batch must be a multiple of the ``data`` size).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import assets, engine
+from kvjax import sharding as S
 from kvjax.methods.base import Capacity
 
 
@@ -62,14 +66,15 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     if t > cfg.max_position_embeddings:
         raise ValueError(f"prefix + continuation = {t} tokens is longer than the model's context of "
                          f"{cfg.max_position_embeddings}; use a shorter prefix/continuation")
-    seqs = jnp.asarray(seqs, jnp.int32)
-    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype)
-    lengths = jnp.full((b,), prefix, jnp.int32)
-    states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states)
+    mesh = model.mesh
+    seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
+    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype, mesh)
+    lengths = S.put_batch(jnp.full((b,), prefix, jnp.int32), mesh)
+    states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
     out = [_logprob(logits, seqs[:, prefix])]
     for i in range(1, n):
         logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],
-                                            lengths + i - 1)
+                                            lengths + i - 1, mesh=mesh)
         out.append(_logprob(logits, seqs[:, prefix + i]))
     nll = -np.asarray(jnp.stack(out, axis=1))
     if not memory:

@@ -2,6 +2,7 @@
 
     kvjax-train-less --out runs/less-h2o --budget 52 --seq-len 512 --num-seqs 64 --epochs 40
     kvjax-train-less --out runs/less-h2o --resume          # continue an interrupted run (same settings)
+    kvjax-train-less --out runs/less-h2o --batch 8 --mesh data=8   # data parallel: the batch split over 8 devices
 
 Then ``kvjax.methods.get("less", policy="h2o", budget=52, kernels="runs/less-h2o")``.
 """
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers vmapped together (default: all; lower it when memory is short)")
     p.add_argument("--store-dtype", default="float32", help="dtype of the captured activations (float32, bfloat16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default=None, metavar="data=N",
+                   help="data parallel over a device mesh (kvjax.sharding): each batch split over 'data' (--batch a "
+                        "multiple of N), kernels and optimizer state replicated")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -60,7 +64,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import kvjax
     from train_less import data
-    from train_less.trainer import TrainConfig, train
+    from train_less.trainer import TrainConfig, check_mesh, make_mesh, train
 
     if isinstance(args.budget, float):  # a fraction of the training sequence length, in tokens
         from kvjax.budget import budget_tokens
@@ -72,7 +76,10 @@ def main(argv=None) -> int:
                          batch=args.batch, seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac,
                          lr=args.lr, halve_every=args.halve_every, layers_per_step=args.layers_per_step,
                          seed=args.seed, store_dtype=args.store_dtype)
-    except ValueError as e:  # e.g. --budget not below --seq-len
+        mesh = None if args.mesh is None else make_mesh(args.mesh)
+        if mesh is not None:
+            check_mesh(mesh, tc.batch)
+    except ValueError as e:  # e.g. --budget not below --seq-len, a bad --mesh
         print(f"kvjax-train-less: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
@@ -89,7 +96,7 @@ def main(argv=None) -> int:
     print(f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
           f"budget {tc.budget_tokens}, R={tc.rank}, {model.config.num_layers} layers", file=sys.stderr)
     meta = train(model.config, model.params, tokens, tc, args.out, model_name=model.name, resume=args.resume,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, mesh=mesh)
     print(json.dumps({"out": args.out, "epochs_done": meta["epochs_done"], "wall_seconds": time.perf_counter() - t0,
                       "val_loss_mean": sum(meta["val_loss"]) / len(meta["val_loss"]),
                       "val_loss_sparse_mean": sum(meta["val_loss_sparse"]) / len(meta["val_loss_sparse"]),

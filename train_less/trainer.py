@@ -13,6 +13,14 @@ the seed, epoch and step).
 Output folder: ``kernels.npz`` (best params, each ``[L, ...]``), ``less_config.json`` (format, model
 identity, kernel/policy/training config, per-layer validation losses of LESS, of the sparse policy alone and
 of Baseline+ = the sparse policy with ``R/2`` more tokens, best epochs, history) and ``checkpoints/``.
+
+Many devices (``mesh``, ``kvjax-train-less --mesh data=N``): data parallelism. Each step's batch (axis 1 of
+``x [L, B, S, H]`` and of the packed masks) is split over the mesh's ``data`` axis; the frozen layer parameters,
+the kernels and the Adam states are *replicated* on every device, and ``jit``'s SPMD partitioner all-reduces the
+gradients (the loss is a mean over the batch), so every device applies the same update: the same training as one
+device up to the order of float sums. ``batch`` must be a multiple of the ``data`` size; a ``model`` axis > 1 is
+refused (the kernels are small; tensor parallelism would not pay). Activation capture runs with its batch split
+over ``data`` too.
 """
 
 from __future__ import annotations
@@ -29,11 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from kvjax import model as M
+from kvjax import sharding as S
 from kvjax.methods import less as L
-from train_less.capture import capture, stack_layers
+from train_less.capture import capture, put_batch, stack_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +182,27 @@ def _cat(trees):
     return jax.tree.map(lambda *a: jnp.concatenate(a), *trees)
 
 
+def make_mesh(spec) -> Mesh:
+    """The training mesh from ``"data=N"`` (or a dict, or a ``Mesh``, returned as is): unlike
+    :func:`kvjax.sharding.make_mesh`, a ``model`` size left out is 1, not the remaining devices."""
+    if isinstance(spec, Mesh):
+        return spec
+    return S.make_mesh({S.MODEL: 1, **(S.parse_mesh(spec) if isinstance(spec, str) else spec)})
+
+
+def check_mesh(mesh, batch: int) -> None:
+    """ValueErrors for a mesh LESS training cannot use: a ``model`` axis > 1 or a ``batch`` (``--batch``) that
+    is not a multiple of the ``data`` size (``--mesh``)."""
+    dp, tp = S.axis_size(mesh, S.DATA), S.axis_size(mesh, S.MODEL)
+    if tp > 1:
+        raise ValueError(f"--mesh: LESS training splits only the batch, over 'data'; mesh axis 'model' has size {tp}. "
+                         f"Use --mesh data={dp * tp} (model=1)")
+    if batch % dp:
+        raise ValueError(f"--batch {batch} is not a multiple of the mesh's 'data' size {dp} (--mesh data={dp}): each "
+                         f"device takes batch / {dp} sequences; use --batch {-(-batch // dp) * dp} or a smaller "
+                         "'data' size")
+
+
 def _config_dict(tc: TrainConfig) -> dict:
     d = dataclasses.asdict(tc)
     d["budget"] = tc.budget_tokens
@@ -203,14 +234,19 @@ def _write_output(out: Path, tc, cfg, model_name, best, meta_extra):
 
 
 def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name: str | None = None,
-          resume: bool = False, progress: bool = True, stop_after: int | None = None) -> dict:
+          resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None) -> dict:
     """Train the kernels of every layer of the frozen model ``(cfg, params)`` on ``tokens [N, S]``.
 
     Writes ``out_dir`` (see the module docstring) and returns the JSON written there. ``resume``: continue
     from the last checkpoint in ``out_dir`` (same config and data; ``epochs`` may grow). ``stop_after``:
-    stop after that many epochs in total (as if interrupted; for tests).
+    stop after that many epochs in total (as if interrupted; for tests). ``mesh``: a ``jax.sharding.Mesh`` or
+    a spec such as ``"data=4"`` (:func:`make_mesh`): the batch is split over ``data`` (module docstring).
     """
     t0 = time.perf_counter()
+    if mesh is not None:
+        mesh = make_mesh(mesh)
+        check_mesh(mesh, tc.batch)
+        params = jax.device_put(params, S.replicated(mesh))
     out = Path(out_dir).absolute()
     ckpt_dir = out / "checkpoints"
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
@@ -241,8 +277,10 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
             diff = sorted(k for k in now if saved.get(k) != now[k])
             raise ValueError(f"resume: the checkpoint in {str(out_dir)!r} was written with a different config "
                              f"(differs in {diff or 'the model'}); resume with the same settings or use a new folder")
-    xs, (masks, masks_plus) = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), batch=max(tc.batch, 4),
-                                      store_dtype=jnp.dtype(tc.store_dtype), progress=progress)
+    dp = S.axis_size(mesh, S.DATA)
+    xs, (masks, masks_plus) = capture(cfg, params, tokens, (tc.less, tc.baseline_plus),
+                                      batch=-(-max(tc.batch, 4) // dp) * dp, store_dtype=jnp.dtype(tc.store_dtype),
+                                      progress=progress, mesh=mesh)
     layers = stack_layers(params)
     nl = cfg.num_layers
     tx = _optimizer(tc, steps_per_epoch)
@@ -274,6 +312,8 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         best_val, best_epoch = np.asarray(st["best_val"]), np.asarray(st["best_epoch"])
         history, start_epoch = meta["history"], meta["epoch"]
 
+    if mesh is not None:  # replicated: every device holds the kernels and Adam states and applies the same update
+        kparams, opt, best, layers = jax.device_put((kparams, opt, best, layers), S.replicated(mesh))
     chunks = _chunks(nl, tc.layers_per_step)
     kp_c = [_take(kparams, c) for c in chunks]
     op_c = [_take(opt, c) for c in chunks]
@@ -287,8 +327,8 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         run = np.zeros((nl,))
         for i in range(steps_per_epoch):
             idx = np.sort(order[i * tc.batch:(i + 1) * tc.batch])
-            x = jnp.asarray(np.swapaxes(xs[idx], 0, 1))  # [L, B, S, H]
-            pm = jnp.asarray(np.swapaxes(masks[idx], 0, 1))
+            x = put_batch(np.swapaxes(xs[idx], 0, 1), mesh, axis=1)  # [L, B, S, H], B over 'data'
+            pm = put_batch(np.swapaxes(masks[idx], 0, 1), mesh, axis=1)
             gstep = epoch * steps_per_epoch + i
             lkeys = jax.vmap(lambda l: jax.random.fold_in(jax.random.fold_in(base_key, gstep), l))(layer_ids)
             losses = []
@@ -302,8 +342,8 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         val = np.zeros((3, nl))
         for i in range(0, n_val, tc.batch):
             idx = val_idx[i:i + tc.batch]
-            x = jnp.asarray(np.swapaxes(xs[idx], 0, 1))
-            pm, pp = (jnp.asarray(np.swapaxes(m[idx], 0, 1)) for m in (masks, masks_plus))
+            x = put_batch(np.swapaxes(xs[idx], 0, 1), mesh, axis=1)
+            pm, pp = (put_batch(np.swapaxes(m[idx], 0, 1), mesh, axis=1) for m in (masks, masks_plus))
             parts = [_evaluate(cfg, tc, ly_c[j], kp_c[j], x[c], pm[c], pp[c]) for j, c in enumerate(chunks)]
             val += np.stack([np.concatenate([np.asarray(p[t]) for p in parts]) for t in range(3)]) * len(idx)
         val /= n_val
