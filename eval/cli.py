@@ -101,7 +101,7 @@ def cmd_run(args) -> int:
     if args.equal_bytes is not None and args.equal_bytes not in compressed:
         raise ValueError(f"--equal-bytes {args.equal_bytes!r} must be one of the compressed methods of --methods "
                          f"({', '.join(compressed) or 'none'})")
-    model = kvjax.load_model(args.model, mesh=args.mesh)
+    model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
     if model.mesh is not None:
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
                         help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
                              "'model'; --batch / --sequences must be multiples of the 'data' size")
+        sp.add_argument("--scan-layers", action="store_true",
+                        help="stack the layers and run them as one compiled loop body (faster compiles of deep "
+                             "models; same results)")
         sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
         sp.add_argument("--no-progress", action="store_true")
         sp.set_defaults(func=cmd_run, equal_bytes=None)

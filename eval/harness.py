@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import engine, methods
+from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.budget import check_budget
 from kvjax.methods.base import Capacity
@@ -140,7 +141,8 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
     mesh = model.mesh
     put = lambda x: S.put_batch(jnp.asarray(x), mesh)
-    states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh)
+    states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh,
+                                scan_layers=M.is_stacked(model.params))
     states, logits = engine.prefill(cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)),
                                     states, mesh=mesh)
     eos = _eos(model)

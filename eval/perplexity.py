@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import assets, engine
+from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
 
@@ -68,7 +69,8 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
                          f"{cfg.max_position_embeddings}; use a shorter prefix/continuation")
     mesh = model.mesh
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
-    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype, mesh)
+    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype, mesh,
+                                scan_layers=M.is_stacked(model.params))
     lengths = S.put_batch(jnp.full((b,), prefix, jnp.int32), mesh)
     states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
     out = [_logprob(logits, seqs[:, prefix])]

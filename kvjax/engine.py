@@ -407,7 +407,8 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()
     mesh = model.mesh
-    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh, scan_layers=M.is_stacked(model.params))
+    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh,
+                         scan_layers=M.is_stacked(model.params))
     tokens_d, lengths_d = S.put_batch(jnp.asarray(tokens), mesh), S.put_batch(jnp.asarray(lengths), mesh)
 
     t0 = time.perf_counter()

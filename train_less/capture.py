@@ -23,8 +23,8 @@ from kvjax import sharding as S
 
 
 def stack_layers(params) -> dict:
-    """The model's per-layer params stacked on a leading ``[L]`` axis."""
-    return jax.tree.map(lambda *a: jnp.stack(a), *params["layers"])
+    """The model's per-layer params stacked on a leading ``[L]`` axis (either layout in)."""
+    return M.stack_layers(params)["layers"]
 
 
 def put_batch(x, mesh, axis: int = 0):

@@ -75,6 +75,12 @@ def test_main_with_mesh_equals_one_device(tiny_path, tmp_path, monkeypatch):
             assert (a["answer"], a["score"]) == (b["answer"], b["score"])
     assert len({r["answer"] for r in one["rows"] if r["task"] == "needle"}) > 1  # not a degenerate model
     assert (tmp_path / "mesh" / "results.md").is_file()
+    monkeypatch.setattr(engine, "prefill", prefill)
+    scanned = _main(tiny_path, tmp_path / "scan", "--mesh", MESH, "--scan-layers")  # stacked layers, one body
+    for a, b in zip(one["rows"], scanned["rows"]):
+        assert (a["tokens_held"], a["cache_bytes"], a.get("answer")) == (b["tokens_held"], b["cache_bytes"],
+                                                                         b.get("answer"))
+        assert b["score"] == pytest.approx(a["score"], abs=1e-5)
 
 
 def test_ruler_protocol_and_fidelity_sharded_equal_one_device(tiny_path):
