@@ -86,14 +86,20 @@ class ChelseaState:
     out_heads: tuple = struct.field(pytree_node=False, default=())
 
 
-@functools.lru_cache(maxsize=32)
 def load_outlier_file(path: str) -> dict:
-    """Read a calibration JSON written by ``kvjax calibrate-chelsea``."""
+    """Read a calibration JSON written by ``kvjax calibrate-chelsea``. The file is read on every call (it is
+    small) and its parse cached by content, so a file edited or rewritten in place is used as it is now, even
+    within the same second and at the same size (an mtime/size key could miss that)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"outlier_heads={path!r}: no such file; run `kvjax calibrate-chelsea --model ... "
                                 "--out PATH` first, or pass a tuple of (layer, kv_head) pairs")
-    data = json.loads(p.read_text())
+    return _parse_outlier_file(p.read_text(), path)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_outlier_file(text: str, path: str) -> dict:
+    data = json.loads(text)
     if "outlier_heads" not in data:
         raise ValueError(f"outlier_heads={path!r} has no 'outlier_heads' entry; it is not a calibration file")
     return data
@@ -217,6 +223,10 @@ class Chelsea(Method):
             t = floor_mul(full, rule[1], rule[2])
         else:
             c, h, o = rule[1:]
+            if o:  # B falls as n grows and is < 1 (clamped to 1) from n + Gamma > c h / o on: clip there first,
+                # so that o (n + Gamma) <= c h + o stays inside int32 when traced (c h is a host constant)
+                mn = min if isinstance(full, int) else (np.minimum if isinstance(full, np.ndarray) else jnp.minimum)
+                full = mn(full, c * h // o + 1)
             t = c if not o else (c * h - o * full) // (h - o)
         if isinstance(n, int):
             return max(t, 1)
