@@ -71,7 +71,8 @@ def test_chelsea_traced_rounds_match_the_host_plan(n):
         s -= want[-1]
         i += 1
     assert s == b_max
-    one = _simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table, idle=np.array([n]))
+    one = _simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table,
+                    idle=np.array([n]))
     assert [r.max_merges for r in one] == want  # the host plan (numpy int64) of this prompt length
     # the bucket's plan is the worst case over every length <= n: this one's counts first, never above it
     assert pre[0].max_merges == want[0] and all(r.max_merges >= w for r, w in zip(pre, want))
@@ -189,3 +190,12 @@ def test_h2o_and_less_prefill_memory_is_linear():
         a, b = (prefill_temp_bytes(name, t) for t in (4096, 8192))
         assert b <= 2.1 * a, (name, a, b)
         assert b - a <= 2 * (full[1] - full[0]), (name, a, b, full)
+
+
+@pytest.mark.slow
+def test_clusterkv_prefill_memory_is_linear():
+    """ClusterKV clusters into ``C0 = L / 80`` centroids: the CPU assignment's similarity block ``[N, L, C0]`` was
+    quadratic in T (900 MiB of temp at 2^16 against full's 119); tiled over rows it grows like full's prefill."""
+    full = [prefill_temp_bytes("full", t) for t in (16384, 32768)]
+    a, b = (prefill_temp_bytes("clusterkv", t) for t in (16384, 32768))
+    assert b <= 2.1 * a and b - a <= 2 * (full[1] - full[0]), (a, b, full)
