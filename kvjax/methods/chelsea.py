@@ -34,6 +34,12 @@ Algorithm 1 at fixed shapes; method details and the resolutions of what the pape
   or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
   allocated only in layers that have outlier heads; their query heads attend there.
 
+Long prompts: every count is exact in traced int32 for ``n + Gamma < 2^31`` (the merge count ``floor(r M)`` and
+``B_b`` are computed split, :func:`kvjax.budget.floor_mul`; the token-count rule with outlier heads clips ``n +
+Gamma`` where ``B_b`` reaches its floor of 1 and needs ``c H < 2^31``); the host plans use numpy int64
+(``tests/kvjax/test_million.py``: traced counts against Python ints from 430k to 2^30 tokens). The outlier JSON
+is re-read on every use and its parse cached by content, so an edited file takes effect in a running process.
+
 State per layer (:class:`ChelseaState`): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``
 (``B_max``: the budget of a bucket-length prompt); target, seen ``[B]`` int32 (``B_b``, tokens seen);
 n ``[B, Hc, S]`` float32 counts (0 = empty slot); length ``[B]`` int32 occupied slots (at the front);
