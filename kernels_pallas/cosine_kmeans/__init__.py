@@ -24,7 +24,8 @@ row); cvalid ``[N, C]`` bool (None: every centroid).
 impl: ``"xla"`` (reference), ``"pallas_tpu"``, ``"pallas_gpu"`` (Triton), or None: ``pallas_tpu`` on TPU,
 ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the reference silently.
 ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU). ``block_l`` is the row tile
-(defaults in ``_common``: 512 on TPU, 64 on GPU); pallas_tpu needs a multiple of 128 or ``>= L`` (checked by
+(defaults in ``_common``: 512 on TPU, 64 on GPU, 512 for xla, whose assignment runs a tile at a time so its
+similarity block is ``[N, block_l, C]``, linear in L); pallas_tpu needs a multiple of 128 or ``>= L`` (checked by
 ``tiling.check_block_shape``), pallas_gpu a power of two ``>= 16``. A ragged ``L`` (and on GPU a ``D`` that is
 not a power of two) is padded, one copy of ``x``; allocate ``L`` as a multiple of ``ROW_ALIGN`` (512) to
 avoid it.
@@ -112,8 +113,10 @@ def cosine_assign(x, centroids, valid=None, cvalid=None, *, impl: str | None = N
     """Labels ``[N, L]`` int32; see the module docstring (``reference.cosine_assign_reference`` is the spec)."""
     impl = _check_impl(impl)
     check_assign_inputs(x, centroids, valid, cvalid, block_l)
-    if impl == "xla" or x.shape[0] * x.shape[1] == 0:  # nothing to tile: the (empty) result has no values
+    if x.shape[0] * x.shape[1] == 0:  # nothing to tile: the (empty) result has no values
         return cosine_assign_reference(x, centroids, valid, cvalid)
+    if impl == "xla":
+        return _assign_xla(x, centroids, valid, cvalid, int(block_l or _common.XLA_BLOCK_L))
     if impl == "pallas_tpu":
         from kernels_pallas.cosine_kmeans.pallas_tpu import cosine_assign_tpu
         return cosine_assign_tpu(x, centroids, valid, cvalid, block_l=int(block_l or _common.TPU_BLOCK_L),
@@ -121,6 +124,21 @@ def cosine_assign(x, centroids, valid=None, cvalid=None, *, impl: str | None = N
     from kernels_pallas.cosine_kmeans.pallas_gpu import cosine_assign_gpu
     return cosine_assign_gpu(x, centroids, valid, cvalid, block_l=int(block_l or _common.GPU_BLOCK_L),
                              interpret=interpret)
+
+
+def _assign_xla(x, centroids, valid, cvalid, block_l: int):
+    """The reference assignment, ``block_l`` rows at a time (``lax.map``): its ``[N, L, C]`` similarity block
+    becomes ``[N, block_l, C]``, so memory is linear in ``L`` even when ``C`` grows with ``L`` (ClusterKV's
+    ``C0 = L / 80``). Each row's labels are those of :func:`cosine_assign_reference`."""
+    n, l, d = x.shape
+    if l <= block_l:
+        return cosine_assign_reference(x, centroids, valid, cvalid)
+    nb = -(-l // block_l)
+    rows = lambda a: jnp.moveaxis(jnp.pad(a, ((0, 0), (0, nb * block_l - l)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
+                                  .reshape(n, nb, block_l, *a.shape[2:]), 1, 0)
+    valid = jnp.ones((n, l), bool) if valid is None else valid
+    out = jax.lax.map(lambda xv: cosine_assign_reference(xv[0], centroids, xv[1], cvalid), (rows(x), rows(valid)))
+    return jnp.moveaxis(out, 0, 1).reshape(n, nb * block_l)[:, :l]
 
 
 def centroid_update(x, labels, num_clusters: int, *, impl: str | None = None, interpret: bool = False,

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.cosine_kmeans.reference import normalise_centroids
 
+#: Row tile of the pure-JAX assignment (``impl="xla"``, the CPU path): memory ``O(block x C)``, not ``O(L x C)``.
+XLA_BLOCK_L = 512
 #: Default row tile on TPU (method note ``docs/notes/clusterkv.md`` §7.3: ``tL = 256-512``); a multiple of 128
 #: (lane-dense labels).
 TPU_BLOCK_L = 512

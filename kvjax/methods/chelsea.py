@@ -34,6 +34,12 @@ Algorithm 1 at fixed shapes; method details and the resolutions of what the pape
   or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
   allocated only in layers that have outlier heads; their query heads attend there.
 
+Long prompts: every count is exact in traced int32 for ``n + Gamma < 2^31`` (the merge count ``floor(r M)`` and
+``B_b`` are computed split, :func:`kvjax.budget.floor_mul`; the token-count rule with outlier heads clips ``n +
+Gamma`` where ``B_b`` reaches its floor of 1 and needs ``c H < 2^31``); the host plans use numpy int64
+(``tests/kvjax/test_million.py``: traced counts against Python ints from 430k to 2^30 tokens). The outlier JSON
+is re-read on every use and its parse cached by content, so an edited file takes effect in a running process.
+
 State per layer (:class:`ChelseaState`): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``
 (``B_max``: the budget of a bucket-length prompt); target, seen ``[B]`` int32 (``B_b``, tokens seen);
 n ``[B, Hc, S]`` float32 counts (0 = empty slot); length ``[B]`` int32 occupied slots (at the front);
@@ -86,14 +92,20 @@ class ChelseaState:
     out_heads: tuple = struct.field(pytree_node=False, default=())
 
 
-@functools.lru_cache(maxsize=32)
 def load_outlier_file(path: str) -> dict:
-    """Read a calibration JSON written by ``kvjax calibrate-chelsea``."""
+    """Read a calibration JSON written by ``kvjax calibrate-chelsea``. The file is read on every call (it is
+    small) and its parse cached by content, so a file edited or rewritten in place is used as it is now, even
+    within the same second and at the same size (an mtime/size key could miss that)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"outlier_heads={path!r}: no such file; run `kvjax calibrate-chelsea --model ... "
                                 "--out PATH` first, or pass a tuple of (layer, kv_head) pairs")
-    data = json.loads(p.read_text())
+    return _parse_outlier_file(p.read_text(), path)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_outlier_file(text: str, path: str) -> dict:
+    data = json.loads(text)
     if "outlier_heads" not in data:
         raise ValueError(f"outlier_heads={path!r} has no 'outlier_heads' entry; it is not a calibration file")
     return data
@@ -218,6 +230,10 @@ class Chelsea(Method):
             t = floor_mul(full, rule[1], rule[2])
         else:
             c, h, o = rule[1:]
+            if o:  # B falls as n grows and is < 1 (clamped to 1) from n + Gamma > c h / o on: clip there first,
+                # so that o (n + Gamma) <= c h + o stays inside int32 when traced (c h is a host constant)
+                mn = min if isinstance(full, int) else (np.minimum if isinstance(full, np.ndarray) else jnp.minimum)
+                full = mn(full, c * h // o + 1)
             t = c if not o else (c * h - o * full) // (h - o)
         if isinstance(n, int):
             return max(t, 1)

@@ -29,6 +29,7 @@ import numpy as np
 
 from kernels_pallas.chunked_similarity import chunk_best_match
 from kvjax import sharding
+from kvjax.budget import floor_mul
 from kvjax.methods.base import rows_at, top_k
 
 #: r is handled in units of 1/RATIO_UNIT so host plans and traced merge counts agree exactly (integer math).
@@ -43,12 +44,14 @@ def merges_for(length, budget: int, n_sink: int, n_recent: int, r_q: int):
     """Merges of one round: ``min(max(floor(r M), 1), length - budget)`` with ``M = length - n_sink - n_recent``
     (spec §2.4, A1, A3: r counts the mergeable middle; the cap lands exactly on the budget). ``max(., 1)``
     guarantees progress when ``r M < 1``. 0 when ``length <= budget``. Works on ints, numpy int64 arrays (the
-    host-side round plans) and int32 arrays (traced)."""
+    host-side round plans) and int32 arrays (traced). ``floor(r_q M / RATIO_UNIT)`` is computed split
+    (:func:`kvjax.budget.floor_mul`): no intermediate exceeds ``max(M, RATIO_UNIT^2)``, so the traced int32 count
+    is exact for every ``M < 2^31`` (the plain product ``r_q M`` overflowed int32 above ~430k tokens)."""
     mid = length - n_sink - n_recent
     if isinstance(length, int):
-        return 0 if length <= budget else min(max(r_q * mid // RATIO_UNIT, 1), length - budget)
+        return 0 if length <= budget else min(max(floor_mul(mid, r_q, RATIO_UNIT), 1), length - budget)
     xp = np if isinstance(length, np.ndarray) else jnp
-    m = xp.minimum(xp.maximum(r_q * mid // RATIO_UNIT, 1), length - budget)
+    m = xp.minimum(xp.maximum(floor_mul(mid, r_q, RATIO_UNIT), 1), length - budget)
     return xp.where(length > budget, m, 0).astype(np.int64 if xp is np else jnp.int32)
 
 

@@ -4,7 +4,8 @@ Each sequence holds at most ``P = budget_tokens(budget, n)`` tokens per KV head 
 its own prompt; a token count ``c``: ``c``, which generated tokens fill up): the ``recent`` most recent ones
 (``floor(recent P)`` for a fraction, else ``min(recent, P - 1)``) and the heavy hitters with the largest
 accumulated attention (softmax weights summed over every query so far; GQA: mean over the group's query heads).
-At prefill the scores are the column sums of the causal attention of all prompt queries. During decode the new
+At prefill the scores are the column sums of the causal attention of all prompt queries (computed in
+``512 x 512`` tiles of queries and keys, memory linear in the prompt: ``select.accumulated_scores``). During decode the new
 token is stored, attended over with the rest in one pass over K (its weights are added to the scores), and
 then, when the sequence holds more than ``P`` tokens, the non-recent token with the lowest accumulated score is
 evicted (H2O's greedy ``real_drop`` step). One spare slot makes this exact at a fixed shape; a sequence's live

@@ -11,7 +11,8 @@ learned kernel ``φ(q)·ψ(k)`` to every evicted one, with one shared normaliser
 
 computed from the sparse cache's flash partials ``(o, m, l)`` in log space (never overflows; with ``H = 0,
 z = 0`` it is bit-for-bit the sparse policy's output). After the full-attention prefill, every prompt token
-the policy did not keep goes into ``H, z`` at once (method note ``docs/notes/less.md`` §2.8).
+the policy did not keep goes into ``H, z`` at once (method note ``docs/notes/less.md`` §2.8), ``fold_chunk``
+prompt tokens at a time (memory linear in the prompt; the sum is the same up to float rounding).
 
 Kernels φ (per query head) and ψ (per KV head) are :class:`LessKernels`: the method note's §2.3/§8.2 "code"
 form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1| ⊙ gelu(gelu(k W1) W2), exact
@@ -326,12 +327,15 @@ class Less(Method):
     seed: int = 0
     phi_fn: Callable | None = None
     psi_fn: Callable | None = None
+    fold_chunk: int = 2048  # prompt tokens per step of the prefill fold into H, z (memory, not results)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a LESS sparse policy; choose 'h2o' or 'lambda'")
         if self.rank < 1 or self.hidden < 1:
             raise ValueError(f"rank={self.rank} and hidden={self.hidden} must be >= 1")
+        if isinstance(self.fold_chunk, bool) or not isinstance(self.fold_chunk, int) or self.fold_chunk < 1:
+            raise ValueError(f"fold_chunk={self.fold_chunk!r} must be an int >= 1 (prompt tokens per fold step)")
         if self.kernels is not None:
             load_kernels(self.kernels)  # fail early: missing files or another format
         if not self.sparse.has_decode_partial:  # the declared capability LESS needs (never getattr)
@@ -381,10 +385,29 @@ class Less(Method):
         # kept [B, Hkv, T] by a scatter of the kept positions (O(slots + T), not an [S, T] comparison)
         kept = jnp.zeros((b, h, t + 1), bool).at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
                                                  jnp.where(sparse.pos >= 0, sparse.pos, t)].set(True)[..., :t]
-        ev = ((tpos[None, None, :] < lengths[:, None, None]) & ~kept).astype(jnp.float32)
-        psk = self._psi(state.kernels, k) * ev[..., None]  # [B, Hkv, T, R]
-        H = state.H + jnp.einsum("bhtr,bhtd->bhrd", psk, v.astype(jnp.float32))
-        return state.replace(sparse=sparse, H=H, z=state.z + psk.sum(axis=2))
+        ev = (tpos[None, None, :] < lengths[:, None, None]) & ~kept
+        H, z = self._fold(state.kernels, k, v, ev, state.H, state.z)
+        return state.replace(sparse=sparse, H=H, z=z)
+
+    def _fold(self, kernels, k, v, ev, H, z):
+        """``H + Σ_t ψ(k_t)ᵀ v_t`` and ``z + Σ_t ψ(k_t)`` over the prompt tokens with ``ev [B, Hkv, T]``
+        (Eqs. 4-5), ``fold_chunk`` tokens at a time: memory linear in ``T`` with a small constant (ψ's hidden
+        layer is ``[B, Hkv, fold_chunk, hidden]``, never ``[B, Hkv, T, hidden]``)."""
+        b, h, t, d = k.shape
+        c = min(self.fold_chunk, t)
+        n = -(-t // c)
+        pad = ((0, 0), (0, 0), (0, n * c - t))
+        kc = jnp.pad(k, pad + ((0, 0),)).reshape(b, h, n, c, d)
+        vc = jnp.pad(v, pad + ((0, 0),)).reshape(b, h, n, c, v.shape[-1])
+        ec = jnp.pad(ev, pad).reshape(b, h, n, c)
+
+        def add(i, carry):
+            H, z = carry
+            at = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=2, keepdims=False)  # noqa: E731
+            psk = jnp.where(at(ec)[..., None], self._psi(kernels, at(kc)), 0.0)  # [B, Hkv, C, R]
+            return (H + jnp.einsum("bhtr,bhtd->bhrd", psk, at(vc).astype(jnp.float32)), z + psk.sum(axis=2))
+
+        return jax.lax.fori_loop(0, n, add, (H, z))
 
     def decode(self, state: LessState, layer: int, q, k, v, pos):
         """Algorithm 1: attend (Eq. 3) over the sparse cache + the new token + ``H, z``; fold the evicted

@@ -39,29 +39,59 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
 
 def accumulated_scores(q, k, lengths, chunk: int = 512) -> jnp.ndarray:
     """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
-    (averaged over each KV group's query heads). Queries are processed ``chunk`` at a time (O(chunk * T)
-    memory)."""
+    (averaged over each KV group's query heads).
+
+    Flash-style, in ``chunk x chunk`` tiles of (queries, keys), so memory is linear in ``T`` (``O(T + chunk^2)``
+    per head, never a ``[chunk, T]`` or ``[T, T]`` block): a first pass takes each query's log-sum-exp over its
+    causal keys (online over the key tiles ``j <= i``), a second adds ``exp(s - lse)`` into each key tile's
+    column sums over the query tiles ``i >= j``. Tiles above the diagonal are never computed, so the work is the
+    ``T^2/2`` causal scores twice (the same as one dense pass over ``[T, T]``)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     c = min(chunk, t)
     n = -(-t // c)
-    qc = jnp.pad(q, ((0, 0), (0, 0), (0, n * c - t), (0, 0))).reshape(b, hkv, g, n, c, d)
-    kpos = jnp.arange(t)
+    pad = ((0, 0), (0, 0), (0, n * c - t), (0, 0))
+    qc = jnp.pad(q, pad).reshape(b, hkv, g, n, c, d)
+    kc = jnp.pad(k, pad).reshape(b, hkv, n, c, d)
+    offs = jnp.arange(c)
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
 
-    def add_chunk(i, acc):
+    def tile(i, j):
+        """Scaled scores ``[B, Hkv, G, C, C]`` of query tile ``i`` against key tile ``j`` and their mask
+        (causal, keys and queries inside each sequence's length: padded queries vote for nothing)."""
         qi = jax.lax.dynamic_index_in_dim(qc, i, axis=3, keepdims=False)  # [B, Hkv, G, C, D]
-        qpos = i * c + jnp.arange(c)
-        s = jnp.einsum("bhgtd,bhsd->bhgts", qi, k, preferred_element_type=jnp.float32) * scale
+        kj = jax.lax.dynamic_index_in_dim(kc, j, axis=2, keepdims=False)  # [B, Hkv, C, D]
+        qpos, kpos = i * c + offs, j * c + offs
+        s = jnp.einsum("bhgtd,bhsd->bhgts", qi, kj, preferred_element_type=jnp.float32) * scale
         mask = (kpos[None, :] <= qpos[:, None])[None] & (kpos[None, None, :] < lengths[:, None, None])
-        mask &= (qpos[None, :, None] < lengths[:, None, None])  # padded queries vote for nothing
-        s = jnp.where(mask[:, None, None], s, NEG_INF)
-        p = jnp.where(mask[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
-        return acc + p.sum(axis=3)
+        mask &= qpos[None, :, None] < lengths[:, None, None]
+        return s, mask[:, None, None]
 
-    acc = jax.lax.fori_loop(0, n, add_chunk, jnp.zeros((b, hkv, g, t), jnp.float32))
-    return acc.mean(axis=2)
+    def row_lse(i):  # [B, Hkv, G, C]: log-sum-exp of query tile i over its causal keys (-inf: no key)
+        def add(j, carry):
+            m, l = carry
+            s, mask = tile(i, j)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            return m_new, l * jnp.exp(m - m_new) + p.sum(axis=-1)
+
+        init = (jnp.full((b, hkv, g, c), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, c), jnp.float32))
+        m, l = jax.lax.fori_loop(0, i + 1, add, init)
+        return m + jnp.log(l)
+
+    lse = jax.lax.map(row_lse, jnp.arange(n))  # [N, B, Hkv, G, C]
+
+    def column(j):  # [B, Hkv, C]: softmax weights on key tile j summed over the query tiles i >= j and the group
+        def add(i, acc):
+            s, mask = tile(i, j)
+            li = jax.lax.dynamic_index_in_dim(lse, i, axis=0, keepdims=False)
+            return acc + jnp.where(mask, jnp.exp(s - li[..., None]), 0.0).sum(axis=(2, 3))
+
+        return jax.lax.fori_loop(j, n, add, jnp.zeros((b, hkv, c), jnp.float32))
+
+    acc = jax.lax.map(column, jnp.arange(n))  # [N, B, Hkv, C]
+    return jnp.moveaxis(acc, 0, 2).reshape(b, hkv, n * c)[..., :t] / g
 
 
 def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:

@@ -161,6 +161,17 @@ def test_reference_matches_numpy(name):
         assert (np.asarray(lab)[2] == c).all() and (want_counts[2] == 0).all()
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_xla_row_tiles_match_numpy(name):
+    """The CPU path (``impl="xla"``) assigns ``block_l`` rows at a time (memory linear in L, ClusterKV's C grows
+    with L): with small tiles (several per head, a ragged last one) the labels are numpy's."""
+    x, cent, valid, cvalid = make_case(name)
+    want = np_assign(x, cent, valid, cvalid)
+    for block in (64, 100):
+        lab = cosine_assign(jx(x), jx(cent), jx(valid), jx(cvalid), impl="xla", block_l=block)
+        assert_labels(lab, want, x, cent)
+
+
 def test_reference_ignores_row_norm():
     x, cent, valid, cvalid = make_case("d48_c5")
     scale = np.random.default_rng(1).uniform(1e-3, 1e3, x.shape[:2] + (1,)).astype(np.float32)

@@ -51,10 +51,14 @@ def test_causal_attention_matches_numpy(hq, hkv, t, window, chunk):
         np.testing.assert_allclose(got[i, :, : lengths[i]], want[i, :, : lengths[i]], atol=1e-5)
 
 
-def test_accumulated_scores_chunked_matches_numpy():
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((2, 4, 45, 8)).astype(np.float32)
-    k = rng.standard_normal((2, 2, 45, 8)).astype(np.float32)
-    lengths = np.array([45, 30])
-    got = np.asarray(select.accumulated_scores(q, k, lengths, chunk=16))
+@pytest.mark.parametrize("hq,hkv,t,lengths,chunk", [(4, 2, 45, (45, 30), 16), (4, 2, 45, (45, 30), 7),
+                                                    (3, 1, 40, (40, 1, 17), 8), (2, 2, 33, (33, 0), 64)])
+def test_accumulated_scores_chunked_matches_numpy(hq, hkv, t, lengths, chunk):
+    """The (query, key)-tiled two-pass H2O scores against numpy's dense per-row softmax: several tiles on
+    both axes, a ragged last tile, a 1-token and an empty sequence, and one tile covering everything."""
+    rng = np.random.default_rng(t + chunk)
+    q = rng.standard_normal((len(lengths), hq, t, 8)).astype(np.float32)
+    k = rng.standard_normal((len(lengths), hkv, t, 8)).astype(np.float32)
+    lengths = np.array(lengths)
+    got = np.asarray(jax.jit(select.accumulated_scores, static_argnums=3)(q, k, lengths, chunk))
     np.testing.assert_allclose(got, np_accumulated(q, k, lengths), atol=1e-5)

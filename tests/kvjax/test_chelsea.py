@@ -320,6 +320,25 @@ def test_calibration_ranks_random_heads_as_outliers(tmp_path, tiny):
     engine.generate(tiny, prompts([50]), m, max_new_tokens=8, prompt_len=64)
 
 
+def test_outlier_file_edited_in_place_is_read_again(tiny, tmp_path):
+    """The outlier JSON is cached by content, not by path: rewriting it (same size, same second) changes the
+    heads a fresh or the same config uses, and the states it builds."""
+    path = tmp_path / "heads.json"
+    write = lambda pairs: path.write_text(json.dumps({"outlier_heads": pairs, "num_layers": 2, "num_kv_heads": 2}))
+    write([[0, 1]])
+    m = Chelsea(budget=0.5, outlier_heads=str(path), **SMALL)
+    assert m.outliers(tiny.config) == {(0, 1)}
+    assert m.init(tiny.config, 1, Capacity(64, 8), 0, jnp.float32).out_heads == (1,)
+    write([[1, 0]])  # same length: a (path, mtime, size) key written within one clock tick could miss it
+    assert m.outliers(tiny.config) == {(1, 0)}
+    assert Chelsea(budget=0.5, outlier_heads=str(path), **SMALL).outliers(tiny.config) == {(1, 0)}
+    assert m.init(tiny.config, 1, Capacity(64, 8), 0, jnp.float32).out_heads == ()
+    assert m.init(tiny.config, 1, Capacity(64, 8), 1, jnp.float32).out_heads == (0,)
+    path.write_text(json.dumps({"heads": []}))
+    with pytest.raises(ValueError, match="not a calibration file"):
+        m.outliers(tiny.config)
+
+
 # ---- bad input ------------------------------------------------------------------------------------------
 
 def test_bad_input(tiny):

@@ -106,13 +106,15 @@ def test_zero_state_equals_sparse_policy_exactly(policy):
     assert not np.asarray(st.H).any() and not np.asarray(st.z).any()
 
 
+@pytest.mark.parametrize("fold_chunk", [2048, 5])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_state_is_sum_over_evicted_set_and_outputs_match_eq3(policy):
-    """Prefill evicts in bulk, then decode; H, z, and every output against the NumPy reference (Eqs. 3-6)."""
+def test_state_is_sum_over_evicted_set_and_outputs_match_eq3(policy, fold_chunk):
+    """Prefill evicts in bulk, then decode; H, z, and every output against the NumPy reference (Eqs. 3-6).
+    ``fold_chunk=5``: the prefill fold runs in 4 steps over the 16-token bucket (the last one ragged)."""
     t, steps, budget, lengths = 16, 8, 7, [16, 11]
     q, k, v = rand((B, HQ, t + steps, D), 6), rand((B, HKV, t + steps, D), 7), rand((B, HKV, t + steps, D), 8)
     p = strong_kernels()
-    m = L.Less(policy=policy, budget=budget, rank=4, hidden=16)
+    m = L.Less(policy=policy, budget=budget, rank=4, hidden=16, fold_chunk=fold_chunk)
     out, st = run(m, p, q, k, v, t, lengths, steps)
     pn = {n: np.asarray(a, np.float64) for n, a in p.items()}
     recent = m.sparse._recent(budget) if policy == "h2o" else 0
