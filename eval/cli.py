@@ -97,7 +97,7 @@ def cmd_run(args) -> int:
     from eval import harness
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
-    compressed = [n for n, _ in dict.fromkeys(grid) if n != "full"]
+    compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
     if args.equal_bytes is not None and args.equal_bytes not in compressed:
         raise ValueError(f"--equal-bytes {args.equal_bytes!r} must be one of the compressed methods of --methods "
                          f"({', '.join(compressed) or 'none'})")

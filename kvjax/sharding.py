@@ -91,6 +91,9 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
     if len(free) == 2:
         sizes = {DATA: len(devices), MODEL: 1}
     elif free:
+        if fixed > len(devices):
+            raise ValueError(f"mesh {spec!r} needs at least {fixed} devices but {len(devices)} exist "
+                             f"({devices[0].platform}); use fewer")
         if len(devices) % fixed:
             raise ValueError(f"mesh {spec!r}: the {len(devices)} devices do not split into axis {free[0]!r} with "
                              f"the other axis of size {fixed}; give both sizes")

@@ -157,6 +157,8 @@ class Chelsea(Method):
         if not isinstance(self.outlier_heads, (str, tuple)):
             raise ValueError(f"outlier_heads={self.outlier_heads!r} must be a JSON path (str) or a tuple of "
                              "(layer, kv_head) pairs")
+        if isinstance(self.outlier_heads, str) and self.outlier_heads:
+            load_outlier_file(self.outlier_heads)  # a missing or foreign file fails here, not at the first prefill
 
     # ---- static planning -------------------------------------------------------------------------------
 

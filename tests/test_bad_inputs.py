@@ -1,0 +1,284 @@
+"""Bad inputs at every entry point, and the table of them in docs/bad-inputs.md (generated from this file).
+
+Each case is a bad value given to the Python API, ``kvjax``, ``kvjax-eval`` or ``kvjax-train-less``; the test
+runs it and checks that it fails the documented way: a ``ValueError``/``FileNotFoundError`` (Python) or exit
+code 2 with a one-line ``error:`` (command lines), whose message names the argument (``match``). The docs table
+lists every case with the message it really gives; ``test_table_is_current`` fails when the table and the
+messages part ways. Regenerate it with
+
+    python3 tests/test_bad_inputs.py --write docs/bad-inputs.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+if __name__ == "__main__":  # the same environment as the tests (tests/conftest.py): CPU, 8 host devices
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # not tests/, whose kvjax/ folder would shadow kvjax
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "bad-inputs.md"
+ENTRY_POINTS = {"python": "Python API", "kvjax": "`kvjax`", "kvjax-eval": "`kvjax-eval`",
+                "kvjax-train-less": "`kvjax-train-less`"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    entry: str  # a key of ENTRY_POINTS
+    shown: str  # the input as a user writes it (``{tiny}`` stands for a small local HF checkpoint)
+    run: Callable[[dict], object]  # raises (Python) or returns the exit code (command lines)
+    match: str  # a regex the message must contain: the argument it names
+
+
+def _methods(**kw):
+    from kvjax import methods
+
+    return lambda ctx: methods.get(**kw)
+
+
+def _load(path_key=None, **kw):
+    import kvjax
+
+    return lambda ctx: kvjax.load_model(ctx[path_key] if path_key else "/no/such/model", **kw)
+
+
+def _generate(prompt=(5, 6, 7), **kw):
+    from kvjax import engine
+
+    return lambda ctx: engine.generate(ctx["model"], [list(prompt)] if not isinstance(prompt, str) else [prompt],
+                                       **{"method": "full", "max_new_tokens": 4, **kw})
+
+
+def _generate_with(name, **options):
+    from kvjax import engine, methods
+
+    return lambda ctx: engine.generate(ctx["model"], [[5, 6, 7]], methods.get(name, **options), 4)
+
+
+def _cli(main_path: str, *argv):
+    def run(ctx):
+        module, func = main_path.rsplit(".", 1)
+        main = getattr(__import__(module, fromlist=[func]), func)
+        args = [a.format(**ctx) for a in argv]
+        try:
+            return main(args)
+        except SystemExit as e:  # argparse usage errors
+            return e.code
+
+    return run
+
+
+def _scan_without_traced_layer(ctx):
+    import jax.numpy as jnp
+
+    from kvjax import engine
+    from kvjax.methods.base import Capacity
+    from kvjax.methods.full import Full
+
+    @dataclasses.dataclass(frozen=True)
+    class MyMethod(Full):
+        traced_layer = False
+
+    return engine.init_states(ctx["model"].config, MyMethod(), 1, Capacity(32, 4), jnp.float32, scan_layers=True)
+
+
+def _parse_budget(text):
+    from kvjax.budget import parse_budget
+
+    return lambda ctx: parse_budget(text)
+
+
+def _train_config(**kw):
+    from train_less.trainer import TrainConfig
+
+    return lambda ctx: TrainConfig(**kw)
+
+
+KVJAX = "kvjax.cli.main"
+EVAL = "eval.cli.main"
+TRAIN = "train_less.cli.main"
+
+CASES = [
+    # Python API
+    Case("python", 'methods.get("nope")', _methods(name="nope"), "not registered"),
+    Case("python", 'methods.get("snapkv", budget=0)', _methods(name="snapkv", budget=0), "budget=0"),
+    Case("python", 'methods.get("snapkv", budget=1.5)', _methods(name="snapkv", budget=1.5), "budget=1.5"),
+    Case("python", 'methods.get("snapkv", budget=float("nan"))', _methods(name="snapkv", budget=float("nan")),
+         "budget"),
+    Case("python", 'methods.get("h2o", budget=True)', _methods(name="h2o", budget=True), "budget"),
+    Case("python", 'methods.get("snapkv", window=0)', _methods(name="snapkv", window=0), "window=0"),
+    Case("python", 'methods.get("chunkkv", chunk_size=0)', _methods(name="chunkkv", chunk_size=0), "chunk_size"),
+    Case("python", 'methods.get("chunkkv", reuse=0)', _methods(name="chunkkv", reuse=0), "reuse"),
+    Case("python", 'methods.get("pqcache", bits=0)', _methods(name="pqcache", bits=0), "bits"),
+    Case("python", 'methods.get("quest", page_size=0)', _methods(name="quest", page_size=0), "page_size"),
+    Case("python", 'methods.get("chelsea", outlier_heads="missing.json")',
+         _methods(name="chelsea", outlier_heads="missing.json"), "outlier_heads"),
+    Case("python", 'methods.get("less", policy="lru")', _methods(name="less", policy="lru"), "policy"),
+    Case("python", 'methods.get("less", kernels="/no/such/folder")',
+         _methods(name="less", kernels="/no/such/folder"), "kernels"),
+    Case("python", 'kvjax.load_model("/no/such/model")', _load(), "no/such/model"),
+    Case("python", 'kvjax.load_model({tiny}, mesh="tensor=2")', _load("tiny", mesh="tensor=2"), "tensor"),
+    Case("python", 'kvjax.load_model({tiny}, mesh="data=2,model=3")', _load("tiny", mesh="data=2,model=3"),
+         "model"),
+    Case("python", 'kvjax.load_model({tiny}, mesh="data=16")', _load("tiny", mesh="data=16"), "devices"),
+    Case("python", "generate(model, ids, max_new_tokens=0)", _generate(max_new_tokens=0), "max_new_tokens"),
+    Case("python", "generate(model, ids, max_new_tokens=10**6)", _generate(max_new_tokens=10 ** 6), "context"),
+    Case("python", "generate(model, [[]])", _generate(prompt=()), "empty prompt"),
+    Case("python", "generate(model, 40 ids, prompt_len=32)", _generate(prompt=range(1, 41), prompt_len=32),
+         "prompt_len"),
+    Case("python", 'generate(model, "text") on a model without tokenizer', _generate(prompt="text"), "tokenizer"),
+    Case("python", 'generate(model, ids, driver="loop")', _generate(driver="loop"), "driver"),
+    Case("python", 'generate(model, ids, methods.get("snapkv", budget=10**9))', _generate_with("snapkv", budget=10 ** 9),
+         "budget"),
+    Case("python", "engine.init_states(..., scan_layers=True) with a method without traced_layer",
+         _scan_without_traced_layer, "traced_layer"),
+    Case("python", 'kvjax.budget.parse_budget("abc")', _parse_budget("abc"), "abc"),
+    Case("python", "TrainConfig(budget=600, seq_len=512)", _train_config(budget=600, seq_len=512), "budget=600"),
+    Case("python", "TrainConfig(val_frac=1.0)", _train_config(val_frac=1.0), "val_frac"),
+    # kvjax
+    Case("kvjax", "kvjax generate --budget 0 --prompt hi", _cli(KVJAX, "generate", "--budget", "0", "--prompt", "hi"),
+         "--budget"),
+    Case("kvjax", "kvjax generate --budget 1.5 --prompt hi",
+         _cli(KVJAX, "generate", "--budget", "1.5", "--prompt", "hi"), "--budget"),
+    Case("kvjax", "kvjax generate --model {tiny} --method nope --prompt hi",
+         _cli(KVJAX, "generate", "--model", "{tiny}", "--method", "nope", "--prompt", "hi"), "nope"),
+    Case("kvjax", "kvjax generate --model {tiny} --option window --prompt hi",
+         _cli(KVJAX, "generate", "--model", "{tiny}", "--option", "window", "--prompt", "hi"), "--option"),
+    Case("kvjax", "kvjax generate --model {tiny} --mesh tensor=2 --prompt hi",
+         _cli(KVJAX, "generate", "--model", "{tiny}", "--mesh", "tensor=2", "--prompt", "hi"), "tensor"),
+    Case("kvjax", "kvjax generate --model /no/such/model --prompt hi",
+         _cli(KVJAX, "generate", "--model", "/no/such/model", "--prompt", "hi"), "no/such/model"),
+    # kvjax-eval
+    Case("kvjax-eval", "kvjax-eval main --budgets 0.2,1.5", _cli(EVAL, "main", "--budgets", "0.2,1.5"), "--budgets"),
+    Case("kvjax-eval", "kvjax-eval main --methods full,nope", _cli(EVAL, "main", "--methods", "full,nope"), "nope"),
+    Case("kvjax-eval", "kvjax-eval main --methods full,snapkv --equal-bytes h2o",
+         _cli(EVAL, "main", "--methods", "full,snapkv", "--equal-bytes", "h2o"), "--equal-bytes"),
+    Case("kvjax-eval", "kvjax-eval perplexity --lengths 512", _cli(EVAL, "perplexity", "--lengths", "512"),
+         "--lengths"),
+    Case("kvjax-eval", "kvjax-eval main --mesh data=2,model=1 --batch 3",
+         _cli(EVAL, "main", "--mesh", "data=2,model=1", "--batch", "3"), "--batch"),
+    Case("kvjax-eval", "kvjax-eval main --model {tiny} --lengths 100000",
+         _cli(EVAL, "main", "--model", "{tiny}", "--methods", "full", "--lengths", "100000"), "lengths"),
+    # kvjax-train-less
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --batch 0", _cli(TRAIN, "--out", "{tmp}/x", "--batch", "0"),
+         "batch"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --budget 600 --seq-len 512",
+         _cli(TRAIN, "--out", "{tmp}/x", "--budget", "600", "--seq-len", "512"), "budget=600"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --batch 3 --mesh data=2",
+         _cli(TRAIN, "--out", "{tmp}/x", "--batch", "3", "--mesh", "data=2"), "--batch 3"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --mesh data=2,model=4",
+         _cli(TRAIN, "--out", "{tmp}/x", "--mesh", "data=2,model=4", "--batch", "2"), "model"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --policy lru",
+         _cli(TRAIN, "--out", "{tmp}/x", "--policy", "lru"), "--policy"),
+]
+
+
+def failure(case: Case, ctx: dict) -> tuple[str, str]:
+    """Run a bad input: ``(how it failed, its message)``. A case that does not fail the documented way is an
+    AssertionError naming it."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = case.run(ctx)
+    except (ValueError, FileNotFoundError) as e:
+        assert case.entry == "python", f"{case.shown}: raised {type(e).__name__} instead of exiting with code 2"
+        return type(e).__name__, str(e)
+    assert case.entry != "python", f"{case.shown}: did not raise"
+    assert code == 2, f"{case.shown}: exit code {code!r}, want 2; stderr: {err.getvalue()[-500:]}"
+    lines = [l for l in err.getvalue().splitlines() if "error:" in l]
+    assert len(lines) == 1, f"{case.shown}: want one 'error:' line on stderr, got: {err.getvalue()[-800:]}"
+    return "exit 2", lines[0].split("error:", 1)[1].strip()
+
+
+def context(tmp: Path) -> dict:
+    """A small local HF checkpoint (no tokenizer) and a model loaded from it."""
+    import kvjax
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = tmp / "tiny"
+    if not (tiny / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+                         ).save_pretrained(tiny)
+    return {"tiny": str(tiny), "tmp": str(tmp), "model": kvjax.load_model(tiny, dtype="float32")}
+
+
+def render(rows: list[tuple[Case, str, str]], tmp: str) -> str:
+    def clean(text: str) -> str:
+        text = text.replace(tmp, "<tmp>").replace("|", "\\|")
+        return re.sub(r"\s+", " ", text).strip()
+
+    out = ["# Bad inputs and the errors they give", "",
+           "Every entry point checks its input before it does any work and names the argument and the fix. The "
+           "rows below are generated by `tests/test_bad_inputs.py` (`python3 tests/test_bad_inputs.py --write "
+           "docs/bad-inputs.md`), which runs each bad input and checks the message; the Python API raises "
+           "`ValueError` (or `FileNotFoundError` for missing files), the command lines exit with code 2 and print "
+           "one `error:` line. `{tiny}` is a small local Hugging Face checkpoint.", ""]
+    for entry, title in ENTRY_POINTS.items():
+        out += [f"## {title}", "", "| input | error |", "|---|---|"]
+        for case, how, msg in rows:
+            if case.entry == entry:
+                kind = "" if how == "exit 2" else f"`{how}`: "
+                out.append(f"| `{clean(case.shown)}` | {kind}{clean(msg)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return context(tmp_path_factory.mktemp("bad-inputs"))
+
+
+@pytest.fixture(scope="module")
+def results(ctx):
+    return [(c, *failure(c, ctx)) for c in CASES]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[c.shown[:60] for c in CASES])
+def test_bad_input_fails_clearly(results, i):
+    case, how, msg = results[i]
+    assert re.search(case.match, msg), f"{case.shown}: the message does not name {case.match!r}: {msg}"
+    assert "Traceback" not in msg
+
+
+def test_table_is_current(results, ctx):
+    want = render(results, ctx["tmp"])
+    have = DOC.read_text() if DOC.is_file() else ""
+    assert have == want + "\n", ("docs/bad-inputs.md is out of date; regenerate it with "
+                                 "`python3 tests/test_bad_inputs.py --write docs/bad-inputs.md`")
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="write the bad-inputs table")
+    ap.add_argument("--write", default=str(DOC))
+    path = ap.parse_args().write
+    rows, problems = [], []
+    with tempfile.TemporaryDirectory() as d:
+        c = context(Path(d))
+        for case in CASES:
+            try:
+                rows.append((case, *failure(case, c)))
+            except AssertionError as e:
+                problems.append(str(e))
+        table = render(rows, c["tmp"])
+    if problems:
+        sys.exit("not written; these inputs do not fail the documented way:\n" + "\n".join(problems))
+    Path(path).write_text(table + "\n")
+    print(f"wrote {path} ({len(CASES)} cases)")
