@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
             row = {"layers": depth, "method": name, "same_tokens": u["tokens"] == s["tokens"],
                    "scan_segments": s["segments"],
                    **{f"{k}_{lay}": res[lay][k] for lay in res for k in ("lower_s", "compile_s", "step_ms")}}
+            row["load_average_1min"] = os.getloadavg()[0]  # other work on the machine skews the timings
             rows.append(row)
             print(f"L={depth:3d} {name:14s} lower {u['lower_s']:6.1f}s -> {s['lower_s']:5.1f}s | compile "
                   f"{u['compile_s']:6.1f}s -> {s['compile_s']:5.1f}s | step {u['step_ms']:7.2f} -> "

@@ -156,8 +156,10 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
             one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
             attn, out = step(l, x, q, k, v, one, before)
             out = S.constrain_state(method, out, mesh)
-            stack = jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), i, 0),
-                                 stack, out)
+            # write back what the method changed; a leaf it returned untouched (LESS's kernels, PQCache's
+            # codebooks during decode) is the same traced value and is not copied back
+            stack = jax.tree.map(lambda a, o, b: a if b is o else jax.lax.dynamic_update_index_in_dim(
+                a, b.astype(a.dtype), i, 0), stack, one, out)
             return attn, (stack, out if reuse else None)
 
         first = st.layer(0) if reuse else None
