@@ -315,8 +315,8 @@ def h2o_paper_evictions(q, k, budget: int, recent: int):
 
     def row(carry, i):
         keep, acc, evict = carry  # keep: the previous row's mask
-        causal = (j <= i)[None, None]
-        p = _group_probs(qg, kf, i, jnp.broadcast_to(causal, keep.shape), scale)
+        causal = jnp.broadcast_to((j <= i)[None, None], keep.shape)
+        p = _group_probs(qg, kf, i, causal, scale)
         band = causal & (j >= i - recent)[None, None]
         if heavy_n > 0:
             cand = jnp.where(keep & (j < i - recent)[None, None], acc, -jnp.inf)
@@ -386,6 +386,7 @@ def parse_layers(spec, num_layers: int) -> list[int]:
     """Layer indices from ``"0-7"``, ``"0,2,5-9"``, an int or a list (``None``: all), checked against the model."""
     if spec is None:
         return list(range(num_layers))
+    given = spec
     if isinstance(spec, int):
         spec = [spec]
     if isinstance(spec, str):
@@ -399,7 +400,8 @@ def parse_layers(spec, num_layers: int) -> list[int]:
         spec = out
     out = sorted(set(int(x) for x in spec))
     if not out or out[0] < 0 or out[-1] >= num_layers:
-        raise ValueError(f"layers={spec!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset")
+        raise ValueError(f"layers={given!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset "
+                         "such as '0-7'")
     return out
 
 
