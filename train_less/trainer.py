@@ -7,15 +7,25 @@ have nothing evicted), the sparse policy applied as a parallel mask. Layers are 
 and ``vmap``-ed (``layers_per_step`` at a time; all at once by default), each with its own Adam state, so
 this is exactly L independent trainings. Adam, lr 1e-3 halved every 10 epochs, dropout 0.3 on the first
 pre-activation, per-layer best-validation epoch kept. An orbax checkpoint is written (atomically) after every
-epoch; ``resume=True`` continues from the last one bit-exactly (data order and dropout keys depend only on
-the seed, epoch and step).
+epoch and, with ``checkpoint_every``, every that many steps; ``resume=True`` continues from the last readable
+one bit-exactly (data order and dropout keys depend only on the seed, epoch and step; the running loss of a
+mid-epoch checkpoint is saved with it). An unreadable checkpoint is named in a warning, moved to
+``checkpoints-corrupt/`` and the previous one used.
 
-Output folder: ``kernels.npz`` (best params, each ``[L, ...]``), ``less_config.json`` (format, model
-identity, kernel/policy/training config, per-layer validation losses of LESS, of the sparse policy alone and
-of Baseline+ = the sparse policy with ``R/2`` more tokens, best epochs, history) and ``checkpoints/``.
+Scale: the activations and the policies' eviction times are captured to disk in shards
+(:mod:`train_less.capture`; host memory bounded by ``shard_mb`` plus one batch, whatever the number of
+sequences) and read back a batch per step; the loss attends in query blocks of ``query_chunk`` rows
+(:func:`kvjax.methods.less.parallel_attention`), so memory is linear in the sequence length. ``layers`` trains
+a subset of layers in ``out/layers-A-B/``, merged after every epoch with the other such runs into ``out``
+(:func:`merge_parts`). ``mask="paper"`` trains on the paper's parallel H2O mask instead of kvjax's decode one.
+
+Output folder: ``kernels.npz`` (best params, each ``[L, ...]``; zeros for layers not trained), ``less_config.json``
+(format, model identity, kernel/policy/training config, ``layers_trained``, per-layer validation losses of LESS,
+of the sparse policy alone and of Baseline+ = the sparse policy with ``R/2`` more tokens, best epochs, history)
+and ``checkpoints/``.
 
 Many devices (``mesh``, ``kvjax-train-less --mesh data=N``): data parallelism. Each step's batch (axis 1 of
-``x [L, B, S, H]`` and of the packed masks) is split over the mesh's ``data`` axis; the frozen layer parameters,
+``x [L, B, S, H]`` and of the eviction times) is split over the mesh's ``data`` axis; the frozen layer parameters,
 the kernels and the Adam states are *replicated* on every device, and ``jit``'s SPMD partitioner all-reduces the
 gradients (the loss is a mean over the batch), so every device applies the same update: the same training as one
 device up to the order of float sums. ``batch`` must be a multiple of the ``data`` size; a ``model`` axis > 1 is

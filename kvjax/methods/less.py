@@ -19,9 +19,12 @@ form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1
 initialised at 1e-4 (the paper's warm start, §3.2). Rank ``R`` (default 8), hidden width (default 512).
 
 ``parallel_attention`` with ``h2o_mask`` / ``lambda_mask`` is the parallel (masked) form used for training
-(§2.9 of the note). The masks replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised
-probabilities, group mean; one token evicted per step once over budget), so that feeding a sequence token
-by token through ``decode`` equals row ``i`` of the parallel form.
+(§2.9 of the note); optionally in query blocks (``chunk``: memory linear in S, gradient included). The masks
+replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised probabilities, group mean; one token
+evicted per step once over budget), so that feeding a sequence token by token through ``decode`` equals row
+``i`` of the parallel form; ``h2o_paper_evictions`` is the paper's parallel H2O mask (full-attention scores).
+Every policy evicts for good, so a mask is given by each token's eviction time (``[B, Hkv, S]`` int,
+``mask_from_evictions``), which is what training stores.
 
 Einsum axes: b batch, h KV head, g query head within its group, i query position, j/s key position/slot,
 r rank, d head dim.
