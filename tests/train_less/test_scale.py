@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -246,7 +247,8 @@ def _tiny_hf_folder(path: Path):
     vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(path)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     torch.manual_seed(0)
@@ -290,8 +292,6 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path):
 # -- kernels used with other settings ----------------------------------------------------------------------------
 def test_kernels_with_other_settings_warn_or_raise(full_run):
     folder = str(full_run[0])
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         L.Less(budget=6, kernels=folder)  # the trained settings (h2o, 6 tokens, recent 0.5): silent
