@@ -489,11 +489,14 @@ class Less(Method):
         elif self.budget != trained.get("budget"):
             bad.append(f"budget: trained {trained.get('budget')}, requested {self.budget}")
         if self.policy == trained.get("policy") == "h2o" and isinstance(trained.get("budget"), int):
-            want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5))._recent(trained["budget"])
-            have = None if isinstance(self.budget, float) else self.sparse._recent(self.budget)
-            if have != want:
-                bad.append(f"recent: trained {trained.get('recent')!r} ({want} tokens), requested {self.recent!r}"
-                           + ("" if have is None else f" ({have} tokens)"))
+            if self.budget == trained["budget"]:  # the same budget: compare the windows in tokens
+                want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5))._recent(trained["budget"])
+                have = self.sparse._recent(self.budget)
+                if have != want:
+                    bad.append(f"recent: trained {trained.get('recent')!r} ({want} tokens), requested "
+                               f"{self.recent!r} ({have} tokens)")
+            elif self.recent != trained.get("recent"):
+                bad.append(f"recent: trained {trained.get('recent')!r}, requested {self.recent!r}")
         if self.policy == trained.get("policy") == "lambda" and self.sinks != trained.get("sinks"):
             bad.append(f"sinks: trained {trained.get('sinks')}, requested {self.sinks}")
         if bad:
@@ -530,9 +533,13 @@ class Less(Method):
         meta, arrays = load_kernels(self.kernels, model_cfg)
         trained = meta.get("layers_trained")
         if trained is not None and layer not in trained:
+            folder = Path(self.kernels)
+            hint = (f"this is one --layers run; use its parent {str(folder.parent)!r}, where all runs are merged"
+                    if folder.name.startswith("layers-") else
+                    f"train the missing ones with kvjax-train-less --layers A-B --out {self.kernels} (its runs merge "
+                    "into that folder)")
             raise ValueError(f"kernels={self.kernels!r} have no trained kernels for layer {layer} (trained layers: "
-                             f"{format_layers(trained)} of {model_cfg.num_layers}); train the rest with "
-                             f"kvjax-train-less --layers ... --out {self.kernels} and use the merged folder")
+                             f"{format_layers(trained)} of {model_cfg.num_layers}); {hint}")
         return {name: jnp.array(a[layer], dtype=jnp.float32) for name, a in arrays.items()}
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> LessState:

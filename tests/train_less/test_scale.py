@@ -192,6 +192,8 @@ def test_layer_runs_merge_into_one_folder_equal_to_all_layers(setup, full_run, t
     m.init(CFG, 1, Capacity(16, 4), 1, jnp.float32)
     with pytest.raises(ValueError, match="no trained kernels for layer 0"):
         m.init(CFG, 1, Capacity(16, 4), 0, jnp.float32)
+    with pytest.raises(ValueError, match="layer 0 .*one --layers run; use its parent"):
+        L.Less(budget=6, kernels=str(out / "layers-1")).init(CFG, 1, Capacity(16, 4), 0, jnp.float32)
     train(CFG, params, tokens, TC, out, "tiny", progress=False, layers=[0])
     merged = json.loads((out / L.CONFIG_FILE).read_text())
     assert merged["layers_trained"] == [0, 1] and set(merged["parts"]) == {"layers-0", "layers-1"}
@@ -296,8 +298,11 @@ def test_kernels_with_other_settings_warn_or_raise(full_run):
         warnings.simplefilter("error")
         L.Less(budget=6, kernels=folder)  # the trained settings (h2o, 6 tokens, recent 0.5): silent
         L.Less(budget=6, recent=3, kernels=folder)  # the same recent window in tokens
-    with pytest.warns(UserWarning, match="budget: trained 6, requested 8"):
-        L.Less(budget=8, kernels=folder)
+    with pytest.warns(UserWarning, match="budget: trained 6, requested 8. LESS") as rec:
+        L.Less(budget=8, kernels=folder)  # the same recent fraction: only the budget is named
+    assert len(rec) == 1
+    with pytest.warns(UserWarning, match="budget: trained 6, requested 8; recent: trained 0.5, requested 2"):
+        L.Less(budget=8, recent=2, kernels=folder)
     with pytest.warns(UserWarning, match=r"recent: trained 0.5 \(3 tokens\), requested 2 \(2 tokens\)"):
         L.Less(budget=6, recent=2, kernels=folder)
     with pytest.warns(UserWarning, match="policy: trained 'h2o', requested 'lambda'"):
