@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query rows per attention block in the loss (memory linear in --seq-len); 0: unchunked")
     p.add_argument("--shard-mb", type=float, default=1024,
                    help="MiB per capture shard on disk: the capture's host-memory bound besides one batch")
+    p.add_argument("--capture-batch", type=int, default=None,
+                   help="sequences per capture forward pass (default max(--batch, 4)); host memory holds one batch")
     p.add_argument("--capture-dir", default=None,
                    help="where the activation capture goes (default OUT[/layers-A-B]/capture; a fast, large disk)")
     p.add_argument("--keep-capture", action="store_true", help="keep the capture when training ends")
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
                          query_chunk=args.query_chunk or None)
         if args.checkpoint_every is not None and args.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 step")
+        if args.capture_batch is not None and args.capture_batch < 1:
+            raise ValueError(f"--capture-batch {args.capture_batch} must be >= 1")
         if args.shard_mb <= 0:
             raise ValueError(f"--shard-mb {args.shard_mb} must be > 0 MiB")
         mesh = None if args.mesh is None else make_mesh(args.mesh)
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
           f"{model.config.num_layers}", file=sys.stderr)
     meta = train(model.config, model.params, tokens, tc, args.out, model_name=model.name, resume=args.resume,
                  progress=not args.no_progress, mesh=mesh, layers=layers, shard_mb=args.shard_mb,
-                 capture_dir=args.capture_dir, keep_capture=args.keep_capture, checkpoint_every=args.checkpoint_every)
+                 capture_dir=args.capture_dir, keep_capture=args.keep_capture, checkpoint_every=args.checkpoint_every,
+                 capture_batch=args.capture_batch)
 
     def mean(key):
         vals = [v for v in meta[key] if v is not None]

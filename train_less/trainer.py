@@ -349,7 +349,7 @@ def _restore(ckpt_dir: Path, abstract, check):
 def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name: str | None = None,
           resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None, layers=None,
           shard_mb: float = 1024, capture_dir=None, keep_capture: bool = False, checkpoint_every: int | None = None,
-          stop_after_steps: int | None = None) -> dict:
+          stop_after_steps: int | None = None, capture_batch: int | None = None) -> dict:
     """Train the kernels of the frozen model ``(cfg, params)`` on ``tokens [N, S]``.
 
     Writes ``out_dir`` (see the module docstring) and returns the JSON written there. ``resume``: continue
@@ -360,13 +360,16 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     ``out_dir/layers-0-7/`` and every epoch merges all such runs into ``out_dir`` (:func:`merge_parts`).
     ``shard_mb``: MiB per capture shard, the host-memory bound of the capture; ``capture_dir``: where the
     capture goes (default ``<run>/capture``; deleted when training ends unless ``keep_capture``).
-    ``checkpoint_every``: also checkpoint every that many steps within an epoch.
+    ``checkpoint_every``: also checkpoint every that many steps within an epoch. ``capture_batch``: sequences per
+    capture forward pass (default ``max(batch, 4)``; with a mesh, rounded up to a multiple of its ``data`` size).
     """
     t0 = time.perf_counter()
     if mesh is not None:
         mesh = make_mesh(mesh)
         check_mesh(mesh, tc.batch)
         params = jax.device_put(params, S.replicated(mesh))
+    if capture_batch is not None and capture_batch < 1:
+        raise ValueError(f"capture_batch={capture_batch} (--capture-batch) must be >= 1, or None for max(batch, 4)")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every} (--checkpoint-every) must be >= 1 step, or None")
     sel = L.parse_layers(layers, cfg.num_layers)
@@ -436,7 +439,7 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     dp = S.axis_size(mesh, S.DATA)
     cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
     store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
-                    batch=-(-max(tc.batch, 4) // dp) * dp, store_dtype=tc.store_dtype, shard_mb=shard_mb,
+                    batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype, shard_mb=shard_mb,
                     progress=progress, mesh=mesh, model_name=model_name)
     lyr = _take(stack_layers(params), jnp.asarray(sel))
 

@@ -311,3 +311,20 @@ def test_kernels_with_other_settings_warn_or_raise(full_run):
         L.Less(kernels=folder)
     with pytest.raises(ValueError, match="budget: trained 6, requested 8.*strict=True"):
         L.Less(budget=8, kernels=folder, strict=True)
+
+
+def test_cli_scale_options_and_errors(tmp_path, capsys):
+    from train_less import cli
+
+    a = cli.build_parser().parse_args(["--out", "x", "--layers", "0-7", "--mask", "paper", "--shard-mb", "512",
+                                       "--checkpoint-every", "50", "--capture-batch", "1", "--query-chunk", "0"])
+    assert (a.layers, a.mask, a.shard_mb, a.checkpoint_every, a.capture_batch, a.query_chunk) == \
+        ("0-7", "paper", 512, 50, 1, 0)
+    for bad, what in ((["--capture-batch", "0"], "--capture-batch 0"), (["--shard-mb", "0"], "--shard-mb 0"),
+                      (["--checkpoint-every", "0"], "--checkpoint-every 0"), (["--query-chunk", "-1"], "--query-chunk")):
+        assert cli.main(["--out", str(tmp_path / "o"), *bad]) == 2
+        assert what in capsys.readouterr().err
+    assert cli.main(["--out", str(tmp_path / "none"), "--merge"]) == 2
+    assert "no layers-*/ folders" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--out", "x", "--mask", "tova"])
