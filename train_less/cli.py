@@ -3,6 +3,9 @@
     kvjax-train-less --out runs/less-h2o --budget 52 --seq-len 512 --num-seqs 64 --epochs 40
     kvjax-train-less --out runs/less-h2o --resume          # continue an interrupted run (same settings)
     kvjax-train-less --out runs/less-h2o --batch 8 --mesh data=8   # data parallel: the batch split over 8 devices
+    kvjax-train-less --out runs/llama --model meta-llama/Llama-2-7b-hf --seq-len 4096 --num-seqs 512 --budget 204 \
+        --layers 0-7 --store-dtype bfloat16 --checkpoint-every 50      # then --layers 8-15, 16-23, 24-31: one folder
+    kvjax-train-less --out runs/llama --merge                       # re-merge layers-*/ runs copied into one folder
 
 Then ``kvjax.methods.get("less", policy="h2o", budget=52, kernels="runs/less-h2o")``.
 """
@@ -24,7 +27,8 @@ def _number(text: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax-train-less", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output folder: kernels.npz, less_config.json, checkpoints/")
+    p.add_argument("--out", required=True, help="output folder: kernels.npz, less_config.json, checkpoints/ "
+                   "(with --layers: the run in OUT/layers-A-B/, merged into OUT)")
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="kvjax.load_model name/path (HF folder, .gguf, hub id; default: the embedded SmolLM2)")
     p.add_argument("--data", nargs="*", default=None,
@@ -51,6 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers-per-step", type=int, default=None,
                    help="layers vmapped together (default: all; lower it when memory is short)")
     p.add_argument("--store-dtype", default="float32", help="dtype of the captured activations (float32, bfloat16)")
+    p.add_argument("--layers", default=None, metavar="A-B",
+                   help="train only these layers ('0-7', '0,2,5-9'); runs of one --out merge into one kernels folder")
+    p.add_argument("--mask", choices=("decode", "paper"), default="decode",
+                   help="parallel H2O mask: kvjax's decode semantics (default) or the paper's (full-attention scores)")
+    p.add_argument("--query-chunk", type=int, default=512,
+                   help="query rows per attention block in the loss (memory linear in --seq-len); 0: unchunked")
+    p.add_argument("--shard-mb", type=float, default=1024,
+                   help="MiB per capture shard on disk: the capture's host-memory bound besides one batch")
+    p.add_argument("--capture-batch", type=int, default=None,
+                   help="sequences per capture forward pass (default max(--batch, 4)); host memory holds one batch")
+    p.add_argument("--capture-dir", default=None,
+                   help="where the activation capture goes (default OUT[/layers-A-B]/capture; a fast, large disk)")
+    p.add_argument("--keep-capture", action="store_true", help="keep the capture when training ends")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                   help="also checkpoint every STEPS steps within an epoch (long epochs)")
+    p.add_argument("--merge", action="store_true", help="only merge OUT/layers-*/ runs into OUT, then exit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default=None, metavar="data=N",
                    help="data parallel over a device mesh (kvjax.sharding): each batch split over 'data' (--batch a "
@@ -63,8 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import kvjax
+    from kvjax.methods import less as L
     from train_less import data
-    from train_less.trainer import TrainConfig, check_mesh, make_mesh, train
+    from train_less.trainer import TrainConfig, check_mesh, make_mesh, merge_parts, train
+
+    if args.merge:
+        try:
+            meta = merge_parts(args.out)
+        except ValueError as e:
+            print(f"kvjax-train-less: error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"out": args.out, "layers_trained": meta["layers_trained"], "parts": meta["parts"]}))
+        return 0
 
     if isinstance(args.budget, float):  # a fraction of the training sequence length, in tokens
         from kvjax.budget import budget_tokens
@@ -75,7 +105,14 @@ def main(argv=None) -> int:
                          rank=args.rank, hidden=args.hidden, dropout=args.dropout, epochs=args.epochs,
                          batch=args.batch, seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac,
                          lr=args.lr, halve_every=args.halve_every, layers_per_step=args.layers_per_step,
-                         seed=args.seed, store_dtype=args.store_dtype)
+                         seed=args.seed, store_dtype=args.store_dtype, mask=args.mask,
+                         query_chunk=args.query_chunk or None)
+        if args.checkpoint_every is not None and args.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 step")
+        if args.capture_batch is not None and args.capture_batch < 1:
+            raise ValueError(f"--capture-batch {args.capture_batch} must be >= 1")
+        if args.shard_mb <= 0:
+            raise ValueError(f"--shard-mb {args.shard_mb} must be > 0 MiB")
         mesh = None if args.mesh is None else make_mesh(args.mesh)
         if mesh is not None:
             check_mesh(mesh, tc.batch)
@@ -93,15 +130,27 @@ def main(argv=None) -> int:
     else:
         sources = data.default_sources()
     tokens = data.sequences(model.tokenizer, sources, tc.seq_len, tc.num_seqs)
+    try:
+        layers = L.parse_layers(args.layers, model.config.num_layers)
+    except ValueError as e:
+        print(f"kvjax-train-less: error: --layers: {e}", file=sys.stderr)
+        return 2
     print(f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
-          f"budget {tc.budget_tokens}, R={tc.rank}, {model.config.num_layers} layers", file=sys.stderr)
+          f"budget {tc.budget_tokens}, R={tc.rank}, layers {L.format_layers(layers)} of "
+          f"{model.config.num_layers}", file=sys.stderr)
     meta = train(model.config, model.params, tokens, tc, args.out, model_name=model.name, resume=args.resume,
-                 progress=not args.no_progress, mesh=mesh)
+                 progress=not args.no_progress, mesh=mesh, layers=layers, shard_mb=args.shard_mb,
+                 capture_dir=args.capture_dir, keep_capture=args.keep_capture, checkpoint_every=args.checkpoint_every,
+                 capture_batch=args.capture_batch)
+
+    def mean(key):
+        vals = [v for v in meta[key] if v is not None]
+        return sum(vals) / len(vals)
+
     print(json.dumps({"out": args.out, "epochs_done": meta["epochs_done"], "wall_seconds": time.perf_counter() - t0,
-                      "val_loss_mean": sum(meta["val_loss"]) / len(meta["val_loss"]),
-                      "val_loss_sparse_mean": sum(meta["val_loss_sparse"]) / len(meta["val_loss_sparse"]),
-                      "val_loss_baseline_plus_mean": sum(meta["val_loss_baseline_plus"]) /
-                      len(meta["val_loss_baseline_plus"])}))
+                      "layers_trained": meta["layers_trained"], "val_loss_mean": mean("val_loss"),
+                      "val_loss_sparse_mean": mean("val_loss_sparse"),
+                      "val_loss_baseline_plus_mean": mean("val_loss_baseline_plus")}))
     return 0
 
 

@@ -7,15 +7,25 @@ have nothing evicted), the sparse policy applied as a parallel mask. Layers are 
 and ``vmap``-ed (``layers_per_step`` at a time; all at once by default), each with its own Adam state, so
 this is exactly L independent trainings. Adam, lr 1e-3 halved every 10 epochs, dropout 0.3 on the first
 pre-activation, per-layer best-validation epoch kept. An orbax checkpoint is written (atomically) after every
-epoch; ``resume=True`` continues from the last one bit-exactly (data order and dropout keys depend only on
-the seed, epoch and step).
+epoch and, with ``checkpoint_every``, every that many steps; ``resume=True`` continues from the last readable
+one bit-exactly (data order and dropout keys depend only on the seed, epoch and step; the running loss of a
+mid-epoch checkpoint is saved with it). An unreadable checkpoint is named in a warning, moved to
+``checkpoints-corrupt/`` and the previous one used.
 
-Output folder: ``kernels.npz`` (best params, each ``[L, ...]``), ``less_config.json`` (format, model
-identity, kernel/policy/training config, per-layer validation losses of LESS, of the sparse policy alone and
-of Baseline+ = the sparse policy with ``R/2`` more tokens, best epochs, history) and ``checkpoints/``.
+Scale: the activations and the policies' eviction times are captured to disk in shards
+(:mod:`train_less.capture`; host memory bounded by ``shard_mb`` plus one batch, whatever the number of
+sequences) and read back a batch per step; the loss attends in query blocks of ``query_chunk`` rows
+(:func:`kvjax.methods.less.parallel_attention`), so memory is linear in the sequence length. ``layers`` trains
+a subset of layers in ``out/layers-A-B/``, merged after every epoch with the other such runs into ``out``
+(:func:`merge_parts`). ``mask="paper"`` trains on the paper's parallel H2O mask instead of kvjax's decode one.
+
+Output folder: ``kernels.npz`` (best params, each ``[L, ...]``; zeros for layers not trained), ``less_config.json``
+(format, model identity, kernel/policy/training config, ``layers_trained``, per-layer validation losses of LESS,
+of the sparse policy alone and of Baseline+ = the sparse policy with ``R/2`` more tokens, best epochs, history)
+and ``checkpoints/``.
 
 Many devices (``mesh``, ``kvjax-train-less --mesh data=N``): data parallelism. Each step's batch (axis 1 of
-``x [L, B, S, H]`` and of the packed masks) is split over the mesh's ``data`` axis; the frozen layer parameters,
+``x [L, B, S, H]`` and of the eviction times) is split over the mesh's ``data`` axis; the frozen layer parameters,
 the kernels and the Adam states are *replicated* on every device, and ``jit``'s SPMD partitioner all-reduces the
 gradients (the loss is a mean over the batch), so every device applies the same update: the same training as one
 device up to the order of float sums. ``batch`` must be a multiple of the ``data`` size; a ``model`` axis > 1 is
@@ -26,10 +36,13 @@ over ``data`` too.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import json
 import os
+import shutil
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -69,6 +82,8 @@ class TrainConfig:
     layers_per_step: int | None = None
     seed: int = 0
     store_dtype: str = "float32"
+    mask: str = "decode"
+    query_chunk: int | None = 512
 
     def __post_init__(self):
         for name in ("rank", "hidden", "epochs", "batch", "seq_len", "num_seqs", "halve_every"):
@@ -83,6 +98,11 @@ class TrainConfig:
                              "policy must evict something to train on")
         if self.layers_per_step is not None and self.layers_per_step < 1:
             raise ValueError(f"layers_per_step={self.layers_per_step} must be >= 1 (or None for all layers)")
+        if self.mask not in L.MASKS:
+            raise ValueError(f"mask={self.mask!r} (--mask): choose 'decode' (kvjax's decode semantics, the "
+                             "default) or 'paper' (the paper's parallel H2O mask)")
+        if self.query_chunk is not None and self.query_chunk < 1:
+            raise ValueError(f"query_chunk={self.query_chunk} (--query-chunk) must be >= 1, or None for no chunking")
         self.less  # validates policy / recent / sinks
 
     @property
@@ -112,31 +132,28 @@ def _module(cfg, tc: TrainConfig) -> L.LessKernels:
                          tc.scale_init)
 
 
-def _layer_losses(cfg, tc: TrainConfig, lp, kp, x, masks, key, train: bool):
-    """One layer: ``x [B, S, H]`` residual in, masks ``[B, Hkv, S, S]`` -> LESS loss (and, for validation,
-    the sparse-only loss and the Baseline+ loss with ``masks[1]``)."""
+def _layer_losses(cfg, tc: TrainConfig, lp, kp, x, evicts, key, train: bool):
+    """One layer: ``x [B, S, H]`` residual in, the policies' eviction times ``[B, Hkv, S]`` -> LESS loss (and,
+    for validation, the sparse-only loss and the Baseline+ loss with ``evicts[1]``). Attention runs in query
+    chunks of ``tc.query_chunk`` rows (memory linear in S, forward and gradient)."""
     b, s, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(s), (b, s))
     q, k, v = M.layer_qkv(cfg, lp, x.astype(lp["wq"].dtype), positions)
-    target = _o_proj(lp, M.causal_attention(q, k, v))
+    target = jax.lax.stop_gradient(_o_proj(lp, M.causal_attention(q, k, v)))
     mod = _module(cfg, tc)
     k1, k2 = jax.random.split(key)
     phq = mod.apply({"params": kp}, q, not train, method="phi", rngs={"dropout": k1})
     psk = mod.apply({"params": kp}, k, not train, method="psi", rngs={"dropout": k2})
     start = tc.budget_tokens
 
-    def mse(mask, ps):
-        pred = _o_proj(lp, L.parallel_attention(q, k, v, mask, phq, ps))
+    def mse(evict, ps):
+        pred = _o_proj(lp, L.parallel_attention(q, k, v, evict, phq, ps, chunk=tc.query_chunk))
         return jnp.mean(jnp.square(pred - target)[:, start:])
 
     if train:
-        return mse(masks[0], psk)
+        return mse(evicts[0], psk)
     zero = jnp.zeros_like(psk)
-    return mse(masks[0], psk), mse(masks[0], zero), mse(masks[1], zero)
-
-
-def _unpack(packed, s):
-    return jnp.unpackbits(packed, axis=-1, count=s).astype(bool)
+    return mse(evicts[0], psk), mse(evicts[0], zero), mse(evicts[1], zero)
 
 
 def _optimizer(tc: TrainConfig, steps_per_epoch: int):
@@ -145,28 +162,25 @@ def _optimizer(tc: TrainConfig, steps_per_epoch: int):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _train_step(cfg, tc: TrainConfig, steps_per_epoch: int, lp, kp, opt, x, packed, keys):
+def _train_step(cfg, tc: TrainConfig, steps_per_epoch: int, lp, kp, opt, x, evict, keys):
     """One Adam step of every layer in the chunk (vmapped; leading ``[Lc]`` axis on every argument)."""
     tx = _optimizer(tc, steps_per_epoch)
 
-    def step(lp, kp, opt, x, packed, key):
-        mask = _unpack(packed, x.shape[1])
-        loss, g = jax.value_and_grad(lambda p: _layer_losses(cfg, tc, lp, p, x, (mask,), key, True))(kp)
+    def step(lp, kp, opt, x, evict, key):
+        loss, g = jax.value_and_grad(lambda p: _layer_losses(cfg, tc, lp, p, x, (evict,), key, True))(kp)
         upd, opt = tx.update(g, opt, kp)
         return optax.apply_updates(kp, upd), opt, loss
 
-    return jax.vmap(step)(lp, kp, opt, x, packed, keys)
+    return jax.vmap(step)(lp, kp, opt, x, evict, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _evaluate(cfg, tc: TrainConfig, lp, kp, x, packed, packed_plus):
+def _evaluate(cfg, tc: TrainConfig, lp, kp, x, evict, evict_plus):
     """Validation losses ``(LESS, sparse alone, Baseline+)`` per layer of the chunk, dropout off."""
-    def one(lp, kp, x, packed, packed_plus):
-        s = x.shape[1]
-        return _layer_losses(cfg, tc, lp, kp, x, (_unpack(packed, s), _unpack(packed_plus, s)),
-                             jax.random.PRNGKey(0), False)
+    def one(lp, kp, x, evict, evict_plus):
+        return _layer_losses(cfg, tc, lp, kp, x, (evict, evict_plus), jax.random.PRNGKey(0), False)
 
-    return jax.vmap(one)(lp, kp, x, packed, packed_plus)
+    return jax.vmap(one)(lp, kp, x, evict, evict_plus)
 
 
 def _chunks(n_layers: int, per: int | None):
@@ -215,45 +229,158 @@ def _atomic_write(path: Path, write):
     os.replace(tmp, path)
 
 
-def _write_output(out: Path, tc, cfg, model_name, best, meta_extra):
-    arrays = {k: np.asarray(v) for k, v in best.items()}
-
-    def write_npz(tmp):
+def _write_npz(path: Path, arrays: dict):
+    def write(tmp):
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
 
-    _atomic_write(out / L.KERNELS_FILE, write_npz)
+    _atomic_write(path, write)
+
+
+PER_LAYER = ("val_loss", "best_epoch", "val_loss_sparse", "val_loss_baseline_plus")
+
+
+def _write_output(out: Path, tc, cfg, model_name, best, layers, meta_extra):
+    """``kernels.npz`` with ``[L, ...]`` arrays (zeros for the layers not trained here) and ``less_config.json``
+    (per-layer lists over all L layers, ``None`` where untrained; ``layers_trained``)."""
+    arrays = {}
+    for k, v in best.items():
+        a = np.zeros((cfg.num_layers,) + v.shape[1:], np.asarray(v).dtype)
+        a[layers] = np.asarray(v)
+        arrays[k] = a
+    _write_npz(out / L.KERNELS_FILE, arrays)
+    for key in PER_LAYER:
+        full = [None] * cfg.num_layers
+        for i, l in enumerate(layers):
+            full[l] = meta_extra[key][i]
+        meta_extra = {**meta_extra, key: full}
     meta = {"format": L.FORMAT, "model": L.model_identity(cfg, model_name),
             "kernel": {"rank": tc.rank, "hidden": tc.hidden, "dropout": tc.dropout, "scale_init": tc.scale_init,
                        "psi_form": "code", "gelu": "exact"},
             "policy": {"policy": tc.policy, "budget": tc.budget_tokens, "recent": tc.recent, "sinks": tc.sinks,
-                       "baseline_plus_budget": tc.budget_tokens + tc.rank // 2},
-            "train": _config_dict(tc), **meta_extra}
+                       "baseline_plus_budget": tc.budget_tokens + tc.rank // 2, "mask": tc.mask},
+            "train": _config_dict(tc), "layers_trained": list(layers), **meta_extra}
     _atomic_write(out / L.CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     return meta
 
 
+def merge_parts(out_dir) -> dict:
+    """Merge the ``layers-*/`` runs of ``out_dir`` (``train(layers=...)``, ``kvjax-train-less --layers``) into
+    ``out_dir/kernels.npz`` and ``less_config.json``: one kernels folder whose ``layers_trained`` is the union.
+    The runs must share model, kernel, policy and training settings and train disjoint layers (ValueError
+    naming the folders otherwise). Run after every epoch of a layer run; ``kvjax-train-less --merge`` runs it
+    alone (e.g. after copying parts trained on several machines into one folder)."""
+    out = Path(out_dir)
+    parts = sorted(p for p in out.glob("layers-*") if (p / L.CONFIG_FILE).is_file() and (p / L.KERNELS_FILE).is_file())
+    if not parts:
+        raise ValueError(f"{str(out)!r} has no layers-*/ folders with kernels to merge (kvjax-train-less --layers runs "
+                         "write them)")
+    with open(out / ".merge.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        metas = [json.loads((p / L.CONFIG_FILE).read_text()) for p in parts]
+        base = metas[0]
+        fixed = lambda m: (m["model"], m["kernel"], m["policy"], {k: v for k, v in m["train"].items() if k != "epochs"})
+        owner: dict[int, str] = {}
+        for p, m in zip(parts, metas):
+            if fixed(m) != fixed(base):
+                diff = [n for n, a, b in zip(("model", "kernel", "policy", "train"), fixed(m), fixed(base)) if a != b]
+                raise ValueError(f"cannot merge {p.name} with {parts[0].name}: they differ in {diff}; every "
+                                 "--layers run of one folder needs the same model and settings")
+            for l in m["layers_trained"]:
+                if l in owner:
+                    raise ValueError(f"layer {l} is trained by both {owner[l]} and {p.name}; remove one of them")
+                owner[l] = p.name
+        merged = None
+        for p, m in zip(parts, metas):
+            with np.load(p / L.KERNELS_FILE) as f:
+                if merged is None:
+                    merged = {k: np.zeros_like(f[k]) for k in f.files}
+                for k in f.files:
+                    merged[k][m["layers_trained"]] = f[k][m["layers_trained"]]
+        meta = {k: base[k] for k in ("format", "model", "kernel", "policy", "train")}
+        meta["layers_trained"] = sorted(owner)
+        for key in PER_LAYER:
+            meta[key] = [next((m[key][l] for m in metas if l in m["layers_trained"]), None)
+                         for l in range(len(base[key]))]
+        meta["epochs_done"] = min(m["epochs_done"] for m in metas)
+        meta["parts"] = {p.name: {"layers": m["layers_trained"], "epochs_done": m["epochs_done"]}
+                         for p, m in zip(parts, metas)}
+        _write_npz(out / L.KERNELS_FILE, merged)
+        _atomic_write(out / L.CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    return meta
+
+
+def _restore(ckpt_dir: Path, abstract, check):
+    """The newest readable checkpoint in ``ckpt_dir`` -> ``(manager, meta, state)``. ``check(meta)`` raises for a
+    run of other settings. An unreadable (truncated, corrupt) checkpoint is reported by name and moved to
+    ``checkpoints-corrupt/``, and the one before it is used; ValueError when none is readable."""
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    mngr = ocp.CheckpointManager(ckpt_dir, options=opts)
+    bad = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+            bad.append((step, e))
+            continue
+        check(meta)
+        try:
+            state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:  # noqa: BLE001
+            bad.append((step, e))
+            continue
+        if bad:
+            mngr.close()
+            aside = ckpt_dir.parent / "checkpoints-corrupt"
+            aside.mkdir(exist_ok=True)
+            for b, e in bad:
+                warnings.warn(f"checkpoint {ckpt_dir / str(b)} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+                              f"moved to {aside / str(b)}, resuming from the previous one, {ckpt_dir / str(step)}",
+                              stacklevel=3)
+                shutil.move(str(ckpt_dir / str(b)), str(aside / str(b)))
+            mngr = ocp.CheckpointManager(ckpt_dir, options=opts)
+        return mngr, meta, state
+    mngr.close()
+    raise ValueError(f"no readable checkpoint in {ckpt_dir}: " + "; ".join(
+        f"{ckpt_dir / str(b)}: {type(e).__name__}: {str(e)[:200]}" for b, e in bad)
+        + ". Start a new run in a new folder")
+
+
 def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name: str | None = None,
-          resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None) -> dict:
-    """Train the kernels of every layer of the frozen model ``(cfg, params)`` on ``tokens [N, S]``.
+          resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None, layers=None,
+          shard_mb: float = 1024, capture_dir=None, keep_capture: bool = False, checkpoint_every: int | None = None,
+          stop_after_steps: int | None = None, capture_batch: int | None = None) -> dict:
+    """Train the kernels of the frozen model ``(cfg, params)`` on ``tokens [N, S]``.
 
     Writes ``out_dir`` (see the module docstring) and returns the JSON written there. ``resume``: continue
-    from the last checkpoint in ``out_dir`` (same config and data; ``epochs`` may grow). ``stop_after``:
-    stop after that many epochs in total (as if interrupted; for tests). ``mesh``: a ``jax.sharding.Mesh`` or
-    a spec such as ``"data=4"`` (:func:`make_mesh`): the batch is split over ``data`` (module docstring).
+    from the last readable checkpoint (same config and data; ``epochs`` may grow). ``stop_after``: stop after
+    that many epochs in total (as if interrupted; for tests); ``stop_after_steps``: after that many steps.
+    ``mesh``: a ``jax.sharding.Mesh`` or a spec such as ``"data=4"`` (:func:`make_mesh`): the batch is split
+    over ``data`` (module docstring). ``layers``: train only these layers (``"0-7"``, a list); the run lives in
+    ``out_dir/layers-0-7/`` and every epoch merges all such runs into ``out_dir`` (:func:`merge_parts`).
+    ``shard_mb``: MiB per capture shard, the host-memory bound of the capture; ``capture_dir``: where the
+    capture goes (default ``<run>/capture``; deleted when training ends unless ``keep_capture``).
+    ``checkpoint_every``: also checkpoint every that many steps within an epoch. ``capture_batch``: sequences per
+    capture forward pass (default ``max(batch, 4)``; with a mesh, rounded up to a multiple of its ``data`` size).
     """
     t0 = time.perf_counter()
     if mesh is not None:
         mesh = make_mesh(mesh)
         check_mesh(mesh, tc.batch)
         params = jax.device_put(params, S.replicated(mesh))
+    if capture_batch is not None and capture_batch < 1:
+        raise ValueError(f"capture_batch={capture_batch} (--capture-batch) must be >= 1, or None for max(batch, 4)")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every} (--checkpoint-every) must be >= 1 step, or None")
+    sel = L.parse_layers(layers, cfg.num_layers)
     out = Path(out_dir).absolute()
-    ckpt_dir = out / "checkpoints"
+    run_dir = out if len(sel) == cfg.num_layers else out / f"layers-{L.format_layers(sel)}"
+    ckpt_dir = run_dir / "checkpoints"
     if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
-        raise ValueError(f"out_dir={str(out_dir)!r} already holds checkpoints; pass resume=True (--resume) to "
-                         "continue that run, or choose a new folder")
+        raise ValueError(f"{str(run_dir)!r} already holds checkpoints; pass resume=True (--resume) to continue that "
+                         "run, or choose a new folder")
     if resume and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
-        raise ValueError(f"resume=True but out_dir={str(out_dir)!r} has no checkpoint to resume from")
+        raise ValueError(f"resume=True but {str(run_dir)!r} has no checkpoint to resume from")
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[1] != tc.seq_len:
         raise ValueError(f"tokens has shape {tokens.shape}; expected [N, seq_len={tc.seq_len}]")
@@ -265,27 +392,10 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     perm = np.random.default_rng(tc.seed).permutation(n)
     val_idx, train_idx = np.sort(perm[:n_val]), perm[n_val:]
     steps_per_epoch = len(train_idx) // tc.batch
-    out.mkdir(parents=True, exist_ok=True)
-
-    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    if resume:  # check the run's config before any work
-        last = mngr.latest_step()
-        meta = mngr.restore(last, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved = {k: v for k, v in meta["config"].items() if k != "epochs"}
-        now = {k: v for k, v in _config_dict(tc).items() if k != "epochs"}
-        if saved != now or meta["model"] != L.model_identity(cfg, model_name):
-            diff = sorted(k for k in now if saved.get(k) != now[k])
-            raise ValueError(f"resume: the checkpoint in {str(out_dir)!r} was written with a different config "
-                             f"(differs in {diff or 'the model'}); resume with the same settings or use a new folder")
-    dp = S.axis_size(mesh, S.DATA)
-    xs, (masks, masks_plus) = capture(cfg, params, tokens, (tc.less, tc.baseline_plus),
-                                      batch=-(-max(tc.batch, 4) // dp) * dp, store_dtype=jnp.dtype(tc.store_dtype),
-                                      progress=progress, mesh=mesh)
-    layers = stack_layers(params)
-    nl = cfg.num_layers
+    run_dir.mkdir(parents=True, exist_ok=True)
+    nl = len(sel)
     tx = _optimizer(tc, steps_per_epoch)
-
-    keys = jax.random.split(jax.random.PRNGKey(tc.seed), nl)
+    keys = jax.random.split(jax.random.PRNGKey(tc.seed), cfg.num_layers)[jnp.asarray(sel)]
     kparams = jax.vmap(lambda k: L.init_kernels(cfg, k, tc.rank, tc.hidden))(keys)
     if tc.scale_init != 1e-4:
         kparams = {**kparams, "k_s1": jnp.full_like(kparams["k_s1"], tc.scale_init),
@@ -295,56 +405,94 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     best_val = np.full((nl,), np.inf)
     best_epoch = np.full((nl,), -1)
     history: list[dict] = []
-    start_epoch = 0
-
+    start_epoch, start_step, run0 = 0, 0, None
+    config = {**_config_dict(tc), "layers": sel}
+    ident = L.model_identity(cfg, model_name)
     opt_leaves, opt_def = jax.tree.flatten(opt)
 
     def ckpt_tree(kp, op, bp, bv, be):
         return {"params": kp, "best": bp, "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(op))},
                 "best_val": jnp.asarray(bv), "best_epoch": jnp.asarray(be)}
 
+    def check(meta):
+        saved = {k: v for k, v in meta["config"].items() if k != "epochs"}
+        now = {k: v for k, v in config.items() if k != "epochs"}
+        if saved != now or meta["model"] != ident:
+            diff = sorted(k for k in now if saved.get(k) != now[k])
+            raise ValueError(f"resume: the checkpoint in {str(run_dir)!r} was written with a different config "
+                             f"(differs in {diff or 'the model'}); resume with the same settings or use a new folder")
+
     if resume:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                ckpt_tree(kparams, opt, best, best_val, best_epoch))
-        st = mngr.restore(last, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt_tree(kparams, opt, best, best_val, best_epoch))
+        mngr, meta, st = _restore(ckpt_dir, abstract, check)
         kparams, best = st["params"], st["best"]
         opt = jax.tree.unflatten(opt_def, [st["opt"][f"{i:04d}"] for i in range(len(opt_leaves))])
         best_val, best_epoch = np.asarray(st["best_val"]), np.asarray(st["best_epoch"])
-        history, start_epoch = meta["history"], meta["epoch"]
+        history, start_epoch, start_step = meta["history"], meta["epoch"], meta.get("step", 0)
+        run0 = None if meta.get("run") is None else np.asarray(meta["run"], np.float64)
+    else:
+        mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    end = tc.epochs if stop_after is None else min(tc.epochs, stop_after)
+    if start_epoch >= end:
+        mngr.close()
+        return json.loads((run_dir / L.CONFIG_FILE).read_text())
+    dp = S.axis_size(mesh, S.DATA)
+    cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
+    store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
+                    batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype, shard_mb=shard_mb,
+                    progress=progress, mesh=mesh, model_name=model_name)
+    lyr = _take(stack_layers(params), jnp.asarray(sel))
 
     if mesh is not None:  # replicated: every device holds the kernels and Adam states and applies the same update
-        kparams, opt, best, layers = jax.device_put((kparams, opt, best, layers), S.replicated(mesh))
+        kparams, opt, best, lyr = jax.device_put((kparams, opt, best, lyr), S.replicated(mesh))
     chunks = _chunks(nl, tc.layers_per_step)
     kp_c = [_take(kparams, c) for c in chunks]
     op_c = [_take(opt, c) for c in chunks]
-    ly_c = [_take(layers, c) for c in chunks]
+    ly_c = [_take(lyr, c) for c in chunks]
     base_key = jax.random.PRNGKey(tc.seed + 1)
-    layer_ids = jnp.arange(nl)
-    end = tc.epochs if stop_after is None else min(tc.epochs, stop_after)
-    bar = tqdm(total=(end - start_epoch) * steps_per_epoch, desc="train LESS", disable=not progress, unit="step")
+    layer_ids = jnp.asarray(sel)
+
+    def batch(idx):  # [Lsel, B, S, H], [Lsel, B, P, Hkv, S], B split over 'data'
+        x, ev = store.read(idx)
+        return put_batch(np.swapaxes(x, 0, 1), mesh, axis=1), put_batch(np.swapaxes(ev, 0, 1), mesh, axis=1)
+
+    def save(step, meta):
+        mngr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(ckpt_tree(_cat(kp_c), _cat(op_c), best, best_val, best_epoch)),
+            meta=ocp.args.JsonSave({**meta, "history": history, "config": config, "model": ident})))
+        mngr.wait_until_finished()
+
+    bar = tqdm(total=(end - start_epoch) * steps_per_epoch - start_step, desc="train LESS", disable=not progress,
+               unit="step")
+    stopped = False
     for epoch in range(start_epoch, end):
         order = np.random.default_rng([tc.seed, epoch]).permutation(train_idx)
-        run = np.zeros((nl,))
-        for i in range(steps_per_epoch):
-            idx = np.sort(order[i * tc.batch:(i + 1) * tc.batch])
-            x = put_batch(np.swapaxes(xs[idx], 0, 1), mesh, axis=1)  # [L, B, S, H], B over 'data'
-            pm = put_batch(np.swapaxes(masks[idx], 0, 1), mesh, axis=1)
+        first = start_step if epoch == start_epoch else 0
+        run = run0 if first and run0 is not None else np.zeros((nl,))
+        for i in range(first, steps_per_epoch):
+            x, ev = batch(np.sort(order[i * tc.batch:(i + 1) * tc.batch]))
             gstep = epoch * steps_per_epoch + i
             lkeys = jax.vmap(lambda l: jax.random.fold_in(jax.random.fold_in(base_key, gstep), l))(layer_ids)
             losses = []
             for j, c in enumerate(chunks):
-                kp_c[j], op_c[j], loss = _train_step(cfg, tc, steps_per_epoch, ly_c[j], kp_c[j], op_c[j], x[c], pm[c],
-                                                      lkeys[c])
+                kp_c[j], op_c[j], loss = _train_step(cfg, tc, steps_per_epoch, ly_c[j], kp_c[j], op_c[j], x[c],
+                                                      ev[c, :, 0], lkeys[c])
                 losses.append(loss)
             run += np.asarray(jnp.concatenate(losses))
             bar.update(1)
             bar.set_postfix_str("loss/layer " + " ".join(f"{v:.2e}" for v in run / (i + 1)))
+            if checkpoint_every and (gstep + 1) % checkpoint_every == 0 and i + 1 < steps_per_epoch:
+                save(gstep + 1, {"epoch": epoch, "step": i + 1, "run": run.tolist()})
+            if stop_after_steps is not None and gstep + 1 >= stop_after_steps:
+                stopped = True
+                break
+        if stopped:
+            break
         val = np.zeros((3, nl))
         for i in range(0, n_val, tc.batch):
             idx = val_idx[i:i + tc.batch]
-            x = put_batch(np.swapaxes(xs[idx], 0, 1), mesh, axis=1)
-            pm, pp = (put_batch(np.swapaxes(m[idx], 0, 1), mesh, axis=1) for m in (masks, masks_plus))
-            parts = [_evaluate(cfg, tc, ly_c[j], kp_c[j], x[c], pm[c], pp[c]) for j, c in enumerate(chunks)]
+            x, ev = batch(idx)
+            parts = [_evaluate(cfg, tc, ly_c[j], kp_c[j], x[c], ev[c, :, 0], ev[c, :, 1]) for j, c in enumerate(chunks)]
             val += np.stack([np.concatenate([np.asarray(p[t]) for p in parts]) for t in range(3)]) * len(idx)
         val /= n_val
         kparams = _cat(kp_c)
@@ -357,18 +505,17 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
                         "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist()})
         bar.write(f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
                   f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0]))
-        meta = {"epoch": epoch + 1, "history": history, "config": _config_dict(tc),
-                "model": L.model_identity(cfg, model_name)}
-        mngr.save(epoch + 1, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(ckpt_tree(kparams, _cat(op_c), best, best_val, best_epoch)),
-            meta=ocp.args.JsonSave(meta)))
-        mngr.wait_until_finished()
-        last_val = val
-        _write_output(out, tc, cfg, model_name, best, {
+        save((epoch + 1) * steps_per_epoch, {"epoch": epoch + 1, "step": 0, "run": None})
+        _write_output(run_dir, tc, cfg, model_name, best, sel, {
             "epochs_done": epoch + 1, "val_loss": best_val.tolist(), "best_epoch": best_epoch.tolist(),
-            "val_loss_sparse": last_val[1].tolist(), "val_loss_baseline_plus": last_val[2].tolist(),
+            "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist(),
             "num_train_seqs": int(len(train_idx)), "num_val_seqs": int(n_val), "history": history,
             "wall_seconds": time.perf_counter() - t0})
+        if run_dir != out:
+            merge_parts(out)
     bar.close()
     mngr.close()
-    return json.loads((out / L.CONFIG_FILE).read_text())
+    if not stopped and end == tc.epochs and not keep_capture:
+        shutil.rmtree(cap_dir, ignore_errors=True)
+    path = run_dir / L.CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"epochs_done": 0}

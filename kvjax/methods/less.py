@@ -20,9 +20,12 @@ form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1
 initialised at 1e-4 (the paper's warm start, §3.2). Rank ``R`` (default 8), hidden width (default 512).
 
 ``parallel_attention`` with ``h2o_mask`` / ``lambda_mask`` is the parallel (masked) form used for training
-(§2.9 of the note). The masks replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised
-probabilities, group mean; one token evicted per step once over budget), so that feeding a sequence token
-by token through ``decode`` equals row ``i`` of the parallel form.
+(§2.9 of the note); optionally in query blocks (``chunk``: memory linear in S, gradient included). The masks
+replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised probabilities, group mean; one token
+evicted per step once over budget), so that feeding a sequence token by token through ``decode`` equals row
+``i`` of the parallel form; ``h2o_paper_evictions`` is the paper's parallel H2O mask (full-attention scores).
+Every policy evicts for good, so a mask is given by each token's eviction time (``[B, Hkv, S]`` int,
+``mask_from_evictions``), which is what training stores.
 
 Einsum axes: b batch, h KV head, g query head within its group, i query position, j/s key position/slot,
 r rank, d head dim.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -53,6 +57,8 @@ KERNELS_FILE = "kernels.npz"
 CONFIG_FILE = "less_config.json"
 FORMAT = "kvjax-less-kernels/1"
 POLICIES = ("h2o", "lambda")
+#: Parallel H2O masks for training: kvjax's decode semantics, or the paper's (:meth:`Less.eviction_times`).
+MASKS = ("decode", "paper")
 #: Fields of the model config that a kernel file must match (the head layout and the model's identity).
 MODEL_KEYS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
@@ -173,22 +179,14 @@ def synthesize(part, phq, H, z):
     return attention.normalise(part) * jnp.exp(lse_sp - lse)[..., None] + low
 
 
-def parallel_attention(q, k, v, mask, phq, psk):
-    """Parallel LESS attention (the training form, method note §2.9 / §8.3a).
-
-    q ``[B, Hq, S, D]``; k, v ``[B, Hkv, S, D]``; mask ``[B, Hkv, S, S]`` bool: row ``i`` attends exactly
-    to keys ``mask[i]`` (``i`` itself included); every other causal key ``j <= i`` is reached through the
-    kernel ``φ(q_i)·ψ(k_j)`` (``phq [B, Hq, S, R]``, ``psk [B, Hkv, S, R]``). Returns ``[B, Hq, S, D]`` f32.
-    """
-    b, hq, s, d = q.shape
+def _rows_attention(q, k, v, sm, ev, phq, psk):
+    """Parallel LESS attention of a block of query rows: q ``[B, Hq, C, D]``, sm / ev ``[B, Hkv, C, S]`` (bool
+    sparse set / float evicted set of each row), phq ``[B, Hq, C, R]`` -> ``[B, Hq, C, D]`` float32."""
+    b, hq, c, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     r = phq.shape[-1]
-    pos = jnp.arange(s)
-    causal = pos[None, :] <= pos[:, None]
-    sm = mask & causal
-    ev = (~mask & causal).astype(jnp.float32)  # [B, Hkv, S, S]
-    qg = q.reshape(b, hkv, g, s, d)
+    qg = q.reshape(b, hkv, g, c, d)
     sc = jnp.einsum("bhgid,bhjd->bhgij", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
     sc = jnp.where(sm[:, :, None], sc, NEG_INF)
     m = jnp.max(sc, axis=-1)
@@ -196,24 +194,84 @@ def parallel_attention(q, k, v, mask, phq, psk):
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("bhgij,bhjd->bhgid", p, v.astype(jnp.float32))
     lse_sp = m + jnp.log(l)
-    phg = phq.reshape(b, hkv, g, s, r).astype(jnp.float32)
+    phg = phq.reshape(b, hkv, g, c, r).astype(jnp.float32)
     psk = psk.astype(jnp.float32)
-    zrow = jnp.einsum("bhij,bhjr->bhir", ev, psk)  # [B, Hkv, S, R]: Σ ψ(k_j) over the evicted j
+    zrow = jnp.einsum("bhij,bhjr->bhir", ev, psk)  # [B, Hkv, C, R]: Σ ψ(k_j) over the evicted j
     lse = jnp.logaddexp(lse_sp, _safe_log(jnp.einsum("bhgir,bhir->bhgi", phg, zrow)))
     w = jnp.exp(_safe_log(phg) - lse[..., None])
     a = jnp.einsum("bhgir,bhjr->bhgij", w, psk) * ev[:, :, None]
     low = jnp.einsum("bhgij,bhjd->bhgid", a, v.astype(jnp.float32))
     out = o / l[..., None] * jnp.exp(lse_sp - lse)[..., None] + low
-    return out.reshape(b, hq, s, d)
+    return out.reshape(b, hq, c, d)
 
 
-def h2o_mask(q, k, budget: int, recent: int):
-    """kvjax's H2O decode, run token by token from an empty cache, as a parallel mask ``[B, Hkv, S, S]``.
+def _mask_rows(mask, rows, s: int):
+    """``(sparse [B, Hkv, C, S] bool, evicted [B, Hkv, C, S] float32)`` of query ``rows [C]`` from a bool mask
+    ``[B, Hkv, S, S]`` or eviction times ``[B, Hkv, S]`` (rows past ``S``, padding, repeat the last row)."""
+    rows = jnp.minimum(rows, s - 1)
+    causal = jnp.arange(s)[None, :] <= rows[:, None]
+    if mask.ndim == 3:
+        keep = rows[None, None, :, None] < mask[:, :, None, :]
+    else:
+        keep = jnp.take(mask, rows, axis=2)
+    return keep & causal, (~keep & causal).astype(jnp.float32)
 
-    Row ``i`` = the cache before step ``i`` plus token ``i`` (what step ``i`` attends). Scores: the step's
-    softmax over those keys (mean over each KV group's query heads), accumulated. Once more than ``budget``
-    tokens are held, the lowest-scoring one at position ``<= i - recent`` is evicted (H2O §3, kvjax's
-    ``H2O.decode``). A ``lax.scan`` over rows: O(S²) time, O(S) state; no S×S float tensor.
+
+def parallel_attention(q, k, v, mask, phq, psk, chunk: int | None = None):
+    """Parallel LESS attention (the training form, method note §2.9 / §8.3a).
+
+    q ``[B, Hq, S, D]``; k, v ``[B, Hkv, S, D]``; mask: ``[B, Hkv, S, S]`` bool, row ``i`` attends exactly to
+    keys ``mask[i]`` (``i`` itself included), or the policy's eviction times ``[B, Hkv, S]`` int (``mask[i, j] =
+    j <= i < evict[j]``, :func:`mask_from_evictions`); every other causal key ``j <= i`` is reached through the
+    kernel ``φ(q_i)·ψ(k_j)`` (``phq [B, Hq, S, R]``, ``psk [B, Hkv, S, R]``). Returns ``[B, Hq, S, D]`` f32.
+
+    chunk: query rows per block (``None``: all at once). With a chunk the rows run block by block
+    (``lax.map``), each block rematerialised in the backward pass (``jax.checkpoint``), so memory is
+    ``O(chunk · S)`` instead of ``O(S²)``, forward and gradient; the result is the same up to float rounding.
+    """
+    b, hq, s, d = q.shape
+    if chunk is None or chunk >= s:
+        return _rows_attention(q, k, v, *_mask_rows(mask, jnp.arange(s), s), phq, psk)
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1 (query rows per block) or None")
+    n = -(-s // chunk)
+    pad = ((0, 0), (0, 0), (0, n * chunk - s), (0, 0))
+    blocks = lambda x: jnp.moveaxis(jnp.pad(x, pad).reshape(b, x.shape[1], n, chunk, x.shape[-1]), 2, 0)
+
+    @jax.checkpoint
+    def block(args):
+        qc, pc, start = args
+        return _rows_attention(qc, k, v, *_mask_rows(mask, start + jnp.arange(chunk), s), pc, psk)
+
+    out = jax.lax.map(block, (blocks(q), blocks(phq), jnp.arange(n) * chunk))  # [n, B, Hq, C, D]
+    return jnp.moveaxis(out, 0, 2).reshape(b, hq, n * chunk, d)[:, :, :s]
+
+
+def mask_from_evictions(evict, s: int | None = None):
+    """The bool mask ``[..., S, S]`` of eviction times ``evict [..., S]``: ``mask[i, j] = j <= i < evict[j]``.
+    Every policy here evicts for good (a token never comes back), so its mask is fully given by when each
+    token leaves (``S``: never) — ``S`` integers per head instead of ``S²`` bits."""
+    s = evict.shape[-1] if s is None else s
+    i = jnp.arange(s)[:, None]
+    return (jnp.arange(s)[None, :] <= i) & (i < evict[..., None, :])
+
+
+def _group_probs(qg, kf, i, keys, scale):
+    """Softmax over ``keys [B, Hkv, S]`` of query row ``i``, averaged over each KV group -> ``[B, Hkv, S]``."""
+    qi = jax.lax.dynamic_index_in_dim(qg, i, axis=3, keepdims=False)  # [B, Hkv, G, D]
+    sc = jnp.einsum("bhgd,bhsd->bhgs", qi, kf) * scale
+    sc = jnp.where(keys[:, :, None], sc, NEG_INF)
+    p = jnp.where(keys[:, :, None], jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)), 0.0)
+    return (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).mean(axis=2)
+
+
+def h2o_evictions(q, k, budget: int, recent: int):
+    """kvjax's H2O decode, run token by token from an empty cache: eviction times ``[B, Hkv, S]`` int32
+    (:func:`mask_from_evictions`; row ``i`` = the cache before step ``i`` plus token ``i``, what step ``i``
+    attends). Scores: the step's softmax over those keys (mean over each KV group's query heads),
+    accumulated. Once more than ``budget`` tokens are held, the lowest-scoring one at position
+    ``<= i - recent`` is evicted (H2O §3, kvjax's ``H2O.decode``). A ``lax.scan`` over rows: O(S²) time,
+    O(S) state; no S×S tensor.
     """
     b, hq, s, d = q.shape
     hkv = k.shape[1]
@@ -223,23 +281,64 @@ def h2o_mask(q, k, budget: int, recent: int):
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
 
     def row(carry, i):
-        keep, acc = carry
+        keep, acc, evict = carry
         m = keep | (j == i)[None, None]
-        qi = jax.lax.dynamic_index_in_dim(qg, i, axis=3, keepdims=False)  # [B, Hkv, G, D]
-        sc = jnp.einsum("bhgd,bhsd->bhgs", qi, kf) * scale
-        sc = jnp.where(m[:, :, None], sc, NEG_INF)
-        p = jnp.where(m[:, :, None], jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)), 0.0)
-        p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-        acc = acc + p.mean(axis=2)
+        acc = acc + _group_probs(qg, kf, i, m, scale)
         cand = m & (j <= i - recent)[None, None]
         victim = jnp.argmin(jnp.where(cand, acc, jnp.inf), axis=-1)
         over = (m.sum(-1) > budget) & cand.any(-1)
         gone = over[..., None] & (j[None, None] == victim[..., None])
-        return (m & ~gone, jnp.where(gone, 0.0, acc)), m
+        return (m & ~gone, jnp.where(gone, 0.0, acc), jnp.where(gone, i + 1, evict)), None
 
-    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32))
-    _, rows = jax.lax.scan(row, init, j)  # [S, B, Hkv, S]
-    return jnp.moveaxis(rows, 0, 2)
+    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32), jnp.full((b, hkv, s), s, jnp.int32))
+    return jax.lax.scan(row, init, j)[0][2]
+
+
+def h2o_mask(q, k, budget: int, recent: int):
+    """:func:`h2o_evictions` as a bool mask ``[B, Hkv, S, S]``."""
+    return mask_from_evictions(h2o_evictions(q, k, budget, recent))
+
+
+def h2o_paper_evictions(q, k, budget: int, recent: int):
+    """The paper's parallel H2O mask (authors' ``local_heavy_hitter_mask_nonoverlap``; method note §2.7.1) as
+    eviction times ``[B, Hkv, S]`` int32. ``r = recent``, ``h = budget - r`` heavy hitters, scores from the
+    **full**-attention probabilities ``P`` (mean over each KV group's query heads): rows ``i < h + r`` attend
+    causally; from row ``h + r`` on, row ``i`` = the ``h`` highest-scoring kept tokens before ``i - r`` plus
+    the band ``i - r .. i``, then ``acc = (acc + P[i]) ⊙ row``. Differs from :func:`h2o_evictions` (kvjax's
+    decode: sparse-renormalised scores, evict one when over budget) in its scores only; both attend
+    ``budget + 1`` keys per full row. Heavy hitters are chosen among kept tokens, so an evicted token never
+    returns (the paper's zeroed score does the same up to exact-zero ties)."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
+    kf = k.astype(jnp.float32)
+    j = jnp.arange(s)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    heavy_n = budget - recent
+    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None]
+
+    def row(carry, i):
+        keep, acc, evict = carry  # keep: the previous row's mask
+        causal = jnp.broadcast_to((j <= i)[None, None], keep.shape)
+        p = _group_probs(qg, kf, i, causal, scale)
+        band = causal & (j >= i - recent)[None, None]
+        if heavy_n > 0:
+            cand = jnp.where(keep & (j < i - recent)[None, None], acc, -jnp.inf)
+            idx = jax.lax.top_k(cand, heavy_n)[1]
+            band = band | jnp.zeros_like(keep).at[bi, hi, idx].set(True)
+        mrow = jnp.where(i < budget, causal, band)
+        gone = keep & ~mrow
+        return (mrow, (acc + p) * mrow, jnp.where(gone, i, evict)), None
+
+    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32), jnp.full((b, hkv, s), s, jnp.int32))
+    return jax.lax.scan(row, init, j)[0][2]
+
+
+def lambda_evictions(s: int, slots: int, sinks: int):
+    """Λ-masking / StreamingLLM eviction times ``[S]`` int32: sinks stay, token ``j`` leaves at row
+    ``j + slots - sinks``."""
+    j = jnp.arange(s)
+    return jnp.where(j < sinks, s, jnp.minimum(j + slots - sinks, s)).astype(jnp.int32)
 
 
 def lambda_mask(s: int, slots: int, sinks: int):
@@ -287,6 +386,40 @@ def load_kernels(path, model_cfg=None):
     return meta, arrays
 
 
+def parse_layers(spec, num_layers: int) -> list[int]:
+    """Layer indices from ``"0-7"``, ``"0,2,5-9"``, an int or a list (``None``: all), checked against the model."""
+    if spec is None:
+        return list(range(num_layers))
+    given = spec
+    if isinstance(spec, int):
+        spec = [spec]
+    if isinstance(spec, str):
+        out = []
+        try:
+            for part in spec.split(","):
+                a, _, b = part.strip().partition("-")
+                out.extend(range(int(a), int(b if b else a) + 1))
+        except ValueError:
+            raise ValueError(f"layers={spec!r}: expected layer indices such as '0-7' or '0,2,5-9'") from None
+        spec = out
+    out = sorted(set(int(x) for x in spec))
+    if not out or out[0] < 0 or out[-1] >= num_layers:
+        raise ValueError(f"layers={given!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset "
+                         "such as '0-7'")
+    return out
+
+
+def format_layers(layers) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, layers = [], sorted(layers)
+    for i, x in enumerate(layers):
+        if i and x == layers[i - 1] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
 def model_identity(model_cfg, name: str | None = None) -> dict:
     """What a kernel file records about its model (and must match to be reused)."""
     ident = {key: getattr(model_cfg, key) for key in MODEL_KEYS}
@@ -313,6 +446,9 @@ class Less(Method):
     (``rank``, ``hidden``, ``seed``; warm-start scale 1e-4, so LESS starts close to the sparse policy).
     phi_fn / psi_fn: feature-map hooks ``fn(kernels, x [B, H, ..., D]) -> [B, H, ..., R]`` replacing the
     MLP (e.g. analytic kernels; ``kernels`` is then whatever pytree the state's ``kernels`` holds).
+    strict: with ``kernels``, a policy, budget, recent window or sinks other than those the kernels were
+    trained with (``less_config.json``) is a ValueError instead of a warning. A kernels folder whose
+    ``layers_trained`` lacks a layer (a ``kvjax-train-less --layers`` run) is an error when that layer is used.
     """
 
     name: ClassVar[str] = "less"
@@ -328,6 +464,7 @@ class Less(Method):
     phi_fn: Callable | None = None
     psi_fn: Callable | None = None
     fold_chunk: int = 2048  # prompt tokens per step of the prefill fold into H, z (memory, not results)
+    strict: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -337,9 +474,42 @@ class Less(Method):
         if isinstance(self.fold_chunk, bool) or not isinstance(self.fold_chunk, int) or self.fold_chunk < 1:
             raise ValueError(f"fold_chunk={self.fold_chunk!r} must be an int >= 1 (prompt tokens per fold step)")
         if self.kernels is not None:
-            load_kernels(self.kernels)  # fail early: missing files or another format
+            meta, _ = load_kernels(self.kernels)  # fail early: missing files or another format
+            self._check_trained(meta.get("policy"))
         if not self.sparse.has_decode_partial:  # the declared capability LESS needs (never getattr)
             raise ValueError(f"policy={self.policy!r} does not provide decode_partial; LESS wraps h2o or lambda")
+
+    def _check_trained(self, trained: dict | None):
+        """Warn (ValueError with ``strict``) when the policy, budget, recent window (H2O) or sinks (Λ) differ
+        from those the kernels were trained with (``less_config.json``'s ``policy``)."""
+        if not trained:
+            return
+        bad = []
+        if self.policy != trained.get("policy"):
+            bad.append(f"policy: trained {trained.get('policy')!r}, requested {self.policy!r}")
+        elif isinstance(self.budget, float):
+            bad.append(f"budget: trained {trained.get('budget')} tokens, requested {self.budget} (a fraction of each "
+                       "prompt, so the token count varies)")
+        elif self.budget != trained.get("budget"):
+            bad.append(f"budget: trained {trained.get('budget')}, requested {self.budget}")
+        if self.policy == trained.get("policy") == "h2o" and isinstance(trained.get("budget"), int):
+            if self.budget == trained["budget"]:  # the same budget: compare the windows in tokens
+                want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5))._recent(trained["budget"])
+                have = self.sparse._recent(self.budget)
+                if have != want:
+                    bad.append(f"recent: trained {trained.get('recent')!r} ({want} tokens), requested "
+                               f"{self.recent!r} ({have} tokens)")
+            elif self.recent != trained.get("recent"):
+                bad.append(f"recent: trained {trained.get('recent')!r}, requested {self.recent!r}")
+        if self.policy == trained.get("policy") == "lambda" and self.sinks != trained.get("sinks"):
+            bad.append(f"sinks: trained {trained.get('sinks')}, requested {self.sinks}")
+        if bad:
+            msg = (f"kernels={self.kernels!r} were trained for another sparse policy setting: {'; '.join(bad)}. "
+                   "LESS kernels transfer across settings only approximately; use the trained values, or train "
+                   "kernels for these (kvjax-train-less)")
+            if self.strict:
+                raise ValueError(msg + " (strict=True)")
+            warnings.warn(msg, stacklevel=3)
 
     @property
     def sparse(self):
@@ -364,7 +534,16 @@ class Less(Method):
         if self.kernels is None:
             key = jax.random.fold_in(jax.random.PRNGKey(self.seed), layer)
             return init_kernels(model_cfg, key, self.rank, self.hidden)
-        _, arrays = load_kernels(self.kernels, model_cfg)
+        meta, arrays = load_kernels(self.kernels, model_cfg)
+        trained = meta.get("layers_trained")
+        if trained is not None and layer not in trained:
+            folder = Path(self.kernels)
+            hint = (f"this is one --layers run; use its parent {str(folder.parent)!r}, where all runs are merged"
+                    if folder.name.startswith("layers-") else
+                    f"train the missing ones with kvjax-train-less --layers A-B --out {self.kernels} (its runs merge "
+                    "into that folder)")
+            raise ValueError(f"kernels={self.kernels!r} have no trained kernels for layer {layer} (trained layers: "
+                             f"{format_layers(trained)} of {model_cfg.num_layers}); {hint}")
         return {name: jnp.array(a[layer], dtype=jnp.float32) for name, a in arrays.items()}
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> LessState:
@@ -445,15 +624,24 @@ class Less(Method):
         return self.sparse.held(n, steps)
 
     # -- the parallel (training) form of this config ------------------------------------------------------
-    def parallel_mask(self, q, k):
-        """``[B, Hkv, S, S]`` bool mask of the sparse policy for a sequence generated token by token from an
-        empty cache (``budget`` must be a token count)."""
+    def eviction_times(self, q, k, mask: str = "decode"):
+        """``[B, Hkv, S]`` int32: the row at which the sparse policy, run token by token from an empty cache,
+        evicts each token (``S``: never); :func:`mask_from_evictions` makes the mask. ``budget`` must be a
+        token count. mask (H2O only): ``"decode"``, kvjax's decode semantics (:func:`h2o_evictions`, decode =
+        the parallel form) or ``"paper"``, the paper's parallel mask (:func:`h2o_paper_evictions`)."""
         if isinstance(self.budget, float):
             raise ValueError(f"budget={self.budget} is a fraction; the parallel form needs a token count (int)")
+        if mask not in MASKS:
+            raise ValueError(f"mask={mask!r} is not a parallel H2O mask; choose one of {MASKS}")
         b, hkv, s = k.shape[:3]
         if self.policy == "h2o":
-            recent = self.sparse._recent(self.budget)
-            return h2o_mask(q, k, self.budget, recent)
+            fn = h2o_evictions if mask == "decode" else h2o_paper_evictions
+            return fn(q, k, self.budget, self.sparse._recent(self.budget))
         if self.budget <= self.sinks:
             raise ValueError(f"budget={self.budget} must exceed sinks={self.sinks} for the lambda policy")
-        return jnp.broadcast_to(lambda_mask(s, self.budget, self.sinks), (b, hkv, s, s))
+        return jnp.broadcast_to(lambda_evictions(s, self.budget, self.sinks), (b, hkv, s))
+
+    def parallel_mask(self, q, k, mask: str = "decode"):
+        """``[B, Hkv, S, S]`` bool mask of the sparse policy for a sequence generated token by token from an
+        empty cache (:meth:`eviction_times`)."""
+        return mask_from_evictions(self.eviction_times(q, k, mask))
