@@ -179,6 +179,12 @@ CASES = [
          _cli(TRAIN, "--out", "{tmp}/x", "--batch", "3", "--mesh", "data=2"), "--batch 3"),
     Case("kvjax-train-less", "kvjax-train-less --out runs/x --mesh data=2,model=4",
          _cli(TRAIN, "--out", "{tmp}/x", "--mesh", "data=2,model=4", "--batch", "2"), "model"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --shard-mb 0",
+         _cli(TRAIN, "--out", "{tmp}/x", "--shard-mb", "0"), "--shard-mb"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --checkpoint-every 0",
+         _cli(TRAIN, "--out", "{tmp}/x", "--checkpoint-every", "0"), "--checkpoint-every"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --mask h2o",
+         _cli(TRAIN, "--out", "{tmp}/x", "--mask", "h2o"), "--mask"),
     Case("kvjax-train-less", "kvjax-train-less --out runs/x --policy lru",
          _cli(TRAIN, "--out", "{tmp}/x", "--policy", "lru"), "--policy"),
 ]
