@@ -31,8 +31,10 @@ bound) and kvjax's resolutions of what it leaves open (docs/methods/quest.md).
   ``ceil(b n_b)`` of the sequence's own prompt length ``n_b`` (never the bucket), an int is a token count
   (Quest's and ClusterKV's unit). ``pages_b = max(B_b // page_size, 1)``. As in Quest (``min(kv_len, budget)``),
   a sequence whose live tokens fit the budget (``t + 1 <= B_b``) or whose live pages fit ``pages_b`` attends to
-  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1 <= B_b`` tokens
-  (:meth:`Quest.attended`): the budget is a ceiling on tokens attended. Every token stays stored:
+  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1`` tokens
+  (:meth:`Quest.attended`): the budget is a ceiling on tokens attended, ``<= max(B_b, page_size)``: a page is
+  Quest's unit and the current page is always attended, so a fraction whose ``B_b`` is below one page attends up
+  to the current page's ``page_size`` tokens (an int below ``page_size`` is an error). Every token stays stored:
   ``tokens_held = held(n, s) = n + s``. A fraction is of the *prompt*: generated tokens compete for the same
   pages, so ``budget=1.0`` is not full attention once decode has passed the prompt's budget (as for PQCache);
   an int ``>= n + max_new_tokens`` is (docs/architecture.md#one-budget-contract).
