@@ -27,14 +27,22 @@ bound) and kvjax's resolutions of what it leaves open (docs/methods/quest.md).
   kept (``lax.top_k``: ties to the lower page index). Attention then runs over the listed pages only:
   ``attention.attend(q, k, v, None, lengths=filled, block_indices=pages, block_size=page_size)``, so the Pallas
   kernels read no other K/V block (bucket padding and unwritten decode slots included).
+- **Below one page** (kvjax's budget contract, docs/architecture.md#one-budget-contract: a method shrinks rather
+  than overshoot): a fraction whose ``B_b`` is below ``page_size`` cuts the current page to its most recent
+  ``min(B_b, t mod page_size + 1)`` tokens, the new token included, and lists no other page (``pages_b = 1``):
+  the window slides with decode inside the current page and restarts at 1 token when a page opens. The
+  page-list kernel call then lists nothing for that sequence, and a second ``attention.attend`` over its window
+  (the ``page_size`` rows from the window's first position gathered into a ``[B, Hkv, page_size, D]`` buffer,
+  ``lengths`` = the window, 0 for the other sequences) is merged in (exact: an empty partial merges as
+  nothing). This path is static: it is compiled only where a sequence can be below a page (a fraction with
+  ``page_size > 1``; an int budget is ``>= page_size``).
 - **Budget** (:mod:`kvjax.budget`): ``B_b`` tokens per sequence: a float ``b`` gives
   ``ceil(b n_b)`` of the sequence's own prompt length ``n_b`` (never the bucket), an int is a token count
   (Quest's and ClusterKV's unit). ``pages_b = max(B_b // page_size, 1)``. As in Quest (``min(kv_len, budget)``),
   a sequence whose live tokens fit the budget (``t + 1 <= B_b``) or whose live pages fit ``pages_b`` attends to
-  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1`` tokens
-  (:meth:`Quest.attended`): the budget is a ceiling on tokens attended, ``<= max(B_b, page_size)``: a page is
-  Quest's unit and the current page is always attended, so a fraction whose ``B_b`` is below one page attends up
-  to the current page's ``page_size`` tokens (an int below ``page_size`` is an error). Every token stays stored:
+  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1 <= B_b`` tokens
+  (:meth:`Quest.attended`); below one page ``min(B_b, t mod page_size + 1)`` (**Below one page**). The budget
+  is a ceiling on tokens attended: never more than ``B_b``. Every token stays stored:
   ``tokens_held = held(n, s) = n + s``. A fraction is of the *prompt*: generated tokens compete for the same
   pages, so ``budget=1.0`` is not full attention once decode has passed the prompt's budget (as for PQCache);
   an int ``>= n + max_new_tokens`` is (docs/architecture.md#one-budget-contract).
@@ -89,6 +97,7 @@ class QuestState:
     filled: jnp.ndarray  # [B] int32 slots written: prompt + decoded tokens
     page_size: int = struct.field(pytree_node=False, default=16)
     topk: int = struct.field(pytree_node=False, default=0)  # static top-k size; the list holds topk + 1 pages
+    shrink: bool = struct.field(pytree_node=False, default=False)  # a sequence may have B_b < page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +156,30 @@ class Quest(Method):
         dense = (t + 1 <= bb) | (cur + 1 <= pb)
         return cur, jnp.where(dense, cur, jnp.minimum(pb - 1, cur))
 
+    def can_shrink(self) -> bool:
+        """Whether any sequence can have ``B_b < page_size`` (static): a fraction (``B_b = 1`` at ``n = 1``) with
+        ``page_size > 1``; an int budget is at least one page."""
+        return self.token_budget(1) < self.page_size
+
+    def recent_window(self, lengths, t):
+        """``(shrunk, w)`` ``[B]``: whether the sequence's ``B_b`` is below ``page_size``, and then the tokens
+        ``w = min(B_b, t mod page_size + 1)`` (at least 1: the new token) the step whose new token is at ``t``
+        attends: the most recent ``w`` of the current page, positions ``[t + 1 - w, t]``."""
+        t = jnp.asarray(t, jnp.int32)
+        bb = jnp.asarray(self.token_budget(lengths), jnp.int32)
+        return bb < self.page_size, jnp.minimum(jnp.maximum(bb, 1), t % self.page_size + 1)
+
     def attended(self, n: int, steps: int) -> int:
         """Tokens (per KV head) the decode step whose new token is at position ``t = n + steps`` attends in a
         compressed layer, the new token included: every live token (``t + 1``) while they fit the budget or its
-        pages, else ``pages_b - 1`` whole pages plus the current page's ``t mod page_size + 1`` tokens. Layers
-        ``< n_full`` attend ``t + 1``. Quest saves bandwidth, not memory: compare with :meth:`held`."""
+        pages, else ``pages_b - 1`` whole pages plus the current page's ``t mod page_size + 1`` tokens; below one
+        page (``B_b < page_size``) the current page's most recent ``min(B_b, t mod page_size + 1)``. At most
+        ``B_b``. Layers ``< n_full`` attend ``t + 1``. Quest saves bandwidth, not memory: compare with
+        :meth:`held`."""
         t = n + steps
         bb, pb = self.token_budget(n), self.page_budget(n)
+        if bb < self.page_size:  # the current page cut to its most recent B_b tokens
+            return min(max(bb, 1), t % self.page_size + 1)
         c = t // self.page_size
         if t + 1 <= bb or c + 1 <= pb:
             return t + 1
@@ -171,7 +197,7 @@ class Quest(Method):
             k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
             kmin=jnp.zeros((batch, h, n_pages, d), dtype), kmax=jnp.zeros((batch, h, n_pages, d), dtype),
             lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32),
-            page_size=self.page_size, topk=self._topk_size(capacity.prompt_len, slots))
+            page_size=self.page_size, topk=self._topk_size(capacity.prompt_len, slots), shrink=self.can_shrink())
 
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt KV and build each page's per-channel key min/max over the real tokens (Quest §3.1).
@@ -242,14 +268,26 @@ class Quest(Method):
                               kmin=rows_at(state.kmin, ci, kmin), kmax=rows_at(state.kmax, ci, kmax),
                               filled=jnp.maximum(state.filled, t + 1))
         pages = self.select_pages(state, q, t)
+        if not state.shrink:
+            part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,
+                                    block_size=ps)
+            return attention.normalise(part), state
+        # Below one page: the sequence's page list is emptied, its window attended from a gathered buffer.
+        shrunk, w = self.recent_window(state.lengths, t)
+        pages = jnp.where(shrunk[:, None, None], -1, pages)
         part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,
                                 block_size=ps)
-        return attention.normalise(part), state
+        rows = jnp.minimum((t + 1 - w)[:, None] + jnp.arange(ps), state.k.shape[2] - 1)  # [B, P], window first
+        gather = lambda x: jnp.take_along_axis(x, rows[:, None, :, None], axis=2)  # [B, Hkv, P, D]
+        win = attention.attend(q, gather(state.k), gather(state.v), None, lengths=jnp.where(shrunk, w, 0),
+                               block_size=ps)
+        return attention.normalise(attention.merge(part, win)), state
 
     def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
         """``[B, Hq, S]`` bool: positions the next decode step (new token at ``t = filled``) attends for ``q``,
-        the new token excluded: the tokens ``< t`` of the listed pages (of the whole cache in a full layer),
-        the KV head's pages broadcast to its query heads."""
+        the new token excluded: the tokens ``< t`` of the listed pages (of the whole cache in a full layer;
+        below one page, the current page's from ``t + 1 - w``: :meth:`recent_window`), the KV head's pages
+        broadcast to its query heads."""
         if isinstance(state, SlotCache):  # a full layer: every stored position
             return _FULL.selected_positions(state, layer, q)
         hq = q.shape[1]
@@ -258,7 +296,10 @@ class Quest(Method):
         pages = self.select_pages(state, q, t)  # [B, Hkv, N]
         slot_page = jnp.arange(s) // self.page_size
         listed = jnp.any(pages[..., None] == slot_page[None, None, None, :], axis=2)  # [B, Hkv, S]
-        sel = listed & (jnp.arange(s)[None, None, :] < t[:, None, None])
+        shrunk, w = self.recent_window(state.lengths, t)
+        lo = jnp.where(shrunk, t + 1 - w, 0)
+        slot = jnp.arange(s)[None, None, :]
+        sel = listed & (slot < t[:, None, None]) & (slot >= lo[:, None, None])
         return jnp.repeat(sel, hq // h, axis=1)
 
     def tokens_held(self, state):
@@ -282,7 +323,13 @@ class Quest(Method):
         - ``scores``: the float32 group-mean page scores ``[Hkv, n_pages]`` ``lax.top_k`` reads (static size).
         - ``attention``: the decode-attention block plan over the listed pages (``page_size`` rows of K and V
           per visited page, the current page included), the query and the partial outputs
-          (:func:`~kernels_pallas.decode_attention.block_plan_bytes`; no mask is passed).
+          (:func:`~kernels_pallas.decode_attention.block_plan_bytes`; no mask is passed). A sequence below one
+          page lists none.
+        - ``window``: where a sequence can be below one page (``state.shrink``), the second call's block plan
+          over the gathered ``[B, Hkv, page_size, D]`` window buffer: one block of ``page_size`` K/V rows per
+          KV head of each sequence below a page, none for the others, and the query and partial outputs again
+          (0 otherwise). The XLA gather that fills the buffer copies ``page_size`` rows per sequence and KV head;
+          this counts what the kernel reads, as for the scores.
 
         ``full_kv`` (not in ``total``) is what full attention over the same live slots would read."""
         b, h, s, d = state.k.shape
@@ -294,13 +341,20 @@ class Quest(Method):
         cur, keep = (np.asarray(x, np.int64) for x in self.kept_pages(state.lengths, state.filled))
         # The kernel's block count does not depend on which candidates win: list the first ``keep`` pages.
         blocks = np.full((b, h, state.topk + 1), -1, np.int32)
+        shrunk, w = (np.asarray(x) for x in self.recent_window(state.lengths, state.filled))
         for bi in range(b):
             blocks[bi, :, : keep[bi]] = np.arange(keep[bi])
-            blocks[bi, :, -1] = cur[bi]
+            blocks[bi, :, -1] = -1 if (state.shrink and shrunk[bi]) else cur[bi]
         scored = cur + 1 if state.topk else np.ones_like(cur)  # no candidate ever kept: only the update reads
+        window = 0
+        if state.shrink:
+            buf = jax.ShapeDtypeStruct((b, h, ps, d), state.k.dtype)
+            window = block_plan_bytes(buf, jnp.asarray(np.where(shrunk, w, 0), jnp.int32), block_size=ps,
+                                      num_heads=hq)
         out = {"metadata": int(h * 2 * np.sum(scored) * d * np.dtype(state.kmin.dtype).itemsize),
                "scores": b * h * n_pages * 4 if state.topk else 0,
-               "attention": block_plan_bytes(state.k, live, jnp.asarray(blocks), block_size=ps, num_heads=hq)}
+               "attention": block_plan_bytes(state.k, live, jnp.asarray(blocks), block_size=ps, num_heads=hq),
+               "window": window}
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq)
         return out
@@ -308,7 +362,7 @@ class Quest(Method):
     def bytes_read_per_step(self, state, num_heads: int | None = None) -> int:
         """Bytes one decode step of this layer reads: the live slots' block plan in a full layer, else the total
         of :meth:`bytes_read_breakdown` (live pages' min/max, the page scores, the listed pages' K/V rows, the
-        query and outputs)."""
+        query and outputs, and the below-a-page window)."""
         if isinstance(state, SlotCache):
             return slot_bytes_read(state, num_heads or state.k.shape[1])
         return self.bytes_read_breakdown(state, num_heads)["total"]

@@ -65,6 +65,21 @@ def choose_pages(qgroup: np.ndarray, keys: np.ndarray, t: int, page_size: int, b
     return sorted(int(j) for j in order) + [cur]
 
 
+def attended_rows(pages: list[int], t: int, page_size: int, budget_tokens: int) -> list[int]:
+    """Positions the step whose new token is at ``t`` attends, the new token included: the live rows of
+    ``pages``; when ``B < P`` only the most recent ``B`` of them (at least the new token).
+
+    Quest (§3.2) always attends the whole current page, so a budget below one page would attend up to ``P`` tokens;
+    kvjax's budget contract (docs/interface.md#the-budget-contract: a method never attends more than its budget
+    and shrinks its unit instead) cuts the page: with ``B < P``, ``pages_b = 1`` and ``pages`` is the current page
+    alone, whose most recent ``min(B, t mod P + 1)`` tokens are kept.
+    """
+    rows = [p for p in range(t + 1) if p // page_size in pages]
+    if budget_tokens < page_size:
+        rows = rows[-max(budget_tokens, 1):]
+    return rows
+
+
 class Sequence:
     """Quest on one sequence (all KV heads) of one compressed layer: ``step`` per generated token."""
 
@@ -74,6 +89,7 @@ class Sequence:
         self.page_size = page_size
         self.budget_tokens = token_budget(budget, length)
         self.pages: list[list[list[int]]] = []  # per step, per KV head: the pages attended
+        self.attended: list[list[int]] = []  # per step, per KV head: the tokens attended (new one included)
 
     def positions(self, q) -> list[list[int]]:
         """Per query head: the positions the next step attends (its new token excluded), for ``q [Hq, D]``."""
@@ -84,7 +100,8 @@ class Sequence:
         for qh in range(q.shape[0]):
             h = qh // g
             pages = choose_pages(q[h * g:(h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
-            out.append([p for p in range(t) if p // self.page_size in pages])
+            rows = attended_rows(pages, t, self.page_size, self.budget_tokens)
+            out.append([p for p in rows if p != t])  # the new token (position t) excluded
         return out
 
     def step(self, q, knew, vnew):
@@ -92,14 +109,16 @@ class Sequence:
         hkv = len(self.k)
         g = q.shape[0] // hkv
         t = self.k[0].shape[0]
-        outs, chosen = [], []
+        outs, chosen, counts = [], [], []
         for h in range(hkv):
             self.k[h] = np.concatenate([self.k[h], np.asarray(knew[h], np.float64)[None]], axis=0)
             self.v[h] = np.concatenate([self.v[h], np.asarray(vnew[h], np.float64)[None]], axis=0)
             pages = choose_pages(q[h * g:(h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
             chosen.append(pages)
-            rows = [p for p in range(t + 1) if p // self.page_size in pages]
+            rows = attended_rows(pages, t, self.page_size, self.budget_tokens)
+            counts.append(len(rows))
             for qv in q[h * g:(h + 1) * g]:
                 outs.append(attend(np.asarray(qv, np.float64), self.k[h][rows], self.v[h][rows]))
         self.pages.append(chosen)
+        self.attended.append(counts)
         return np.stack(outs)

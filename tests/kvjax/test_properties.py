@@ -11,8 +11,8 @@ bf16, a budget from the smallest legal one to 1.0, fractions and token counts) a
 - the budget contract: per layer and sequence, ``method.tokens_held`` and the per-KV-head count are at most
   ``method.held(n, steps)`` (exactly it where the contract is exact); the recall methods (``pqcache``,
   ``clusterkv``, ``quest``) hold ``n + steps`` and a step attends exactly ``method.attended(n, steps)`` tokens
-  (``selected_positions`` plus the new token), never a position not yet written (Quest: at most ``max(B_b,
-  page_size)``; ClusterKV: at most ``B_b`` prompt-side tokens besides its unclustered window);
+  (``selected_positions`` plus the new token), never a position not yet written (Quest: at most ``B_b``;
+  ClusterKV: at most ``B_b`` prompt-side tokens besides its unclustered window);
 - ``memory_bytes`` equals the bytes the state holds (the sum of its leaves' nbytes; LESS's learned kernels are
   model weights and excluded, as documented);
 - nothing beyond capacity and no write dropped: fill counts <= slot counts, every stored slot below its fill
@@ -266,8 +266,8 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
                 att = sel[b].sum(axis=-1)  # [Hq]
                 want = m.attended(n, steps, NEW) if case.name == "clusterkv" else m.attended(n, steps)
                 assert (att + 1 == want).all(), (where, b, n, att, want)
-                if case.name == "quest":  # at most B_b tokens (one page when B_b is below a page)
-                    assert want <= max(m.token_budget(n), m.page_size), (where, b, n, want)
+                if case.name == "quest":  # at most B_b tokens (below a page: the current page cut to B_b)
+                    assert want <= m.token_budget(n), (where, b, n, want)
                 if case.name == "clusterkv":  # B_b prompt-side tokens, sinks included, plus the window
                     sinks, bsel = m.split(n, NEW)
                     assert want - (steps % m.window) - 1 <= sinks + bsel, (where, b, n, want)
@@ -400,19 +400,18 @@ def test_method_properties(name):
 # regressions of examples the properties found
 
 
-def test_quest_attends_at_most_its_budget_or_one_page():
-    """Found by the recall property: a fraction whose ``B_b = ceil(b n)`` is below one page attends the current
-    page (up to ``page_size`` tokens), more than ``B_b``, e.g. ``budget=0.1, page_size=4``: ``n = 5`` gives
-    ``B_b = 1`` and the first step attends 2 tokens. The current page is Quest's unit (an int budget below a page
-    is an error), so the documented bound is ``max(B_b, page_size)``, and ``B_b`` once ``B_b >= page_size``."""
+def test_quest_attends_at_most_its_budget():
+    """Found by the recall property: a fraction whose ``B_b = ceil(b n)`` is below one page attended the whole
+    current page (up to ``page_size`` tokens), more than ``B_b``, e.g. ``budget=0.1, page_size=4``: ``n = 5`` gives
+    ``B_b = 1`` and the first step attended 2 tokens (3 at ``n = 2``). By the budget contract the method shrinks
+    instead: below one page the current page is cut to its most recent ``min(B_b, t mod page_size + 1)`` tokens,
+    so every step attends at most ``B_b`` (and at least the new token)."""
     m = methods.get("quest", budget=0.1, page_size=4, n_full=0)
-    assert m.token_budget(5) == 1 and m.attended(5, 0) == 2 and m.attended(2, 0) == 3
+    assert m.token_budget(5) == 1 and m.attended(5, 0) == 1 and m.attended(2, 0) == 1
     for budget in (0.0001, 0.1, 0.25, 0.5, 1.0, 4, 5, 9, 64):
         q = methods.get("quest", budget=budget, page_size=4, n_full=0)
         for n in range(1, 80):
             bb = q.token_budget(n)
             for s in range(0, 70, 3):
                 att = q.attended(n, s)
-                assert 1 <= att <= min(n + s + 1, max(bb, q.page_size)), (budget, n, s, att)
-                if bb >= q.page_size:
-                    assert att <= bb, (budget, n, s, att)
+                assert 1 <= att <= min(n + s + 1, bb), (budget, n, s, att)

@@ -53,13 +53,15 @@ def new_token(rng, b, hq, hkv):
 
 
 @pytest.mark.parametrize("hq,hkv,budget,lengths", [(4, 4, 0.5, (37, 22)), (4, 2, 0.5, (37, 22)), (8, 2, 0.3, (40, 29)),
-                                                    (4, 2, 12, (37, 5))],
-                         ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row"])
+                                                    (4, 2, 12, (37, 5)), (4, 2, 0.1, (37, 22)), (4, 4, 0.08, (37, 9))],
+                         ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row", "gqa2-0.1-below-a-page",
+                              "mha-0.08-below-a-page"])
 def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     """Page size 4, 9 decode steps (two or three page boundaries crossed). Per step: the page min/max of every
     live page (the current partial page included), the positions ``selected_positions`` announces before the
-    step, the pages the step attends and its outputs all equal the reference; ``attended`` counts them. The
-    ``(37, 5)`` row at 12 tokens attends everything while its live tokens fit, then pages."""
+    step, the pages the step attends and its outputs all equal the reference; ``attended`` counts them (at most
+    ``B_b``). The ``(37, 5)`` row at 12 tokens attends everything while its live tokens fit, then pages. Below a
+    page (``B_b`` = 4 and 3 at 0.1; 3 and 1 at 0.08) the current page is cut to its most recent ``B_b`` tokens."""
     ps, t, steps = 4, 40, 9
     method = Quest(budget=budget, page_size=ps, n_full=0)
     state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
@@ -88,8 +90,10 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
                 np.testing.assert_array_equal(kmax[bi, h, :len(hi)], hi.astype(np.float32))
                 got = sorted(int(p) for p in pages[bi, h] if p >= 0)
                 assert got == seq.pages[-1][h], (step, bi, h)
-                n_att = sum(min(ps, int(pos[bi]) + 1 - p * ps) for p in got)
-                assert n_att == method.attended(lengths[bi], step)
+                n_att = seq.attended[-1][h]
+                assert n_att == method.attended(lengths[bi], step) <= method.token_budget(lengths[bi])
+                if method.token_budget(lengths[bi]) >= ps:  # whole listed pages (the current one up to t)
+                    assert n_att == sum(min(ps, int(pos[bi]) + 1 - p * ps) for p in got)
                 modes.add(len(got) == int(pos[bi]) // ps + 1)
             for qh in range(hq):
                 assert np.flatnonzero(announced[bi, qh]).tolist() == want_pos[qh], (step, bi, qh)
@@ -220,10 +224,12 @@ def test_generate_end_to_end(tiny):
 def test_bytes_read_and_memory():
     """memory_bytes is every leaf (KV + page min/max + counts). bytes_read_per_step is a hand count: the min/max
     of the live pages ``[0, t // P]``, the float32 page scores top-k reads, and ``P`` K/V rows per page the
-    kernel visits (``pages_b`` pages, or every live page for a dense row), query and outputs."""
+    kernel visits (``pages_b`` pages, or every live page for a dense row), query and outputs; a row below one
+    page lists no page and its window call reads one block of ``P`` rows of the gathered window buffer (the
+    window call's query and outputs counted too)."""
     hq, hkv, ps, t, new = 4, 2, 4, 64, 16
     method = Quest(budget=0.25, page_size=ps, n_full=0)
-    lengths = (60, 10)  # B = 15 -> 3 pages; B = 3 -> 1 page (the current one)
+    lengths = (60, 10)  # B = 15 -> 3 pages; B = 3 -> below one page: the current page's 3 most recent tokens
     st, _ = run_prefill(method, hq, hkv, lengths, t, new)
     s, n_pages, item = t + new, (t + new) // ps, 4
     assert method.memory_bytes(st) == 2 * 2 * hkv * s * D * item + 2 * 2 * hkv * n_pages * D * item + 2 * 4 + 2 * 4
@@ -231,18 +237,21 @@ def test_bytes_read_and_memory():
     rng = np.random.default_rng(0)
     for step in range(3):
         filled = np.asarray(st.filled)
-        rows, meta = 0, 0
+        rows, win, meta = 0, 0, 0
         for n, f in zip(lengths, filled):
             pages_b = max(-(-n // 4) // ps, 1)  # ceil(0.25 n) // P
             cur = f // ps
             dense = f + 1 <= -(-n // 4) or cur + 1 <= pages_b
-            rows += hkv * ps * ((cur + 1) if dense else pages_b)
+            if -(-n // 4) < ps:  # below one page: the window buffer's one block
+                win += hkv * ps
+            else:
+                rows += hkv * ps * ((cur + 1) if dense else pages_b)
             meta += hkv * 2 * (cur + 1) * D * item
         q_out = 2 * hq * D * item + 2 * hq * (D + 2) * 4
-        want = meta + 2 * hkv * n_pages * 4 + rows * 2 * D * item + q_out
+        want = meta + 2 * hkv * n_pages * 4 + rows * 2 * D * item + win * 2 * D * item + 2 * q_out
         br = method.bytes_read_breakdown(st, hq)
-        assert (br["metadata"], br["scores"], br["attention"]) == (meta, 2 * hkv * n_pages * 4,
-                                                                     rows * 2 * D * item + q_out)
+        assert (br["metadata"], br["scores"], br["attention"], br["window"]) == (
+            meta, 2 * hkv * n_pages * 4, rows * 2 * D * item + q_out, win * 2 * D * item + q_out)
         got = method.bytes_read_per_step(st, hq)
         assert got == want and isinstance(got, int)
         assert want < br["full_kv"]
@@ -261,7 +270,12 @@ def test_attended_and_budgets():
     assert f.token_budget(1000) == 200 and f.page_budget(1000) == 12
     assert f.attended(1000, 3) == 11 * 16 + 1003 % 16 + 1
     assert Quest(budget=0.01, page_size=16).page_budget(100) == 1  # at least the current page
-    assert Quest(budget=0.01, page_size=16).attended(100, 0) == 100 % 16 + 1
+    # below one page (B_b = 1, 10): the current page's most recent min(B_b, t mod 16 + 1) tokens, never > B_b
+    assert Quest(budget=0.01, page_size=16).attended(100, 0) == 1
+    g = Quest(budget=0.1, page_size=16)
+    assert [g.attended(100, s) for s in (0, 5, 6, 11, 12, 28)] == [5, 10, 10, 10, 1, 1]  # t = 100 ... 128
+    assert [g.attended(20, s) for s in (0, 1, 2, 12, 13)] == [2, 2, 2, 1, 2]  # B_b = 2: t = 20 ... 33
+    assert Quest(budget=0.1, page_size=4).attended(5, 0) == 1 and Quest(budget=0.1, page_size=4).attended(2, 0) == 1
     np.testing.assert_array_equal(np.asarray(f.page_budget(jnp.asarray([1000, 79, 80]))), [12, 1, 1])
 
 
