@@ -273,25 +273,34 @@ def h2o_evictions(q, k, budget: int, recent: int):
     ``<= i - recent`` is evicted (H2O §3, kvjax's ``H2O.decode``). A ``lax.scan`` over rows: O(S²) time,
     O(S) state; no S×S tensor.
     """
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
-    kf = k.astype(jnp.float32)
-    j = jnp.arange(s)
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    j = jnp.arange(q.shape[2])
 
-    def row(carry, i):
+    def row(carry, i, probs):
         keep, acc, evict = carry
         m = keep | (j == i)[None, None]
-        acc = acc + _group_probs(qg, kf, i, m, scale)
+        acc = acc + probs(i, m)
         cand = m & (j <= i - recent)[None, None]
         victim = jnp.argmin(jnp.where(cand, acc, jnp.inf), axis=-1)
         over = (m.sum(-1) > budget) & cand.any(-1)
         gone = over[..., None] & (j[None, None] == victim[..., None])
-        return (m & ~gone, jnp.where(gone, 0.0, acc), jnp.where(gone, i + 1, evict)), None
+        return m & ~gone, jnp.where(gone, 0.0, acc), jnp.where(gone, i + 1, evict)
 
+    return _scan_evictions(q, k, row)
+
+
+def _scan_evictions(q, k, row):
+    """Eviction times ``[B, Hkv, S]`` int32 of a policy run row by row (a ``lax.scan``; O(S) state).
+    ``row((keep, acc, evict), i, probs) -> (keep, acc, evict)``: ``keep [B, Hkv, S]`` bool (the previous row's
+    kept keys), ``acc`` float32 scores, ``evict`` int32 times (``S``: never); ``probs(i, keys)`` is
+    :func:`_group_probs` of query row ``i`` over ``keys``."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
+    kf = k.astype(jnp.float32)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    probs = lambda i, keys: _group_probs(qg, kf, i, keys, scale)
     init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32), jnp.full((b, hkv, s), s, jnp.int32))
-    return jax.lax.scan(row, init, j)[0][2]
+    return jax.lax.scan(lambda c, i: (row(c, i, probs), None), init, jnp.arange(s))[0][2]
 
 
 def h2o_mask(q, k, budget: int, recent: int):
@@ -308,19 +317,15 @@ def h2o_paper_evictions(q, k, budget: int, recent: int):
     decode: sparse-renormalised scores, evict one when over budget) in its scores only; both attend
     ``budget + 1`` keys per full row. Heavy hitters are chosen among kept tokens, so an evicted token never
     returns (the paper's zeroed score does the same up to exact-zero ties)."""
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
-    kf = k.astype(jnp.float32)
+    b, hkv, s = k.shape[:3]
     j = jnp.arange(s)
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
     heavy_n = budget - recent
     bi, hi = jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None]
 
-    def row(carry, i):
+    def row(carry, i, probs):
         keep, acc, evict = carry  # keep: the previous row's mask
         causal = jnp.broadcast_to((j <= i)[None, None], keep.shape)
-        p = _group_probs(qg, kf, i, causal, scale)
+        p = probs(i, causal)
         band = causal & (j >= i - recent)[None, None]
         if heavy_n > 0:
             cand = jnp.where(keep & (j < i - recent)[None, None], acc, -jnp.inf)
@@ -328,10 +333,9 @@ def h2o_paper_evictions(q, k, budget: int, recent: int):
             band = band | jnp.zeros_like(keep).at[bi, hi, idx].set(True)
         mrow = jnp.where(i < budget, causal, band)
         gone = keep & ~mrow
-        return (mrow, (acc + p) * mrow, jnp.where(gone, i, evict)), None
+        return mrow, (acc + p) * mrow, jnp.where(gone, i, evict)
 
-    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32), jnp.full((b, hkv, s), s, jnp.int32))
-    return jax.lax.scan(row, init, j)[0][2]
+    return _scan_evictions(q, k, row)
 
 
 def lambda_evictions(s: int, slots: int, sinks: int):
