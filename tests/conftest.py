@@ -28,7 +28,8 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    accelerator = [item for item in items if "accelerator" in item.keywords]
+    # markers, not ``item.keywords``: keywords also hold the names of the parent folders (tests/accelerator)
+    accelerator = [item for item in items if item.get_closest_marker("accelerator")]
     dry_run = os.environ.get("KVJAX_ACCELERATOR_DRY_RUN") == "1"
     if accelerator and jax.default_backend() not in ("gpu", "tpu") and not dry_run:
         skip = pytest.mark.skip(reason=f"accelerator: needs a GPU or TPU backend, not {jax.default_backend()}; run "
@@ -39,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or KVJAX_SLOW=1")
     for item in items:
-        if "slow" in item.keywords:
+        if item.get_closest_marker("slow"):
             item.add_marker(skip)
 
 

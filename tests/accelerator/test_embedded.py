@@ -1,0 +1,76 @@
+"""Every registered method on the embedded SmolLM2-135M on the device against the same method on CPU
+(``smollm2_cpu.json``, written by ``tests/accelerator/embedded.py --write``; the run is described there).
+
+On the device (``JAX_PLATFORMS=cuda python3 -m pytest tests/accelerator -m accelerator``), each method runs with
+its default kernels (Pallas decode attention and the method's own kernels) in float32 at ``HIGHEST`` matmul
+precision, fed the CPU run's tokens. Tolerances: at every step and sequence whose CPU top-1/top-2 margin is at
+least ``MARGIN`` the greedy token is the CPU's (below it the arithmetic does not decide the token: summation order
+differs between backends); the CPU's top-``TOP`` logits within ``ATOL`` absolute. Near-ties in a method's own
+selection (top-k of scores, cluster assignment) are what could exceed these; a failure names the method and step.
+
+On CPU (no marker), the golden file is checked to be current: the CPU run gives the same tokens and logits within
+1e-3 (by default for three methods; ``--runslow``: every method), and every method holds under half the tokens
+of ``full`` or reads less per decode step (so the device comparison is one of compressed runs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import embedded  # noqa: E402
+
+from kvjax import methods  # noqa: E402
+
+MARGIN, ATOL = 0.05, 2e-2
+DEFAULT_CPU = ("full", "chelsea", "clusterkv")
+
+
+@pytest.fixture(scope="module")
+def golden():
+    try:
+        embedded.model()
+    except FileNotFoundError as e:  # the asset wheels are not installed
+        pytest.skip(str(e))
+    return json.loads(embedded.GOLDEN.read_text())
+
+
+def compare(name, got, want, margin, atol):
+    want_ids = np.asarray(want["top_ids"])
+    at = np.take_along_axis(got["logits"], want_ids, -1)
+    np.testing.assert_allclose(at, np.asarray(want["top_logits"]), atol=atol, rtol=0,
+                               err_msg=f"{name}: top logits differ from the CPU run")
+    decided = np.asarray(want["margin"]) >= margin
+    same = np.asarray(got["tokens"]) == np.asarray(want["tokens"])
+    bad = np.argwhere(decided & ~same)
+    assert not len(bad), f"{name}: greedy token differs from the CPU run at (step, sequence) {bad.tolist()}"
+
+
+def test_golden_covers_every_method(golden):
+    assert set(golden["methods"]) == set(methods.names()), "regenerate: python3 tests/accelerator/embedded.py --write"
+    full = golden["methods"]["full"]
+    for name, r in golden["methods"].items():  # each method compresses: holds fewer tokens or reads less
+        assert name == "full" or r["bytes_read"] < full["bytes_read"] or max(
+            np.asarray(r["held"]) / np.asarray(full["held"])) < 0.5, name
+        assert len(set(np.ravel(r["tokens"]).tolist())) > 5, name  # the tokens depend on the input
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_CPU else pytest.mark.slow)
+                                  for n in methods.names()])
+def test_cpu_golden_is_current(golden, name):
+    want = golden["methods"][name]
+    got = embedded.run(name, feed=want["tokens"][:embedded.STEPS])
+    compare(name, got, want, margin=0.0, atol=1e-3)
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("name", methods.names())
+def test_device_matches_cpu(golden, name):
+    want = golden["methods"][name]
+    got = embedded.run(name, feed=want["tokens"][:embedded.STEPS])
+    compare(name, got, want, MARGIN, ATOL)
