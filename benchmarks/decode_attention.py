@@ -11,11 +11,21 @@ read), achieved bandwidth = kv_bytes_read / kernel time, its fraction of the dev
 (``benchmarks/decode.py``'s table, or ``--bandwidth-gbs``), the speedup over the reference, and the speedup over
 the same kernel at ``keep = 1`` (ideal: ``1 / keep``). JSON includes the jax version and the device.
 On CPU the default impl is ``xla``; ``--impl pallas_gpu --interpret`` runs a tiny smoke test.
+
+``--sweep`` tunes the kernel (issue 17, point 4): it times every candidate of
+``kernels_pallas.decode_attention.tuning.CANDIDATES[impl]`` (block size; on GPU also Triton's warps and stages and
+the split's target program count) at every (slots, batch, keep), prints the fastest per shape and the candidate
+with the lowest total time as the ``tuning.TABLE`` row to keep, and writes all of it to the JSON (``sweep``,
+``chosen``). The issue's setting on an H100:
+
+    python benchmarks/decode_attention.py --sweep --slots 32768 --batch 8 --keep 1,0.5,0.25,0.1 \\
+        --out benchmarks/results/decode_attention_sweep_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -29,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import peak_bandwidth_gbs  # noqa: E402  (the peak-bandwidth table lives in benchmarks/decode.py)
 
-from kernels_pallas.decode_attention import IMPLS, decode_attention, default_impl  # noqa: E402
+from kernels_pallas.decode_attention import IMPLS, decode_attention, default_impl, tuning  # noqa: E402
 
 
 def _time(fn, args, iters: int) -> float:
@@ -70,7 +80,11 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
+    p.add_argument("--sweep", action="store_true", help="time every tuning candidate (tuning.CANDIDATES[impl])")
+    p.add_argument("--max-candidates", type=int, default=None, help="with --sweep: only the first N (smoke runs)")
     args = p.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
 
     impl = args.impl or default_impl()
     dtype = jnp.dtype(args.dtype)
@@ -122,6 +136,85 @@ def main(argv=None):
                       + (f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{nb / n_keep:.2f})"
                          if "speedup_vs_kernel_full" in r else ""), flush=True)
     print(f"wrote {args.out}")
+
+
+def kernel_with(impl: str, cand: "tuning.Tuning", interpret: bool):
+    """A jitted ``(q, k, v, block_indices) -> partials`` of ``impl``'s kernel at the candidate's knobs."""
+    if impl == "pallas_gpu":
+        from kernels_pallas.decode_attention.pallas_gpu import decode_attention_gpu as fn
+        kw = dict(num_warps=cand.num_warps, num_stages=cand.num_stages, target_programs=cand.target_programs)
+    elif impl == "pallas_tpu":
+        from kernels_pallas.decode_attention.pallas_tpu import decode_attention_tpu as fn
+        kw = {}
+    else:
+        return jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl="xla",
+                                                            block_size=cand.block_size))
+    return jax.jit(lambda q, k, v, bi: fn(q, k, v, block_indices=bi, block_size=cand.block_size,
+                                          interpret=interpret, **kw))
+
+
+def sweep(args) -> int:
+    """``--sweep``: every candidate at every shape; the fastest per shape and overall (module docstring)."""
+    impl = args.impl or default_impl()
+    dtype = jnp.dtype(args.dtype)
+    dev = jax.devices()[0]
+    peak = args.bandwidth_gbs or peak_bandwidth_gbs(dev)
+    hkv, g, d = args.kv_heads, args.group, args.head_dim
+    cands = tuning.CANDIDATES[impl][:args.max_candidates]
+    shapes = [(s, b, keep) for s in map(int, args.slots.split(",")) for b in map(int, args.batch.split(","))
+              for keep in map(float, args.keep.split(","))]
+    rows, totals = [], {}
+    print(f"{jax.__version__} {dev.device_kind} sweep impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d}: "
+          f"{len(cands)} candidates x {len(shapes)} shapes", flush=True)
+    for cand in cands:
+        fn, total = kernel_with(impl, cand, args.interpret), 0.0
+        for s, batch, keep in shapes:
+            # the same slots are listed for every candidate: keep is a fraction of 128-slot blocks, re-expressed
+            # in the candidate's blocks (a candidate block is listed if it holds a listed 128-slot block)
+            q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, 128)
+            if bi is not None and cand.block_size < 128:  # each 128-slot block is 128 / bs candidate blocks
+                r = 128 // cand.block_size
+                bi = (bi[..., None] * r + jnp.arange(r)).reshape(*bi.shape[:-1], -1)
+            elif bi is not None:  # a candidate block holds several: listed once each (repeats count once)
+                bi = bi * 128 // cand.block_size
+            try:
+                t = _time(fn, (q, k, v, bi), args.iters)
+            except Exception as e:  # a candidate that does not compile here (e.g. shared memory): recorded
+                rows.append({**dataclasses.asdict(cand), "slots": s, "batch": batch, "keep": keep,
+                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                total = float("inf")
+                print(f"  {cand} S={s} B={batch} keep={keep}: failed ({type(e).__name__})", flush=True)
+                continue
+            kv_read = batch * hkv * 2 * d * dtype.itemsize * min(n_keep * 128, s)
+            r = {**dataclasses.asdict(cand), "slots": s, "batch": batch, "keep": keep, "seconds": t,
+                 "kv_bytes_read": kv_read, "gbs": kv_read / t / 1e9}
+            if peak:
+                r["hbm_fraction"] = r["gbs"] / peak
+            rows.append(r)
+            total += t
+        totals[cand] = total
+    best = min(totals, key=totals.get)
+    per_shape = []
+    for s, batch, keep in shapes:
+        ok = [r for r in rows if (r["slots"], r["batch"], r["keep"]) == (s, batch, keep) and "seconds" in r]
+        if ok:
+            f = min(ok, key=lambda r: r["seconds"])
+            per_shape.append(f)
+            print(f"S={s:6d} B={batch:2d} keep={keep:4.2f} fastest: block {f['block_size']} warps {f['num_warps']} "
+                  f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
+                  f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
+                  flush=True)
+    chosen = dataclasses.replace(best, measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})")
+    print(f"chosen (lowest total time): {chosen!r}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
+                               "backend": jax.default_backend(), "impl": impl, "interpret": args.interpret,
+                               "dtype": str(dtype), "kv_heads": hkv, "group": g, "head_dim": d,
+                               "peak_bandwidth_gbs": peak, "iters": args.iters, "sweep": rows,
+                               "fastest_per_shape": per_shape, "chosen": dataclasses.asdict(chosen)}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -30,12 +30,14 @@ def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
 
 
-def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block_size: int = 128, impl=None):
+def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block_size: int | None = None,
+           impl=None):
     """Partials ``(o_unnormalised [B,Hq,D], m [B,Hq], l [B,Hq])`` of attention over the valid slots.
 
     ``lengths [B]``: only slots ``[0, lengths[b])`` can take part, and the Pallas kernels read no block past it
     (every method passes its fill count, so decode never reads bucket padding or unwritten decode slots);
-    ``block_indices``: the slot blocks to visit. A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF``
+    ``block_indices``: the slot blocks of ``block_size`` slots to visit (block_size None: 128 with a block list,
+    else the kernel's tuned tile, ``kernels_pallas.decode_attention.tuning``). A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF``
     (it merges as an empty set). Routed through ``kernels_pallas.decode_attention.decode_attention``: ``impl``
     is ``"xla" | "pallas_tpu" | "pallas_gpu"`` or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX
     reference on CPU). On a mesh (:mod:`kvjax.sharding`) the kernel runs per device on its sequences and heads.

@@ -16,7 +16,8 @@ impl: ``"xla"`` (the pure-JAX reference), ``"pallas_tpu"`` (scalar-prefetched bl
 ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the
 reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (CPU tests).
 
-block_size: slots per block (default 128). When ``S`` is smaller, the Pallas kernels use one block covering
+block_size: slots per block; default 128 with ``block_indices`` (what the listed indices mean), else the tuning
+table's (``tuning.TABLE``; only the tile size then, which slots take part does not depend on it). When ``S`` is smaller, the Pallas kernels use one block covering
 every slot (the listed-block semantics do not change: every slot is in block 0). pallas_tpu needs it a multiple
 of 128 (or ``>= S``) when a valid mask or bias is given, else a multiple of 8 (``tiling.check_block_shape``);
 pallas_gpu a power of two.
@@ -31,6 +32,7 @@ import numpy as np
 
 from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention_reference, merge, normalise,
                                                        slot_mask)
+from kernels_pallas.decode_attention import tuning
 from kernels_pallas.decode_attention.tiling import check_block_shape
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -95,15 +97,17 @@ def check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size) -> No
 
 
 def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *, impl: str | None = None,
-                     block_size: int = 128, interpret: bool = False):
+                     block_size: int | None = None, interpret: bool = False):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 of attention over the taking-part slots.
 
     See the module docstring; ``reference.decode_attention_reference`` is the exact contract.
     """
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
-    check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size)
     impl = impl or default_impl()
+    if block_size is None:  # listed blocks keep their meaning (128 slots); else the tile is the table's
+        block_size = 128 if block_indices is not None else tuning.get(impl).block_size
+    check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size)
     s = k.shape[2]
     if impl == "xla":
         return decode_attention_reference(q, k, v, valid, lengths, bias, block_indices, block_size)

@@ -28,20 +28,19 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.decode_attention import _common
+from kernels_pallas.decode_attention import _common, tuning
 from kernels_pallas.decode_attention.reference import NEG_INF
-
-#: Aim for at least this many programs (about 2 waves on an H100's 132 SMs).
-TARGET_PROGRAMS = 264
 
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def num_splits(b: int, hkv: int, n: int) -> tuple[int, int]:
-    """``(splits, per)``: entries per program ``per`` (a power of two) and programs per ``(b, h)``."""
-    want = max(1, min(n, -(-TARGET_PROGRAMS // (b * hkv))))
+def num_splits(b: int, hkv: int, n: int, target_programs: int | None = None) -> tuple[int, int]:
+    """``(splits, per)``: entries per program ``per`` (a power of two) and programs per ``(b, h)``, so that the
+    grid has about ``target_programs`` programs (default: ``tuning.TABLE["pallas_gpu"]``)."""
+    target = target_programs or tuning.get("pallas_gpu").target_programs
+    want = max(1, min(n, -(-target // (b * hkv))))
     per = _pow2(-(-n // want))
     return -(-n // per), per
 
@@ -89,11 +88,15 @@ def _kernel(q_ref, k_ref, v_ref, *rest, bs: int, per: int, s_total: int, has_mas
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("block_size", "interpret", "num_warps", "num_stages",
+                                             "target_programs"))
 def decode_attention_gpu(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *,
-                         block_size: int = 128, interpret: bool = False, num_warps: int = 4,
-                         num_stages: int = 2):
-    """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32; contract of ``reference.decode_attention_reference``."""
+                         block_size: int = 128, interpret: bool = False, num_warps: int | None = None,
+                         num_stages: int | None = None, target_programs: int | None = None):
+    """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32; contract of ``reference.decode_attention_reference``.
+    ``num_warps``, ``num_stages``, ``target_programs``: None takes ``tuning.TABLE["pallas_gpu"]``'s."""
+    row = tuning.get("pallas_gpu")
+    num_warps, num_stages = num_warps or row.num_warps, num_stages or row.num_stages
     b, hq, d = q.shape
     _, hkv, s, _ = k.shape
     g = hq // hkv
@@ -103,7 +106,7 @@ def decode_attention_gpu(q, k, v, valid=None, lengths=None, bias=None, block_ind
                          "use impl='xla' or a power-of-two block_size")
     idx, count = _common.plan_blocks(block_indices, lengths, b, hkv, s, bs)
     n = idx.shape[-1]
-    splits, per = num_splits(b, hkv, n)
+    splits, per = num_splits(b, hkv, n, target_programs)
     if splits * per > n:  # pad the list; padded entries lie past count and are never visited
         idx = jnp.concatenate([idx, jnp.zeros((b, hkv, splits * per - n), jnp.int32)], axis=-1)
     idx = idx.reshape(b, hkv, splits, per)

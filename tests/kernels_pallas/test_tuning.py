@@ -1,0 +1,80 @@
+"""The decode-attention tuning table (``kernels_pallas.decode_attention.tuning``) and the sweep that fills it
+(``benchmarks/decode_attention.py --sweep``): every candidate computes the reference's partials (interpret mode),
+the kernels read the table, and the sweep picks the candidate with the lowest total time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.decode_attention import decode_attention_reference, pallas_gpu, tuning
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import decode_attention as bench  # noqa: E402
+
+
+def test_table_rows_are_candidates_and_valid():
+    for impl, row in tuning.TABLE.items():
+        assert row.measured, impl  # every row says where its values come from
+        assert dataclasses.replace(row, measured="") in tuning.CANDIDATES[impl], impl
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        tuning.get("cuda")
+
+
+@pytest.mark.parametrize("b,hkv,n,target,want", [(1, 8, 256, 264, (32, 8)), (8, 8, 256, 264, (4, 64)),
+                                                 (1, 8, 256, 528, (64, 4)), (2, 3, 7, 264, (7, 1))])
+def test_num_splits_reaches_the_target(b, hkv, n, target, want):
+    # splits * per covers the n entries with per a power of two and b * hkv * splits >= min(target, b * hkv * n)
+    assert pallas_gpu.num_splits(b, hkv, n, target) == want
+    splits, per = want
+    assert splits * per >= n and per & (per - 1) == 0
+
+
+def test_num_splits_reads_the_table(monkeypatch):
+    monkeypatch.setitem(tuning.TABLE, "pallas_gpu", dataclasses.replace(tuning.TABLE["pallas_gpu"],
+                                                                        target_programs=528))
+    assert pallas_gpu.num_splits(1, 8, 256) == (64, 4)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_every_candidate_matches_the_reference(impl):
+    """Every block size (and split target) a sweep may choose, with the sweep's re-expressed block list."""
+    seen = {}
+    for c in tuning.CANDIDATES[impl]:  # warps and stages do not change interpret-mode results
+        seen.setdefault((c.block_size, c.target_programs), c)
+    q, k, v, bi, _, _ = bench._inputs(2, 2, 2, 1024, 32, jnp.float32, 0.5, 128)
+    want = decode_attention_reference(q, k, v, block_indices=bi, block_size=128)
+    for c in seen.values():
+        fn = bench.kernel_with(impl, c, interpret=True)
+        r = 128 // c.block_size if c.block_size < 128 else 1
+        b = (bi[..., None] * r + jnp.arange(r)).reshape(*bi.shape[:-1], -1) if r > 1 else bi * 128 // c.block_size
+        got = fn(q, k, v, b)
+        if c.block_size > 128:  # a bigger block also holds unlisted 128-slot blocks: compare with those listed
+            want_c = decode_attention_reference(q, k, v, block_indices=b, block_size=c.block_size)
+        else:
+            want_c = want
+        for x, y in zip(got, want_c):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4, err_msg=str(c))
+
+
+def test_sweep_writes_the_chosen_row(tmp_path):
+    out = tmp_path / "sweep.json"
+    bench.main(["--sweep", "--impl", "pallas_gpu", "--interpret", "--slots", "256", "--batch", "1", "--keep",
+                "1,0.5", "--kv-heads", "1", "--group", "2", "--head-dim", "16", "--iters", "1",
+                "--max-candidates", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert len(res["sweep"]) == 4 and len(res["fastest_per_shape"]) == 2
+    totals = {}
+    for r in res["sweep"]:
+        key = (r["block_size"], r["num_warps"], r["num_stages"], r["target_programs"])
+        totals[key] = totals.get(key, 0.0) + r["seconds"]
+    chosen = res["chosen"]
+    assert totals[(chosen["block_size"], chosen["num_warps"], chosen["num_stages"], chosen["target_programs"])] \
+        == min(totals.values())
+    assert str(out) in chosen["measured"]
