@@ -30,7 +30,7 @@ def test_table_rows_are_candidates_and_valid():
 @pytest.mark.parametrize("b,hkv,n,target,want", [(1, 8, 256, 264, (32, 8)), (8, 8, 256, 264, (4, 64)),
                                                  (1, 8, 256, 528, (64, 4)), (2, 3, 7, 264, (7, 1))])
 def test_num_splits_reaches_the_target(b, hkv, n, target, want):
-    # splits * per covers the n entries with per a power of two and b * hkv * splits >= min(target, b * hkv * n)
+    # splits * per covers the n entries, per a power of two, about max(1, target // (b * hkv)) splits
     assert pallas_gpu.num_splits(b, hkv, n, target) == want
     splits, per = want
     assert splits * per >= n and per & (per - 1) == 0
