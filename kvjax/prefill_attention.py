@@ -33,6 +33,10 @@ max and sum, so the ``[T, T]`` score matrix is never held):
   ``round_up(T, 128)`` when smaller). ``q`` is scaled by ``1/sqrt(D)`` (in float32) before the kernel, which has
   no scale argument. ``interpret=True`` runs it in Pallas interpret mode (CPU tests).
 
+Under the engine's mesh (``kvjax.sharding.tracing``) the two kernels run per device on its shard of sequences and
+heads (``kvjax.sharding.per_head``: XLA's partitioner would otherwise gather the whole q, k, v for an opaque
+kernel); ``chunked`` is plain XLA and partitioned as such.
+
 ``impl=None``: ``$KVJAX_PREFILL_ATTENTION_IMPL`` if set (an explicit choice: ``cudnn`` with ineligible inputs is
 then an error), else by backend: ``gpu`` -> ``cudnn`` when ``cudnn_eligible`` (float32 inputs or an unsupported
 head dim fall back to ``chunked``), ``tpu`` -> ``splash``, anything else -> ``chunked``. An explicit
@@ -50,6 +54,7 @@ import numpy as np
 
 from kernels_pallas.impl_choice import env_impl
 from kvjax.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
+from kvjax.sharding import per_head
 
 IMPLS = ("chunked", "cudnn", "splash")
 ENV_IMPL = "KVJAX_PREFILL_ATTENTION_IMPL"
@@ -129,10 +134,14 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
             if explicit:
                 raise ValueError(f"impl='cudnn': {why}")
             impl = "chunked"
-    if impl == "cudnn":
-        return cudnn_attention(q, k, v, lengths, sliding_window)
-    if impl == "splash":
-        return splash_attention(q, k, v, lengths, sliding_window, block_size=block_size, interpret=interpret)
+    if impl in ("cudnn", "splash"):  # a fused kernel: run per device shard under the engine's mesh
+        n = jnp.full((q.shape[0],), q.shape[2], jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+        if impl == "cudnn":
+            kernel = functools.partial(cudnn_attention, sliding_window=sliding_window)
+        else:
+            kernel = functools.partial(splash_attention, sliding_window=sliding_window, block_size=block_size,
+                                       interpret=interpret)
+        return per_head(lambda q, k, v, n: kernel(q, k, v, n), q, k, v, n, batch_only=(3,))
     if q.shape[2] <= chunk:
         return dense_attention(q, k, v, lengths, sliding_window)
     return chunked_attention(q, k, v, lengths, sliding_window, chunk)
