@@ -126,13 +126,14 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
     check_inputs(q, k, v, lengths, sliding_window)
+    source = "impl='cudnn'" if impl is not None else f"{ENV_IMPL}=cudnn"
     explicit = impl is not None or env_impl(ENV_IMPL, IMPLS) is not None
     impl = impl or default_impl()
     if impl == "cudnn":
         why = cudnn_ineligible(q, k, v)
         if why is not None:
             if explicit:
-                raise ValueError(f"impl='cudnn': {why}")
+                raise ValueError(f"{source}: {why}")
             impl = "chunked"
     if impl in ("cudnn", "splash"):  # a fused kernel: run per device shard under the engine's mesh
         n = jnp.full((q.shape[0],), q.shape[2], jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
