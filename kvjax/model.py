@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
+from kvjax.prefill_attention import ATTENTION_CHUNK, prefill_attention
 from kvjax.rope import apply_rope, cos_sin
 
 Params = dict[str, Any]
@@ -80,89 +81,19 @@ def logits(cfg: ModelConfig, params: Params, x: jnp.ndarray) -> jnp.ndarray:
     return (h @ w).astype(jnp.float32)
 
 
-#: Prompts longer than this are attended in query chunks of this size (flash-style online softmax over key
-#: chunks up to the diagonal), so prefill memory is O(T * chunk) rather than O(T^2) and the masked upper
-#: triangle is never computed.
-ATTENTION_CHUNK = 512
-
-
 def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray | None = None,
-                     sliding_window: int | None = None, chunk: int = ATTENTION_CHUNK) -> jnp.ndarray:
-    """Causal attention with GQA (no repeated KV), softmax in float32.
+                     sliding_window: int | None = None, chunk: int = ATTENTION_CHUNK, *,
+                     impl: str | None = None) -> jnp.ndarray:
+    """Causal attention with GQA (no repeated KV), softmax in float32: the prefill attention.
 
     q: ``[B, Hq, T, D]``; k, v: ``[B, Hkv, T, D]``; lengths: ``[B]`` valid (right-padded) prompt lengths or
     None. Query ``t`` sees keys ``s <= t`` with ``s < lengths[b]`` and, with a sliding window ``w``,
-    ``t - s < w``. Returns ``[B, Hq, T, D]`` in ``q.dtype`` (rows of padded queries are meaningless).
-    Dense for ``T <= chunk``; above that, query chunks with an online softmax over key chunks (same result).
+    ``t - s < w``. Returns ``[B, Hq, T, D]`` in ``q.dtype`` (rows of padded queries are meaningless, finite).
+    impl: ``"chunked"`` (pure JAX: dense for ``T <= chunk``, above that query chunks with an online softmax over
+    key chunks, memory linear in T), ``"cudnn"`` (GPU), ``"splash"`` (TPU) or None: ``$KVJAX_PREFILL_ATTENTION_IMPL``,
+    else by backend, cuDNN only for float16/bfloat16 inputs (:mod:`kvjax.prefill_attention` has the rules).
     """
-    if q.shape[2] <= chunk:
-        return _dense_causal_attention(q, k, v, lengths, sliding_window)
-    return _chunked_causal_attention(q, k, v, lengths, sliding_window, chunk)
-
-
-def _causal_mask(qpos, kpos, lengths, sliding_window):
-    """``[B, Tq, Tk]`` bool: causal, inside the window, and keys inside each sequence's length."""
-    mask = kpos[None, :] <= qpos[:, None]
-    if sliding_window is not None:
-        mask &= qpos[:, None] - kpos[None, :] < sliding_window
-    return mask[None] & (kpos[None, None, :] < lengths[:, None, None])
-
-
-def _dense_causal_attention(q, k, v, lengths, sliding_window):
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    lengths = jnp.full((b,), t) if lengths is None else lengths
-    qg = q.reshape(b, hkv, hq // hkv, t, d)
-    scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(d))
-    pos = jnp.arange(t)
-    mask = _causal_mask(pos, pos, lengths, sliding_window)
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    w = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhgts,bhsd->bhgtd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, hq, t, d).astype(q.dtype)
-
-
-def _chunked_causal_attention(q, k, v, lengths, sliding_window, chunk: int):
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    lengths = jnp.full((b,), t) if lengths is None else lengths
-    n = -(-t // chunk)
-    pad = ((0, 0), (0, 0), (0, n * chunk - t), (0, 0))
-    qc = jnp.pad(q, pad).reshape(b, hkv, g, n, chunk, d)
-    kc = jnp.pad(k, pad).reshape(b, hkv, n, chunk, d)
-    vc = jnp.pad(v, pad).reshape(b, hkv, n, chunk, d)
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    offs = jnp.arange(chunk)
-
-    def query_chunk(i):
-        qi = jax.lax.dynamic_index_in_dim(qc, i, axis=3, keepdims=False)  # [B, Hkv, G, C, D]
-        qpos = i * chunk + offs
-
-        def key_chunk(j, carry):
-            o, m, l = carry
-            kj = jax.lax.dynamic_index_in_dim(kc, j, axis=2, keepdims=False)  # [B, Hkv, C, D]
-            vj = jax.lax.dynamic_index_in_dim(vc, j, axis=2, keepdims=False)
-            mask = _causal_mask(qpos, j * chunk + offs, lengths, sliding_window)[:, None, None]
-            s = jnp.einsum("bhgtd,bhsd->bhgts", qi, kj, preferred_element_type=jnp.float32) * scale
-            s = jnp.where(mask, s, NEG_INF)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            c = jnp.exp(m - m_new)
-            o = o * c[..., None] + jnp.einsum("bhgts,bhsd->bhgtd", p.astype(v.dtype), vj,
-                                              preferred_element_type=jnp.float32)
-            return o, m_new, l * c + p.sum(axis=-1)
-
-        lo = 0 if sliding_window is None else jnp.maximum(0, (i * chunk - sliding_window + 1) // chunk)
-        init = (jnp.zeros((b, hkv, g, chunk, d), jnp.float32), jnp.full((b, hkv, g, chunk), NEG_INF),
-                jnp.zeros((b, hkv, g, chunk), jnp.float32))
-        o, _, l = jax.lax.fori_loop(lo, i + 1, key_chunk, init)
-        return (o / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
-
-    out = jax.lax.map(query_chunk, jnp.arange(n))  # [n, B, Hkv, G, C, D]
-    out = jnp.moveaxis(out, 0, 3).reshape(b, hq, n * chunk, d)
-    return out[:, :, :t]
+    return prefill_attention(q, k, v, lengths, sliding_window, impl=impl, chunk=chunk)
 
 
 def is_stacked(params: Params) -> bool:

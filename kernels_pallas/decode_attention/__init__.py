@@ -25,8 +25,6 @@ pallas_gpu a power of two.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
@@ -34,6 +32,7 @@ from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention
                                                        slot_mask)
 from kernels_pallas.decode_attention import tuning
 from kernels_pallas.decode_attention.tiling import check_block_shape
+from kernels_pallas.impl_choice import env_impl
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 ENV_IMPL = "KVJAX_DECODE_ATTENTION_IMPL"
@@ -41,12 +40,7 @@ ENV_IMPL = "KVJAX_DECODE_ATTENTION_IMPL"
 
 def default_impl() -> str:
     """``$KVJAX_DECODE_ATTENTION_IMPL`` if set, else by backend: tpu -> pallas_tpu, gpu -> pallas_gpu, else xla."""
-    env = os.environ.get(ENV_IMPL)
-    if env:
-        if env not in IMPLS:
-            raise ValueError(f"{ENV_IMPL}={env!r} must be one of {IMPLS} (or unset to choose by backend)")
-        return env
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    return env_impl(ENV_IMPL, IMPLS) or {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
 def _concrete(x):

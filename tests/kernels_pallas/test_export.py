@@ -10,6 +10,11 @@ checks), which happens on the device. Kernels are found in the module by their `
 nothing. Shapes: SmolLM2's heads (9 query / 3 KV, head_dim 64) and Llama-3.1-8B's (32 / 8, 128), bf16 and fp32,
 odd buffer lengths, per-sequence lengths and block lists. The numbers are checked elsewhere: interpret mode on
 CPU (the other files here) and compiled on a device (tests/accelerator).
+
+Prefill attention (``kvjax.prefill_attention``): its ``splash`` path (jax's Pallas splash-attention kernel) is
+exported for ``tpu`` the same way. Its ``cudnn`` path cannot be exported from a CPU-only jaxlib: jax refuses to
+build the cuDNN call without cuDNN ("cuDNN is not detected."), which ``test_prefill_attention_cudnn_export``
+checks (and, where the CUDA plugin is installed, the export itself).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kvjax import engine, methods
 from kvjax import model as M
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.methods.base import Capacity
+from kvjax.prefill_attention import prefill_attention
 
 S = jax.ShapeDtypeStruct
 PLATFORMS = [("cuda", "pallas_gpu", "gpu"), ("tpu", "pallas_tpu", "tpu")]  # (export platform, impl, name suffix)
@@ -139,3 +145,76 @@ def test_decode_step_exports(monkeypatch, platform, impl, suffix, model, name):
         assert "tpu_custom_call" not in text and "triton" not in text
         return
     assert exported_kernels(step, (params, states, token, pos), platform) == sorted(f"{k}_{suffix}" for k in want)
+
+
+# ------------------------------------------------------------------------------------------- prefill attention
+
+PREFILL_T = 4099  # a 4096-token prompt plus a ragged tail: padded to the 512-token splash block
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 4096])
+def test_prefill_attention_splash_exports(heads, dtype, window):
+    """``kvjax.prefill_attention`` with ``impl="splash"`` (jax's splash-attention kernel) for ``tpu``: two
+    right-padded sequences (segment ids), causal or a sliding window (``LocalMask``), GQA through one
+    multi-head kernel."""
+    hq, hkv, d = HEADS[heads]
+    b = 2
+    args = (S((b, hq, PREFILL_T, d), dtype), S((b, hkv, PREFILL_T, d), dtype), S((b, hkv, PREFILL_T, d), dtype),
+            S((b,), jnp.int32))
+    f = functools.partial(prefill_attention, sliding_window=window, impl="splash")
+    text = jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text
+    assert sorted(set(re.findall(r'name = "(splash\w+)"', text))) == ["splash_mha_fwd_segmented_no_residuals"]
+
+
+@pytest.mark.slow
+def test_prefill_attention_splash_exports_64k():
+    """A 64k-token Llama-3.1-8B-heads prefill (one sequence, bf16) lowers for ``tpu`` (building the 64k mask's
+    block tables takes about 7 s of numpy on this CPU)."""
+    hq, hkv, d = HEADS["llama31_8b"]
+    t = 65536 + 7
+    args = (S((1, hq, t, d), jnp.bfloat16), S((1, hkv, t, d), jnp.bfloat16), S((1, hkv, t, d), jnp.bfloat16),
+            S((1,), jnp.int32))
+    text = jax.export.export(jax.jit(functools.partial(prefill_attention, impl="splash")),
+                             platforms=["tpu"])(*args).mlir_module()
+    assert "splash_mha_fwd_segmented_no_residuals" in text
+
+
+def test_prefill_attention_cudnn_export():
+    """``impl="cudnn"`` for ``cuda``. jax builds the cuDNN call only where cuDNN is installed: from a CPU jaxlib
+    (no CUDA plugin) ``jax.export`` raises ``RuntimeError("cuDNN is not detected.")`` before lowering, so this
+    CPU run can only check that reason; with the CUDA plugin installed it checks the fused-attention custom call
+    (``__cudnn$fmha...``). The kernel's numbers are checked on a GPU (tests/accelerator/test_prefill.py)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_lowering
+
+    hq, hkv, d = HEADS["llama31_8b"]
+    b = 2
+    args = (S((b, hq, PREFILL_T, d), jnp.bfloat16), S((b, hkv, PREFILL_T, d), jnp.bfloat16),
+            S((b, hkv, PREFILL_T, d), jnp.bfloat16), S((b,), jnp.int32))
+    f = functools.partial(prefill_attention, sliding_window=4096, impl="cudnn")
+    export = jax.export.export(jax.jit(f), platforms=["cuda"])
+    if cudnn_lowering.cuda_versions is None:
+        with pytest.raises(RuntimeError, match="cuDNN is not detected"):
+            export(*args)
+        return
+    assert "__cudnn$fmha" in export(*args).mlir_module()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prefill_step_exports_splash(monkeypatch, model):
+    """``engine._prefill`` (3 layers, 2 sequences in a 1024-token bucket, the ``full`` method) for ``tpu`` with
+    ``KVJAX_PREFILL_ATTENTION_IMPL=splash``: the engine's prefill attention goes through the splash kernel."""
+    from kvjax.prefill_attention import ENV_IMPL as PREFILL_ENV
+
+    cfg, dtype = MODELS[model]
+    monkeypatch.setenv(PREFILL_ENV, "splash")
+    method = methods.get("full")
+    b, t = 2, 1024
+    params = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
+    states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(t, 63), dtype))
+    prefill = functools.partial(engine._prefill, cfg, method)  # a fresh function: no trace cached under chunked
+    text = jax.export.export(jax.jit(prefill), platforms=["tpu"])(
+        params, S((b, t), jnp.int32), S((b,), jnp.int32), states).mlir_module()
+    assert text.count('name = "splash_mha_fwd_segmented_no_residuals"') >= 1
