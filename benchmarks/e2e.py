@@ -62,9 +62,12 @@ backend, commit, command line) and a plot of TPOT speedup vs context (``.png`` b
 is importable).
 
 CPU results (``benchmarks/results/e2e_cpu.*``, ``e2e_compile_8b_cpu.json``) are **not** the papers' setting: a
-CPU has no HBM bandwidth to save, small models at 1k-4k contexts are dominated by weights and dispatch, so their
-ratios say only that the script runs and which way things go. ``e2e_compile_8b_cpu.json`` is the CPU proxy for the
-"decode loop of the 8B model compiles in <= 60 s" goal: XLA:CPU compile times, not the GPU/TPU compiler's.
+CPU has no HBM bandwidth to save, and a 135M-parameter model at 1k-4k contexts is dominated by its weights and by
+dispatch, on a host shared with other work (``load_average_1min`` in every row), so their ratios say only that the
+script runs end to end and which way things go. ``e2e_compile_8b_cpu.json`` is the CPU proxy for the "decode loop
+of the 8B model compiles in <= 60 s" goal: XLA:CPU compile seconds at 32k, batch 1, not the GPU/TPU compiler's.
+Its ``memory_analysis`` temporaries (~31 GiB) are XLA:CPU's float32 copies of the bf16 weights (the CPU upcasts
+bf16 dots), not what a GPU or TPU needs.
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ import functools
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -352,6 +357,16 @@ def add_ratios(r: dict, full: dict | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Output: JSON, table, papers, plot.
 
+def _dirty() -> bool | None:
+    """Whether kvjax/ or benchmarks/ differ from the commit (uncommitted changes); None without git."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py"],
+                                   capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                                   check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def header(args, cfg, dtype, limit, limit_from) -> dict:
     dev = jax.devices()[0]
     try:
@@ -361,7 +376,8 @@ def header(args, cfg, dtype, limit, limit_from) -> dict:
         jaxlib_version = None
     return {"benchmark": "e2e", "jax_version": jax.__version__, "jaxlib_version": jaxlib_version,
             "device": str(dev), "device_kind": dev.device_kind, "backend": jax.default_backend(),
-            "device_count": jax.device_count(), "commit": commit(), "command": " ".join([sys.executable] + sys.argv),
+            "device_count": jax.device_count(), "commit": commit(), "commit_dirty": _dirty(),
+            "command": shlex.join([sys.executable] + sys.argv),
             "python": platform.python_version(), "platform": platform.platform(), "model": args.model,
             "model_config": dataclasses.asdict(cfg), "dtype": str(jnp.dtype(dtype)), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "memory_limit_bytes": limit, "memory_limit_from": limit_from,
