@@ -523,7 +523,12 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true",
                     help="lower + compile prefill and decode loop from abstract inputs; nothing allocated or run")
     ap.add_argument("--out", default="benchmarks/results/e2e.json")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="only redraw the table (.txt) and plot (.png) of an earlier run's JSON, beside it")
     args = ap.parse_args(argv)
+    if args.report:
+        report(json.loads(Path(args.report).read_text()), Path(args.report))
+        return 0
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (one from prefill, at least one decode step)")
 
@@ -557,9 +562,15 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     compiled: dict = {}
 
-    for n_req in args.contexts:
+    def bucket_of(n_req):
+        return engine.bucket_length(min(n_req, cfg.max_position_embeddings - args.new_tokens))
+
+    for i_ctx, n_req in enumerate(args.contexts):
         n = min(n_req, cfg.max_position_embeddings - args.new_tokens)
-        bucket = engine.bucket_length(n)
+        bucket = bucket_of(n_req)
+        later_buckets = {bucket_of(c) for c in args.contexts[i_ctx + 1:]}
+        _init_fn.cache_clear()  # executables are not kept longer than needed: XLA:CPU maps each one's code into
+        jax.clear_caches()  # memory, and a few dozen 30-layer programs exhaust the process's memory maps
         cap = Capacity(bucket, args.new_tokens)
         for b in args.batch:
             full_row = None
@@ -601,11 +612,12 @@ def main(argv=None) -> int:
                                   f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
                                   f"exceeds the device's {limit / 2**30:.1f} GiB ({limit_from})")
                 if reason is None:
-                    key = (label, b, bucket)  # contexts in one bucket share the executables
+                    key = (label, b)  # later contexts in the same bucket reuse the executables
                     row["compile_reused"] = key in compiled
-                    if key not in compiled:
-                        compiled[key] = compile_pair(cfg, method, params, st, b, bucket, args.new_tokens)
-                    comp = compiled[key]
+                    comp = compiled.pop(key, None) or compile_pair(cfg, method, params, st, b, bucket,
+                                                                   args.new_tokens)
+                    if bucket in later_buckets:
+                        compiled[key] = comp
                     row.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")})
                     peak = max((m or {}).get("peak", 0) for m in comp["memory_analysis"].values())
                     if limit and peak > limit:
@@ -634,12 +646,21 @@ def main(argv=None) -> int:
                       f" TPOT  TTFT {_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill "
                       f"{row['prefill_compile_s']:.1f}s loop {row['decode_compile_s']:.1f}s", flush=True)
     if not args.compile_only:
-        text = table(rows) + "\n" + papers_block(rows)
-        print(text, flush=True)
-        out_path.with_suffix(".txt").write_text(text.lstrip("\n") + "\n")
-        print(plot(rows, out_path.with_suffix(".png")), flush=True)
+        report({**head, "rows": rows}, out_path)
     print(f"wrote {out_path}", flush=True)
     return 0
+
+
+def report(data: dict, out_path: Path) -> None:
+    """Print the table and the papers' block of a run's JSON, write them as ``.txt`` and the plot as ``.png``."""
+    rows = data["rows"]
+    title = (f"e2e: {data['model']} ({data['dtype']}) on {data['device_kind']} ({data['backend']}), jax "
+             f"{data['jax_version']}, commit {(data.get('commit') or '?')[:10]}, {data['new_tokens']} new tokens"
+             + (f". {data['note']}" if data.get("note") else ""))
+    text = title + "\n" + table(rows) + "\n" + papers_block(rows)
+    print(text, flush=True)
+    out_path.with_suffix(".txt").write_text(text + "\n")
+    print(plot(rows, out_path.with_suffix(".png")), flush=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,11 @@ def test_run_fields_and_ratios(e2e, tmp_path):
         assert r["throughput_tok_s"] == pytest.approx(r["batch"] * r["decode_steps"] / r["decode_s"])
     assert [r["label"] for r in rows[:3]] == ["full", "snapkv@0.5", "streaming_llm@0.5"]
     assert [r["compile_reused"] for r in rows] == [False] * 6 + [True] * 6  # 40 and 60 share the 64 bucket
-    assert "papers vs this run" in out.with_suffix(".txt").read_text()
+    text = out.with_suffix(".txt").read_text()
+    assert "papers vs this run" in text and text.startswith("e2e: tiny")
+    out.with_suffix(".txt").unlink()
+    assert e2e.main(["--report", str(out)]) == 0  # redraws the table from the JSON alone
+    assert out.with_suffix(".txt").read_text() == text
 
 
 def test_skip_with_reason(e2e, tmp_path):
