@@ -474,10 +474,11 @@ def plot(rows, path: Path) -> str:
         return "plot skipped: no rows with a speedup"
     fig, axes = plt.subplots(1, len(batches), figsize=(7 * len(batches), 5), squeeze=False)
     for ax, b in zip(axes[0], batches):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 29 method@budget lines: 20 colours, then markers differ
         for label in dict.fromkeys(r["label"] for r in ok if r["batch"] == b):
             pts = sorted((r["context"], r["tpot_speedup_vs_full"]) for r in ok
                          if r["batch"] == b and r["label"] == label)
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="os^v"[len(ax.lines) // 20 % 4], label=label)
         ch = PAPERS["chelsea"]["tpot_speedup_by_context"]
         if b == 1 and max(r["context"] for r in ok) >= min(ch):  # only on the papers' context range
             ax.plot(list(ch), list(ch.values()), "k--", marker="x", label="Chelsea paper (Table 3)")
