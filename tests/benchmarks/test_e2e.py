@@ -77,3 +77,20 @@ def test_contexts_and_variants(e2e):
     assert e2e.parse_contexts("8k,16k,100") == [8192, 16384, 100]
     labels = [v[0] for v in e2e.variants(["full", "chunkkv", "quest", "snapkv"], [0.1], [1024], [1, 2])]
     assert labels == ["full", "chunkkv@0.1", "chunkkv_reuse@0.1", "quest@0.1", "quest@1024", "snapkv@0.1"]
+
+
+def test_scanned_run(e2e, tmp_path):
+    out = tmp_path / "scan.json"
+    assert e2e.main(SMALL + ["--contexts", "40", "--batch", "2", "--methods", "full,snapkv", "--scan-layers", "on",
+                             "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["scan_layers"] and [r["status"] for r in data["rows"]] == ["ok", "ok"]
+
+
+def test_llama31_8b_shapes(e2e):
+    """The 8B config as Llama-3.1-8B's config.json has it: 8.03e9 parameters, 16.06 GB in bf16 (abstract only)."""
+    import jax.numpy as jnp
+
+    cfg = e2e.LLAMA31_8B
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.max_position_embeddings) == ("llama3", 8.0, 131072)
+    assert e2e.nbytes(e2e.abstract_params(cfg, jnp.bfloat16, scan=True)) == 2 * 8_030_261_248
