@@ -1,0 +1,668 @@
+"""End-to-end benchmark in the papers' setting: TTFT, TPOT, decode throughput, memory and compile time.
+
+The papers' setting (Llama-3.1-8B shapes, random bf16 weights, random token ids, 256 new tokens), on one GPU or TPU::
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python benchmarks/e2e.py --model llama-3.1-8b \\
+        --contexts 8k,16k,32k,64k,128k --batch 1,8 --new-tokens 256 --budgets 0.1,0.2 --token-budgets 1024,2048 \\
+        --out benchmarks/results/e2e_h100.json
+
+(on a GPU, JAX preallocates 75% of the memory by default and ``bytes_limit``, the skip rule's limit, follows it;
+the fraction above gives it the whole device). That is 5 contexts x 2 batches x 29 method@budget rows, each
+compiled (scanned layers: seconds) and run twice (warm-up + timed): hours on one H100. A subset first::
+
+    python benchmarks/e2e.py --contexts 16k,32k,64k --batch 1 --methods full,chelsea,clusterkv,chunkkv,pqcache \\
+        --budgets 0.2 --token-budgets 1024 --out benchmarks/results/e2e_h100_b1.json
+
+``--scan-layers`` is on by default for the 8B model (the decode loop compiles one layer body instead of 32), but
+a scanned decode step also copies each layer's cache slice once (README, "Deep models"), which costs the full cache
+most and so flatters the compressed methods' TPOT speedups; for the numbers to set beside the papers', run the same
+command again with ``--scan-layers off`` (the JSON records ``scan_layers``).
+
+(all registered methods by default, ``full`` first; ``--methods full,chelsea,clusterkv`` for fewer). Only the
+compile times, with abstract inputs (the 8B weights are never allocated; runs on any host, CPU included)::
+
+    python benchmarks/e2e.py --compile-only --contexts 32k --batch 1 --layouts scan,unrolled \\
+        --out benchmarks/results/e2e_compile_8b_cpu.json
+
+What it does, per (context, batch, method@budget): builds the states (``engine.init_states``), lowers and compiles
+the prefill (``engine.prefill``) and the whole decode loop (``engine.run_loop``, ``scan`` driver, ``--new-tokens``
+tokens) from abstract shapes, then runs prefill + loop once to warm up and ``--repeats`` times timed
+(``block_until_ready`` around each phase; compile excluded). ``full`` runs first at every (context, batch), so every
+ratio compares rows of the same run. ``chunkkv`` runs with ``reuse=1`` (no index reuse, label ``chunkkv``) and
+``reuse=2`` (the paper's ChunkKV_reuse, label ``chunkkv_reuse``); the recall methods (``recalls``: pqcache,
+clusterkv, quest) also run at the token budgets. A configuration whose estimated memory (weights + cache +
+prefill activations) or whose compiled executables' memory (``memory_analysis``) exceeds the device's memory is
+skipped with the reason in the JSON; nothing is dropped silently. Prompts of ``Nk`` are ``N * 1024`` tokens,
+shortened to ``max_position_embeddings - new_tokens`` where they would not fit (128k with Llama-3.1's 131072).
+
+Columns (JSON keys in brackets):
+
+- TTFT [``ttft_s``]: prefill (full causal attention + the method's compression at every layer) + the first
+  token's argmax, seconds.
+- TPOT [``tpot_s``]: decode-loop seconds / decode steps (``new_tokens - 1``; the first token comes from prefill).
+- tok/s [``throughput_tok_s``]: ``batch * steps / decode seconds``.
+- speedup [``tpot_speedup_vs_full``]: TPOT(full) / TPOT(method); TTFT+ [``ttft_overhead_vs_full``]:
+  TTFT(method) / TTFT(full) - 1; thr× [``throughput_ratio_vs_full``]; e2e× [``e2e_speedup_vs_full``]: (TTFT +
+  decode) of full over the method's.
+- comp% [``compress_share_of_prefill``]: (TTFT(method) - TTFT(full)) / TTFT(method), the share of the method's
+  prefill spent compressing (clustering, quantising, scoring). kvjax methods compress inside ``method.prefill``,
+  layer by layer, so this difference is the measurement (no method exposes a separate compress call).
+- memory: ``peak_bytes_in_use`` / ``bytes_in_use_after_prefill`` / ``bytes_in_use_after_decode`` from
+  ``device.memory_stats()`` where the backend has it (GPU, TPU; the peak is monotone over the process, so it is
+  only a per-row peak while rows grow), and always ``memory_analysis`` of the compiled prefill and loop
+  (arguments + outputs - aliased + temporaries: the executable's own peak, CPU included); ``cache_bytes`` is
+  what the method's states hold (``engine.memory_bytes``). The table's ``exec GiB`` is the larger
+  ``memory_analysis`` peak of the two executables (weights and states included).
+- compile [``prefill_compile_s``, ``decode_compile_s``, and ``*_lower_s``]: XLA compile (and trace + lower)
+  seconds; ``--scan-layers`` (default on for the 8B model) compiles one loop body per run of agreeing layers.
+
+It prints the table per context and batch, then the papers' figures (:data:`PAPERS`, each with its table or
+figure) beside ours at the matching setting, writes the JSON after every row (jax/jaxlib version, device,
+backend, commit, command line) and a plot of TPOT speedup vs context (``.png`` beside the JSON, when matplotlib
+is importable).
+
+CPU results (``benchmarks/results/e2e_cpu.*``, ``e2e_compile_8b_cpu.json``) are **not** the papers' setting: a
+CPU has no HBM bandwidth to save, and a 135M-parameter model at 1k-4k contexts is dominated by its weights and by
+dispatch, on a host shared with other work (``load_average_1min`` in every row), so their ratios say only that the
+script runs end to end and which way things go. ``e2e_compile_8b_cpu.json`` is the CPU proxy for the "decode loop
+of the 8B model compiles in <= 60 s" goal: XLA:CPU compile seconds at 32k, batch 1, not the GPU/TPU compiler's.
+Its ``memory_analysis`` temporaries (~31 GiB) are XLA:CPU's float32 copies of the bf16 weights (the CPU upcasts
+bf16 dots), not what a GPU or TPU needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import SMOLLM2_135M, TINY, _budget, cannot_run  # noqa: E402  (shared with benchmarks/decode.py)
+from scan_layers import commit  # noqa: E402
+
+from kvjax import engine, methods, model as M  # noqa: E402
+from kvjax.config import ModelConfig, RopeConfig  # noqa: E402
+from kvjax.methods.base import Capacity  # noqa: E402
+from kvjax.sampling import Greedy  # noqa: E402
+
+#: Llama-3.1-8B(-Instruct)'s shapes (its config.json): GQA 32/8 heads, llama3 rope scaling, 128k context.
+LLAMA31_8B = ModelConfig(
+    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192),
+    max_position_embeddings=131072, tie_word_embeddings=False)
+MODELS = {"llama-3.1-8b": LLAMA31_8B, "smollm2": SMOLLM2_135M, "tiny": TINY}
+
+#: The papers' end-to-end speed figures, each with its source. Keys of ``*_by_context`` are prompt tokens.
+PAPERS = {
+    "chelsea": {
+        "source": "Chelsea, Table 3: Llama-3.1-8B-Instruct, 20% budget, batch 1, HF Transformers",
+        "method": "chelsea", "budget": 0.2, "batch": 1,
+        "tpot_speedup_by_context": {16384: 1.23, 32768: 1.97, 65536: 3.19},
+        "ttft_overhead_by_context": {16384: 0.017, 32768: 0.022, 65536: 0.007},
+        "note": "TTFT overhead = TTFT(Chelsea)/TTFT(Full) - 1 from Table 3's seconds; <= 8.4% over Tables 3 and 9"},
+    "clusterkv": {
+        "source": "ClusterKV, Fig. 12 (numbers in the text): Llama-3.1-8B, prompt 32k, 1024 decode tokens, B = 1024",
+        "method": "clusterkv", "budget": 1024, "batch": 1, "context": 32768,
+        "e2e_speedup": 2.0, "throughput_ratio_max": 2.5, "compress_share_of_prefill": (0.06, 0.08),
+        "note": "the paper offloads to CPU on a 48 GB GPU; its decode length is 1024 (ours: --new-tokens)"},
+    "chunkkv": {
+        "source": "ChunkKV, Table 8: A40, LLaMA3-8B-Instruct, batch 1, FlashAttention-2, 8192 in / 1024 out",
+        "method": "chunkkv", "batch": 1, "context": 8192,
+        "throughput_gain_reuse_vs_full": 0.265, "throughput_gain_noreuse_vs_full": 0.244,
+        "throughput_gain_reuse_vs_noreuse": 232.99 / 228.96 - 1,
+        "note": "the +26.5% is ChunkKV_reuse (reuse 2) over FullKV; reuse over plain ChunkKV is +1.8%; budget not "
+                "stated in the paper"},
+    "pqcache": {
+        "source": "PQCache, Fig. 10b (qualitative: no numbers in the text): TPOT at 1/5 tokens below human reading "
+                  "speed (~333 tokens/min, i.e. < 0.18 s/token); TT2T the lowest of its baselines",
+        "method": "pqcache", "budget": 0.2, "tpot_below_s": 0.18},
+}
+
+
+def parse_contexts(text: str) -> list[int]:
+    """``"8k,16k,1000"`` -> ``[8192, 16384, 1000]``."""
+    out = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        try:
+            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--contexts {part!r} is not a token count; use e.g. 8k,16k or 8192")
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _budgets(text: str) -> list:
+    return [_budget(x) for x in text.split(",") if x.strip()]
+
+
+def context_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def variants(names, budgets, token_budgets, reuses) -> list[tuple[str, object, object]]:
+    """``(label, method, budget)``, ``full`` first; recall methods also at the token budgets; chunkkv per reuse."""
+    out = [("full", methods.get("full"), None)]
+    for name in names:
+        if name == "full":
+            continue
+        cls = methods.REGISTRY[name] if name in methods.REGISTRY else methods.get(name)  # get raises the ValueError
+        for b in list(budgets) + (list(token_budgets) if cls.recalls else []):
+            if name == "chunkkv":
+                for r in reuses:
+                    out.append((f"chunkkv{'_reuse' if r > 1 else ''}{r if r > 2 else ''}@{b}",
+                                methods.get("chunkkv", budget=b, reuse=r), b))
+            else:
+                out.append((f"{name}@{b}", methods.get(name, budget=b), b))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameters: abstract shapes, and random values made on the device.
+
+def abstract_params(cfg: ModelConfig, dtype, scan: bool):
+    """The parameter pytree as ``ShapeDtypeStruct`` (nothing allocated), stacked when ``scan``."""
+    shapes = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
+    return jax.eval_shape(M.stack_layers, shapes) if scan else shapes
+
+
+def device_params(shapes, seed: int = 0, scale: float = 0.02):
+    """Random parameters of the pytree ``shapes``, made by one jitted function on the default device (the host
+    never holds them): norms 1, biases 0, every other array normal with std ``scale``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def name(path):
+        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        return str(keys[-1]) if keys else ""
+
+    def build(key):
+        keys = jax.random.split(key, len(flat))
+        out = []
+        for (path, a), k in zip(flat, keys):
+            n = name(path)
+            if "norm" in n:
+                out.append(jnp.ones(a.shape, a.dtype))
+            elif n.startswith("b"):
+                out.append(jnp.zeros(a.shape, a.dtype))
+            else:
+                out.append((scale * jax.random.normal(k, a.shape, a.dtype)).astype(a.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return jax.jit(build)(jax.random.PRNGKey(seed))
+
+
+def nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory: what the device has, what a configuration needs.
+
+def device_memory_bytes(device, override_gb: float | None) -> tuple[int | None, str]:
+    """``(bytes, where from)``: ``--memory-gb``, else ``memory_stats()['bytes_limit']``, else the host's RAM."""
+    if override_gb:
+        return int(override_gb * 2**30), "--memory-gb"
+    stats = _memory_stats(device)
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), "memory_stats bytes_limit"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM (sysconf)"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def _memory_stats(device) -> dict:
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory stats raise various errors)
+        return {}
+
+
+def estimate_bytes(cfg: ModelConfig, weights: int, states, batch: int, bucket: int, dtype) -> dict:
+    """Weights + the method's states + prefill activations (one layer's q/k/v and attention output, the residual
+    stream, the MLP's two hidden activations and the chunked attention's fp32 score blocks), in bytes; an
+    estimate, not a bound (the compiled executables' ``memory_analysis`` is checked after it)."""
+    it = jnp.dtype(dtype).itemsize
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    c = min(bucket, M.ATTENTION_CHUNK)
+    act = batch * bucket * (3 * d + 2 * f + 2 * qkv) * it + 2 * batch * cfg.num_heads * c * c * 4
+    cache = nbytes(states)
+    return {"weights": weights, "states": cache, "activations": int(act), "total": int(weights + cache + act)}
+
+
+def memory_analysis(compiled) -> dict | None:
+    """The compiled executable's sizes in bytes, and ``peak`` = arguments + outputs - aliased + temporaries."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001  (not every backend implements it)
+        return None
+    if m is None:
+        return None
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "generated_code_size_in_bytes")
+    out = {k: int(getattr(m, k, 0) or 0) for k in keys}
+    out["peak"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
+                   + out["temp_size_in_bytes"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compile and run one configuration.
+
+def abstract_states(cfg, method, batch, cap, dtype, scan):
+    return jax.eval_shape(lambda: engine.init_states(cfg, method, batch, cap, dtype, scan_layers=scan))
+
+
+def compile_pair(cfg, method, params, states, batch, bucket, new_tokens) -> dict:
+    """Lower and compile the prefill and the decode loop from abstract inputs (``params`` and ``states`` may be
+    ``ShapeDtypeStruct`` trees). Returns the compiled executables, their seconds and memory analyses."""
+    i32 = jnp.int32
+    tokens = jax.ShapeDtypeStruct((batch, bucket), i32)
+    lengths = jax.ShapeDtypeStruct((batch,), i32)
+    first = jax.ShapeDtypeStruct((batch,), i32)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    loop = engine.DecodeLoop(cfg, method, Greedy(), new_tokens, ())
+    t0 = time.perf_counter()
+    lowered = engine.prefill.lower(cfg, method, params, tokens, lengths, states)
+    t1 = time.perf_counter()
+    prefill = lowered.compile()
+    t2 = time.perf_counter()
+    lowered = engine.run_loop.lower(loop, "scan", params, states, first, lengths, key)
+    t3 = time.perf_counter()
+    decode = lowered.compile()
+    t4 = time.perf_counter()
+    return {"prefill": prefill, "decode": decode, "prefill_lower_s": t1 - t0, "prefill_compile_s": t2 - t1,
+            "decode_lower_s": t3 - t2, "decode_compile_s": t4 - t3,
+            "memory_analysis": {"prefill": memory_analysis(prefill), "decode": memory_analysis(decode)}}
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fn(cfg, method, batch, cap, dtype, scan):
+    """The jitted, argument-free state constructor (states are made on the device, in one program)."""
+    return jax.jit(lambda: engine.init_states(cfg, method, batch, cap, dtype, scan_layers=scan))
+
+
+_argmax = jax.jit(lambda logits: jnp.argmax(logits, -1).astype(jnp.int32))
+
+
+def time_run(cfg, method, params, comp, tokens, lengths, batch, cap, dtype, scan, repeats) -> dict:
+    """Warm-up run, then ``repeats`` timed runs of prefill (+ first token) and of the decode loop; medians."""
+    init = _init_fn(cfg, method, batch, cap, dtype, scan)
+    dev = jax.devices()[0]
+    ttft, dec, after_prefill, after_decode, out, states = [], [], None, None, None, None
+    for i in range(repeats + 1):
+        states = out = None  # free the previous run's buffers first
+        states = init()
+        jax.block_until_ready(states)
+        t0 = time.perf_counter()
+        states, logits = comp["prefill"](params, tokens, lengths, states)
+        first = _argmax(logits)
+        first.block_until_ready()
+        t1 = time.perf_counter()
+        after_prefill = _memory_stats(dev).get("bytes_in_use")
+        out, steps, states = comp["decode"](params, states, first, lengths, jax.random.PRNGKey(0))
+        out.block_until_ready()
+        t2 = time.perf_counter()
+        after_decode = _memory_stats(dev).get("bytes_in_use")
+        if i:  # the first run warms up
+            ttft.append(t1 - t0)
+            dec.append(t2 - t1)
+    steps = int(steps) - 1  # decode steps the loop ran (the first token came from prefill)
+    decode_s = statistics.median(dec)
+    stats = _memory_stats(dev)
+    return {"ttft_s": statistics.median(ttft), "decode_s": decode_s, "decode_steps": steps,
+            "tpot_s": decode_s / steps, "throughput_tok_s": batch * steps / decode_s,
+            "e2e_s": statistics.median(ttft) + decode_s, "ttft_runs_s": ttft, "decode_runs_s": dec,
+            "bytes_in_use_after_prefill": after_prefill, "bytes_in_use_after_decode": after_decode,
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "cache_bytes": engine.memory_bytes(method, states),
+            "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states)))}
+
+
+def add_ratios(r: dict, full: dict | None) -> None:
+    """Ratios of ``r`` to the ``full`` row of the same run (same context and batch); None when full did not run."""
+    keys = ("tpot_speedup_vs_full", "ttft_overhead_vs_full", "throughput_ratio_vs_full", "e2e_speedup_vs_full",
+            "compress_share_of_prefill", "cache_ratio_vs_full")
+    if full is None or full.get("status") != "ok":
+        r.update(dict.fromkeys(keys), full_row=None)
+        return
+    r["full_row"] = full["row_id"]
+    r["tpot_speedup_vs_full"] = full["tpot_s"] / r["tpot_s"]
+    r["ttft_overhead_vs_full"] = r["ttft_s"] / full["ttft_s"] - 1
+    r["throughput_ratio_vs_full"] = r["throughput_tok_s"] / full["throughput_tok_s"]
+    r["e2e_speedup_vs_full"] = full["e2e_s"] / r["e2e_s"]
+    r["compress_share_of_prefill"] = (r["ttft_s"] - full["ttft_s"]) / r["ttft_s"]
+    r["cache_ratio_vs_full"] = r["cache_bytes"] / full["cache_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output: JSON, table, papers, plot.
+
+def _dirty() -> bool | None:
+    """Whether kvjax/ or benchmarks/ differ from the commit (uncommitted changes); None without git."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py"],
+                                   capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                                   check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def header(args, cfg, dtype, limit, limit_from) -> dict:
+    dev = jax.devices()[0]
+    try:
+        import jaxlib
+        jaxlib_version = jaxlib.__version__
+    except (ImportError, AttributeError):
+        jaxlib_version = None
+    return {"benchmark": "e2e", "jax_version": jax.__version__, "jaxlib_version": jaxlib_version,
+            "device": str(dev), "device_kind": dev.device_kind, "backend": jax.default_backend(),
+            "device_count": jax.device_count(), "commit": commit(), "commit_dirty": _dirty(),
+            "command": shlex.join([sys.executable] + sys.argv),
+            "python": platform.python_version(), "platform": platform.platform(), "model": args.model,
+            "model_config": dataclasses.asdict(cfg), "dtype": str(jnp.dtype(dtype)), "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "memory_limit_bytes": limit, "memory_limit_from": limit_from,
+            "compile_only": args.compile_only, "papers": PAPERS,
+            "note": ("CPU run: not the papers' setting (no HBM bandwidth to save; small model and contexts)"
+                     if jax.default_backend() == "cpu" else "")}
+
+
+def _f(x, fmt, suffix=""):
+    return "-" if x is None else format(x, fmt) + suffix
+
+
+def table(rows) -> str:
+    lines = []
+    ok = [r for r in rows if "ttft_s" in r or r.get("status") == "skipped"]
+    for (n, b) in dict.fromkeys((r["context"], r["batch"]) for r in ok):
+        lines.append(f"\n== context {context_label(n)} ({next(r['prompt_len'] for r in ok if r['context'] == n)} "
+                     f"tokens), batch {b} ==")
+        lines.append(f"{'method':24s} {'TTFT ms':>10s} {'TPOT ms':>9s} {'tok/s':>9s} {'speedup':>7s} {'TTFT+':>7s} "
+                     f"{'thr x':>6s} {'e2e x':>6s} {'comp%':>6s} {'cache MiB':>10s} {'exec GiB':>8s}")
+        for r in (r for r in ok if r["context"] == n and r["batch"] == b):
+            if r.get("status") == "skipped":
+                lines.append(f"{r['label']:24s} skipped: {r['skipped'][:100]}")
+                continue
+            ma = (r.get("memory_analysis") or {})
+            peak = max((ma.get(k) or {}).get("peak", 0) for k in ("prefill", "decode")) or \
+                r.get("bytes_in_use_after_prefill") or 0
+            lines.append(
+                f"{r['label']:24s} {1e3 * r['ttft_s']:10.1f} {1e3 * r['tpot_s']:9.2f} {r['throughput_tok_s']:9.1f} "
+                f"{_f(r['tpot_speedup_vs_full'], '7.2f')} {_f(r['ttft_overhead_vs_full'], '+7.1%')} "
+                f"{_f(r['throughput_ratio_vs_full'], '6.2f')} {_f(r['e2e_speedup_vs_full'], '6.2f')} "
+                f"{_f(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}")
+    return "\n".join(lines)
+
+
+def _find(rows, method_label, context=None, batch=1):
+    for r in rows:
+        if r.get("status") == "ok" and r["label"] == method_label and r["batch"] == batch and (
+                context is None or r["context"] == context):
+            return r
+    return None
+
+
+def papers_block(rows) -> str:
+    """The papers' figures beside ours at the matching setting (ours: '-' where that row was not run)."""
+    p, lines = PAPERS, ["\n== papers vs this run (different hardware and stacks: compare directions, not digits) =="]
+    c = p["chelsea"]
+    lines.append(f"Chelsea ({c['source']}):")
+    for n, s in c["tpot_speedup_by_context"].items():
+        r = _find(rows, "chelsea@0.2", n)
+        lines.append(f"  {context_label(n):>4s}: TPOT speedup paper {s:.2f}x, ours "
+                     f"{_f(r and r['tpot_speedup_vs_full'], '.2f', 'x')}"
+                     f" | TTFT overhead paper {c['ttft_overhead_by_context'][n]:+.1%}, ours "
+                     f"{_f(r and r['ttft_overhead_vs_full'], '+.1%')}")
+    c = p["clusterkv"]
+    r = _find(rows, "clusterkv@1024", c["context"])
+    lines.append(f"ClusterKV ({c['source']}):\n  32k B=1024: e2e latency speedup paper {c['e2e_speedup']:.1f}x, ours "
+                 f"{_f(r and r['e2e_speedup_vs_full'], '.2f', 'x')} | decode throughput paper up to "
+                 f"{c['throughput_ratio_max']:.1f}x, ours {_f(r and r['throughput_ratio_vs_full'], '.2f', 'x')} | "
+                 f"clustering share of prefill paper 6-8%, ours {_f(r and r['compress_share_of_prefill'], '.1%')}")
+    c = p["chunkkv"]
+    lines.append(f"ChunkKV ({c['source']}):")
+    for bud in ("0.1", "0.2"):
+        ru, rn = _find(rows, f"chunkkv_reuse@{bud}", c["context"]), _find(rows, f"chunkkv@{bud}", c["context"])
+        gain = ru["throughput_tok_s"] / rn["throughput_tok_s"] - 1 if ru and rn else None
+        ru_gain, rn_gain = (None if x is None or x.get("throughput_ratio_vs_full") is None
+                            else x["throughput_ratio_vs_full"] - 1 for x in (ru, rn))
+        lines.append(f"  8k @{bud}: throughput reuse vs full paper {c['throughput_gain_reuse_vs_full']:+.1%}, ours "
+                     f"{_f(ru_gain, '+.1%')} | no reuse vs full paper "
+                     f"{c['throughput_gain_noreuse_vs_full']:+.1%}, ours "
+                     f"{_f(rn_gain, '+.1%')} | reuse vs no reuse paper "
+                     f"{c['throughput_gain_reuse_vs_noreuse']:+.1%}, ours {_f(gain, '+.1%')}")
+    c = p["pqcache"]
+    lines.append(f"PQCache ({c['source']}):")
+    for r in (r for r in rows if r.get("status") == "ok" and r["label"] == "pqcache@0.2"):
+        lines.append(f"  {context_label(r['context']):>4s} batch {r['batch']}: TPOT {1e3 * r['tpot_s']:.1f} ms "
+                     f"({'below' if r['tpot_s'] < c['tpot_below_s'] else 'ABOVE'} the paper's 0.18 s), TPOT speedup "
+                     f"{_f(r['tpot_speedup_vs_full'], '.2f', 'x')}, TTFT overhead "
+                     f"{_f(r['ttft_overhead_vs_full'], '+.1%')}")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> str:
+    """TPOT speedup vs context, one line per method@budget, one panel per batch; returns what was done."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not importable"
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("tpot_speedup_vs_full") is not None]
+    batches = sorted({r["batch"] for r in ok})
+    if not batches:
+        return "plot skipped: no rows with a speedup"
+    fig, axes = plt.subplots(1, len(batches), figsize=(7 * len(batches), 5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 29 method@budget lines: 20 colours, then markers differ
+        for label in dict.fromkeys(r["label"] for r in ok if r["batch"] == b):
+            pts = sorted((r["context"], r["tpot_speedup_vs_full"]) for r in ok
+                         if r["batch"] == b and r["label"] == label)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="os^v"[len(ax.lines) // 20 % 4], label=label)
+        ch = PAPERS["chelsea"]["tpot_speedup_by_context"]
+        if b == 1 and max(r["context"] for r in ok) >= min(ch):  # only on the papers' context range
+            ax.plot(list(ch), list(ch.values()), "k--", marker="x", label="Chelsea paper (Table 3)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("TPOT speedup vs full")
+        ax.set_title(f"{ok[0]['model']}, batch {b} ({jax.devices()[0].device_kind})")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("8k,16k,32k,64k,128k"),
+                    help="prompt lengths, comma-separated (Nk = N * 1024 tokens)")
+    ap.add_argument("--batch", type=_ints, default=[1, 8], help="batch sizes, comma-separated")
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated (1 from prefill + the loop's)")
+    ap.add_argument("--methods", default=",".join(methods.names()),
+                    help="registered methods, comma-separated (default: all; full always runs first)")
+    ap.add_argument("--budgets", type=_budgets, default=[0.1, 0.2], help="budgets of every method")
+    ap.add_argument("--token-budgets", type=_budgets, default=[1024, 2048],
+                    help="extra token budgets of the recall methods (pqcache, clusterkv, quest); '' for none")
+    ap.add_argument("--chunkkv-reuse", type=_ints, default=[1, 2],
+                    help="ChunkKV reuse values (1: no index reuse, 2: the paper's ChunkKV_reuse)")
+    ap.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
+                    help="stacked layers, one compiled loop body (auto: on for llama-3.1-8b)")
+    ap.add_argument("--layouts", default=None,
+                    help="--compile-only: layouts to compile, 'scan', 'unrolled' or 'scan,unrolled' "
+                         "(default: the --scan-layers one)")
+    ap.add_argument("--unrolled-methods", default=None,
+                    help="--compile-only: compile the unrolled layout only for these labels (e.g. full,snapkv@0.2)")
+    ap.add_argument("--dtype", default="bfloat16", help="weights and cache dtype (the papers': bfloat16)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up (median)")
+    ap.add_argument("--memory-gb", type=float, default=None, help="device memory for the skip rule (default: "
+                                                                  "memory_stats bytes_limit, else host RAM)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="lower + compile prefill and decode loop from abstract inputs; nothing allocated or run")
+    ap.add_argument("--out", default="benchmarks/results/e2e.json")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="only redraw the table (.txt) and plot (.png) of an earlier run's JSON, beside it")
+    args = ap.parse_args(argv)
+    if args.report:
+        report(json.loads(Path(args.report).read_text()), Path(args.report))
+        return 0
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be >= 2 (one from prefill, at least one decode step)")
+
+    cfg, dtype = MODELS[args.model], jnp.dtype(args.dtype)
+    scan = args.scan_layers == "on" or (args.scan_layers == "auto" and args.model == "llama-3.1-8b")
+    layouts = (args.layouts or ("scan" if scan else "unrolled")).split(",")
+    limit, limit_from = device_memory_bytes(jax.devices()[0], args.memory_gb)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    todo = variants(names, args.budgets, args.token_budgets, args.chunkkv_reuse)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    head = header(args, cfg, dtype, limit, limit_from)
+    head["scan_layers"] = scan
+    rows: list[dict] = []
+
+    def write():
+        out_path.write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))
+
+    def add(row):
+        row["row_id"] = len(rows)
+        row["load_average_1min"] = os.getloadavg()[0]  # other work on the host skews timings (CPU runs)
+        rows.append(row)
+        write()  # after every row, so a crash keeps what was measured
+
+    print(f"e2e: {args.model} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"memory limit {_f(limit and limit / 2**30, '.1f')} GiB ({limit_from}), scan_layers={scan}", flush=True)
+    shapes = {lay: abstract_params(cfg, dtype, lay == "scan")
+              for lay in set(layouts) | {"scan" if scan else "unrolled"}}
+    weights = nbytes(next(iter(shapes.values())))
+    params = None if args.compile_only else device_params(shapes["scan" if scan else "unrolled"])
+    rng = np.random.default_rng(0)
+    compiled: dict = {}
+
+    def bucket_of(n_req):
+        return engine.bucket_length(min(n_req, cfg.max_position_embeddings - args.new_tokens))
+
+    for i_ctx, n_req in enumerate(args.contexts):
+        n = min(n_req, cfg.max_position_embeddings - args.new_tokens)
+        bucket = bucket_of(n_req)
+        later_buckets = {bucket_of(c) for c in args.contexts[i_ctx + 1:]}
+        _init_fn.cache_clear()  # executables are not kept longer than needed: XLA:CPU maps each one's code into
+        jax.clear_caches()  # memory, and a few dozen 30-layer programs exhaust the process's memory maps
+        cap = Capacity(bucket, args.new_tokens)
+        for b in args.batch:
+            full_row = None
+            base = {"model": args.model, "context": n_req, "prompt_len": n, "bucket": bucket, "batch": b,
+                    "new_tokens": args.new_tokens}
+            tokens = lengths = None
+            for label, method, budget in todo:
+                row = {**base, "label": label, "method": method.name, "budget": budget,
+                       "reuse": getattr(method, "reuse", None) if method.name == "chunkkv" else None}
+                reason = cannot_run(types.SimpleNamespace(config=cfg, dtype=dtype), method, n, args.new_tokens - 1)
+                if args.compile_only:
+                    for lay in layouts:
+                        only = args.unrolled_methods
+                        if lay == "unrolled" and only and label not in only.split(","):
+                            continue
+                        r = {**row, "layout": lay, "scan_layers": lay == "scan"}
+                        if reason:
+                            add({**r, "status": "skipped", "skipped": reason})
+                            print(f"{context_label(n_req):>5s} b={b} {label:22s} {lay:8s} skipped: {reason}",
+                                  flush=True)
+                            continue
+                        st = abstract_states(cfg, method, b, cap, dtype, lay == "scan")
+                        comp = compile_pair(cfg, method, shapes[lay], st, b, bucket, args.new_tokens)
+                        r.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")}, status="ok",
+                                 estimate_bytes=estimate_bytes(cfg, weights, st, b, bucket, dtype))
+                        add(r)
+                        print(f"{context_label(n_req):>5s} b={b} {label:22s} {lay:8s} prefill: lower "
+                              f"{r['prefill_lower_s']:6.1f}s compile {r['prefill_compile_s']:6.1f}s | decode loop: "
+                              f"lower "
+                              f"{r['decode_lower_s']:6.1f}s compile {r['decode_compile_s']:6.1f}s", flush=True)
+                    continue
+                row["scan_layers"] = scan
+                if reason is None:
+                    st = abstract_states(cfg, method, b, cap, dtype, scan)
+                    est = estimate_bytes(cfg, weights, st, b, bucket, dtype)
+                    row["estimate_bytes"] = est
+                    if limit and est["total"] > limit:
+                        reason = (f"estimated memory {est['total'] / 2**30:.1f} GiB (weights {weights / 2**30:.1f} + "
+                                  f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
+                                  f"exceeds the device's {limit / 2**30:.1f} GiB ({limit_from})")
+                if reason is None:
+                    key = (label, b)  # later contexts in the same bucket reuse the executables
+                    row["compile_reused"] = key in compiled
+                    comp = compiled.pop(key, None) or compile_pair(cfg, method, params, st, b, bucket,
+                                                                   args.new_tokens)
+                    if bucket in later_buckets:
+                        compiled[key] = comp
+                    row.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")})
+                    peak = max((m or {}).get("peak", 0) for m in comp["memory_analysis"].values())
+                    if limit and peak > limit:
+                        reason = (f"compiled executables need {peak / 2**30:.1f} GiB (memory_analysis) > the "
+                                  f"device's {limit / 2**30:.1f} GiB ({limit_from})")
+                if reason:
+                    row.update(status="skipped", skipped=reason)
+                    add(row)
+                    if label == "full":
+                        full_row = row
+                    print(f"{context_label(n_req):>5s} b={b} {label:22s} skipped: {reason}", flush=True)
+                    continue
+                if tokens is None:
+                    tokens, lengths = engine.pad_prompts(rng.integers(1, cfg.vocab_size, (b, n)).tolist(), bucket)
+                    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+                row.update(time_run(cfg, method, params, comp, tokens, lengths, b, cap, dtype, scan, args.repeats))
+                row["status"] = "ok"
+                if label == "full":
+                    full_row = row
+                    row["row_id"] = len(rows)
+                add_ratios(row, full_row)
+                add(row)
+                print(f"{context_label(n_req):>5s} b={b} {label:22s} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT "
+                      f"{1e3 * row['tpot_s']:8.2f} ms  {row['throughput_tok_s']:8.1f} tok/s  "
+                      f"x{_f(row['tpot_speedup_vs_full'], '.2f')}"
+                      f" TPOT  TTFT {_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill "
+                      f"{row['prefill_compile_s']:.1f}s loop {row['decode_compile_s']:.1f}s", flush=True)
+    if not args.compile_only:
+        report({**head, "rows": rows}, out_path)
+    print(f"wrote {out_path}", flush=True)
+    return 0
+
+
+def report(data: dict, out_path: Path) -> None:
+    """Print the table and the papers' block of a run's JSON, write them as ``.txt`` and the plot as ``.png``."""
+    rows = data["rows"]
+    title = (f"e2e: {data['model']} ({data['dtype']}) on {data['device_kind']} ({data['backend']}), jax "
+             f"{data['jax_version']}, commit {(data.get('commit') or '?')[:10]}, {data['new_tokens']} new tokens"
+             + (f". {data['note']}" if data.get("note") else ""))
+    text = title + "\n" + table(rows) + "\n" + papers_block(rows)
+    print(text, flush=True)
+    out_path.with_suffix(".txt").write_text(text + "\n")
+    print(plot(rows, out_path.with_suffix(".png")), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
