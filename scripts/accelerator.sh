@@ -7,7 +7,7 @@
 #   bash scripts/accelerator.sh kernels    # decode attention: bandwidth and block scaling at 4k-32k, batch 1/8
 #   bash scripts/accelerator.sh sweep      # decode attention tuning sweep at 32k slots, batch 8 (tuning.TABLE)
 #   bash scripts/accelerator.sh compile    # compile time of the 32-layer 8B decode loop, every method
-#   bash scripts/accelerator.sh e2e-b1     # benchmarks/e2e.py, 8B shapes, batch 1, 16k/32k/64k, the papers' methods
+#   bash scripts/accelerator.sh e2e-b1 16k,32k  # benchmarks/e2e.py, 8B shapes, batch 1, the papers' methods (then 64k)
 #   bash scripts/accelerator.sh e2e        # the whole papers' setting (hours: several calls, or a long-lived VM)
 #
 # Everything is written to $OUT (the device tool's folder) or benchmarks/results/device/, with a log per phase.
@@ -34,12 +34,14 @@ case "${1:-}" in
     python3 benchmarks/decode_attention.py --sweep --slots 32768 --batch 8 --keep 1,0.5,0.25,0.1 --iters 10 \
       --out "$DEST/decode_attention_sweep_$TAG.json" 2>&1 | tee "$DEST/decode_attention_sweep.log" ;;
   compile)
-    python3 benchmarks/e2e.py --compile-only --contexts 32k --batch 1 --layouts scan,unrolled \
-      --unrolled-methods full,chelsea --out "$DEST/e2e_compile_8b_$TAG.json" 2>&1 | tee "$DEST/e2e_compile.log" ;;
+    python3 benchmarks/e2e.py --compile-only --contexts 32k --batch 1 --budgets 0.2 --token-budgets 1024 \
+      --layouts scan,unrolled --unrolled-methods full,chelsea@0.2,clusterkv@1024 \
+      --out "$DEST/e2e_compile_8b_$TAG.json" 2>&1 | tee "$DEST/e2e_compile.log" ;;
   e2e-b1)
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/e2e.py --contexts 16k,32k,64k --batch 1 \
+    CTX=${2:-16k,32k}
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/e2e.py --contexts "$CTX" --batch 1 --scan-layers off \
       --methods full,chelsea,clusterkv,chunkkv,pqcache --budgets 0.2 --token-budgets 1024 --new-tokens 256 \
-      --out "$DEST/e2e_8b_b1_$TAG.json" 2>&1 | tee "$DEST/e2e_b1.log" ;;
+      --out "$DEST/e2e_8b_b1_${CTX//,/_}_$TAG.json" 2>&1 | tee "$DEST/e2e_b1.log" ;;
   e2e)
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/e2e.py --contexts 8k,16k,32k,64k,128k --batch 1,8 \
       --new-tokens 256 --budgets 0.1,0.2 --token-budgets 1024,2048 \
