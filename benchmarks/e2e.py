@@ -96,7 +96,7 @@ from scan_layers import commit  # noqa: E402
 
 from kvjax import engine, methods, model as M  # noqa: E402
 from kvjax.config import ModelConfig, RopeConfig  # noqa: E402
-from kvjax.methods.base import Capacity  # noqa: E402
+from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
 from kvjax.sampling import Greedy  # noqa: E402
 
 #: Llama-3.1-8B(-Instruct)'s shapes (its config.json): GQA 32/8 heads, llama3 rope scaling, 128k context.
@@ -178,39 +178,20 @@ def variants(names, budgets, token_budgets, reuses) -> list[tuple[str, object, o
 # ---------------------------------------------------------------------------------------------------------------
 # Parameters: abstract shapes, and random values made on the device.
 
+def _random_params(cfg: ModelConfig, dtype, scan: bool, key):
+    """``kvjax.model.random_params`` (norms 1, biases 0, the rest normal), stacked when ``scan``."""
+    params = M.random_params(cfg, key, dtype)
+    return M.stack_layers(params) if scan else params
+
+
 def abstract_params(cfg: ModelConfig, dtype, scan: bool):
     """The parameter pytree as ``ShapeDtypeStruct`` (nothing allocated), stacked when ``scan``."""
-    shapes = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
-    return jax.eval_shape(M.stack_layers, shapes) if scan else shapes
+    return jax.eval_shape(functools.partial(_random_params, cfg, dtype, scan), jax.random.PRNGKey(0))
 
 
-def device_params(shapes, seed: int = 0, scale: float = 0.02):
-    """Random parameters of the pytree ``shapes``, made by one jitted function on the default device (the host
-    never holds them): norms 1, biases 0, every other array normal with std ``scale``."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-
-    def name(path):
-        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
-        return str(keys[-1]) if keys else ""
-
-    def build(key):
-        keys = jax.random.split(key, len(flat))
-        out = []
-        for (path, a), k in zip(flat, keys):
-            n = name(path)
-            if "norm" in n:
-                out.append(jnp.ones(a.shape, a.dtype))
-            elif n.startswith("b"):
-                out.append(jnp.zeros(a.shape, a.dtype))
-            else:
-                out.append((scale * jax.random.normal(k, a.shape, a.dtype)).astype(a.dtype))
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    return jax.jit(build)(jax.random.PRNGKey(seed))
-
-
-def nbytes(tree) -> int:
-    return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+def device_params(cfg: ModelConfig, dtype, scan: bool, seed: int = 0):
+    """Random parameters made by one jitted function on the default device (the host never holds them)."""
+    return jax.jit(functools.partial(_random_params, cfg, dtype, scan))(jax.random.PRNGKey(seed))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,7 +226,7 @@ def estimate_bytes(cfg: ModelConfig, weights: int, states, batch: int, bucket: i
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     c = min(bucket, M.ATTENTION_CHUNK)
     act = batch * bucket * (3 * d + 2 * f + 2 * qkv) * it + 2 * batch * cfg.num_heads * c * c * 4
-    cache = nbytes(states)
+    cache = tree_bytes(states)
     return {"weights": weights, "states": cache, "activations": int(act), "total": int(weights + cache + act)}
 
 
@@ -558,8 +539,8 @@ def main(argv=None) -> int:
           f"memory limit {_f(limit and limit / 2**30, '.1f')} GiB ({limit_from}), scan_layers={scan}", flush=True)
     shapes = {lay: abstract_params(cfg, dtype, lay == "scan")
               for lay in set(layouts) | {"scan" if scan else "unrolled"}}
-    weights = nbytes(next(iter(shapes.values())))
-    params = None if args.compile_only else device_params(shapes["scan" if scan else "unrolled"])
+    weights = tree_bytes(next(iter(shapes.values())))
+    params = None if args.compile_only else device_params(cfg, dtype, scan)
     rng = np.random.default_rng(0)
     compiled: dict = {}
 

@@ -93,4 +93,4 @@ def test_llama31_8b_shapes(e2e):
 
     cfg = e2e.LLAMA31_8B
     assert (cfg.rope.rope_type, cfg.rope.factor, cfg.max_position_embeddings) == ("llama3", 8.0, 131072)
-    assert e2e.nbytes(e2e.abstract_params(cfg, jnp.bfloat16, scan=True)) == 2 * 8_030_261_248
+    assert e2e.tree_bytes(e2e.abstract_params(cfg, jnp.bfloat16, scan=True)) == 2 * 8_030_261_248
