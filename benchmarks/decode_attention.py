@@ -153,6 +153,18 @@ def kernel_with(impl: str, cand: "tuning.Tuning", interpret: bool):
                                           interpret=interpret, **kw))
 
 
+def in_blocks_of(blocks, block_size: int):
+    """A list of 128-slot blocks ``[..., N]`` as blocks of ``block_size`` slots (None stays None): each 128-slot
+    block is ``128 / block_size`` smaller ones, or lies inside one bigger block (listed once per 128-slot block:
+    repeats count once)."""
+    if blocks is None or block_size == 128:
+        return blocks
+    if block_size < 128:
+        r = 128 // block_size
+        return (blocks[..., None] * r + jnp.arange(r)).reshape(*blocks.shape[:-1], -1)
+    return blocks * 128 // block_size
+
+
 def sweep(args) -> int:
     """``--sweep``: every candidate at every shape; the fastest per shape and overall (module docstring)."""
     impl = args.impl or default_impl()
@@ -172,11 +184,7 @@ def sweep(args) -> int:
             # the same slots are listed for every candidate: keep is a fraction of 128-slot blocks, re-expressed
             # in the candidate's blocks (a candidate block is listed if it holds a listed 128-slot block)
             q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, 128)
-            if bi is not None and cand.block_size < 128:  # each 128-slot block is 128 / bs candidate blocks
-                r = 128 // cand.block_size
-                bi = (bi[..., None] * r + jnp.arange(r)).reshape(*bi.shape[:-1], -1)
-            elif bi is not None:  # a candidate block holds several: listed once each (repeats count once)
-                bi = bi * 128 // cand.block_size
+            bi = in_blocks_of(bi, cand.block_size)
             try:
                 t = _time(fn, (q, k, v, bi), args.iters)
             except Exception as e:  # a candidate that does not compile here (e.g. shared memory): recorded
@@ -193,7 +201,7 @@ def sweep(args) -> int:
             rows.append(r)
             total += t
         totals[cand] = total
-    best = min(totals, key=totals.get)
+    ran = {c: t for c, t in totals.items() if np.isfinite(t)}  # candidates that ran at every shape
     per_shape = []
     for s, batch, keep in shapes:
         ok = [r for r in rows if (r["slots"], r["batch"], r["keep"]) == (s, batch, keep) and "seconds" in r]
@@ -204,15 +212,19 @@ def sweep(args) -> int:
                   f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
                   f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
                   flush=True)
-    chosen = dataclasses.replace(best, measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})")
-    print(f"chosen (lowest total time): {chosen!r}")
+    chosen = None
+    if ran:
+        chosen = dataclasses.replace(min(ran, key=ran.get),
+                                     measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})")
+    print(f"chosen (lowest total time): {chosen!r}" if chosen else "chosen: none (no candidate ran at every shape)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
                                "backend": jax.default_backend(), "impl": impl, "interpret": args.interpret,
                                "dtype": str(dtype), "kv_heads": hkv, "group": g, "head_dim": d,
                                "peak_bandwidth_gbs": peak, "iters": args.iters, "sweep": rows,
-                               "fastest_per_shape": per_shape, "chosen": dataclasses.asdict(chosen)}, indent=2))
+                               "fastest_per_shape": per_shape,
+                               "chosen": chosen and dataclasses.asdict(chosen)}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

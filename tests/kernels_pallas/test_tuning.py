@@ -52,8 +52,7 @@ def test_every_candidate_matches_the_reference(impl):
     want = decode_attention_reference(q, k, v, block_indices=bi, block_size=128)
     for c in seen.values():
         fn = bench.kernel_with(impl, c, interpret=True)
-        r = 128 // c.block_size if c.block_size < 128 else 1
-        b = (bi[..., None] * r + jnp.arange(r)).reshape(*bi.shape[:-1], -1) if r > 1 else bi * 128 // c.block_size
+        b = bench.in_blocks_of(bi, c.block_size)
         got = fn(q, k, v, b)
         if c.block_size > 128:  # a bigger block also holds unlisted 128-slot blocks: compare with those listed
             want_c = decode_attention_reference(q, k, v, block_indices=b, block_size=c.block_size)
@@ -78,3 +77,22 @@ def test_sweep_writes_the_chosen_row(tmp_path):
     assert totals[(chosen["block_size"], chosen["num_warps"], chosen["num_stages"], chosen["target_programs"])] \
         == min(totals.values())
     assert str(out) in chosen["measured"]
+
+
+@pytest.mark.parametrize("block_size", [64, 128, 256])
+def test_sweep_block_lists_cover_the_listed_slots(block_size):
+    """The sweep re-expresses a list of 128-slot blocks in each candidate's blocks: the same slots when smaller,
+    and when bigger, each listed block inside one of them and every one of them holding a listed block."""
+    blocks = np.array([[[3, 0, 6], [5, 4, 1]]])
+
+    def slots(bl, bs):
+        return [{s for blk in row for s in range(blk * bs, (blk + 1) * bs)} for row in bl.reshape(-1, bl.shape[-1])]
+
+    want, got = slots(blocks, 128), slots(np.asarray(bench.in_blocks_of(jnp.asarray(blocks), block_size)), block_size)
+    for w, g in zip(want, got):
+        if block_size <= 128:
+            assert g == w
+        else:
+            assert w <= g and all(w & set(range(s, s + block_size)) for s in range(0, max(g) + 1, block_size)
+                                  if s in g)
+    assert bench.in_blocks_of(None, block_size) is None
