@@ -127,8 +127,8 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
         raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
     check_inputs(q, k, v, lengths, sliding_window)
     source = "impl='cudnn'" if impl is not None else f"{ENV_IMPL}=cudnn"
-    explicit = impl is not None or env_impl(ENV_IMPL, IMPLS) is not None
-    impl = impl or default_impl()
+    explicit = impl or env_impl(ENV_IMPL, IMPLS)
+    impl = explicit or default_impl()
     if impl == "cudnn":
         why = cudnn_ineligible(q, k, v)
         if why is not None:
@@ -142,7 +142,7 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
         else:
             kernel = functools.partial(splash_attention, sliding_window=sliding_window, block_size=block_size,
                                        interpret=interpret)
-        return per_head(lambda q, k, v, n: kernel(q, k, v, n), q, k, v, n, batch_only=(3,))
+        return per_head(kernel, q, k, v, n, batch_only=(3,))
     if q.shape[2] <= chunk:
         return dense_attention(q, k, v, lengths, sliding_window)
     return chunked_attention(q, k, v, lengths, sliding_window, chunk)
