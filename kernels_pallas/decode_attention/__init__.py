@@ -11,7 +11,8 @@ scaled scores (Chelsea's ``log N``); block_indices ``[B, Hkv, N]`` or ``[B, N]``
 Returns ``(o_unnormalised [B, Hq, D], m [B, Hq], l [B, Hq])`` float32 (``reference`` has the exact contract;
 a row with no taking-part slot gives ``o = 0, l = 0, m = NEG_INF``). bf16 or fp32 inputs, fp32 accumulation.
 
-impl: ``"xla"`` (the pure-JAX reference), ``"pallas_tpu"`` (scalar-prefetched block lists), ``"pallas_gpu"``
+impl: ``"xla"`` (pure JAX that reads only the live chunks or the listed blocks, :mod:`.xla`; the masked
+``reference`` is the spec), ``"pallas_tpu"`` (scalar-prefetched block lists), ``"pallas_gpu"``
 (Triton, flash-decoding split), or None: the ``KVJAX_DECODE_ATTENTION_IMPL`` environment variable if set, else
 ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the
 reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (CPU tests).
@@ -104,7 +105,8 @@ def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices
     check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size)
     s = k.shape[2]
     if impl == "xla":
-        return decode_attention_reference(q, k, v, valid, lengths, bias, block_indices, block_size)
+        from kernels_pallas.decode_attention.xla import decode_attention_xla
+        return decode_attention_xla(q, k, v, valid, lengths, bias, block_indices, block_size)
     if block_indices is not None and np.shape(block_indices)[-1] == 0:  # nothing listed: the empty partial
         return decode_attention_reference(q, k, v, valid, lengths, bias, block_indices, block_size)
     if impl == "pallas_tpu":

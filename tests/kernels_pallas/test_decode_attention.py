@@ -133,11 +133,18 @@ def test_partials_over_block_subsets_merge_to_the_whole():
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_xla_matches_reference(case):
+    """The XLA path (chunks / gathered blocks, kernels_pallas.decode_attention.xla) against the masked spec;
+    tests/kernels_pallas/test_decode_attention_xla.py sweeps its chunking."""
+    check_against_reference("xla", *_case(case))
+
+
 def test_impl_none_is_xla_on_cpu(monkeypatch):
     monkeypatch.delenv(da.ENV_IMPL, raising=False)
     assert jax.default_backend() == "cpu" and da.default_impl() == "xla"
     q, k, v, kw = _case("g3_block_subset")
-    for x, y in zip(decode_attention(q, k, v, **kw), decode_attention_reference(q, k, v, **kw)):
+    for x, y in zip(decode_attention(q, k, v, **kw), decode_attention(q, k, v, **kw, impl="xla")):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     monkeypatch.setenv(da.ENV_IMPL, "pallas_gpu")
     assert da.default_impl() == "pallas_gpu"
