@@ -1,0 +1,148 @@
+"""Smoke test of benchmarks/roofline.py at tiny sizes (a 4-head, 32-dim config, 256 tokens, 2 methods): the JSON's
+fields, the efficiency and TTFT ratios recomputed from the stored times and bytes, the plot and the ``--report``
+redraw; the skip rules (memory, prefill time) and the projection's arithmetic against a hand computation. No
+timing is checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def roofline():
+    spec = importlib.util.spec_from_file_location("bench_roofline", ROOT / "benchmarks" / "roofline.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TINY = ["--tiny", "--batch", "1", "--dtypes", "float32", "--budgets", "0.2", "--token-budgets", "", "--steps", "2",
+        "--rounds", "1", "--bandwidth-mib", "8"]
+
+
+def test_tiny_run(roofline, tmp_path):
+    out = tmp_path / "r.json"
+    assert roofline.main(TINY + ["--lengths", "256", "--methods", "full,snapkv", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("jax_version", "device", "device_kind", "backend", "commit", "command", "load_average_1min",
+                "read_gbs", "copy_gbs", "layers", "memory_limit_bytes", "max_prefill_s", "papers", "rows"):
+        assert key in data, key
+    rows = data["rows"]
+    assert [r["label"] for r in rows] == ["full", "snapkv@0.2"] and all(r["status"] == "ok" for r in rows)
+    full = rows[0]
+    for r in rows:
+        for key in ("step_s", "bytes_read", "xla_bytes", "gbs", "time_ratio", "bytes_ratio", "efficiency", "speedup",
+                    "prefill_s", "attention_s", "ttft_s", "ttft_ratio", "compress_share", "load_average_1min"):
+            assert key in r, key
+        assert r["step_s"] > 0 and r["bytes_read"] > 0 and r["xla_bytes"] > 0
+        assert rows[r["full_row"]] is full
+        # independent recomputation from the stored times and bytes
+        assert r["efficiency"] == pytest.approx((r["step_s"] / full["step_s"]) / (r["bytes_read"] / full["bytes_read"]))
+        assert r["speedup"] == pytest.approx(full["step_s"] / r["step_s"])
+        assert r["gbs"] == pytest.approx(r["bytes_read"] / r["step_s"] / 1e9)
+        assert r["ttft_s"] == pytest.approx(r["attention_s"] + r["prefill_s"])
+        assert r["ttft_ratio"] == pytest.approx(r["ttft_s"] / full["ttft_s"])
+        assert r["compress_share"] == pytest.approx(1 - full["ttft_s"] / r["ttft_s"])
+    assert full["efficiency"] == pytest.approx(1.0) and full["compress_share"] == pytest.approx(0.0)
+    assert rows[1]["bytes_ratio"] < 0.5  # snapkv at 0.2 reads a fraction of full's bytes
+    pytest.importorskip("matplotlib")
+    png, txt = out.with_suffix(".png"), out.with_suffix(".txt")
+    assert png.stat().st_size > 0 and "PROJECTION (not a measurement)" in txt.read_text()
+    text = txt.read_text()
+    png.unlink()
+    txt.unlink()
+    assert roofline.main(["--report", str(out)]) == 0  # redraws from the JSON alone
+    assert png.exists() and txt.read_text() == text
+
+
+def test_skips_with_reasons(roofline, tmp_path):
+    out = tmp_path / "mem.json"
+    assert roofline.main(TINY + ["--lengths", "128", "--methods", "full,snapkv", "--memory-gb", "1e-6",
+                                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert "full cannot run" in rows[0]["skipped"] and all("--memory-gb" in r["skipped"] for r in rows)
+    out = tmp_path / "time.json"  # every prefill, calibrated at 64 tokens, is estimated above 0 s
+    assert roofline.main(TINY + ["--lengths", "128", "--methods", "full,snapkv", "--max-prefill-s", "0",
+                                 "--calibration-len", "64", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert all("prefill estimated at" in r["skipped"] for r in rows)
+
+
+def test_prefill_clock_and_groups(roofline):
+    clock = roofline.PrefillClock()
+    assert clock.estimate("h2o", "float32", 8192, 1, 1) is None
+    clock.record("h2o", "float32", 4096, 1, 1.25)
+    assert clock.estimate("h2o", "float32", 32768, 4, 2) == pytest.approx(1.25 * 64 * 4 * 2)
+    clock.record("h2o", "float32", 2048, 1, 9.0)  # a smaller measurement does not replace the reference
+    assert clock.refs[("h2o", "float32")] == (4096, 1, 1.25)
+
+    V = roofline.Variant
+    full = V("full", None, None, state_bytes=10, prefill_temp=1)
+    a, b, c, big = (V(x, None, None, state_bytes=s, prefill_temp=2) for x, s in
+                    (("a", 30), ("b", 30), ("c", 30), ("big", 100)))
+    groups, too_big = roofline.plan_groups(full, [a, b, big, c], base=5, limit=80)
+    assert [[v.label for v in g] for g in groups] == [["a", "b"], ["c"]]  # 5 + 10 + 60 + 2 = 77 <= 80
+    assert [v.label for v, _ in too_big] == ["big"] and "--memory-gb" in too_big[0][1]
+    groups, too_big = roofline.plan_groups(full, [a, b, c], base=5, limit=None)
+    assert [[v.label for v in g] for g in groups] == [["a", "b", "c"]] and not too_big
+
+
+def _row(label, dtype, step_s, bytes_read, context=32768, batch=1, method=None, budget=None):
+    return {"context": context, "batch": batch, "dtype": dtype, "label": label, "method": method or label.split("@")[0],
+            "budget": budget, "status": "ok", "layers": 1, "step_s": step_s, "bytes_read": bytes_read}
+
+
+def test_projection_arithmetic(roofline):
+    # full at 32k, float32, 1 layer: K + V = 2 * 8 heads * 32768 * 128 * 4 bytes = 268,435,456 bytes.
+    rows = [_row("full", "float32", 0.020, 268435456),
+            _row("chelsea@0.2", "float32", 0.006, 268435456 // 5, budget=0.2),  # bytes 0.2, time 0.3: eff 1.5
+            _row("full", "float32", 0.010, 1000, batch=4)]  # batch 4: not projected
+    roofline.add_ratios(rows[:2], 0)
+    roofline.add_ratios(rows[2:], 2)
+    proj = roofline.projection(rows)
+    assert len(proj) == 1
+    p = proj[0]
+    # By hand: KV_full at bf16 over 32 layers = 268,435,456 / 2 * 32 = 4,294,967,296 bytes;
+    # full: 16.06e9 + 4,294,967,296 = 20,354,967,296 bytes -> / 3.35e12 B/s = 6.0761 ms on the H100,
+    #       / 819e9 = 24.8534 ms on the v5e;
+    # chelsea: KV 0.2 * 4,294,967,296 = 858,993,459.2 bytes, x eff 1.5 = 1,288,490,188.8;
+    #          16.06e9 + 1,288,490,188.8 = 17,348,490,188.8 bytes -> 5.1787 ms (H100), 21.1825 ms (v5e);
+    # speed-up 20,354,967,296 / 17,348,490,188.8 = 1.17330; ideal (eff 1) 20,354,967,296 / 16,918,993,459.2 = 1.20309.
+    assert p["label"] == "chelsea@0.2" and p["measured_dtype"] == "float32"
+    assert p["efficiency"] == pytest.approx(1.5)
+    assert p["kv_full_bytes"] == pytest.approx(4_294_967_296)
+    assert p["tpot_full_s[H100]"] == pytest.approx(6.0761e-3, rel=1e-4)
+    assert p["tpot_full_s[TPU v5e]"] == pytest.approx(24.8534e-3, rel=1e-4)
+    assert p["tpot_s[H100]"] == pytest.approx(5.1787e-3, rel=1e-4)
+    assert p["tpot_s[TPU v5e]"] == pytest.approx(21.1825e-3, rel=1e-4)
+    assert p["speedup"] == pytest.approx(1.17330, rel=1e-5)
+    assert p["ideal_speedup"] == pytest.approx(1.20309, rel=1e-5)
+    text = roofline.projection_text(proj)
+    assert "PROJECTION" in text and "Chelsea Table 3: TPOT 1.97x" in text and "1.17x" in text
+
+    # a bfloat16 row at the same context is preferred; full's bytes are then taken as they are
+    bf = [_row("full", "bfloat16", 0.030, 134217728), _row("chelsea@0.2", "bfloat16", 0.015, 134217728 // 5,
+                                                            budget=0.2)]  # bytes 0.2, time 0.5: eff 2.5
+    roofline.add_ratios(bf, 3)
+    (p,) = roofline.projection(rows + bf)
+    assert p["measured_dtype"] == "bfloat16" and p["efficiency"] == pytest.approx(2.5)
+    assert p["kv_full_bytes"] == pytest.approx(4_294_967_296)
+    assert p["speedup"] == pytest.approx(20_354_967_296 / (16.06e9 + 0.5 * 4_294_967_296))
+
+
+def test_quick_preset(roofline):
+    args = roofline.parse_args(["--quick"])
+    assert (args.lengths, args.batch, args.dtypes, args.budgets, args.token_budgets) == (
+        [16384], [1], ["float32"], [0.2], [2048])
+    args = roofline.parse_args(["--quick", "--lengths", "8k"])
+    assert args.lengths == [8192] and args.rounds == 3
