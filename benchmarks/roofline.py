@@ -4,6 +4,7 @@
     python benchmarks/roofline.py --lengths 32k --methods full,snapkv,pqcache --budgets 0.2 --token-budgets 2048
     python benchmarks/roofline.py                               # the whole grid (below): many hours on 2 CPU cores
     python benchmarks/roofline.py --report benchmarks/results/roofline_cpu.json   # redraw table, plot, projection
+    python benchmarks/roofline.py --report a.json,b.json --out merged.json        # runs made in pieces, as one
 
 **Setting: attention + cache only.** Llama-3.1-8B's attention shapes (32 query / 8 KV heads x 128), no weights,
 no MLP, no projections. Each of ``--layers`` layers (numbered from ``--first-layer``, default 2: past ClusterKV's
@@ -566,6 +567,23 @@ def report(data: dict, out_path: Path) -> str:
     return text
 
 
+def merge_runs(datas: list[dict], paths: list[str]) -> dict:
+    """Several runs' JSONs as one (``--report a.json,b.json``): the first's header, every row (``full_row``
+    re-indexed, ``source`` naming its file; each row's ratios stay those to its own run's full) and ``sources``
+    (each run's file, commit, command, bandwidth and load average)."""
+    keep = ("commit", "commit_dirty", "command", "jax_version", "device_kind", "read_gbs", "copy_gbs",
+            "load_average_1min")
+    out = {**datas[0], "rows": [], "sources": [{"file": p, **{k: d.get(k) for k in keep}}
+                                               for d, p in zip(datas, paths)]}
+    for d, p in zip(datas, paths):
+        off = len(out["rows"])
+        for r in d["rows"]:
+            out["rows"].append({**r, "source": p, **({"full_row": r["full_row"] + off} if "full_row" in r else {})})
+    if len({d.get("commit") for d in datas}) > 1:
+        out["commit"] = ",".join(dict.fromkeys(str(d.get("commit")) for d in datas))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 def _dirty() -> bool | None:
@@ -622,7 +640,8 @@ def parse_args(argv):
     p.add_argument("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
     p.add_argument("--out", default="benchmarks/results/roofline_cpu.json")
     p.add_argument("--report", default=None, metavar="JSON",
-                   help="only redraw the table, plot and projection of an earlier run's JSON, beside it")
+                   help="only redraw the table, plot and projection of an earlier run's JSON, beside it; "
+                        "several (a.json,b.json): merged into --out and drawn beside it")
     args = p.parse_args(argv)
     if args.quick:
         given = set(a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv))
@@ -737,7 +756,13 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
-        report(json.loads(Path(args.report).read_text()), Path(args.report))
+        paths = [x for x in args.report.split(",") if x]
+        if len(paths) == 1:
+            report(json.loads(Path(paths[0]).read_text()), Path(paths[0]))
+        else:  # merged: written to --out
+            data = merge_runs([json.loads(Path(x).read_text()) for x in paths], paths)
+            Path(args.out).write_text(json.dumps(data, indent=1, default=str))
+            report(data, Path(args.out))
         return 0
     cfg = attention_config(args.tiny)
     if args.first_layer + args.layers > cfg.num_layers:

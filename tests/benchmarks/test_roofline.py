@@ -61,6 +61,11 @@ def test_tiny_run(roofline, tmp_path):
     txt.unlink()
     assert roofline.main(["--report", str(out)]) == 0  # redraws from the JSON alone
     assert png.exists() and txt.read_text() == text
+    merged = tmp_path / "merged.json"  # runs made in pieces, drawn as one
+    assert roofline.main(["--report", f"{out},{out}", "--out", str(merged)]) == 0
+    m = json.loads(merged.read_text())
+    assert [r["full_row"] for r in m["rows"]] == [0, 0, 2, 2] and len(m["sources"]) == 2
+    assert merged.with_suffix(".png").exists()
 
 
 def test_skips_with_reasons(roofline, tmp_path):
