@@ -53,7 +53,7 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
 - **memory**: before anything is allocated, each variant's states (``jax.eval_shape`` of its ``init``, per layer)
   and its compiled prefill's temporaries (``memory_analysis``) are added to the prompt's q, k, v and to full's
   states; variants are packed into groups (each with its own ``full``) that fit ``--memory-gb`` (default 60% of the
-  host's RAM: the host is shared), and a variant that does not fit even alone with full is skipped. float32 at 128k
+  host's RAM on CPU, the host being shared; 90% of an accelerator's ``bytes_limit``), and a variant that does not fit even alone with full is skipped. float32 at 128k
   tokens, batch 4 (prompt 12 GiB, full's cache 4 GiB per layer) does not fit a 24 GB host.
 - **prefill time**: the prefill of h2o and LESS (accumulated attention scores over every query) and the causal
   attention are quadratic in the prompt (~80 s per layer at 32k on this CPU, x4 per doubling). Before a prefill
@@ -629,8 +629,8 @@ def parse_args(argv):
     p.add_argument("--first-layer", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--memory-gb", type=float, default=None, help="memory for the skip/group rule (default: 60%% "
-                                                                  "of the host's RAM)")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory for the skip/group rule (default: 90%% "
+                                                                  "of an accelerator's, 60%% of the host's RAM)")
     p.add_argument("--max-prefill-s", type=float, default=600.0,
                    help="skip a prefill whose estimated seconds (all layers) exceed this")
     p.add_argument("--calibration-len", type=int, default=4096, help="prompt of the prefill-time calibration")
@@ -662,8 +662,16 @@ def parse_args(argv):
 
 
 def memory_limit(gb: float | None) -> int | None:
+    """Bytes for the memory rule: ``--memory-gb``, else 90% of the device's ``bytes_limit`` (GPU, TPU), else 60%
+    of the host's RAM (CPU: the host is shared)."""
     if gb:
         return int(gb * 2**30)
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001  (backends without memory stats raise various errors)
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(0.9 * stats["bytes_limit"])
     try:
         return int(0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
