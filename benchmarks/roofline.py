@@ -496,7 +496,7 @@ def projection_text(proj: list[dict], weights: float = WEIGHTS_8B_BF16, layers: 
     return "\n".join(lines)
 
 
-#: Colours and markers of the plot's variants: 40 colours, 11 markers.
+#: The plot's markers (with 28 colours: every variant of the default grid gets its own colour).
 MARKERS = "os^vDP*Xh<>"
 
 
@@ -516,7 +516,8 @@ def plot(rows: list[dict], path: Path, title: str = "") -> str:
     if not panels:
         return "plot skipped: no rows besides full"
     labels = list(dict.fromkeys(r["label"] for r in ok))
-    colours = list(plt.cm.tab20.colors) + list(plt.cm.tab20b.colors)
+    t20 = list(plt.cm.tab20.colors)
+    colours = t20[0::2] + t20[1::2] + list(plt.cm.tab20b.colors[0::4]) + list(plt.cm.tab20b.colors[2::4])  # dark first
     style = {lab: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, lab in enumerate(labels)}
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
     for ax, (b, dt) in zip(axes[0], panels):
