@@ -19,12 +19,16 @@ The grid (defaults): prompts 8k, 16k, 32k, 64k, 128k tokens x batch 1, 4 x float
 registered method at budgets 0.1 and 0.2, and the recall methods (``Method.recalls``: pqcache, clusterkv, quest)
 also at 1024 and 2048 tokens: 27 variants per (context, batch, dtype). ``--quick`` is 16k, batch 1, float32,
 budget 0.2 and 2048 tokens, 3 rounds of 4 steps (14 variants). ``--tiny`` swaps in a 4-head, 32-dim config (the
-smoke test's). How long: at 16k, batch 1, float32 a variant costs ~10-20 s (compiles, its prefill, the timed
-rounds) and h2o/less ~20 s more for their quadratic prefill; the causal attention of the TTFT ~20 s. Time grows ~2x
-per doubling of the context (decode, linear prefills), ~4x for the quadratic parts (causal attention, h2o and less
-prefill) until the prefill cap below skips them; bfloat16 on XLA:CPU is slower than float32 (upcast dots) and
-batch 4 ~4x. One (32k, batch 1, float32) configuration of all 27 variants: ~15 min; the whole default grid: on the
-order of 10 hours here, most of it in 64k-128k and batch 4 (run it in pieces: ``--lengths 8k,16k``...).
+smoke test's).
+
+How long (measured on this 2-core CPU, batch 1, float32, 1 layer): ``--quick`` 130 s; 32k with 14 variants
+(budget 0.2 + 2048 tokens, 5 rounds of 8 steps) 342 s, of which 224 s are the three quadratic prefills (the causal
+attention 76 s, h2o's 76 s, LESS's 72 s) and ~8 s per variant the rest (compiles, linear prefills, timed rounds).
+The quadratic parts grow 4x per doubling of the context and with the batch, the rest ~2x; the default grid's 27
+variants run h2o and LESS twice each. Estimated from those: float32, batch 1 ~1 h (8k 2 min, 16k 4 min, 32k 10
+min, 64k 30 min, 128k 12 min with the quadratic prefills skipped), batch 4 ~1.2 h (64k without the quadratic
+prefills, 128k skipped: it does not fit); bfloat16 (XLA:CPU upcasts its dots) is slower: see the 8k run. Run it in pieces
+(``--lengths 8k,16k``, ...) and merge them with ``--report a.json,b.json``.
 
 Timing: the states of a group of variants are built first; then ``--rounds`` rounds each run ``--steps`` steps of
 every variant in a rotated order (compile and the first round excluded) and the step time is the median over rounds,
