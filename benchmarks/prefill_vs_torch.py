@@ -9,7 +9,8 @@ arrays copied: kvjax's ``[in, out]`` matrices transposed back to PyTorch's ``[ou
 ``--cache-dir``. transformers loads it as ``LlamaForCausalLM`` in float32 (no download); kvjax loads the same
 folder with ``kvjax.load_model`` (``--kvjax-source gguf``: from the GGUF itself, as ``load_model("smollm2-135m-
 instruct")`` does; the arrays are identical). ``--random``: the same architecture with random weights (normal,
-std 0.02, seed 0) and a context long enough for the longest length, for 16k and 32k (SmolLM2's context is 8k).
+std 0.02, seed 0) and a context long enough for the longest length, for 16k and 32k (SmolLM2's context is 8k);
+``--layers`` keeps SmolLM2's layer shapes but fewer layers, so a 32k comparison takes minutes, not an hour.
 
 **Prompt.** ``n`` token ids drawn uniformly from the vocabulary (seed 0) after BOS: the same ids on both sides.
 
@@ -155,8 +156,9 @@ def hf_state_dict(cfg, params) -> dict:
     return out
 
 
-def export(folder: Path, random_context: int | None) -> None:
-    """Write the HF folder: the GGUF's float32 weights, or random ones with ``random_context`` positions."""
+def export(folder: Path, random_context: int | None, layers: int | None = None) -> None:
+    """Write the HF folder: the GGUF's float32 weights, or random ones with ``random_context`` positions (and
+    ``layers`` layers, default SmolLM2's 30)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -171,7 +173,9 @@ def export(folder: Path, random_context: int | None) -> None:
     if random_context:
         import jax
 
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, random_context))
+        n = layers or cfg.num_layers
+        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, random_context),
+                                  num_layers=n, sliding_windows=(None,) * n)
         params = random_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(hf_state_dict(cfg, params), str(folder / "model.safetensors"))
@@ -275,7 +279,7 @@ def worker_torch(args) -> dict:
 def worker(args) -> None:
     _pin(args.threads)
     if args.worker == "export":
-        export(Path(args.weights), args.random_context)
+        export(Path(args.weights), args.random_context, args.layers)
         return
     res = worker_kvjax(args) if args.worker == "kvjax" else worker_torch(args)
     # clear_refs also resets ru_maxrss, so the process peak is the larger of the two phases' peaks
@@ -306,13 +310,15 @@ def _spawn(argv: list[str], timeout: float, root: Path = ROOT) -> dict | None:
     return None
 
 
-def ensure_weights(cache: Path, random_context: int | None) -> Path:
-    folder = cache / (f"random-{random_context}" if random_context else "smollm2-135m-instruct-f32")
+def ensure_weights(cache: Path, random_context: int | None, layers: int | None = None) -> Path:
+    name = f"random-{random_context}" + (f"-{layers}layers" if layers else "") if random_context else \
+        "smollm2-135m-instruct-f32"
+    folder = cache / name
     if not (folder / "ok.npy").is_file():
         print(f"exporting weights to {folder} ...", flush=True)
         argv = ["--worker", "export", "--weights", str(folder), "--threads", "1"]
         if random_context:
-            argv += ["--random-context", str(random_context)]
+            argv += ["--random-context", str(random_context)] + (["--layers", str(layers)] if layers else [])
         _spawn(argv, 1800)
     return folder
 
@@ -345,6 +351,8 @@ def main(argv=None) -> None:
                     help="kvjax, torch, and base: kvjax imported from --base-root (before/after in one run)")
     ap.add_argument("--base-root", type=Path, default=None, help="another checkout of kvjax for the 'base' side")
     ap.add_argument("--random", action="store_true", help="random weights, context raised to the longest length")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="with --random: this many layers instead of SmolLM2's 30 (same per-layer shapes)")
     ap.add_argument("--reps", type=int, default=2, help="timed prefills per side and length (median)")
     ap.add_argument("--max-new", type=int, default=32, help="decode slots in kvjax's cache (as generate)")
     ap.add_argument("--kvjax-source", choices=("folder", "gguf"), default="folder")
@@ -367,11 +375,12 @@ def main(argv=None) -> None:
     threads = [int(t) for t in args.threads.split(",")]
     sides = [s for s in args.sides.split(",") if s]
     random_context = max(args.lengths) + args.max_new if args.random else None
-    folder = ensure_weights(args.cache_dir, random_context)
+    folder = ensure_weights(args.cache_dir, random_context, args.layers if args.random else None)
     rows, started = [], time.perf_counter()
     meta = dict(command=" ".join(shlex.quote(a) for a in sys.argv), commit=commit(), machine=platform.machine(),
                 cpu=_cpu_name(), cpus=len(os.sched_getaffinity(0)), python=platform.python_version(),
-                weights=str(folder), random=args.random, reps=args.reps, max_new=args.max_new,
+                weights=str(folder), random=args.random, layers=args.layers if args.random else None, reps=args.reps,
+                max_new=args.max_new,
                 kvjax_source=args.kvjax_source, base_root=str(args.base_root) if args.base_root else None)
     for th in threads:
         for n in args.lengths:
