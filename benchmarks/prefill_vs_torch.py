@@ -395,7 +395,8 @@ def main(argv=None) -> None:
                         raise ValueError("--sides base needs --base-root (a checkout of kvjax to compare against)")
                     argv[1] = "kvjax"
                 row[side] = _spawn(argv, args.timeout, args.base_root if side == "base" else ROOT)
-                row[side]["commit"] = (commit(args.base_root) or str(args.base_root)) if side == "base" else meta["commit"]
+                base = side == "base"
+                row[side]["commit"] = (commit(args.base_root) or str(args.base_root)) if base else meta["commit"]
                 print(f"  {side:5s} threads={th} n={n}: {row[side]['median_s']:.2f} s ({row[side]['median_cpu_s']:.2f} "
                       f"CPU s), prefill peak "
                       f"{row[side]['prefill_peak'] / MIB:.0f} MiB, process peak {row[side]['process_peak'] / MIB:.0f}"
