@@ -7,6 +7,9 @@ A tiny random Llama (2 layers, 4 query / 2 KV heads) on a 1024-token bucket with
 its 4 query chunks of 256. Unrolled and scanned layers (``scan_layers``).
 """
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +71,44 @@ def test_live_blocks_skip_padding():
     out = P.chunked_attention(q, k, v, jnp.asarray([100]), None, 128)
     np.testing.assert_array_equal(np.asarray(out[:, :, 128:]), 1.0)  # past the one live block: q's values
     np.testing.assert_array_equal(np.asarray(out[:, :, :100]), 0.0)  # attended: v is 0
+
+
+# ------------------------------------------------------------------ every method: what padding holds does not matter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sharding"))
+import test_sharded_generate as tsg  # noqa: E402
+
+DEFAULT_METHODS = ("full", "snapkv", "h2o", "pqcache")
+STEPS = 3
+
+
+def steps(name, token_block, monkeypatch):
+    """Prefill (bucket T, prompts of LENGTHS) and STEPS greedy decode steps: logits ``[STEPS + 1, B, V]``."""
+    monkeypatch.setattr(M, "TOKEN_BLOCK", token_block)
+    method = tsg.method(name, budget=0.3)
+    params = M.random_params(CFG, jax.random.PRNGKey(1), scale=0.2)
+    rng = np.random.RandomState(1)
+    ids = [list(rng.randint(1, 96, size=n)) for n in LENGTHS]
+    tokens, lengths = engine.pad_prompts(ids, T)
+    states = engine.init_states(CFG, method, len(ids), Capacity(T, STEPS + 1), jnp.float32)
+    # a fresh jit per setting: TOKEN_BLOCK is read while tracing
+    prefill = jax.jit(engine._prefill, static_argnums=(0, 1))
+    states, logits = prefill(CFG, method, params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+    out, pos = [logits], jnp.asarray(lengths)
+    step = jax.jit(engine._decode_step, static_argnums=(0, 1))
+    for _ in range(STEPS):
+        logits, states = step(CFG, method, params, states, jnp.argmax(out[-1], -1).astype(jnp.int32), pos)
+        out.append(logits)
+        pos = pos + 1
+    return np.asarray(jnp.stack(out))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_METHODS else pytest.mark.slow)
+                                  for n in methods.names()])
+def test_methods_ignore_what_padding_holds(name, monkeypatch):
+    """Token blocks of 16 (44 of 64 run: rows past the longest prompt stay 0) against one pass over the whole
+    bucket (padding rows computed from the padding tokens): every method keeps and attends the same tokens, so
+    the prefill logits and the next decode steps' logits agree."""
+    blocked = steps(name, 16, monkeypatch)
+    whole = steps(name, 10 ** 9, monkeypatch)
+    np.testing.assert_allclose(blocked, whole, atol=1e-4, rtol=0)
