@@ -131,12 +131,13 @@ def layer_states(states) -> list:
     return out
 
 
-def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step, mesh):
+def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step, mesh, live=None):
     """Run every layer with its method state: ``step(layer, x, q, k, v, state, previous) -> (attn, new_state)``
     (``previous``: the previous layer's new state for methods that declare ``reuses_previous_layer``, else None).
     Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
     one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack, updated in place at the traced
-    layer. Returns ``(x, new states tuple)`` in the layout of ``states``."""
+    layer. ``live`` (prefill): the longest prompt's length, so bucket padding costs no position-wise work
+    (:func:`kvjax.model.layer_step`). Returns ``(x, new states tuple)`` in the layout of ``states``."""
     reuse = method.reuses_previous_layer
     new, layer, prev = [], 0, None
     for st in states:
@@ -145,7 +146,7 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
                 attn, out = step(l, x, q, k, v, st, prev if reuse else None)
                 return attn, S.constrain_state(method, out, mesh)
 
-            x, out = M.run_layers(cfg, params, x, positions, attend, None, range(layer, layer + 1))
+            x, out = M.run_layers(cfg, params, x, positions, attend, None, range(layer, layer + 1), live)
             new.append(out)
             prev, layer = out, layer + 1
             continue
@@ -165,7 +166,8 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
         first = st.layer(0) if reuse else None
         if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
             first = prev
-        x, (stack, prev) = M.scan_layers(cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop))
+        x, (stack, prev) = M.scan_layers(cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop),
+                                         live)
         new.append(st.replace(state=stack))
         layer = st.stop
     return x, tuple(new)
@@ -192,7 +194,8 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
         st = method.prefill(st, layer, q, k, v, lengths, previous=previous)
         return M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)), st
 
-    x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh)
+    x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh,
+                                   live=jnp.max(lengths))
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
     return new_states, M.logits(cfg, params, last)[:, 0]
 

@@ -126,40 +126,101 @@ def layer_params(params: Params, layer) -> Params:
     return params["layers"][layer]
 
 
-def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, layer, carry):
+#: A prompt bucket longer than this (and a multiple of it) runs its position-wise work (norms, projections,
+#: RoPE, output projection, MLP) in blocks of this many tokens, over the blocks that hold a real token only.
+TOKEN_BLOCK = 512
+
+
+def _token_blocks(t: int, live) -> int | None:
+    """Token block size for a ``t``-token pass with ``live`` leading real tokens (None: one pass over all ``t``)."""
+    return TOKEN_BLOCK if live is not None and t > TOKEN_BLOCK and t % TOKEN_BLOCK == 0 else None
+
+
+def _live_blocks(live, c: int, t: int):
+    return jnp.clip((jnp.asarray(live, jnp.int32) + c - 1) // c, 0, t // c)
+
+
+def layer_qkv_blocks(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, live, c: int):
+    """:func:`layer_qkv` over ``c``-token blocks of ``x [B, T, H]``, only those before ``live`` (traced int: the
+    longest sequence's real tokens). Returns q, k, v as ``layer_qkv`` does; rows of blocks past ``live`` are 0."""
+    t = x.shape[1]
+
+    def block(i):
+        xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+        return layer_qkv(cfg, lp, xs, jax.lax.dynamic_slice_in_dim(positions, i * c, c, axis=1))
+
+    # zero buffers made from a zero that depends on x (0 * (x != x), which XLA does not fold): plain zeros would
+    # be allocated at the start of the program, for every layer at once
+    x0 = x[0, 0, 0]
+    zero = (x0 != x0).astype(x.dtype) * jnp.zeros((), x.dtype)
+    shapes = jax.eval_shape(block, 0)
+    bufs = tuple(jnp.full(a.shape[:2] + (t,) + a.shape[3:], zero, a.dtype) for a in shapes)
+
+    def body(i, bufs):
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, u, i * c, axis=2) for a, u in zip(bufs, block(i)))
+
+    return jax.lax.fori_loop(0, _live_blocks(live, c, t), body, bufs)
+
+
+def layer_finish_blocks(cfg: ModelConfig, lp: Params, x: jnp.ndarray, attn: jnp.ndarray, live, c: int):
+    """:func:`layer_finish` over ``c``-token blocks, in place in ``x``; rows of blocks past ``live`` keep their
+    input values."""
+    t = x.shape[1]
+
+    def body(i, x):
+        xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
+        out = layer_finish(cfg, lp, xs, jax.lax.dynamic_slice_in_dim(attn, i * c, c, axis=2))
+        return jax.lax.dynamic_update_slice_in_dim(x, out, i * c, axis=1)
+
+    return jax.lax.fori_loop(0, _live_blocks(live, c, t), body, x)
+
+
+def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, layer, carry,
+               live=None):
     """One decoder layer: ``q, k, v = layer_qkv(...)``, ``attn, carry = attend(layer, x, q, k, v, carry)``,
-    ``x = layer_finish(..., attn)``. Returns ``(x, carry)``. The body of both layer loops below."""
-    q, k, v = layer_qkv(cfg, lp, x, positions)
+    ``x = layer_finish(..., attn)``. Returns ``(x, carry)``. The body of both layer loops below.
+
+    ``live`` (a prefill: traced int, the longest sequence's real tokens; None: every position counts): with a
+    bucket longer than ``TOKEN_BLOCK`` tokens the position-wise work runs in blocks over the first ``live``
+    tokens only (:func:`layer_qkv_blocks`, :func:`layer_finish_blocks`): bucket padding costs no projection or
+    MLP work and no ``[T, intermediate]`` buffer is held. Rows past ``live`` are then meaningless (finite)."""
+    c = _token_blocks(x.shape[1], live)
+    if c is None:
+        q, k, v = layer_qkv(cfg, lp, x, positions)
+        attn, carry = attend(layer, x, q, k, v, carry)
+        return layer_finish(cfg, lp, x, attn), carry
+    q, k, v = layer_qkv_blocks(cfg, lp, x, positions, live, c)
     attn, carry = attend(layer, x, q, k, v, carry)
-    return layer_finish(cfg, lp, x, attn), carry
+    return layer_finish_blocks(cfg, lp, x, attn, live, c), carry
 
 
 def run_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry=None,
-               layers: range | None = None):
+               layers: range | None = None, live=None):
     """The layer loop, unrolled: for each layer ``q, k, v = layer_qkv(...)``, then
     ``attn, carry = attend(layer, x, q, k, v, carry)``, then ``x = layer_finish(..., attn)``.
 
     x: ``[B, T, H]`` residual stream (the embedded tokens); positions: ``[B, T]``; attend: a function of
     ``(layer, x [B,T,H] (the layer's input), q [B,Hq,T,D], k, v [B,Hkv,T,D], carry)`` returning the attention
     output ``[B, Hq, T, D]`` and the new carry (the engine's method states, a probe's records, ...). ``layers``
-    runs a subset (default all). Either parameter layout (:func:`is_stacked`). Returns ``(x, carry)``.
+    runs a subset (default all). ``live``: see :func:`layer_step`. Either parameter layout (:func:`is_stacked`).
+    Returns ``(x, carry)``.
     """
     for layer in (range(cfg.num_layers) if layers is None else layers):
-        x, carry = layer_step(cfg, layer_params(params, layer), x, positions, attend, layer, carry)
+        x, carry = layer_step(cfg, layer_params(params, layer), x, positions, attend, layer, carry, live)
     return x, carry
 
 
 def scan_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry,
-                layers: range):
+                layers: range, live=None):
     """The layer loop as one compiled body: layers ``[start, stop)`` run by ``lax.fori_loop`` over stacked
     parameters (:func:`stack_layers`; a per-layer tuple is stacked here, which copies the weights on every call),
     so a deep model traces and compiles one layer instead of ``L``. ``attend`` is as in :func:`run_layers`, but
     ``layer`` is a traced int32 scalar and ``carry`` must keep its structure and shapes from layer to layer.
-    Returns ``(x, carry)``."""
+    ``live``: see :func:`layer_step`. Returns ``(x, carry)``."""
     params = stack_layers(params)
 
     def body(layer, c):
-        return layer_step(cfg, layer_params(params, layer), c[0], positions, attend, layer, c[1])
+        return layer_step(cfg, layer_params(params, layer), c[0], positions, attend, layer, c[1], live)
 
     return jax.lax.fori_loop(layers.start, layers.stop, body, (x, carry))
 
