@@ -6,6 +6,8 @@ optional additive bias (e.g. Chelsea's ``log N``), and returns the flash-decodin
 ``o = sum exp(s - m) v``. Partials over disjoint slot sets merge exactly with ``merge`` and ``normalise``
 gives softmax attention. GQA is native: KV heads are never repeated. ``attend`` delegates to
 ``kernels_pallas.decode_attention`` (pure-JAX reference on CPU, Pallas kernels on TPU/GPU; same contract).
+``attend_with_scores`` is the pass H2O needs beside the partials: one loop over the live slots that also keeps
+every slot's score ``q·k`` (the kernels return no per-slot values), so the weights cost no second read of K.
 
 Shapes: q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; valid ``[B, Hkv, S]`` bool; bias ``[B, Hkv, S]`` float;
 o ``[B, Hq, D]`` float32; m, l ``[B, Hq]`` float32. Axes: b batch, h KV head, g query head in group, s slot,

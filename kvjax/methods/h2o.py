@@ -4,12 +4,21 @@ Each sequence holds at most ``P = budget_tokens(budget, n)`` tokens per KV head 
 its own prompt; a token count ``c``: ``c``, which generated tokens fill up): the ``recent`` most recent ones
 (``floor(recent P)`` for a fraction, else ``min(recent, P - 1)``) and the heavy hitters with the largest
 accumulated attention (softmax weights summed over every query so far; GQA: mean over the group's query heads).
-At prefill the scores are the column sums of the causal attention of all prompt queries (computed in
-``512 x 512`` tiles of queries and keys, memory linear in the prompt: ``select.accumulated_scores``). During decode the new
-token is stored, attended over with the rest in one pass over K (its weights are added to the scores), and
-then, when the sequence holds more than ``P`` tokens, the non-recent token with the lowest accumulated score is
-evicted (H2O's greedy ``real_drop`` step). One spare slot makes this exact at a fixed shape; a sequence's live
-slots are ``[0, P + 1)`` and decode reads only those.
+At prefill the scores are the column sums of the causal attention of all prompt queries
+(``select.accumulated_scores``: one ``q·k`` per causal score, memory linear in the prompt). During decode the
+new token is attended with the rest, its weights added to the scores, and then, when the sequence holds more than
+``P`` tokens, the non-recent token with the lowest accumulated score is evicted (H2O's greedy ``real_drop`` step).
+One spare slot makes this exact at a fixed shape; a sequence's live slots are ``[0, P + 1)`` and decode reads only
+those.
+
+The step (``decode_partial``) reads K and V once: one loop over the live slots in cache-sized chunks
+(:func:`kvjax.attention.attend_with_scores`) gives the attention partials, every slot's score ``q·k`` (kept in a
+``[B, Hkv, G, S]`` float32 scratch), the held count and the first empty slot; the new token is attended as its
+own partial. Two loops over the small per-slot arrays follow (:func:`_accumulate`): ``score += mean_g exp(s - m) /
+l`` in place, then the victim search (lowest score outside the recent window, first slot on ties). One scatter per
+buffer writes the new token and empties the victim's slot. Nothing spans the ``S`` slots but in-place updates and
+the scratch's initialisation; per live slot and KV head the step reads ``2 D`` K/V elements plus about ``12 G + 24``
+bytes (``bytes_read_per_step``).
 """
 
 from __future__ import annotations
@@ -115,9 +124,11 @@ class H2O(Method):
         return part, state, (ek, ev, over)
 
     def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        """K/V and mask of the live slots (one pass: the weights come from the same scores), plus the float32
-        accumulated scores of those slots, read and written."""
-        return slot_bytes_read(state, num_heads, extra_per_slot=8)
+        """Per live slot and KV head: its K and V and ``pos`` (the attention pass); the step's float32 scores of
+        the ``G`` query heads, initialised, written and read back (``12 G``); ``score`` read and written, then
+        read again with ``pos`` by the victim search (``8 + 4 + 4 + 4``)."""
+        g = num_heads // state.k.shape[1]
+        return slot_bytes_read(state, num_heads, extra_per_slot=12 * g + 20)
 
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)

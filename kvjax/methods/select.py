@@ -42,7 +42,8 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
 SCORE_ROWS = 64
 
 
-def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None) -> jnp.ndarray:
+def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
+                       heads_at_once: bool | None = None) -> jnp.ndarray:
     """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
     (averaged over each KV group's query heads).
 
@@ -54,7 +55,12 @@ def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None)
     ``G x rows x T`` float32; once the row log-sum-exp is final, each tile's column sums are a matrix-vector
     product of the buffer with the per-row factors ``exp(running max - max) / sum`` (no second ``q·k``, no second
     ``exp`` per score). Query blocks past a sequence's length are never visited; padded queries vote for nothing
-    and padding is zeroed before use (never read as NaN or inf)."""
+    and padding is zeroed before use (never read as NaN or inf).
+
+    heads_at_once: run every ``(sequence, KV head)`` together (vmapped; the loops then run to the longest prompt's
+    blocks) instead of one after another (``lax.map``: each sequence stops at its own length, and the buffer is one
+    head's). None: one after another on CPU (the buffer, ``G x rows x T`` float32, 16 MiB at 16k tokens, stays
+    small), together elsewhere (fewer, larger kernels; ``B x Hq x rows x T`` float32)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -75,16 +81,20 @@ def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None)
         qh = qz.reshape(bl * h, g, n * c, d)
         kh = kz.reshape(bl * h, n, c, d)
         ln = jnp.repeat(lengths, h)
-        acc = jax.lax.map(lambda a: _column_sums(*a, r), (qh, kh, ln))  # [B * Hkv, n * c]
+        if heads_at_once if heads_at_once is not None else jax.default_backend() != "cpu":
+            live = (jnp.max(ln) + r - 1) // r  # unbatched: the loops are not batched under vmap
+            acc = jax.vmap(lambda a, b, n_: _column_sums(a, b, n_, live, r))(qh, kh, ln)
+        else:
+            acc = jax.lax.map(lambda a: _column_sums(*a, (a[2] + r - 1) // r, r), (qh, kh, ln))  # [B * Hkv, n * c]
         return acc.reshape(bl, h, n * c)[..., :t] / g
 
     return sharding.per_head(run, q, k, lengths)
 
 
-def _column_sums(q, k, length, r: int):
+def _column_sums(q, k, length, live, r: int):
     """Column sums ``[N * C]`` of one head group's causal softmax: q ``[G, N * C, D]`` (zero past ``length``), k
-    ``[N, C, D]`` key tiles, length: int32 scalar, r: query rows per block (divides ``C``). See
-    :func:`accumulated_scores`."""
+    ``[N, C, D]`` key tiles, length: int32 scalar, live: query blocks to visit (``>= ceil(length / r)``), r: query
+    rows per block (divides ``C``). See :func:`accumulated_scores`."""
     g, tp, d = q.shape
     n, c = k.shape[:2]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
@@ -122,7 +132,6 @@ def _column_sums(q, k, length, r: int):
         return buf, mt, jax.lax.fori_loop(0, jd + 1, columns, acc)
 
     init = (jnp.zeros((n, g, r, c), jnp.float32), jnp.zeros((n, g, r), jnp.float32), jnp.zeros((n, c), jnp.float32))
-    live = (length + r - 1) // r  # query blocks holding a real query
     _, _, acc = jax.lax.fori_loop(0, live, block, init)
     return acc.reshape(n * c)
 
