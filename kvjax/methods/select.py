@@ -61,6 +61,21 @@ def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
     blocks) instead of one after another (``lax.map``: each sequence stops at its own length, and the buffer is one
     head's). None: one after another on CPU (the buffer, ``G x rows x T`` float32, 16 MiB at 16k tokens, stays
     small), together elsewhere (fewer, larger kernels; ``B x Hq x rows x T`` float32)."""
+    return _prompt_pass(q, k, None, lengths, chunk, rows, heads_at_once)[1]
+
+
+def accumulated_attention(q, k, v, lengths, chunk: int = 512, rows: int | None = None,
+                          heads_at_once: bool | None = None):
+    """The causal attention of the prompt and H2O's accumulated scores from the same probabilities: ``(out [B, Hq,
+    T, D] in q.dtype, scores [B, Hkv, T] float32)``, as ``prefill_attention(q, k, v, lengths)`` and
+    :func:`accumulated_scores` (up to float rounding; rows of padded queries are 0). Each query block's buffered
+    ``exp`` tiles also give its output (``Σ_j f_j ⊙ (P_j V_j)``), so the pair costs one ``q·k`` and one ``P·v`` per
+    causal score: a prefill attention's work, where attention then :func:`accumulated_scores` do a second ``q·k``."""
+    return _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once)
+
+
+def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
+    """(out or None, scores) of :func:`accumulated_attention` / :func:`accumulated_scores`."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -70,38 +85,43 @@ def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
         raise ValueError(f"rows={r} must divide chunk={c} (query rows per block inside a key tile)")
     n = -(-t // c)
     lengths = jnp.asarray(lengths, jnp.int32)
+    at_once = heads_at_once if heads_at_once is not None else jax.default_backend() != "cpu"
 
-    def run(q, k, lengths):
+    def run(q, k, lengths, *v):
         bl = q.shape[0]
-        real = jnp.arange(t)[None, :] < lengths[:, None]  # [B, T]
+        real = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, T, 1]
         pad = ((0, 0), (0, 0), (0, n * c - t), (0, 0))
-        qz = jnp.pad(jnp.where(real[:, None, :, None], q, 0), pad)
-        kz = jnp.pad(jnp.where(real[:, None, :, None], k, 0), pad)
-        h = kz.shape[1]
-        qh = qz.reshape(bl * h, g, n * c, d)
-        kh = kz.reshape(bl * h, n, c, d)
-        ln = jnp.repeat(lengths, h)
-        if heads_at_once if heads_at_once is not None else jax.default_backend() != "cpu":
-            live = (jnp.max(ln) + r - 1) // r  # unbatched: the loops are not batched under vmap
-            acc = jax.vmap(lambda a, b, n_: _column_sums(a, b, n_, live, r))(qh, kh, ln)
+        tiles = lambda x: jnp.pad(jnp.where(real, x, 0), pad).reshape(-1, n, c, d)  # noqa: E731  [B*Hkv, N, C, D]
+        h = k.shape[1]
+        xs = (jnp.pad(jnp.where(real, q, 0), pad).reshape(bl * h, g, n * c, d), tiles(k), jnp.repeat(lengths, h),
+              *(tiles(x) for x in v))
+        if at_once:
+            live = (jnp.max(lengths) + r - 1) // r  # unbatched: the loops are not batched under vmap
+            acc, out = jax.vmap(lambda *a: _column_sums(*a[:3], live, r, *a[3:]))(*xs)
         else:
-            acc = jax.lax.map(lambda a: _column_sums(*a, (a[2] + r - 1) // r, r), (qh, kh, ln))  # [B * Hkv, n * c]
-        return acc.reshape(bl, h, n * c)[..., :t] / g
+            acc, out = jax.lax.map(lambda a: _column_sums(*a[:3], (a[2] + r - 1) // r, r, *a[3:]), xs)
+        acc = acc.reshape(bl, h, n * c)[..., :t] / g
+        if out is None:
+            return acc
+        return out.reshape(bl, h * g, n * c, d)[:, :, :t].astype(q.dtype), acc
 
-    return sharding.per_head(run, q, k, lengths)
+    if v is None:
+        return None, sharding.per_head(run, q, k, lengths)
+    return sharding.per_head(run, q, k, lengths, v)
 
 
-def _column_sums(q, k, length, live, r: int):
-    """Column sums ``[N * C]`` of one head group's causal softmax: q ``[G, N * C, D]`` (zero past ``length``), k
-    ``[N, C, D]`` key tiles, length: int32 scalar, live: query blocks to visit (``>= ceil(length / r)``), r: query
-    rows per block (divides ``C``). See :func:`accumulated_scores`."""
+def _column_sums(q, k, length, live, r: int, v=None):
+    """Column sums ``[N * C]`` of one head group's causal softmax and, with ``v``, its attention output ``[G, N *
+    C, D]`` float32 (else None): q ``[G, N * C, D]`` (zero past ``length``), k, v ``[N, C, D]`` key tiles, length:
+    int32 scalar, live: query blocks to visit (``>= ceil(length / r)``), r: query rows per block (divides ``C``).
+    See :func:`accumulated_scores`."""
     g, tp, d = q.shape
     n, c = k.shape[:2]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     offs_r, offs_c = jnp.arange(r), jnp.arange(c)
 
     def block(i, carry):
-        buf, mt, acc = carry  # buf [N, G, R, C]: exp(s - running max) per key tile, mt [N, G, R] that max
+        buf, mt, acc, out = carry  # buf [N, G, R, C]: exp(s - running max) per key tile, mt [N, G, R] that max
         qi = jax.lax.dynamic_slice_in_dim(q, i * r, r, axis=1)  # [G, R, D]
         jd = (i * r) // c  # the key tile holding this block's diagonal
         tile = lambda j: jnp.einsum("grd,cd->grc", qi, k[j], preferred_element_type=jnp.float32) * scale  # noqa: E731
@@ -124,16 +144,26 @@ def _column_sums(q, k, length, live, r: int):
         buf, mt, m, l = jax.lax.fori_loop(0, jd, forward, (buf, mt, m, jnp.sum(p, axis=-1)))
         real = (i * r + offs_r < length)[None, :]  # [1, R]: padded queries vote for nothing
 
-        def columns(j, acc):  # exp(s - lse) = buf_j * exp(mt_j - m) / l, summed over the group's rows
+        def columns(j, cr):  # exp(s - lse) = buf_j * exp(mt_j - m) / l, summed over the group's rows
+            acc, o = cr
             f = jnp.where(real, jnp.exp(mt[j] - m) / l, 0.0)  # [G, R]
             col = jnp.einsum("gr,grc->c", f, buf[j], preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_index_in_dim(acc, acc[j] + col, j, axis=0)
+            acc = jax.lax.dynamic_update_index_in_dim(acc, acc[j] + col, j, axis=0)
+            if v is not None:
+                o = o + f[..., None] * jnp.einsum("grc,cd->grd", buf[j].astype(v.dtype), v[j],
+                                                  preferred_element_type=jnp.float32)
+            return acc, o
 
-        return buf, mt, jax.lax.fori_loop(0, jd + 1, columns, acc)
+        o = None if v is None else jnp.zeros((g, r, d), jnp.float32)
+        acc, o = jax.lax.fori_loop(0, jd + 1, columns, (acc, o))
+        if v is not None:
+            out = jax.lax.dynamic_update_slice_in_dim(out, o, i * r, axis=1)
+        return buf, mt, acc, out
 
-    init = (jnp.zeros((n, g, r, c), jnp.float32), jnp.zeros((n, g, r), jnp.float32), jnp.zeros((n, c), jnp.float32))
-    _, _, acc = jax.lax.fori_loop(0, live, block, init)
-    return acc.reshape(n * c)
+    init = (jnp.zeros((n, g, r, c), jnp.float32), jnp.zeros((n, g, r), jnp.float32), jnp.zeros((n, c), jnp.float32),
+            None if v is None else jnp.zeros((g, tp, d), jnp.float32))
+    _, _, acc, out = jax.lax.fori_loop(0, live, block, init)
+    return acc.reshape(n * c), out
 
 
 def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:

@@ -141,3 +141,24 @@ def test_step_copies_nothing_and_spans_no_slot_loop(name):
     scratch = [f for f in found if f[2] == (1, 2, 4, s) and "broadcast" in f[1]]
     other = [f for f in found if f not in scratch and not re.search("scatter|dynamic-update-slice", f[1] + f[0])]
     assert len(scratch) <= 1 and not other, (scratch, other)
+
+
+@pytest.mark.parametrize("heads_at_once", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accumulated_attention_is_attention_and_scores(dtype, heads_at_once):
+    """The fused prompt pass equals the prefill attention (real rows) and the accumulated scores."""
+    from kvjax.prefill_attention import prefill_attention
+
+    rng = np.random.default_rng(5)
+    lengths = np.array([45, 30, 1])
+    q, k, v = (rng.standard_normal((3, h, 45, 8)).astype(np.float32) for h in (4, 2, 2))
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    out, acc = jax.jit(lambda *a: select.accumulated_attention(*a, 16, 4, heads_at_once))(q, k, v, lengths)
+    want = prefill_attention(q, k, v, jnp.asarray(lengths), impl="chunked", chunk=16)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    assert out.dtype == q.dtype
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(out[b, :, :n], np.float32), np.asarray(want[b, :, :n], np.float32),
+                                   atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(acc), np_accumulated(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                                                               lengths), atol=1e-5 if dtype == "float32" else 2e-2)
