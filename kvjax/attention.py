@@ -6,6 +6,8 @@ optional additive bias (e.g. Chelsea's ``log N``), and returns the flash-decodin
 ``o = sum exp(s - m) v``. Partials over disjoint slot sets merge exactly with ``merge`` and ``normalise``
 gives softmax attention. GQA is native: KV heads are never repeated. ``attend`` delegates to
 ``kernels_pallas.decode_attention`` (pure-JAX reference on CPU, Pallas kernels on TPU/GPU; same contract).
+``attend_with_scores`` is the pass H2O needs beside the partials: one loop over the live slots that also keeps
+every slot's score ``q·k`` (the kernels return no per-slot values), so the weights cost no second read of K.
 
 Shapes: q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; valid ``[B, Hkv, S]`` bool; bias ``[B, Hkv, S]`` float;
 o ``[B, Hq, D]`` float32; m, l ``[B, Hq]`` float32. Axes: b batch, h KV head, g query head in group, s slot,
@@ -14,12 +16,15 @@ d head dim.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
+from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
-__all__ = ["NEG_INF", "attend", "attend_with_weights", "merge", "normalise", "scores"]
+__all__ = ["NEG_INF", "attend", "attend_with_scores", "attend_with_weights", "merge", "normalise", "scores"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -54,18 +59,91 @@ def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block
 
 
 def attend_with_weights(q, k, v, valid, lengths=None):
-    """One pass over K: the partials ``(o, m, l)`` and the softmax weights ``[B, Hkv, G, S]`` float32 of the
-    new query over the taking-part slots (H2O needs both; computing the scores once reads K once). Pure JAX
-    (XLA fuses it) on every backend: the Pallas kernel returns no per-slot weights."""
+    """The partials ``(o, m, l)`` and the softmax weights ``[B, Hkv, G, S]`` float32 of the new query over the
+    taking-part slots (zero elsewhere), from :func:`attend_with_scores` (one pass over the live chunks of K and V;
+    the weights ``exp(s - m) / l`` are formed over all ``S`` slots, so this is for tests and small buffers: H2O's
+    step forms them chunk by chunk, only over its live slots)."""
     b, hq, d = q.shape
-    s = scores(q, k)
-    mask = valid
-    if lengths is not None:
-        mask = mask & (jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None])
-    s = jnp.where(mask[:, :, None, :], s, NEG_INF)
-    m = jnp.max(s, axis=-1)
-    p = jnp.where(mask[:, :, None, :], jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    w = p / jnp.where(l > 0, l, 1.0)[..., None]
-    return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), w
+    lengths = jnp.full((b,), k.shape[2], jnp.int32) if lengths is None else lengths
+    (o, m, l), s, _, _ = attend_with_scores(q, k, v, valid, lengths)
+    hkv = k.shape[1]
+    mg, lg = m.reshape(b, hkv, -1), l.reshape(b, hkv, -1)
+    take = valid.astype(bool) & (jnp.arange(k.shape[2])[None, None, :] < lengths[:, None, None])
+    p = jnp.where(take[:, :, None, :], jnp.exp(s - mg[..., None]), 0.0)
+    return (o, m, l), p / jnp.where(lg > 0, lg, 1.0)[..., None]
+
+
+def live_chunk(s: int, b: int, hkv: int, d: int, itemsize: int, chunk: int | None = None) -> int:
+    """Slots per step of a loop over the live slots: ``chunk`` if given, else on CPU a cache-sized chunk
+    (``kernels_pallas.decode_attention.xla.chunk_rows``), elsewhere all ``S`` at once (one fused pass); at most
+    ``S``."""
+    if chunk is None:
+        chunk = chunk_rows(b, hkv, d, itemsize) if jax.default_backend() == "cpu" else s
+    return int(max(min(chunk, s), 1))
+
+
+def live_rows(i, c: int, s: int, lengths):
+    """Chunk ``i`` of a loop over the slots ``[0, max lengths)`` in chunks of ``c``: ``(start, rows [C], fresh [B,
+    C])`` -- the chunk is ``[start, start + c)``, the last one shifted back inside the buffer (``start = min(i c, S -
+    c)``), and ``fresh`` marks its rows not visited by an earlier chunk and below the sequence's length."""
+    start = jnp.minimum(i * c, s - c)
+    rows = start + jnp.arange(c, dtype=jnp.int32)
+    fresh = (rows[None, :] >= i * c) & (rows[None, :] < lengths[:, None])
+    return start, rows, fresh
+
+
+def live_trips(lengths, c: int):
+    """Trip count of a loop over ``[0, max lengths)`` in chunks of ``c`` (dynamic: bucket padding and unwritten
+    slots are never visited)."""
+    return (jnp.max(lengths).astype(jnp.int32) + c - 1) // c
+
+
+def attend_with_scores(q, k, v, valid, lengths, *, start=None, chunk: int | None = None):
+    """One pass over the live chunks of K and V: the partials of attention over the taking-part slots and, as a
+    by-product of the same ``q·k``, every slot's scaled score (H2O accumulates the weights ``exp(s - m) / l``).
+
+    A slot ``s`` of ``(b, h)`` takes part iff ``s < lengths[b]`` and ``valid[b, h, s]`` (bool, or an int array such
+    as slot positions: taking part where ``>= 0``). The loop visits only ``[0, max lengths)``, ``chunk`` slots per
+    step (:func:`live_chunk`), each chunk attended with the flash-decoding recurrence and merged (as
+    ``kernels_pallas.decode_attention.xla``). Returns ``((o [B,Hq,D], m [B,Hq], l [B,Hq]), scores [B, Hkv, G, S]
+    float32 (``q·k/sqrt(D)`` of the visited slots, 0 for slots never visited), taken [B, Hkv] int32 (slots taking
+    part), free [B, Hkv] int32 (the first slot below ``lengths[b]`` that does not take part, else ``lengths[b]``))``.
+    ``start``: partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` the chunks are merged into (e.g. a new token's own,
+    attended beside the buffer; default the empty partial), so the result leaves the loop whole. Reads K, V and
+    ``valid`` of the live slots once, writes the scores once.
+    """
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    c = live_chunk(s, b, hkv, d, np.dtype(k.dtype).itemsize, chunk)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    qg = q.reshape(b, hkv, g, d)
+    scale = 1.0 / np.sqrt(np.float32(d))
+
+    def body(i, carry):
+        part, sc, taken, free = carry
+        start, rows, fresh = live_rows(i, c, s, lengths)
+        sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2)  # noqa: E731
+        ok = sl(valid)
+        ok = ok if ok.dtype == jnp.bool_ else ok >= 0
+        fresh = fresh[:, None, :]
+        take = fresh & ok  # [B, Hkv, C]
+        x = jnp.einsum("bhsd,bhgd->bhgs", sl(k), qg, preferred_element_type=jnp.float32) * scale
+        sc = jax.lax.dynamic_update_slice_in_dim(sc, x, start, axis=3)
+        x = jnp.where(take[:, :, None, :], x, NEG_INF)
+        mc = jnp.max(x, axis=-1)
+        p = jnp.where(take[:, :, None, :], jnp.exp(x - mc[..., None]), 0.0)
+        oc = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), sl(v), preferred_element_type=jnp.float32)
+        part = merge(part, (oc, mc, jnp.sum(p, axis=-1)))
+        taken = taken + jnp.sum(take, axis=-1, dtype=jnp.int32)
+        free = jnp.minimum(free, jnp.min(jnp.where(fresh & ~ok, rows, s), axis=-1))
+        return part, sc, taken, free
+
+    if start is None:
+        start = (jnp.zeros((b, hq, d), jnp.float32), jnp.full((b, hq), NEG_INF, jnp.float32),
+                 jnp.zeros((b, hq), jnp.float32))
+    start = tuple(x.astype(jnp.float32).reshape((b, hkv, g) + x.shape[2:]) for x in start)
+    init = (start, jnp.zeros((b, hkv, g, s), jnp.float32),
+            jnp.zeros((b, hkv), jnp.int32), jnp.broadcast_to(lengths[:, None], (b, hkv)))
+    (o, m, l), sc, taken, free = jax.lax.fori_loop(0, live_trips(lengths, c), body, init)
+    return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), sc, taken, free

@@ -4,12 +4,21 @@ Each sequence holds at most ``P = budget_tokens(budget, n)`` tokens per KV head 
 its own prompt; a token count ``c``: ``c``, which generated tokens fill up): the ``recent`` most recent ones
 (``floor(recent P)`` for a fraction, else ``min(recent, P - 1)``) and the heavy hitters with the largest
 accumulated attention (softmax weights summed over every query so far; GQA: mean over the group's query heads).
-At prefill the scores are the column sums of the causal attention of all prompt queries (computed in
-``512 x 512`` tiles of queries and keys, memory linear in the prompt: ``select.accumulated_scores``). During decode the new
-token is stored, attended over with the rest in one pass over K (its weights are added to the scores), and
-then, when the sequence holds more than ``P`` tokens, the non-recent token with the lowest accumulated score is
-evicted (H2O's greedy ``real_drop`` step). One spare slot makes this exact at a fixed shape; a sequence's live
-slots are ``[0, P + 1)`` and decode reads only those.
+At prefill the scores are the column sums of the causal attention of all prompt queries
+(``select.accumulated_scores``: one ``q·k`` per causal score, memory linear in the prompt). During decode the
+new token is attended with the rest, its weights added to the scores, and then, when the sequence holds more than
+``P`` tokens, the non-recent token with the lowest accumulated score is evicted (H2O's greedy ``real_drop`` step).
+One spare slot makes this exact at a fixed shape; a sequence's live slots are ``[0, P + 1)`` and decode reads only
+those.
+
+The step (``decode_partial``) reads K and V once: one loop over the live slots in cache-sized chunks
+(:func:`kvjax.attention.attend_with_scores`) gives the attention partials, every slot's score ``q·k`` (kept in a
+``[B, Hkv, G, S]`` float32 scratch), the held count and the first empty slot; the new token is attended as its
+own partial. Two loops over the small per-slot arrays follow (:func:`_accumulate`): ``score += mean_g exp(s - m) /
+l`` in place, then the victim search (lowest score outside the recent window, first slot on ties). One scatter per
+buffer writes the new token and empties the victim's slot. Nothing spans the ``S`` slots but in-place updates and
+the scratch's initialisation; per live slot and KV head the step reads ``2 D`` K/V elements plus about ``12 G + 24``
+bytes (``bytes_read_per_step``).
 """
 
 from __future__ import annotations
@@ -17,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
 from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
-                                rows_at, slot_bytes_read, slot_tokens_held, store_prompt, write_token)
+                                rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.select import accumulated_scores, topk_with_window
 
 
@@ -69,39 +79,103 @@ class H2O(Method):
         part, state, _ = self.decode_partial(state, layer, q, k, v, pos)
         return attention.normalise(part), state
 
-    def decode_partial(self, state: SlotCache, layer: int, q, k, v, pos):
+    def decode_partial(self, state: SlotCache, layer: int, q, k, v, pos, *, chunk: int | None = None):
         """``decode`` returning the attention partials ``(o, m, l)`` and the pair evicted this step
-        ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (attended this step, evicted after it), for LESS."""
+        ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (attended this step, evicted after it), for LESS.
+
+        Two loops over the live slots ``[0, length)`` (``chunk`` slots per step, :func:`kvjax.attention.live_chunk`):
+        :func:`kvjax.attention.attend_with_scores` reads K, V and ``pos`` once (partials, each slot's score, the
+        held count and the first empty slot); :func:`_accumulate` reads the scores, ``score`` and ``pos`` once, adds
+        the weights into ``score`` in place and finds the victim. The new token is attended as its own partial
+        (merged exactly) and written after."""
         b, h = k.shape[:2]
-        # The spare slot: an empty one always exists in [0, limit] before the write (<= limit tokens held).
-        slot = jnp.argmax(state.pos < 0, axis=-1).astype(jnp.int32)  # [B, Hkv]
-        state = write_token(state, slot, k, v, pos)
-        state = state.replace(score=rows_at(state.score, slot, 0.0))
-        valid = state.pos >= 0
-        part, probs = attention.attend_with_weights(q, state.k, state.v, valid, state.length)
-        score = state.score + probs.mean(axis=2)  # [B, Hkv, S]
-        # Evict when over budget: lowest score among tokens outside the recent window.
-        recent = self._recent(state.limit)
-        cand = valid & (state.pos < (pos - recent + 1)[:, None, None])
-        victim = jnp.argmin(jnp.where(cand, score, jnp.inf), axis=-1)  # [B, Hkv]
-        over = (valid.sum(-1) > state.limit[:, None]) & cand.any(-1)
-        vpos = jnp.where(over, -1, jnp.take_along_axis(state.pos, victim[..., None], -1)[..., 0])
-        vscore = jnp.where(over, 0.0, jnp.take_along_axis(score, victim[..., None], -1)[..., 0])
-        state = state.replace(pos=rows_at(state.pos, victim, vpos), score=rows_at(score, victim, vscore))
+        g = q.shape[1] // h
+        qg = q.reshape(b, h, g, -1)
+        k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)  # as stored
+        s_new = jnp.einsum("bhd,bhgd->bhg", k, qg, preferred_element_type=jnp.float32) / jnp.sqrt(
+            jnp.float32(q.shape[-1]))  # [B, Hkv, G]: the new token's scaled scores, its own partial below
+        mine = (jnp.broadcast_to(v.astype(jnp.float32)[:, :, None, :], qg.shape), s_new, jnp.ones_like(s_new))
+        mine = tuple(x.reshape((b, h * g) + x.shape[3:]) for x in mine)
+        part, sc, held, slot = attention.attend_with_scores(q, state.k, state.v, state.pos, state.length,
+                                                            start=mine, chunk=chunk)
+        o, m, l = part
+        mg, lg = m.reshape(b, h, g), l.reshape(b, h, g)
+        # Tokens outside the recent window (pos - recent, pos] are candidates for eviction.
+        threshold = pos - self._recent(state.limit) + 1  # [B]
+        score, best, victim = _accumulate(state.score, state.pos, sc, mg, lg, state.length, threshold, chunk)
+        w_new = (jnp.exp(s_new - mg) / jnp.where(lg > 0, lg, 1.0)).mean(axis=-1)  # [B, Hkv]
+        new_cand = (pos < threshold)[:, None]  # the new token itself (recent window of 0)
+        take_new = new_cand & ((w_new < best) | ((w_new == best) & (slot < victim)))
+        victim = jnp.where(take_new, slot, victim)
+        over = (held + 1 > state.limit[:, None]) & (jnp.isfinite(best) | new_cand)
+        # One scatter per buffer, after the victim search (so XLA updates pos and score in place): the new token
+        # into its slot, the victim's slot emptied; a new token evicted at once (no recent window) leaves its slot
+        # empty.
+        self_gone = over & (victim == slot)
+        idx = jnp.stack([slot, jnp.where(over & ~self_gone, victim, state.pos.shape[2])], axis=-1)  # [B, Hkv, 2]
+        new_pos = jnp.where(self_gone, -1, jnp.broadcast_to(pos[:, None], (b, h)))
+        state = state.replace(
+            k=rows_at(state.k, slot, k), v=rows_at(state.v, slot, v),
+            pos=rows_at(state.pos, idx, jnp.stack([new_pos, jnp.full_like(new_pos, -1)], axis=-1)),
+            score=rows_at(score, idx, jnp.stack([jnp.where(self_gone, 0.0, w_new), jnp.zeros_like(w_new)], axis=-1)),
+            length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
         ek = jnp.take_along_axis(state.k, victim[..., None, None], axis=2)[:, :, 0]
         ev = jnp.take_along_axis(state.v, victim[..., None, None], axis=2)[:, :, 0]
         return part, state, (ek, ev, over)
 
     def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        """K/V and mask of the live slots (one pass: the weights come from the same scores), plus the float32
-        accumulated scores of those slots, read and written."""
-        return slot_bytes_read(state, num_heads, extra_per_slot=8)
+        """Per live slot and KV head: its K and V and ``pos`` (the attention pass); the step's float32 scores of
+        the ``G`` query heads, initialised, written and read back (``12 G``); ``score`` read and written, then
+        read again with ``pos`` by the victim search (``8 + 4 + 4 + 4``)."""
+        g = num_heads // state.k.shape[1]
+        return slot_bytes_read(state, num_heads, extra_per_slot=12 * g + 20)
 
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)
 
     def held(self, n: int, steps: int) -> int:
         return min(n + steps, evicting_budget(self.budget, n, n + steps))
+
+
+def _accumulate(score, pos, sc, m, l, lengths, threshold, chunk=None):
+    """H2O's score update and victim search: two loops over the live slots ``[0, max lengths)``.
+
+    score ``[B, Hkv, S]`` float32, updated in place: ``+= mean_g exp(sc - m) / l`` on every held slot below the
+    length; pos ``[B, Hkv, S]`` int32 (held: ``>= 0``); sc ``[B, Hkv, G, S]`` the step's scaled scores; m, l
+    ``[B, Hkv, G]`` the step's softmax max and sum; threshold ``[B]``: a held slot with ``pos < threshold`` may be
+    evicted. Returns ``(score, best [B, Hkv], victim [B, Hkv])``: the lowest updated score of an evictable slot
+    (``inf``: none) and its slot (the first one on ties, as ``argmin``; 0 when none). The search is its own
+    read-only loop: fused with the update, XLA re-reads the chunk the in-place write overwrites and copies the
+    whole score buffer every iteration."""
+    b, h, s = score.shape
+    c = attention.live_chunk(s, b, h, sc.shape[2] + 2, 4, chunk and 4 * chunk)
+    den = jnp.where(l > 0, l, 1.0)
+    trips = attention.live_trips(lengths, c)
+
+    def held(i):
+        start, rows, fresh = attention.live_rows(i, c, s, lengths)
+        p = jax.lax.dynamic_slice_in_dim(pos, start, c, axis=2)
+        return start, fresh[:, None, :] & (p >= 0), p  # [B, Hkv, C]
+
+    def update(i, score):
+        start, take, _ = held(i)
+        w = (jnp.exp(jax.lax.dynamic_slice_in_dim(sc, start, c, axis=3) - m[..., None]) / den[..., None]).mean(axis=2)
+        new = jax.lax.dynamic_slice_in_dim(score, start, c, axis=2) + jnp.where(take, w, 0.0)
+        return jax.lax.dynamic_update_slice_in_dim(score, new, start, axis=2)
+
+    def search(i, carry):
+        best, victim = carry
+        start, take, p = held(i)
+        val = jnp.where(take & (p < threshold[:, None, None]), jax.lax.dynamic_slice_in_dim(score, start, c, axis=2),
+                        jnp.inf)
+        low, j = jnp.min(val, axis=-1), jnp.argmin(val, axis=-1)
+        better = low < best  # strict: an earlier chunk wins ties (argmin's first occurrence)
+        return jnp.where(better, low, best), jnp.where(better, start + j, victim).astype(jnp.int32)
+
+    score = jax.lax.fori_loop(0, trips, update, score)
+    init = (jnp.full((b, h), jnp.inf, jnp.float32), jnp.zeros((b, h), jnp.int32))
+    best, victim = jax.lax.fori_loop(0, trips, search, init)
+    return score, best, victim
 
 
 def _heavy_plus_recent(score, lengths, budgets, recent, slots):

@@ -12,7 +12,13 @@ learned kernel ``φ(q)·ψ(k)`` to every evicted one, with one shared normaliser
 computed from the sparse cache's flash partials ``(o, m, l)`` in log space (never overflows; with ``H = 0,
 z = 0`` it is bit-for-bit the sparse policy's output). After the full-attention prefill, every prompt token
 the policy did not keep goes into ``H, z`` at once (method note ``docs/notes/less.md`` §2.8), ``fold_chunk``
-prompt tokens at a time (memory linear in the prompt; the sum is the same up to float rounding).
+prompt tokens at a time (memory linear in the prompt; the sum is the same up to float rounding). The fold is
+linear in the prompt and small beside the prefill attention: ψ of every prompt token (one MLP per token and KV
+head, about ``2 D hidden`` multiply-adds) and one rank-``R`` outer product.
+
+A decode step is the wrapped policy's step (H2O: one pass over the live slots' K and V, ``h2o`` module docstring)
+plus, once per step and never per slot, ``φ(q)`` of the ``Hq`` query heads, ``ψ(k)`` of the one evicted key per
+KV head and the ``H, z`` update: it reads the policy's bytes, ``H, z`` and the kernel weights (``bytes_read_per_step``).
 
 Kernels φ (per query head) and ψ (per KV head) are :class:`LessKernels`: the method note's §2.3/§8.2 "code"
 form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1| ⊙ gelu(gelu(k W1) W2), exact

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax import sharding
 from kvjax.attention import NEG_INF
 from kvjax.methods.base import top_k
 
@@ -37,61 +38,132 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
     return p.sum(axis=3).mean(axis=2)
 
 
-def accumulated_scores(q, k, lengths, chunk: int = 512) -> jnp.ndarray:
+#: Query rows per block of :func:`accumulated_scores` (its score buffer holds ``G x rows x T`` float32 per head).
+SCORE_ROWS = 64
+
+
+def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
+                       heads_at_once: bool | None = None) -> jnp.ndarray:
     """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
     (averaged over each KV group's query heads).
 
-    Flash-style, in ``chunk x chunk`` tiles of (queries, keys), so memory is linear in ``T`` (``O(T + chunk^2)``
-    per head, never a ``[chunk, T]`` or ``[T, T]`` block): a first pass takes each query's log-sum-exp over its
-    causal keys (online over the key tiles ``j <= i``), a second adds ``exp(s - lse)`` into each key tile's
-    column sums over the query tiles ``i >= j``. Tiles above the diagonal are never computed, so the work is the
-    ``T^2/2`` causal scores twice (the same as one dense pass over ``[T, T]``)."""
+    One ``q·k`` per causal score (the ``T^2/2`` of one causal attention pass, once), memory linear in ``T``: per
+    ``(sequence, KV head)`` (:func:`_column_sums`; split per device on a mesh) the queries go in blocks of ``rows``
+    (default :data:`SCORE_ROWS`, or ``chunk`` when it does not divide it), the keys in tiles of ``chunk``. A block
+    first folds its causal key tiles into each row's running max and sum (the diagonal tile, the only one masked,
+    first; key tiles past it are never computed), keeping each tile's ``exp(s - running max)`` in a buffer of
+    ``G x rows x T`` float32; once the row log-sum-exp is final, each tile's column sums are a matrix-vector
+    product of the buffer with the per-row factors ``exp(running max - max) / sum`` (no second ``q·k``, no second
+    ``exp`` per score). Query blocks past a sequence's length are never visited; padded queries vote for nothing
+    and padding is zeroed before use (never read as NaN or inf).
+
+    heads_at_once: run every ``(sequence, KV head)`` together (vmapped; the loops then run to the longest prompt's
+    blocks) instead of one after another (``lax.map``: each sequence stops at its own length, and the buffer is one
+    head's). None: one after another on CPU (the buffer, ``G x rows x T`` float32, 16 MiB at 16k tokens, stays
+    small), together elsewhere (fewer, larger kernels; ``B x Hq x rows x T`` float32)."""
+    return _prompt_pass(q, k, None, lengths, chunk, rows, heads_at_once)[1]
+
+
+def accumulated_attention(q, k, v, lengths, chunk: int = 512, rows: int | None = None,
+                          heads_at_once: bool | None = None):
+    """The causal attention of the prompt and H2O's accumulated scores from the same probabilities: ``(out [B, Hq,
+    T, D] in q.dtype, scores [B, Hkv, T] float32)``, as ``prefill_attention(q, k, v, lengths)`` and
+    :func:`accumulated_scores` (up to float rounding; rows of padded queries are 0). Each query block's buffered
+    ``exp`` tiles also give its output (``Σ_j f_j ⊙ (P_j V_j)``), so the pair costs one ``q·k`` and one ``P·v`` per
+    causal score: a prefill attention's work, where attention then :func:`accumulated_scores` do a second ``q·k``."""
+    return _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once)
+
+
+def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
+    """(out or None, scores) of :func:`accumulated_attention` / :func:`accumulated_scores`."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    c = min(chunk, t)
+    c = max(min(chunk, t), 1)
+    r = rows or (min(SCORE_ROWS, c) if c % min(SCORE_ROWS, c) == 0 else c)
+    if c % r:
+        raise ValueError(f"rows={r} must divide chunk={c} (query rows per block inside a key tile)")
     n = -(-t // c)
-    pad = ((0, 0), (0, 0), (0, n * c - t), (0, 0))
-    qc = jnp.pad(q, pad).reshape(b, hkv, g, n, c, d)
-    kc = jnp.pad(k, pad).reshape(b, hkv, n, c, d)
-    offs = jnp.arange(c)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    at_once = heads_at_once if heads_at_once is not None else jax.default_backend() != "cpu"
+
+    def run(q, k, lengths, *v):
+        bl = q.shape[0]
+        real = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, :, None]  # [B, 1, T, 1]
+        pad = ((0, 0), (0, 0), (0, n * c - t), (0, 0))
+        tiles = lambda x: jnp.pad(jnp.where(real, x, 0), pad).reshape(-1, n, c, d)  # noqa: E731  [B*Hkv, N, C, D]
+        h = k.shape[1]
+        xs = (jnp.pad(jnp.where(real, q, 0), pad).reshape(bl * h, g, n * c, d), tiles(k), jnp.repeat(lengths, h),
+              *(tiles(x) for x in v))
+        if at_once:
+            live = (jnp.max(lengths) + r - 1) // r  # unbatched: the loops are not batched under vmap
+            acc, out = jax.vmap(lambda *a: _column_sums(*a[:3], live, r, *a[3:]))(*xs)
+        else:
+            acc, out = jax.lax.map(lambda a: _column_sums(*a[:3], (a[2] + r - 1) // r, r, *a[3:]), xs)
+        acc = acc.reshape(bl, h, n * c)[..., :t] / g
+        if out is None:
+            return acc
+        return out.reshape(bl, h * g, n * c, d)[:, :, :t].astype(q.dtype), acc
+
+    if v is None:
+        return None, sharding.per_head(run, q, k, lengths)
+    return sharding.per_head(run, q, k, lengths, v)
+
+
+def _column_sums(q, k, length, live, r: int, v=None):
+    """Column sums ``[N * C]`` of one head group's causal softmax and, with ``v``, its attention output ``[G, N *
+    C, D]`` float32 (else None): q ``[G, N * C, D]`` (zero past ``length``), k, v ``[N, C, D]`` key tiles, length:
+    int32 scalar, live: query blocks to visit (``>= ceil(length / r)``), r: query rows per block (divides ``C``).
+    See :func:`accumulated_scores`."""
+    g, tp, d = q.shape
+    n, c = k.shape[:2]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
+    offs_r, offs_c = jnp.arange(r), jnp.arange(c)
 
-    def tile(i, j):
-        """Scaled scores ``[B, Hkv, G, C, C]`` of query tile ``i`` against key tile ``j`` and their mask
-        (causal, keys and queries inside each sequence's length: padded queries vote for nothing)."""
-        qi = jax.lax.dynamic_index_in_dim(qc, i, axis=3, keepdims=False)  # [B, Hkv, G, C, D]
-        kj = jax.lax.dynamic_index_in_dim(kc, j, axis=2, keepdims=False)  # [B, Hkv, C, D]
-        qpos, kpos = i * c + offs, j * c + offs
-        s = jnp.einsum("bhgtd,bhsd->bhgts", qi, kj, preferred_element_type=jnp.float32) * scale
-        mask = (kpos[None, :] <= qpos[:, None])[None] & (kpos[None, None, :] < lengths[:, None, None])
-        mask &= qpos[None, :, None] < lengths[:, None, None]
-        return s, mask[:, None, None]
+    def block(i, carry):
+        buf, mt, acc, out = carry  # buf [N, G, R, C]: exp(s - running max) per key tile, mt [N, G, R] that max
+        qi = jax.lax.dynamic_slice_in_dim(q, i * r, r, axis=1)  # [G, R, D]
+        jd = (i * r) // c  # the key tile holding this block's diagonal
+        tile = lambda j: jnp.einsum("grd,cd->grc", qi, k[j], preferred_element_type=jnp.float32) * scale  # noqa: E731
+        causal = (jd * c + offs_c)[None, :] <= (i * r + offs_r)[:, None]  # [R, C]
+        s = jnp.where(causal, tile(jd), NEG_INF)
+        m = jnp.max(s, axis=-1)  # finite: every row sees itself
+        p = jnp.exp(s - m[..., None])  # exactly 0 where masked
+        buf = jax.lax.dynamic_update_index_in_dim(buf, p, jd, axis=0)
+        mt = jax.lax.dynamic_update_index_in_dim(mt, m, jd, axis=0)
 
-    def row_lse(i):  # [B, Hkv, G, C]: log-sum-exp of query tile i over its causal keys (-inf: no key)
-        def add(j, carry):
-            m, l = carry
-            s, mask = tile(i, j)
-            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            return m_new, l * jnp.exp(m - m_new) + p.sum(axis=-1)
+        def forward(j, cr):  # unmasked tiles left of the diagonal: online max and sum
+            buf, mt, m, l = cr
+            s = tile(j)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            l = l * jnp.exp(m - m_new) + jnp.sum(p, axis=-1)
+            buf = jax.lax.dynamic_update_index_in_dim(buf, p, j, axis=0)
+            return buf, jax.lax.dynamic_update_index_in_dim(mt, m_new, j, axis=0), m_new, l
 
-        init = (jnp.full((b, hkv, g, c), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, c), jnp.float32))
-        m, l = jax.lax.fori_loop(0, i + 1, add, init)
-        return m + jnp.log(l)
+        buf, mt, m, l = jax.lax.fori_loop(0, jd, forward, (buf, mt, m, jnp.sum(p, axis=-1)))
+        real = (i * r + offs_r < length)[None, :]  # [1, R]: padded queries vote for nothing
 
-    lse = jax.lax.map(row_lse, jnp.arange(n))  # [N, B, Hkv, G, C]
+        def columns(j, cr):  # exp(s - lse) = buf_j * exp(mt_j - m) / l, summed over the group's rows
+            acc, o = cr
+            f = jnp.where(real, jnp.exp(mt[j] - m) / l, 0.0)  # [G, R]
+            col = jnp.einsum("gr,grc->c", f, buf[j], preferred_element_type=jnp.float32)
+            acc = jax.lax.dynamic_update_index_in_dim(acc, acc[j] + col, j, axis=0)
+            if v is not None:
+                o = o + f[..., None] * jnp.einsum("grc,cd->grd", buf[j].astype(v.dtype), v[j],
+                                                  preferred_element_type=jnp.float32)
+            return acc, o
 
-    def column(j):  # [B, Hkv, C]: softmax weights on key tile j summed over the query tiles i >= j and the group
-        def add(i, acc):
-            s, mask = tile(i, j)
-            li = jax.lax.dynamic_index_in_dim(lse, i, axis=0, keepdims=False)
-            return acc + jnp.where(mask, jnp.exp(s - li[..., None]), 0.0).sum(axis=(2, 3))
+        o = None if v is None else jnp.zeros((g, r, d), jnp.float32)
+        acc, o = jax.lax.fori_loop(0, jd + 1, columns, (acc, o))
+        if v is not None:
+            out = jax.lax.dynamic_update_slice_in_dim(out, o, i * r, axis=1)
+        return buf, mt, acc, out
 
-        return jax.lax.fori_loop(j, n, add, jnp.zeros((b, hkv, c), jnp.float32))
-
-    acc = jax.lax.map(column, jnp.arange(n))  # [N, B, Hkv, C]
-    return jnp.moveaxis(acc, 0, 2).reshape(b, hkv, n * c)[..., :t] / g
+    init = (jnp.zeros((n, g, r, c), jnp.float32), jnp.zeros((n, g, r), jnp.float32), jnp.zeros((n, c), jnp.float32),
+            None if v is None else jnp.zeros((g, tp, d), jnp.float32))
+    _, _, acc, out = jax.lax.fori_loop(0, live, block, init)
+    return acc.reshape(n * c), out
 
 
 def pool1d(x: jnp.ndarray, kernel: int, kind: str) -> jnp.ndarray:

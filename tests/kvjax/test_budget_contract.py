@@ -243,8 +243,11 @@ def test_bytes_read_per_step_counts_live_slots_only(tiny, name):
     states, _ = engine.prefill(cfg, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     for layer, st in enumerate(states):
         sc = st.sparse if name == "less" else st
-        extra = {"h2o": 8 * int(np.sum(np.asarray(sc.length))) * sc.k.shape[1]}.get(m.sparse.name if name == "less"
-                                                                                     else name, 0)
+        # H2O per live slot and KV head: the step's float32 scores of the G query heads (initialised, written,
+        # read back: 12 G), score read and written, then score and pos read by the victim search (8 + 4 + 4 + 4)
+        per_slot = 12 * (cfg.num_heads // sc.k.shape[1]) + 20
+        extra = {"h2o": per_slot * int(np.sum(np.asarray(sc.length))) * sc.k.shape[1]}.get(
+            m.sparse.name if name == "less" else name, 0)
         want = _live_rows_bytes(sc, cfg.num_heads) + extra
         if name == "less":
             want += 2 * (st.H.nbytes + st.z.nbytes) + sum(x.nbytes for x in jax.tree.leaves(st.kernels))

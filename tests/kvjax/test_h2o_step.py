@@ -1,0 +1,164 @@
+"""H2O's decode step and prefill scores as loops over the live slots / causal tiles, against the NumPy references
+(``ref_baselines.py``) and the masked decode-attention reference: several chunks with a shifted last chunk, a new
+token evicted at once (no recent window), sequences of different lengths; and the compiled step's structure (no
+copy of a cache buffer, nothing over all ``S`` slots but in-place updates and the step's score scratch)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.decode_attention import decode_attention_reference
+from kvjax import attention, methods
+from kvjax.methods import select
+from kvjax.methods.base import Capacity
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ref_baselines as ref  # noqa: E402
+import test_baselines as tb  # noqa: E402
+from test_causal_attention import np_accumulated  # noqa: E402
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+@pytest.mark.parametrize("seed", range(3))
+def test_attend_with_scores_matches_the_reference(seed, chunk):
+    r = np.random.default_rng(seed)
+    b, hkv, g, s, d = 2, 2, 3, 37, 8
+    q = jnp.asarray(r.normal(size=(b, hkv * g, d)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+    pos = np.where(r.random((b, hkv, s)) < 0.8, r.integers(0, 99, (b, hkv, s)), -1).astype(np.int32)
+    lengths = np.array([s, 23], np.int32)
+    part, sc, taken, free = jax.jit(lambda *a: attention.attend_with_scores(*a, chunk=chunk))(
+        q, k, v, jnp.asarray(pos), jnp.asarray(lengths))
+    want = decode_attention_reference(q, k, v, jnp.asarray(pos >= 0), jnp.asarray(lengths))
+    for x, y in zip(part, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    qk = np.einsum("bhgd,bhsd->bhgs", np.asarray(q).reshape(b, hkv, g, d), np.asarray(k)) / np.sqrt(d)
+    for bi, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(sc)[bi, ..., :n], qk[bi, ..., :n], rtol=1e-5, atol=1e-5)
+        live = pos[bi, :, :n] >= 0
+        np.testing.assert_array_equal(np.asarray(taken)[bi], live.sum(-1))
+        first = [int(np.argmin(row)) if not row.all() else n for row in live]
+        np.testing.assert_array_equal(np.asarray(free)[bi], first)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+@pytest.mark.parametrize("budget,recent", [(0.5, 0.5), (0.5, 0), (20, 3)])
+def test_h2o_decode_in_chunks_matches_reference(budget, recent, chunk):
+    """``decode_partial`` with small chunks (many loop steps, a shifted last chunk) keeps, scores and attends
+    exactly as the NumPy H2O head; ``recent=0`` makes the new token itself a candidate for eviction."""
+    hq, hkv = 4, 2
+    m = methods.get("h2o", budget=budget, recent=recent)
+    q, k, v, lengths, dq, dk, dv = data = tb.inputs(hq, hkv)
+    g = hq // hkv
+    st = m.init(tb.model_cfg(hq, hkv), tb.B, Capacity(tb.T, tb.MAX_NEW), 0, jnp.float32)
+    st = jax.jit(lambda st, *a: m.prefill(st, 0, *a))(st, *(jnp.asarray(x) for x in (q, k, v, lengths)))
+    step = jax.jit(lambda st, *a: m.decode_partial(st, 0, *a, chunk=chunk)[:2])
+    heads = {}
+    for b in range(tb.B):
+        n = int(lengths[b])
+        acc = ref.accumulated_attention(q[b], k[b], n)
+        bud = ref.sequence_budget(budget, n) if isinstance(budget, float) else min(budget, tb.T + tb.MAX_NEW)
+        rec = int(Fraction(repr(recent)) * bud) if isinstance(recent, float) else max(min(recent, bud - 1), 0)
+        for h in range(hkv):
+            heads[b, h] = ref.H2OHead(bud, rec)
+            heads[b, h].prefill(acc[h], k[b, h], v[b, h], n)
+    for s in range(tb.STEPS):
+        part, st = step(st, jnp.asarray(dq[s]), jnp.asarray(dk[s]), jnp.asarray(dv[s]), jnp.asarray(lengths + s))
+        out = np.asarray(attention.normalise(part))
+        got, score, pos = tb.kept(st), np.asarray(st.score), np.asarray(st.pos)
+        for (b, h), head in heads.items():
+            outs, _ = head.decode(dq[s, b, h * g:(h + 1) * g], dk[s, b, h], dv[s, b, h], int(lengths[b]) + s)
+            np.testing.assert_allclose(out[b, h * g:(h + 1) * g], outs, atol=tb.ATOL, rtol=tb.ATOL)
+            assert got[b, h] == sorted(head.held), f"step {s} b={b} h={h}"
+            for slot in np.nonzero(pos[b, h] >= 0)[0]:
+                np.testing.assert_allclose(score[b, h, slot], head.held[int(pos[b, h, slot])], atol=tb.ATOL,
+                                           rtol=tb.ATOL)
+    tb.check_slot_contents(st, data, tb.STEPS)
+
+
+@pytest.mark.parametrize("heads_at_once", [False, True])
+@pytest.mark.parametrize("chunk,rows", [(16, 4), (16, 16), (12, 3), (64, None)])
+def test_accumulated_scores_row_blocks_match_numpy(chunk, rows, heads_at_once):
+    """Query blocks smaller than the key tiles (the diagonal tile masked, tiles past it skipped), per head or all
+    heads at once, ragged lengths (an empty and a 1-token sequence) and garbage in the padding."""
+    rng = np.random.default_rng(chunk + (rows or 0))
+    lengths = np.array([45, 30, 1, 0])
+    q = rng.standard_normal((4, 4, 45, 8)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 45, 8)).astype(np.float32)
+    for b, n in enumerate(lengths):
+        q[b, :, n:] = np.nan
+        k[b, :, n:] = np.inf
+    fn = jax.jit(lambda q, k, n: select.accumulated_scores(q, k, n, chunk, rows, heads_at_once))
+    got = np.asarray(fn(q, k, lengths))
+    want = np_accumulated(np.nan_to_num(q), np.nan_to_num(k, posinf=0.0), lengths)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _spanning(fn, args, s: int) -> list[tuple[str, str, tuple]]:
+    """(op, name, shape) of every instruction of the compiled program (its entry and loop bodies; a fusion counts
+    once, not its inner ops) with ``s`` in its shape that computes or copies (parameters, tuple plumbing, bitcasts
+    and loops only alias their operands)."""
+    text = jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
+    out, fused = [], False
+    for line in text.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            fused = "computation" in head.group(1)  # the body of a fusion (fused_/wrapped_..._computation)
+            continue
+        m = None if fused else re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[([\d,]*)\]\S* (\S+?)\(", line)
+        if m and m.group(3) not in ("parameter", "get-tuple-element", "tuple", "bitcast", "while"):
+            shape = tuple(int(x) for x in m.group(2).split(",") if x)
+            if s in shape:
+                out.append((m.group(3), m.group(1), shape))
+    return out
+
+
+@pytest.mark.parametrize("name", ["h2o", "less"])
+def test_step_copies_nothing_and_spans_no_slot_loop(name):
+    """The compiled step (H2O, and LESS around it) has no ``copy`` of a slot-sized buffer, and every instruction
+    spanning the ``S`` slots is an in-place update (scatter or dynamic-update-slice) or the step's score scratch
+    ``[B, Hkv, G, S]`` being initialised: the loops read cache-sized chunks."""
+    cfg = tb.model_cfg(8, 2)
+    m = methods.get(name, budget=0.5) if name == "h2o" else methods.get(name, budget=0.5, rank=4, hidden=16)
+    st = m.init(cfg, 1, Capacity(8194, 4), 0, jnp.float32)
+    s = (st if name == "h2o" else st.sparse).k.shape[2]
+    q = jax.ShapeDtypeStruct((1, 8, tb.D), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 2, tb.D), jnp.float32)
+    pos = jax.ShapeDtypeStruct((1,), jnp.int32)
+    found = _spanning(lambda st, q, k, v, p: m.decode(st, 0, q, k, v, p), (st, q, kv, kv, pos), s)
+    assert found
+    copies = [f for f in found if f[0] == "copy"]
+    assert not copies, copies
+    scratch = [f for f in found if f[2] == (1, 2, 4, s) and "broadcast" in f[1]]
+    other = [f for f in found if f not in scratch and not re.search("scatter|dynamic-update-slice", f[1] + f[0])]
+    assert len(scratch) <= 1 and not other, (scratch, other)
+
+
+@pytest.mark.parametrize("heads_at_once", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_accumulated_attention_is_attention_and_scores(dtype, heads_at_once):
+    """The fused prompt pass equals the prefill attention (real rows) and the accumulated scores."""
+    from kvjax.prefill_attention import prefill_attention
+
+    rng = np.random.default_rng(5)
+    lengths = np.array([45, 30, 1])
+    q, k, v = (rng.standard_normal((3, h, 45, 8)).astype(np.float32) for h in (4, 2, 2))
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    out, acc = jax.jit(lambda *a: select.accumulated_attention(*a, 16, 4, heads_at_once))(q, k, v, lengths)
+    want = prefill_attention(q, k, v, jnp.asarray(lengths), impl="chunked", chunk=16)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    assert out.dtype == q.dtype
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(out[b, :, :n], np.float32), np.asarray(want[b, :, :n], np.float32),
+                                   atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(acc), np_accumulated(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                                                               lengths), atol=1e-5 if dtype == "float32" else 2e-2)
