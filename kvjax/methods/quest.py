@@ -84,6 +84,14 @@ from kvjax.methods.full import Full
 
 _FULL = Full()
 
+#: Bytes of ``kmax`` pages (``[B, Hkv, pages, D]`` per sequence) one scoring chunk reads: it stays in cache.
+SCORE_CHUNK_BYTES = 2 << 20
+
+
+def _score_chunk(h: int, d: int, itemsize: int) -> int:
+    """Pages per scoring chunk: about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 64."""
+    return max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 64)
+
 
 @struct.dataclass
 class QuestState:
@@ -234,19 +242,43 @@ class Quest(Method):
         return (jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), state.kmax.astype(jnp.float32), precision=hi)
                 + jnp.einsum("bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), state.kmin.astype(jnp.float32), precision=hi))
 
+    def group_scores(self, state: QuestState, q, t) -> jnp.ndarray:
+        """The step's page ranking ``[B, Hkv, n_pages]`` float32: the mean over the group's query heads of Quest's
+        bound, folded into one query per KV head, ``mean_g(q_g⁺)·kmax + mean_g(q_g⁻)·kmin`` (the mean of the
+        bounds, exactly: the bound is linear in ``q⁺`` and ``q⁻``), for the candidate pages ``[0, t // page_size)``,
+        ``-inf`` elsewhere. The min/max are read in chunks of pages up to the longest sequence's current page (a
+        ``lax.fori_loop`` with a dynamic trip count), so pages past it (bucket padding, unwritten decode pages)
+        are never read."""
+        b, hq, d = q.shape
+        h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
+        qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
+        qp, qn = jnp.mean(jnp.maximum(qg, 0.0), axis=2), jnp.mean(jnp.minimum(qg, 0.0), axis=2)  # [B, Hkv, D]
+        cur = jnp.asarray(t, jnp.int32) // self.page_size  # candidates: pages [0, cur)
+        c = min(_score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize), n_pages)
+        hi = jax.lax.Precision.HIGHEST
+
+        def body(i, buf):
+            start = jnp.minimum(i * c, n_pages - c)
+            sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2).astype(jnp.float32)  # noqa: E731
+            u = (jnp.einsum("bhd,bhpd->bhp", qp, sl(state.kmax), precision=hi)
+                 + jnp.einsum("bhd,bhpd->bhp", qn, sl(state.kmin), precision=hi))
+            return jax.lax.dynamic_update_slice_in_dim(buf, u, start, axis=2)
+
+        buf = jnp.full((b, h, n_pages), -jnp.inf, jnp.float32)
+        score = jax.lax.fori_loop(0, (jnp.max(cur) + c - 1) // c, body, buf)
+        cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
+        return jnp.where(cand, score, -jnp.inf)
+
     def select_pages(self, state: QuestState, q, t) -> jnp.ndarray:
         """Pages the step whose new token is at position ``t [B]`` attends, per KV head: ``[B, Hkv, topk + 1]``
         int32, the kept candidate pages (best first, ``-1`` pads) then the current page ``t // page_size``."""
         b = q.shape[0]
-        h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
+        h = state.kmin.shape[1]
         cur, keep = self.kept_pages(state.lengths, t)  # the candidates are the complete pages [0, cur)
         current = jnp.broadcast_to(cur[:, None, None], (b, h, 1)).astype(jnp.int32)
         if state.topk == 0:
             return current
-        score = jnp.mean(self.page_scores(state, q), axis=2)  # [B, Hkv, n_pages]: group mean (kvjax's GQA rule)
-        cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
-        score = jnp.where(cand, score, -jnp.inf)
-        _, idx = top_k(score, state.topk)  # ties: the lower page index first
+        _, idx = top_k(self.group_scores(state, q, t), state.topk)  # ties: the lower page index first
         ok = jnp.arange(state.topk)[None, None, :] < keep[:, None, None]
         return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)
 
