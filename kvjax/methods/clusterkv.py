@@ -381,16 +381,21 @@ class ClusterKV(Method):
         span = lens if lens.ndim == 3 else jnp.max(lens, axis=2)
         read = jnp.sum(jnp.where(span > 0, jnp.maximum(span, bs), 0), axis=-1).astype(jnp.int32)  # [B, Hkv]
         state = state.replace(rows_read=read)
-        return attention.normalise(part), self._maybe_cluster_window(state, layer, t)
+        # The window's clustering permutes K/V rows in place. Without a data dependency XLA may run it before the
+        # attention that reads those rows and copy K and V (both branches of the cond) to keep the old rows; its
+        # predicate depending on the attention's result (``l`` is never -1) orders it after: no copy
+        # (tests/kvjax/test_clusterkv.py reads the compiled step).
+        after = part[2][0, 0] != -1.0
+        return attention.normalise(part), self._maybe_cluster_window(state, layer, t, after)
 
     # ---- decode-time clustering (paper §III-B, note §2.4, §6 #9) ----
 
-    def _maybe_cluster_window(self, state: ClusterState, layer: int, t):
+    def _maybe_cluster_window(self, state: ClusterState, layer: int, t, after=True):
         c_total = state.mu.shape[2]
         wmax = (c_total - state.c0) // self.window_clusters
         if wmax == 0:
             return state
-        full = jnp.all(t + 1 - state.clustered >= self.window) & (state.windows < wmax)
+        full = jnp.all(t + 1 - state.clustered >= self.window) & (state.windows < wmax) & after
         return jax.lax.cond(full, lambda s: self._cluster_window(s, layer), lambda s: s, state)
 
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:

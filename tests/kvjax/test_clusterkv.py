@@ -282,3 +282,21 @@ def test_bad_options(opts, match):
 def test_more_clusters_than_tokens():
     with pytest.raises(ValueError, match="num_clusters=40 is more clusters than the 16 clustered tokens"):
         ClusterKV(num_clusters=40, n_full=0).init(_cfg(4, 2), 1, Capacity(32, 4), 0, jnp.float32)
+
+
+@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+def test_decode_step_copies_no_cache_buffer(gqa):
+    """The compiled, donated decode step, window clustering compiled in (``lax.cond``), holds no ``copy`` of a
+    buffer with the slot axis (K, V, positions): the new token, the runs' attention and the window's in-place
+    permutation all work on the donated buffers (a cond whose do-nothing branch copies them is a defect)."""
+    import re
+    m = ClusterKV(budget=32, sink=4, tokens_per_cluster=8, window=8, window_clusters=2, n_full=0, gqa=gqa)
+    n, new = 200, 40
+    st = m.init(_cfg(8, 2), 1, Capacity(n, new), LAYER, jnp.float32)
+    step = jax.jit(lambda s, q, k, v, p: m.decode(s, LAYER, q, k, v, p), donate_argnums=0)
+    text = step.lower(st, jnp.zeros((1, 8, 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)),
+                      jnp.array([n])).compile().as_text()
+    assert " conditional(" in text  # the window clustering is compiled in
+    copies = [line.strip()[:120] for line in text.splitlines()
+              if re.search(r"= \w+\[[\d,]*\b%d\b[\d,]*\]\S* copy\(" % (n + new), line)]
+    assert not copies, copies
