@@ -166,9 +166,12 @@ def test_cluster_layout_invariants():
                                           np.arange(n + windows * m.window, n + steps))
 
 
-def test_one_token_per_cluster_selects_the_exact_top_b():
+@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+def test_one_token_per_cluster_selects_the_exact_top_b(gqa):
+    """Singleton clusters (mu = k): each query head (``query``), or the group's mean query (``group_mean``),
+    selects exactly its top-``bsel`` tokens by ``q·k``."""
     n, bucket, hq, hkv = 40, 40, 4, 2
-    m = ClusterKV(budget=12, sink=2, tokens_per_cluster=1, n_full=0, window=8, window_clusters=1)
+    m = ClusterKV(budget=12, sink=2, tokens_per_cluster=1, n_full=0, window=8, window_clusters=1, gqa=gqa)
     rng = np.random.default_rng(3)
     k = rng.normal(size=(1, hkv, bucket, 16)).astype(np.float32)
     q = rng.normal(size=(1, hq, bucket, 16)).astype(np.float32)
@@ -179,7 +182,8 @@ def test_one_token_per_cluster_selects_the_exact_top_b():
     qn = rng.normal(size=(1, hq, 16)).astype(np.float32)
     sel = np.asarray(m.selected_positions(st, LAYER, jnp.asarray(qn)))[0]
     for hh in range(hq):
-        s = k[0, hh // 2, 2:n] @ qn[0, hh]
+        qs = qn[0, hh] if gqa == "query" else qn[0, (hh // 2) * 2:(hh // 2) * 2 + 2].astype(np.float64).mean(0)
+        s = k[0, hh // 2, 2:n] @ qs
         top = set((2 + np.argsort(-s, kind="stable")[:10]).tolist())
         assert set(np.flatnonzero(sel[hh]).tolist()) == top | {0, 1}
 
