@@ -3,6 +3,7 @@
 >>> o, m, l = decode_attention(q, k, v, valid)                     # impl chosen by backend
 >>> out = normalise(merge((o, m, l), other_partial))               # exact combination, then softmax
 >>> part = decode_attention(q, k, v, lengths=n, block_indices=sel, block_size=128)  # only listed blocks read
+>>> part = decode_attention_runs(q, k, v, starts, lens, max_rows=2048)         # runs of slots (ClusterKV)
 
 q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]`` (GQA: ``Hq`` a multiple of ``Hkv``, KV never repeated); valid
 ``[B, Hkv, S]`` bool; lengths ``[B]`` int (slots ``[0, lengths[b])``); bias ``[B, Hkv, S]`` float added to the
@@ -11,7 +12,10 @@ scaled scores (Chelsea's ``log N``); block_indices ``[B, Hkv, N]`` or ``[B, N]``
 Returns ``(o_unnormalised [B, Hq, D], m [B, Hq], l [B, Hq])`` float32 (``reference`` has the exact contract;
 a row with no taking-part slot gives ``o = 0, l = 0, m = NEG_INF``). bf16 or fp32 inputs, fp32 accumulation.
 
-impl: ``"xla"`` (pure JAX that reads only the live chunks or the listed blocks, :mod:`.xla`; the masked
+``decode_attention_runs`` attends contiguous runs of slots of any start and length (optionally a prefix per query
+head): see its docstring.
+
+impl: ``"xla"`` (pure JAX that reads only the live chunks, the listed blocks or the runs, :mod:`.xla`; the masked
 ``reference`` is the spec), ``"pallas_tpu"`` (scalar-prefetched block lists), ``"pallas_gpu"``
 (Triton, flash-decoding split), or None: the ``KVJAX_DECODE_ATTENTION_IMPL`` environment variable if set, else
 ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the
