@@ -9,8 +9,8 @@ budget B: ``query`` at B, ``group_mean`` at B, and ``group_mean`` at the bytes `
 measured union). Reported, averaged over layers, probes and query heads: the top-B recall of ClusterKV's Fig. 11
 (``eval.fidelity.topb_recall``: B = the tokens attended), the coverage of the exact top-B of the *base* budget
 (the same target for all three), the prompt's attention mass the selection holds, and for ``query`` the union of
-the group's selections (what a step reads once per KV head) over one head's selection. JSON to
-``--out``-less ``clusterkv_gqa_<n>.json`` in the current folder.
+the group's selections (what a step reads once per KV head) over one head's selection. JSON:
+``clusterkv_gqa_<n>.json`` in the current folder.
 """
 import sys, json, time
 import jax, jax.numpy as jnp, numpy as np
