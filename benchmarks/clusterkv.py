@@ -99,9 +99,9 @@ def main(argv=None):
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--prefill-budget", type=int, default=1024, help="clusterkv budget (tokens) for the timing")
-    p.add_argument("--methods", default="clusterkv,clusterkv:gqa=group_mean,quest,pqcache",
+    p.add_argument("--methods", default="clusterkv,clusterkv:gqa=query,quest,pqcache",
                    help="recall methods for attended/bytes; NAME:OPT=VALUE[+OPT=VALUE] sets string options "
-                        "(e.g. clusterkv:gqa=group_mean)")
+                        "(e.g. clusterkv:gqa=query)")
     p.add_argument("--skip-prefill", action="store_true", help="only the attended/bytes-read table")
     p.add_argument("--budgets", default="256,512,1024", help="token budgets for attended/bytes")
     p.add_argument("--repeats", type=int, default=5, help="timed prefill runs per method (median)")

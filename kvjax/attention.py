@@ -20,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.decode_attention import NEG_INF, decode_attention, merge, normalise  # NEG_INF = -1e30
+from kernels_pallas.decode_attention import (NEG_INF, decode_attention, decode_attention_runs,  # NEG_INF = -1e30
+                                             merge, normalise)
 from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
-__all__ = ["NEG_INF", "attend", "attend_with_scores", "attend_with_weights", "merge", "normalise", "scores"]
+__all__ = ["NEG_INF", "attend", "attend_runs", "attend_with_scores", "attend_with_weights", "merge", "normalise",
+           "scores"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -56,6 +58,20 @@ def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block
         return decode_attention(**dict(zip(names, xs)), block_size=block_size, impl=impl)
 
     return sharding.per_head(run, *(args[n] for n in names), batch_only=shared)  # local on a mesh
+
+
+def attend_runs(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, impl=None):
+    """Partials ``(o, m, l)`` of attention over runs of slots: query head ``g`` of KV head ``h`` attends
+    ``[starts[b,h,r], starts[b,h,r] + lens[b,h,(g,)r])`` for every run ``r`` (starts ``[B, Hkv, R]``, lens ``[B,
+    Hkv, R]`` or per query head ``[B, Hkv, G, R]``; runs of one ``(b, h)`` disjoint; ``max_rows`` a static bound on
+    ``Σ_r max_g lens``). Each run is read as contiguous windows of ``block_size`` rows, once per KV head
+    (``kernels_pallas.decode_attention.decode_attention_runs``). On a mesh it runs per device on its sequences
+    and heads."""
+
+    def run(q, k, v, starts, lens):
+        return decode_attention_runs(q, k, v, starts, lens, max_rows=max_rows, block_size=block_size, impl=impl)
+
+    return sharding.per_head(run, q, k, v, starts, lens)
 
 
 def attend_with_weights(q, k, v, valid, lengths=None):

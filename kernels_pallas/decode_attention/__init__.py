@@ -3,6 +3,7 @@
 >>> o, m, l = decode_attention(q, k, v, valid)                     # impl chosen by backend
 >>> out = normalise(merge((o, m, l), other_partial))               # exact combination, then softmax
 >>> part = decode_attention(q, k, v, lengths=n, block_indices=sel, block_size=128)  # only listed blocks read
+>>> part = decode_attention_runs(q, k, v, starts, lens, max_rows=2048)         # runs of slots (ClusterKV)
 
 q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]`` (GQA: ``Hq`` a multiple of ``Hkv``, KV never repeated); valid
 ``[B, Hkv, S]`` bool; lengths ``[B]`` int (slots ``[0, lengths[b])``); bias ``[B, Hkv, S]`` float added to the
@@ -11,7 +12,10 @@ scaled scores (Chelsea's ``log N``); block_indices ``[B, Hkv, N]`` or ``[B, N]``
 Returns ``(o_unnormalised [B, Hq, D], m [B, Hq], l [B, Hq])`` float32 (``reference`` has the exact contract;
 a row with no taking-part slot gives ``o = 0, l = 0, m = NEG_INF``). bf16 or fp32 inputs, fp32 accumulation.
 
-impl: ``"xla"`` (pure JAX that reads only the live chunks or the listed blocks, :mod:`.xla`; the masked
+``decode_attention_runs`` attends contiguous runs of slots of any start and length (optionally a prefix per query
+head): see its docstring.
+
+impl: ``"xla"`` (pure JAX that reads only the live chunks, the listed blocks or the runs, :mod:`.xla`; the masked
 ``reference`` is the spec), ``"pallas_tpu"`` (scalar-prefetched block lists), ``"pallas_gpu"``
 (Triton, flash-decoding split), or None: the ``KVJAX_DECODE_ATTENTION_IMPL`` environment variable if set, else
 ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the
@@ -27,9 +31,11 @@ pallas_gpu a power of two.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention_reference, merge, normalise,
+from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention_reference,
+                                                       decode_attention_runs_reference, merge, normalise, runs_mask,
                                                        slot_mask)
 from kernels_pallas.decode_attention import tuning
 from kernels_pallas.decode_attention.tiling import check_block_shape
@@ -118,6 +124,99 @@ def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices
                                 block_size=int(min(block_size, _pow2(s))), interpret=interpret)
 
 
+def check_runs(q, k, starts, lens, max_rows, block_size) -> None:
+    """ValueError naming the argument for run lists of the wrong shape or (when concrete) out-of-range values."""
+    b, hkv, s, d = k.shape
+    g = q.shape[1] // hkv
+    if starts.ndim != 3 or tuple(starts.shape[:2]) != (b, hkv):
+        raise ValueError(f"starts has shape {tuple(starts.shape)}; expected [B, Hkv, R] = ({b}, {hkv}, R)")
+    r = starts.shape[-1]
+    if tuple(lens.shape) not in ((b, hkv, r), (b, hkv, g, r)):
+        raise ValueError(f"lens has shape {tuple(lens.shape)}; expected [B, Hkv, R] = {(b, hkv, r)} or per query "
+                         f"head [B, Hkv, G, R] = {(b, hkv, g, r)}")
+    for name, x in (("starts", starts), ("lens", lens)):
+        if not np.issubdtype(np.dtype(x.dtype), np.integer):
+            raise ValueError(f"{name} has dtype {x.dtype}; expected an integer dtype")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 0:
+        raise ValueError(f"max_rows={max_rows!r} must be a static int >= 0 (a bound on the rows listed per KV head)")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
+    cs, cl = _concrete(starts), _concrete(lens)
+    if cs is not None and cl is not None and cs.size:
+        ln = cl if cl.ndim == 3 else cl.max(axis=2)
+        if cl.min() < 0 or np.any((ln > 0) & ((cs < 0) | (cs + ln > s))):
+            raise ValueError(f"runs leave the buffer: every run [starts, starts + lens) must lie in [0, S={s}) and "
+                             f"lens be >= 0")
+        if ln.sum(axis=-1).max() > max_rows:
+            raise ValueError(f"max_rows={max_rows} is below the {int(ln.sum(axis=-1).max())} rows a (b, h) lists; "
+                             f"pass a bound that holds")
+
+
+def decode_attention_runs(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, impl: str | None = None,
+                          interpret: bool = False):
+    """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 of attention over *runs* of slots.
+
+    Query head ``g`` of KV head ``h`` attends the slots ``[starts[b,h,r], starts[b,h,r] + lens[b,h,r])`` of every
+    run ``r`` (``lens [B, Hkv, R]``), or its own prefix of each run (``lens [B, Hkv, G, R]``: the run is read once
+    per KV head and masked per query head). Runs of one ``(b, h)`` must not overlap; a length of 0 lists nothing.
+    ``max_rows`` (static) bounds ``Σ_r max_g lens`` per ``(b, h)``; it sizes the window list (runs past it would
+    be dropped). ``reference.decode_attention_runs_reference`` is the exact contract (a mask over all slots).
+
+    impl ``"xla"`` (None on CPU): :func:`.xla.decode_attention_runs_xla` cuts the runs into windows of
+    ``block_size`` rows and gathers and attends them chunk by chunk; a run of ``>= block_size`` rows reads no slot
+    outside it (:func:`runs_plan_bytes`). ``"pallas_tpu"``/``"pallas_gpu"`` (no run kernel): the same windows
+    are gathered into one compact buffer with XLA and the block kernel attends it with the window mask (per
+    query head, the buffer is repeated for each of the group's heads).
+    """
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
+    impl = impl or default_impl()
+    check_inputs(q, k, v, None, None, None, None, 1)
+    check_runs(q, k, starts, lens, max_rows, block_size)
+    if impl == "xla":
+        from kernels_pallas.decode_attention import xla
+        return xla.decode_attention_runs_xla(q, k, v, starts, lens, max_rows=int(max_rows),
+                                             block_size=int(block_size))
+    kk, vv, valid = gather_runs(k, v, starts, lens, max_rows=int(max_rows), block_size=int(block_size))
+    return decode_attention(q, kk, vv, valid, impl=impl, interpret=interpret)
+
+
+def gather_runs(k, v, starts, lens, *, max_rows: int, block_size: int = 16):
+    """The windows :func:`decode_attention_runs` reads, gathered into a compact buffer with XLA (for the block
+    kernels, or to move them to another memory): ``(kk, vv [B, H', W * bs, D], valid [B, H', W * bs])`` with ``W =
+    ceil(max_rows / bs) + R`` windows and ``H' = Hkv`` for shared ``lens [B, Hkv, R]``, ``H' = Hq`` (the buffer
+    repeated for each query head of a group, valid per head) for ``lens [B, Hkv, G, R]``."""
+    from kernels_pallas.decode_attention import xla
+    b, hkv, s, _ = k.shape
+    bs = int(min(block_size, s))
+    first, stop, count = xla.run_windows(starts, lens, bs, -(-int(max_rows) // bs) + starts.shape[-1])
+    top = jnp.max(stop, axis=2) if stop.ndim == 4 else stop
+    at = jnp.clip(jnp.minimum(first, top - bs), 0, s - bs)  # as the xla path reads them
+    rows = at[..., None] + jnp.arange(bs, dtype=jnp.int32)  # [B, Hkv, W, bs]
+    listed = (jnp.arange(at.shape[-1]) < count[..., None])[..., None] & (rows >= first[..., None])
+    kk, vv = xla._gather_windows(k, at, bs), xla._gather_windows(v, at, bs)  # [B, Hkv, W * bs, D]
+    if stop.ndim == 3:
+        return kk, vv, (listed & (rows < stop[..., None])).reshape(b, hkv, -1)
+    g = stop.shape[2]  # one "KV head" per query head: the buffer repeated G times
+    valid = (listed[:, :, None] & (rows[:, :, None] < stop[..., None])).reshape(b, hkv * g, -1)
+    rep = lambda x: jnp.broadcast_to(x[:, :, None], (b, hkv, g) + x.shape[2:]).reshape(b, hkv * g, *x.shape[2:])
+    return rep(kk), rep(vv), valid
+
+
+def runs_plan_bytes(k, starts, lens, *, block_size: int = 16, num_heads: int | None = None) -> int:
+    """Bytes one :func:`decode_attention_runs` call reads on the xla path: per ``(b, h)`` and run of ``span = max_g
+    lens > 0`` rows, ``max(span, block_size)`` K and V rows (a run shorter than a window reads a whole window), the
+    query and the partial outputs. Concrete inputs only (call it outside ``jit``)."""
+    b, hkv, s, d = k.shape
+    bs = int(min(block_size, s))
+    ln = np.asarray(lens)
+    span = ln if ln.ndim == 3 else ln.max(axis=2)
+    rows = int(np.sum(np.where(span > 0, np.maximum(span, bs), 0)))
+    hq = num_heads or hkv
+    item = np.dtype(k.dtype).itemsize
+    return int(rows * 2 * d * item + b * hq * d * item + b * hq * (d + 2) * 4)
+
+
 def block_plan_bytes(k, lengths=None, block_indices=None, *, block_size: int = 128, num_heads: int | None = None,
                      with_mask: bool = False) -> int:
     """Bytes one ``decode_attention`` call reads under the kernels' block plan (``_common.plan_blocks``): for
@@ -143,4 +242,5 @@ def block_plan_bytes(k, lengths=None, block_indices=None, *, block_size: int = 1
 
 
 __all__ = ["IMPLS", "NEG_INF", "block_plan_bytes", "check_block_shape", "decode_attention", "decode_attention_reference",
-           "default_impl", "merge", "normalise", "slot_mask"]
+           "decode_attention_runs", "decode_attention_runs_reference", "default_impl", "gather_runs", "merge", "normalise",
+           "runs_mask", "runs_plan_bytes", "slot_mask"]

@@ -62,6 +62,34 @@ def decode_attention_reference(q, k, v, valid=None, lengths=None, bias=None, blo
     return o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)
 
 
+def runs_mask(b: int, hkv: int, g: int, s: int, starts, lens) -> jnp.ndarray:
+    """Bool ``[B, Hkv, G, S]``: slot ``s`` takes part for query head ``g`` of KV head ``h`` iff it lies in a run
+    ``[starts[b,h,r], starts[b,h,r] + lens[b,h,(g,)r])`` (``lens [B, Hkv, R]`` is shared by the group's heads)."""
+    st = jnp.asarray(starts, jnp.int32)[:, :, None, :, None]  # [B, Hkv, 1, R, 1]
+    ln = jnp.asarray(lens, jnp.int32)
+    ln = (ln[:, :, None] if ln.ndim == 3 else ln)[..., None]  # [B, Hkv, G or 1, R, 1]
+    slots = jnp.arange(s, dtype=jnp.int32)
+    inside = (slots >= st) & (slots < st + ln)
+    return jnp.broadcast_to(jnp.any(inside, axis=3), (b, hkv, g, s))
+
+
+def decode_attention_runs_reference(q, k, v, starts, lens):
+    """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 over runs of slots (the spec of
+    :func:`~kernels_pallas.decode_attention.decode_attention_runs`): query head ``g`` of KV head ``h`` attends
+    the slots of :func:`runs_mask`; computed over all ``S`` slots and masked."""
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g, d)
+    sc = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    mask = runs_mask(b, hkv, g, s, starts, lens)
+    sc = jnp.where(mask, sc, NEG_INF)
+    m = jnp.max(sc, axis=-1)
+    p = jnp.where(mask, jnp.exp(sc - m[..., None]), 0.0)
+    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, hq, d), m.reshape(b, hq), jnp.sum(p, axis=-1).reshape(b, hq)
+
+
 def merge(a, b):
     """Merge two partials ``(o, m, l)`` over disjoint slot sets (exact)."""
     oa, ma, la = a

@@ -17,16 +17,25 @@ at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
   ``csize``, so a selected cluster is a contiguous run of slots; ``pos`` keeps each slot's position. Slots:
   ``[0, sink_b)`` sinks, ``[sink_b, n_b)`` prompt clusters, then the decoded tokens by position, each window of
   ``window`` of them permuted in place once it is clustered.
-- **Decode** (paper §III-C, note §2.5, §7.4): the centroids are scored by ``q·mu`` (inner product, unscaled).
-  GQA (note §2.7, §6 #8): ``gqa="query"`` (default, the authors' code) ranks per query head;
-  ``gqa="group_mean"`` ranks once per KV head with the group's mean query. Whole clusters are taken in
-  descending score order until ``bsel_b`` tokens; the last one is cut to its earliest positions. The selected
-  rows are *gathered* (exactly ``bsel`` rows per query head, or per KV head with ``group_mean``) and attended;
-  the recent window ``[clustered_end, t]`` goes through the decode-attention kernel with a block list covering
-  only its blocks (16 slots, 128 on TPU), the sinks as a ``[0, sink)`` slice; the three partials merge exactly.
+- **Decode** (paper §III-C, note §2.5, §7.4): the centroids are scored by ``q·mu`` (inner product, unscaled),
+  ranked (``lax.top_k``, ties to the lower id), and whole clusters are taken in descending order until
+  ``bsel_b`` tokens; the last one is cut to its earliest positions. The step attends **runs of slots**
+  (:meth:`ClusterKV.runs`): the sinks ``[0, sink_b)``, the unclustered window ``[clustered, t]`` and each
+  selected cluster's ``[cstart, cstart + taken)``, through
+  :func:`kernels_pallas.decode_attention.decode_attention_runs` (on CPU: the runs cut into 16-row windows,
+  gathered a cache-sized chunk at a time and attended with the flash-decoding recurrence; a run of 16 rows or
+  more reads no slot outside it), so a step reads its budget's rows and nothing computed over all slots.
   Every ``window`` decode steps the newest window is clustered into ``window_clusters`` clusters and appended
   (paper §III-B "clustering within the generated tokens only", note §6 #9), inside the jitted step with
-  ``lax.cond`` (one compile).
+  ``lax.cond`` (one compile), ordered after the attention so the compiled step copies no K/V buffer.
+- **GQA** (note §2.7, §6 #8; the paper is silent, the authors' code selects per query head): ``gqa="group_mean"``
+  (**the default, a declared deviation from the authors' code**) ranks once per KV head with the mean of the
+  group's queries, so a step reads its budget once per KV head. ``gqa="query"`` (the authors' rule) lets each
+  query head rank and cut on its own; the step reads the *union* of the group's selections once per KV head and
+  masks it per query head (the same tokens per query head as the authors' code, but the union costs up to ``G``
+  times the budget: 1.28-1.42x on SmolLM2-135M, G = 3, 4k-token essay prompts). Measured there (top-B recall of
+  ClusterKV's Fig. 11, layers 2-29, ``benchmarks/results/clusterkv_gqa_recall_cpu.md``): ``group_mean`` loses
+  0.02-0.03 recall at the same budget and gains at the same bytes read.
 - **Budget** (note §6 #1, kvjax contract): ``B_b`` tokens attended besides the recent window, sinks included: a
   fraction gives ``ceil(b n)`` of the sequence's own prompt, a count ``min(c, n + max_new_tokens)`` (so a count
   can cover generated tokens once they are clustered; :func:`kvjax.methods.base.evicting_budget`):
@@ -36,14 +45,15 @@ at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
 - **Layers** ``< n_full`` (default 2, paper §V-A, as Quest) keep and attend the full cache (:class:`Full`).
 
 Memory vs bandwidth: ``tokens_held = held(n, steps) = n + steps``; a step attends ``attended(n, steps)`` tokens
-and reads :meth:`ClusterKV.bytes_read_per_step` bytes (centroids, sizes, the gathered rows, the sink/window
-blocks). ``offload=True`` keeps K/V in ``pinned_host`` memory (accelerators only, EXPERIMENTAL as PQCache's).
+and reads :meth:`ClusterKV.bytes_read_per_step` bytes (centroids, sizes and starts, the ranking, the runs' K/V
+rows: what the last step read, recorded in ``rows_read``). ``offload=True`` keeps K/V in ``pinned_host`` memory
+(accelerators only, EXPERIMENTAL as PQCache's).
 
 Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = bucket + max_new_tokens); pos ``[B, Hkv, S]``
 int32 (-1 empty); mu ``[B, Hkv, C, D]`` float32 with ``C = C0_max + window_clusters * W_max`` (prompt clusters
 ``[0, C0_max)``, window ``w``'s at ``C0_max + w * window_clusters``); csize, cstart ``[B, Hkv, C]`` int32;
-lengths, sinks, bsel, filled, clustered ``[B]`` int32; windows ``[]`` int32. Einsum axes: b batch, h KV head,
-g query head of the group, c cluster, s slot, j selected entry, d head dim.
+lengths, sinks, bsel, filled, clustered ``[B]`` int32; windows ``[]`` int32; rows_read ``[B, Hkv]`` int32. Einsum
+axes: b batch, h KV head, g query head of the group, c cluster, d head dim.
 
 Not reproduced: the GPU cache of last step's clusters (R = 1) and CPU offload overlap (note §7.8), the
 asynchronous clustering stream (note §6 #18: XLA has no side stream; clustering runs in each layer's prefill).
@@ -64,7 +74,7 @@ import numpy as np
 from flax import struct
 
 from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
-from kernels_pallas.decode_attention import block_plan_bytes, default_impl
+from kernels_pallas.decode_attention import gather_runs, runs_mask
 from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import check_budget
@@ -73,6 +83,9 @@ from kvjax.methods.base import Capacity, Method, SlotCache, evicting_budget, row
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
+
+#: Rows per window of the decode step's run reads (``kernels_pallas.decode_attention.decode_attention_runs``).
+RUN_BLOCK = 16
 
 
 def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
@@ -115,6 +128,7 @@ class ClusterState:
     filled: jnp.ndarray  # [B] slots written (prompt + decoded)
     clustered: jnp.ndarray  # [B] end slot of the clustered region (n_b + windows * window)
     windows: jnp.ndarray  # [] decode windows clustered so far
+    rows_read: jnp.ndarray  # [B, Hkv] int32 K/V rows the last decode step read (0 before the first)
     sink: int = struct.field(pytree_node=False, default=0)  # static: most sinks
     c0: int = struct.field(pytree_node=False, default=0)  # static: prompt cluster ids [0, c0)
     select: int = struct.field(pytree_node=False, default=0)  # static: gathered rows per selecting head
@@ -134,7 +148,7 @@ class ClusterKV(Method):
     window_clusters: int = 4  # C+: clusters per window (paper; the authors' code uses 8)
     iters: int = 20  # K-means updates at most (the authors' code; the paper: until convergence)
     n_full: int = 2  # leading layers that keep full attention (paper §V-A)
-    gqa: str = "query"  # "query" (each query head selects) | "group_mean"
+    gqa: str = "group_mean"  # "group_mean" (one selection per KV head, the default) | "query" (per query head)
     seed: int = 0
     impl: str | None = None  # cosine K-means kernels (None: by backend)
     offload: bool = False  # K/V in pinned_host memory (accelerators only)
@@ -213,7 +227,8 @@ class ClusterKV(Method):
             k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
             pos=jnp.full((batch, h, slots), -1, jnp.int32), mu=jnp.zeros((batch, h, c, d), jnp.float32),
             csize=z(batch, h, c), cstart=z(batch, h, c), lengths=z(batch), sinks=z(batch), bsel=z(batch),
-            filled=z(batch), clustered=z(batch), windows=jnp.int32(0), sink=min(self.sink, p), c0=c0,
+            filled=z(batch), clustered=z(batch), windows=jnp.int32(0), rows_read=z(batch, h),
+            sink=min(self.sink, p), c0=c0,
             select=sel, max_new=new)
         if self.offload:
             from kvjax.methods.pqcache import _host_sharding
@@ -303,9 +318,13 @@ class ClusterKV(Method):
 
     # ---- selection (paper §III-C, note §7.4) ----
 
-    def select(self, state: ClusterState, q):
-        """Slots ``[B, Hkv, G', J]`` int32 and ``ok`` bool of the tokens taken from clusters (``G' = G`` for
-        ``gqa="query"``, 1 for ``group_mean``; ``J = state.select``). q ``[B, Hq, D]``."""
+    def take_lengths(self, state: ClusterState, q):
+        """Tokens each selecting head takes from each cluster: ``(starts [B, Hkv, C], take [B, Hkv, G', C])`` int32,
+        ``G' = G`` for ``gqa="query"`` (clusters in id order, so the group's selections line up), 1 for
+        ``group_mean`` (clusters in the head's rank order). The clusters are ranked by ``q·mu`` (ties: the lower
+        id), whole clusters taken until ``bsel`` tokens, the last one cut to its first (earliest-position) rows:
+        cluster ``c`` at rank ``r`` gives ``clip(bsel - Σ_{r' < r} size, 0, size)`` rows from ``cstart[c]``.
+        q ``[B, Hq, D]``."""
         b, hq, d = q.shape
         h, c = state.mu.shape[1], state.mu.shape[2]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
@@ -316,54 +335,43 @@ class ClusterKV(Method):
         s = jnp.where(live, s, NEG_INF)  # empty clusters rank last (ties: the lower id first)
         _, order = top_k(s, c)  # [B, Hkv, G', C] descending
         sz = jnp.take_along_axis(jnp.broadcast_to(state.csize[:, :, None], s.shape), order, axis=-1)
-        ps = jnp.cumsum(sz, axis=-1)
-        ps0 = ps - sz
-        j = jnp.arange(state.select, dtype=jnp.int32)
-        # rank r of the cluster holding entry j: one marker at each non-empty cluster's first entry
-        mark = lambda p0, z: (jnp.zeros((state.select + 1,), jnp.int32)  # noqa: E731
-                              .at[jnp.minimum(p0, state.select)].add((z > 0).astype(jnp.int32)))
-        marks = jax.vmap(jax.vmap(jax.vmap(mark)))(ps0, sz)  # per (b, h, g): no flattening across heads
-        r = jnp.cumsum(marks[..., :-1], axis=-1) - 1
-        r = jnp.clip(r, 0, c - 1)
-        cid = jnp.take_along_axis(order, r, axis=-1)
-        off = j - jnp.take_along_axis(ps0, r, axis=-1)
-        start = jnp.take_along_axis(jnp.broadcast_to(state.cstart[:, :, None], s.shape), cid, axis=-1)
-        ok = j < jnp.minimum(ps[..., -1:], state.bsel[:, None, None, None])
-        slot = jnp.where(ok, start + off, 0)
-        return slot.astype(jnp.int32), ok
+        before = jnp.cumsum(sz, axis=-1) - sz
+        take = jnp.clip(state.bsel[:, None, None, None] - before, 0, sz).astype(jnp.int32)  # rank order
+        if self.gqa == "group_mean":
+            return jnp.take_along_axis(state.cstart, order[:, :, 0], axis=-1), take
+        back = lambda o, x: jnp.zeros_like(x).at[o].set(x)  # noqa: E731  rank order -> cluster-id order
+        return state.cstart, jax.vmap(jax.vmap(jax.vmap(back)))(order, take)  # per (b, h, g): no flattening
+
+    def runs(self, state: ClusterState, q, t):
+        """The runs of slots the step whose new token is at ``t [B]`` attends: ``(starts [B, Hkv, R], lens [B, Hkv,
+        R] or [B, Hkv, G, R])`` (``R = C + 2``): the sinks ``[0, sink_b)``, the unclustered window ``[clustered,
+        t]``, then the clusters (:meth:`take_lengths`). ``gqa="query"`` gives every query head its own lengths over
+        the clusters any head of its group takes (read once per KV head, masked per query head)."""
+        b, h = state.k.shape[0], state.k.shape[1]
+        cstart, take = self.take_lengths(state, q)
+        g = take.shape[2]
+        fixed = lambda x: jnp.broadcast_to(x.astype(jnp.int32)[:, None, None, None], (b, h, g, 1))  # noqa: E731
+        lens = jnp.concatenate([fixed(state.sinks), fixed(t + 1 - state.clustered), take], axis=-1)
+        starts = jnp.concatenate([jnp.zeros((b, h, 1), jnp.int32),
+                                  jnp.broadcast_to(state.clustered[:, None, None], (b, h, 1)).astype(jnp.int32),
+                                  cstart.astype(jnp.int32)], axis=-1)
+        return starts, (lens[:, :, 0] if g == 1 else lens)
+
+    def max_rows(self, state: ClusterState, num_heads: int) -> int:
+        """Static bound on the rows a step's runs list per KV head: the sinks, the unclustered window (at most
+        ``window`` tokens, and at most ``max_new_tokens``), and ``bsel`` tokens per selecting head."""
+        g = 1 if self.gqa == "group_mean" else num_heads // state.k.shape[1]
+        return int(state.sink + min(self.window, state.max_new) + min(g * state.select, state.k.shape[2]))
 
     @staticmethod
-    def _window_block(s: int) -> int:
-        """Slots per block for the window's attention: 128 for the TPU kernel (a masked call needs lane-dense
-        blocks), 16 elsewhere (reads at most 15 clustered rows before the window)."""
-        return min(128 if default_impl() == "pallas_tpu" else 16, s)
-
-    def _window(self, state: ClusterState, t):
-        """The unclustered window ``[clustered, t]``: its mask ``[B, Hkv, S]``, the block list ``[B, N]``
-        covering only it, and the block size."""
-        s = state.k.shape[2]
-        slot = jnp.arange(s, dtype=jnp.int32)[None, :]
-        m = (slot >= state.clustered[:, None]) & (slot <= t[:, None])
-        bs = self._window_block(s)
-        first = state.clustered // bs
-        blocks = first[:, None] + jnp.arange(-(-self.window // bs) + 1, dtype=jnp.int32)[None, :]
-        blocks = jnp.where(blocks < -(-s // bs), blocks, -1)
-        return jnp.broadcast_to(m[:, None], (t.shape[0], state.k.shape[1], s)), blocks, bs
-
-    def _gathered(self, state: ClusterState, slot):
-        """K/V rows at ``slot [B, Hkv, G', J]`` as ``[B, Hkv*G', J, D]`` (device memory)."""
-        b, h, g, j = slot.shape
-        flat = slot.reshape(b, h, g * j)[..., None]
-        kk = jnp.take_along_axis(state.k, flat, axis=2).reshape(b, h * g, j, -1)
-        vv = jnp.take_along_axis(state.v, flat, axis=2).reshape(b, h * g, j, -1)
-        if self.offload:
-            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-            kk, vv = jax.device_put(kk, dev), jax.device_put(vv, dev)
-        return kk, vv
+    def _run_block(s: int) -> int:
+        """Rows per window of the run reads (``decode_attention_runs``' ``block_size``)."""
+        return min(RUN_BLOCK, s)
 
     def decode(self, state, layer: int, q, k, v, pos):
-        """Store the new token at slot ``pos``, attend sinks + selected clusters + the window, then cluster the
-        window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
+        """Store the new token at slot ``pos``, attend sinks + selected clusters + the window (runs of slots, each
+        read once per KV head), then cluster the window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``;
+        pos ``[B]``."""
         if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.decode(state, layer, q, k, v, pos)
         b, h, d = k.shape
@@ -371,27 +379,33 @@ class ClusterKV(Method):
         ti = jnp.broadcast_to(t[:, None], (b, h))
         state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
                               pos=rows_at(state.pos, ti, ti), filled=jnp.maximum(state.filled, t + 1))
-        slot, ok = self.select(state, q)
-        kk, vv = self._gathered(state, slot)
-        # gqa="query": [B, Hq, J, D] rows, one "KV head" per query head; group_mean: [B, Hkv, J, D], GQA-native
-        part_sel = attention.attend(q, kk, vv, ok.reshape(b, h * slot.shape[2], -1))
-        mask, blocks, bs = self._window(state, t)
-        part = attention.merge(part_sel, attention.attend(q, state.k, state.v, mask, lengths=state.filled,
-                                                          block_indices=blocks, block_size=bs))
-        if state.sink:  # the sinks: slots [0, sinks_b) of a static [0, sink) slice
-            part = attention.merge(part, attention.attend(q, state.k[:, :, :state.sink], state.v[:, :, :state.sink],
-                                                          None, lengths=state.sinks))
-        out = attention.normalise(part)
-        return out, self._maybe_cluster_window(state, layer, t)
+        starts, lens = self.runs(state, q, t)
+        bs = self._run_block(state.k.shape[2])
+        rows = self.max_rows(state, q.shape[1])
+        if self.offload:  # gather the windows from host memory, attend them on the device
+            kk, vv, valid = gather_runs(state.k, state.v, starts, lens, max_rows=rows, block_size=bs)
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+            part = attention.attend(q, jax.device_put(kk, dev), jax.device_put(vv, dev), valid)
+        else:
+            part = attention.attend_runs(q, state.k, state.v, starts, lens, max_rows=rows, block_size=bs)
+        span = lens if lens.ndim == 3 else jnp.max(lens, axis=2)
+        read = jnp.sum(jnp.where(span > 0, jnp.maximum(span, bs), 0), axis=-1).astype(jnp.int32)  # [B, Hkv]
+        state = state.replace(rows_read=read)
+        # The window's clustering permutes K/V rows in place. Without a data dependency XLA may run it before the
+        # attention that reads those rows and copy K and V (both branches of the cond) to keep the old rows; its
+        # predicate depending on the attention's result (``l`` is never -1) orders it after: no copy
+        # (tests/kvjax/test_clusterkv.py reads the compiled step).
+        after = part[2][0, 0] != -1.0
+        return attention.normalise(part), self._maybe_cluster_window(state, layer, t, after)
 
     # ---- decode-time clustering (paper §III-B, note §2.4, §6 #9) ----
 
-    def _maybe_cluster_window(self, state: ClusterState, layer: int, t):
+    def _maybe_cluster_window(self, state: ClusterState, layer: int, t, after=True):
         c_total = state.mu.shape[2]
         wmax = (c_total - state.c0) // self.window_clusters
         if wmax == 0:
             return state
-        full = jnp.all(t + 1 - state.clustered >= self.window) & (state.windows < wmax)
+        full = jnp.all(t + 1 - state.clustered >= self.window) & (state.windows < wmax) & after
         return jax.lax.cond(full, lambda s: self._cluster_window(s, layer), lambda s: s, state)
 
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:
@@ -424,48 +438,63 @@ class ClusterKV(Method):
     # ---- reporting ----
 
     def selected_positions(self, state, layer: int, q):
-        """``[B, Hq, S]`` bool: positions the next decode step attends for ``q`` (the new token excluded)."""
+        """``[B, Hq, S]`` bool: positions the next decode step (new token at ``t = filled``) attends for ``q``, the
+        new token excluded: the slots of :meth:`runs` mapped to their positions."""
         b, hq, _ = q.shape
         if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
             return _FULL.selected_positions(state, layer, q)
         h, s = state.k.shape[1], state.k.shape[2]
-        slot, ok = self.select(state, q)  # [B, Hkv, G', J]
-        g = slot.shape[2]
-        p = jnp.take_along_axis(state.pos, slot.reshape(b, h, -1), axis=2).reshape(slot.shape)
-        p = jnp.where(ok & (p >= 0), p, s)
-        sel = jnp.zeros((b, h, g, s + 1), bool)
-        sel = sel.at[jnp.arange(b)[:, None, None, None], jnp.arange(h)[None, :, None, None],
-                     jnp.arange(g)[None, None, :, None], p].set(True)[..., :s]
-        sel = jnp.broadcast_to(sel, (b, h, hq // h, s)).reshape(b, hq, s)
-        # outside the clustered regions a slot holds its own position: sinks and the unclustered window
-        rec = jnp.arange(s)[None, :]
-        recent = (rec < state.sinks[:, None]) | ((rec >= state.clustered[:, None]) & (rec < state.filled[:, None]))
-        return sel | recent[:, None, :]
+        starts, lens = self.runs(state, q, state.filled - 1)  # the window [clustered, filled): t excluded
+        g = hq // h
+        slots = runs_mask(b, h, g, s, starts, lens)  # [B, Hkv, G, S] by slot
+        p = jnp.where(state.pos >= 0, state.pos, s)  # [B, Hkv, S] the position each slot holds
+        put = lambda pp, m: jnp.zeros((s + 1,), bool).at[pp].max(m)[:s]  # noqa: E731
+        sel = jax.vmap(jax.vmap(jax.vmap(put, in_axes=(None, 0))))(p, slots)  # [B, Hkv, G, S] by position
+        return sel.reshape(b, hq, s)
 
     def tokens_held(self, state):
         if isinstance(state, ClusterState):
             return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)
         return _FULL.tokens_held(state)
 
-    def bytes_read_per_step(self, state, num_heads: int) -> int:
-        """Bytes one decode step reads: the centroids, sizes and starts of the live clusters (per KV head), the
-        gathered rows (``bsel`` per selecting head, K and V), the sink/window blocks the kernel's block plan
-        visits with their float32 mask, the sinks, and the query/outputs (once per partial)."""
-        if not isinstance(state, ClusterState):
-            return _FULL.bytes_read_per_step(state, num_heads)
+    def bytes_read_breakdown(self, state: ClusterState, num_heads: int) -> dict[str, int]:
+        """Bytes one decode step of this compressed layer reads, by part (concrete state; call outside ``jit``):
+
+        - ``centroids``: ``mu`` (float32), ``csize`` and ``cstart`` of the live clusters per KV head;
+        - ``ranking``: the float32 score and the ranked size of each live cluster, per selecting head.
+        The scoring einsum and ``lax.top_k`` run over the static ``C``-cluster buffers (the bucket's ``C0_max``
+        prompt clusters and every decode window's slots); the slots no cluster of the sequence uses are not
+        counted (at most ``bucket / tokens_per_cluster`` centroids of ``4 D`` bytes per KV head, well under 1% of
+        a step's reads at the budgets of the paper);
+        - ``runs``: the K and V rows the run reads touch (:func:`~kernels_pallas.decode_attention.runs_plan_bytes`:
+          every listed run's rows, a run shorter than ``RUN_BLOCK`` rows a whole window): the sinks, the unclustered
+          window and the selected clusters, read once per KV head (``gqa="query"``: the union of the group's
+          selections). The rows depend on the query: after a decode step, the rows that step read
+          (``rows_read``, recorded by :meth:`decode`); before the first, the bound ``bsel`` per selecting head
+          plus the sink and window runs. Plus the query and the partial outputs;
+        - ``full_kv``, not in ``total``: full attention over the same live slots."""
         b, h, s, d = state.k.shape
         item = np.dtype(state.k.dtype).itemsize
         g = 1 if self.gqa == "group_mean" else num_heads // h
+        bs = self._run_block(s)
         live = int(np.sum(np.asarray(state.csize) > 0))
-        total = live * (d * 4 + 8)
-        bsel = np.asarray(state.bsel)
-        clustered_tokens = np.asarray(state.clustered) - np.asarray(state.sinks)
-        rows = np.minimum(bsel, clustered_tokens) * h * g
-        total += int(np.sum(rows)) * 2 * d * item
-        t = np.asarray(state.filled)  # the next token's position
-        _, blocks, bs = self._window(state, jnp.asarray(t))
-        total += block_plan_bytes(state.k, jnp.asarray(t + 1), blocks, block_size=bs, num_heads=num_heads,
-                                  with_mask=True)
-        if state.sink:
-            total += block_plan_bytes(state.k[:, :, :state.sink], state.sinks, num_heads=num_heads)
-        return int(total)
+        filled, clustered = np.asarray(state.filled), np.asarray(state.clustered)
+        if np.any(filled > np.asarray(state.lengths)):  # a decode step has run: what it read
+            rows = int(np.sum(np.asarray(state.rows_read)))
+        else:  # the next step's bound: bsel per selecting head (at most the clustered tokens), sinks, window
+            sinks, bsel = np.asarray(state.sinks), np.asarray(state.bsel)
+            run = lambda n: np.where(n > 0, np.maximum(n, bs), 0)  # noqa: E731
+            sel = np.minimum(g * bsel, clustered - sinks)
+            rows = int(h * np.sum(run(sinks) + run(filled + 1 - clustered) + sel))
+        out = {"centroids": live * (d * 4 + 8), "ranking": live * g * 8,
+               "runs": rows * 2 * d * item + b * num_heads * d * item + b * num_heads * (d + 2) * 4}
+        out["total"] = sum(out.values())
+        out["full_kv"] = int(h * np.sum(filled + 1) * 2 * d * item + b * num_heads * (2 * d * item + (d + 2) * 4))
+        return out
+
+    def bytes_read_per_step(self, state, num_heads: int) -> int:
+        """Bytes one decode step reads: a full layer's live slots, else the total of :meth:`bytes_read_breakdown`
+        (centroids, ranking, the runs' K/V rows, query and outputs)."""
+        if not isinstance(state, ClusterState):
+            return _FULL.bytes_read_per_step(state, num_heads)
+        return self.bytes_read_breakdown(state, num_heads)["total"]

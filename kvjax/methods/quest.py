@@ -21,7 +21,9 @@ bound) and kvjax's resolutions of what it leaves open (docs/methods/quest.md).
 - **GQA** (a kvjax resolution; Quest is defined for MHA, one query per KV head): the decode-attention kernel
   takes one block list per KV head, so pages are chosen per KV head and ranked by the **mean over the group's
   query heads** of their upper bounds (kvjax's ``group_mean`` convention, docs/architecture.md#gqa-native). The
-  mean of the bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly.
+  mean of the bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly. The bound is linear in
+  ``q⁺`` and ``q⁻``, so the mean is computed as one bound of the group's mean ``q⁺`` and mean ``q⁻``
+  (:meth:`Quest.group_scores`: one matrix-vector product per KV head and page chunk, not ``G``).
 - **Selection** (Quest §3.2, its kernel-level rule): the current page (the one holding the new token) is always
   attended; the other candidates are the complete pages before it, and the top ``pages_b - 1`` by score are
   kept (``lax.top_k``: ties to the lower page index). Attention then runs over the listed pages only:
@@ -58,6 +60,13 @@ and filled ``[B]`` int32. Static: ``page_size`` and ``topk`` (the block list hol
 bucket's largest ``pages_b - 1`` or its largest all-live page count, whichever is larger, at most ``n_pages -
 1``). Einsum axes: b batch, h KV head, g query head in group, p page, d head dim.
 
+What a decode step reads (:meth:`Quest.bytes_read_breakdown`): the ``kmin``/``kmax`` of the candidate pages, in
+chunks of pages up to the batch's longest sequence (a ``lax.fori_loop``: bucket padding and unwritten decode pages
+are never scored), the float32 scores ``lax.top_k`` ranks, and the ``page_size`` K/V rows of each listed page
+(on CPU the decode-attention XLA path gathers the listed pages a cache-sized chunk at a time; nothing is computed
+over all slots). At ``page_size = 16`` the min/max are 1/16 of the K/V bytes, so scoring every live page costs as
+much as attending ``L / 16`` tokens: the page summaries are Quest's price for not reading the rest.
+
 Not reproduced: Quest's CUDA kernels (page-metadata update, criticality estimation, its top-k kernel and the
 paged FlashInfer attention); here scoring is XLA (``lax.top_k`` over the static page count) and attention is
 kvjax's decode-attention kernel with a per-KV-head page list. Prefill is exact full attention (as in Quest).
@@ -83,6 +92,15 @@ from kvjax.methods.base import (Capacity, Method, SlotCache, rows_at, slot_bytes
 from kvjax.methods.full import Full
 
 _FULL = Full()
+
+#: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
+#: the candidates are few, large enough that the loop's per-trip cost is small.
+SCORE_CHUNK_BYTES = 1 << 20
+
+
+def _score_chunk(h: int, d: int, itemsize: int) -> int:
+    """Pages per scoring chunk: about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 16."""
+    return max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 16)
 
 
 @struct.dataclass
@@ -226,7 +244,8 @@ class Quest(Method):
 
     def page_scores(self, state: QuestState, q) -> jnp.ndarray:
         """Quest's upper bound ``u = Σ_d max(q_d kmin_d, q_d kmax_d)`` per query head and page, ``[B, Hkv, G,
-        n_pages]`` float32 (unscaled; every page, live or not: mask with the candidates)."""
+        n_pages]`` float32 (unscaled; every page, live or not: mask with the candidates). For analysis and tests:
+        the decode step ranks pages by their group mean, :meth:`group_scores`."""
         b, hq, d = q.shape
         h = state.kmin.shape[1]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
@@ -234,19 +253,43 @@ class Quest(Method):
         return (jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), state.kmax.astype(jnp.float32), precision=hi)
                 + jnp.einsum("bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), state.kmin.astype(jnp.float32), precision=hi))
 
+    def group_scores(self, state: QuestState, q, t) -> jnp.ndarray:
+        """The step's page ranking ``[B, Hkv, n_pages]`` float32: the mean over the group's query heads of Quest's
+        bound, folded into one query per KV head, ``mean_g(q_g⁺)·kmax + mean_g(q_g⁻)·kmin`` (the mean of the
+        bounds, exactly: the bound is linear in ``q⁺`` and ``q⁻``), for the candidate pages ``[0, t // page_size)``,
+        ``-inf`` elsewhere. The min/max are read in chunks of pages up to the longest sequence's current page (a
+        ``lax.fori_loop`` with a dynamic trip count), so pages past it (bucket padding, unwritten decode pages)
+        are never read."""
+        b, hq, d = q.shape
+        h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
+        qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
+        qp, qn = jnp.mean(jnp.maximum(qg, 0.0), axis=2), jnp.mean(jnp.minimum(qg, 0.0), axis=2)  # [B, Hkv, D]
+        cur = jnp.asarray(t, jnp.int32) // self.page_size  # candidates: pages [0, cur)
+        c = min(_score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize), n_pages)
+        hi = jax.lax.Precision.HIGHEST
+
+        def body(i, buf):
+            start = jnp.minimum(i * c, n_pages - c)
+            sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2).astype(jnp.float32)  # noqa: E731
+            u = (jnp.einsum("bhd,bhpd->bhp", qp, sl(state.kmax), precision=hi)
+                 + jnp.einsum("bhd,bhpd->bhp", qn, sl(state.kmin), precision=hi))
+            return jax.lax.dynamic_update_slice_in_dim(buf, u, start, axis=2)
+
+        buf = jnp.full((b, h, n_pages), -jnp.inf, jnp.float32)
+        score = jax.lax.fori_loop(0, (jnp.max(cur) + c - 1) // c, body, buf)
+        cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
+        return jnp.where(cand, score, -jnp.inf)
+
     def select_pages(self, state: QuestState, q, t) -> jnp.ndarray:
         """Pages the step whose new token is at position ``t [B]`` attends, per KV head: ``[B, Hkv, topk + 1]``
         int32, the kept candidate pages (best first, ``-1`` pads) then the current page ``t // page_size``."""
         b = q.shape[0]
-        h, n_pages = state.kmin.shape[1], state.kmin.shape[2]
+        h = state.kmin.shape[1]
         cur, keep = self.kept_pages(state.lengths, t)  # the candidates are the complete pages [0, cur)
         current = jnp.broadcast_to(cur[:, None, None], (b, h, 1)).astype(jnp.int32)
         if state.topk == 0:
             return current
-        score = jnp.mean(self.page_scores(state, q), axis=2)  # [B, Hkv, n_pages]: group mean (kvjax's GQA rule)
-        cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
-        score = jnp.where(cand, score, -jnp.inf)
-        _, idx = top_k(score, state.topk)  # ties: the lower page index first
+        _, idx = top_k(self.group_scores(state, q, t), state.topk)  # ties: the lower page index first
         ok = jnp.arange(state.topk)[None, None, :] < keep[:, None, None]
         return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)
 
@@ -316,10 +359,10 @@ class Quest(Method):
         """Bytes the next decode step of this compressed layer reads (new token at ``t = filled``), by part;
         concrete state only (call outside ``jit``). ``num_heads`` query heads (default the KV heads).
 
-        - ``metadata``: ``kmin`` and ``kmax`` of the live pages ``[0, t // page_size]`` per KV head (the
-          candidates scored, and the current page, read for its update; only the latter when ``topk = 0``). The
-          XLA einsum that scores them reads the static ``n_pages`` buffer; this counts what a length-aware
-          scoring kernel reads.
+        - ``metadata``: ``kmin`` and ``kmax`` per KV head of the pages :meth:`group_scores` reads (whole chunks
+          of ``c`` pages up to the batch's largest candidate count: ``min(ceil(max_b (t_b // page_size) / c) c,
+          n_pages)`` pages per sequence) and of the current page, read for its update (only the latter when
+          ``topk = 0``).
         - ``scores``: the float32 group-mean page scores ``[Hkv, n_pages]`` ``lax.top_k`` reads (static size).
         - ``attention``: the decode-attention block plan over the listed pages (``page_size`` rows of K and V
           per visited page, the current page included), the query and the partial outputs
@@ -345,7 +388,9 @@ class Quest(Method):
         for bi in range(b):
             blocks[bi, :, : keep[bi]] = np.arange(keep[bi])
             blocks[bi, :, -1] = -1 if (state.shrink and shrunk[bi]) else cur[bi]
-        scored = cur + 1 if state.topk else np.ones_like(cur)  # no candidate ever kept: only the update reads
+        c = min(_score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize), n_pages)
+        chunks = -(-int(np.max(t // ps)) // c)  # group_scores' trip count
+        scored = np.full_like(cur, min(chunks * c, n_pages) + 1) if state.topk else np.ones_like(cur)
         window = 0
         if state.shrink:
             buf = jax.ShapeDtypeStruct((b, h, ps, d), state.k.dtype)

@@ -80,3 +80,118 @@ def test_no_op_spans_every_slot(listed):
     shapes = _hlo_shapes(fn, q, k, k, valid, lengths, bi)
     spanning = [(op, sh) for op, sh in shapes if s in sh]
     assert shapes and not spanning, spanning
+
+
+# ------------------------------------------------------------------------------------------------ runs of slots
+
+
+def _numpy_runs_attention(q, k, v, starts, lens):
+    """Softmax attention ``[B, Hq, D]`` in float64 over the slots of the runs (per query head), zero where none."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    lens = np.asarray(lens)
+    out = np.zeros((b, hq, d))
+    for bi in range(b):
+        for qh in range(hq):
+            h = qh // g
+            ln = lens[bi, h] if lens.ndim == 3 else lens[bi, h, qh % g]
+            rows = [s for st, n in zip(np.asarray(starts)[bi, h], ln) for s in range(st, st + n)]
+            if rows:
+                sc = k[bi, h, rows] @ q[bi, qh] / np.sqrt(d)
+                p = np.exp(sc - sc.max())
+                out[bi, qh] = p @ v[bi, h, rows] / p.sum()
+    return out
+
+
+def _random_runs(r, b, hkv, g, s, per_query):
+    """Disjoint runs of random lengths (0 included) in a random order, per (b, h)."""
+    n_runs = int(r.integers(1, 6))
+    starts = np.zeros((b, hkv, n_runs), np.int32)
+    lens = np.zeros((b, hkv, g, n_runs) if per_query else (b, hkv, n_runs), np.int32)
+    for bi in range(b):
+        for h in range(hkv):
+            cuts = np.sort(r.choice(s + 1, 2 * n_runs, replace=True))
+            order = r.permutation(n_runs)
+            for i, j in enumerate(order):
+                lo, hi = int(cuts[2 * j]), int(cuts[2 * j + 1])
+                starts[bi, h, i] = lo
+                if per_query:
+                    lens[bi, h, :, i] = r.integers(0, hi - lo + 1, g)
+                else:
+                    lens[bi, h, i] = hi - lo
+    return starts, lens
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_runs_match_the_reference_and_numpy(seed):
+    from kernels_pallas.decode_attention import decode_attention_runs, decode_attention_runs_reference
+    from kernels_pallas.decode_attention.xla import decode_attention_runs_xla
+    r = np.random.default_rng(seed)
+    for _ in range(8):
+        b, hkv, g, d = int(r.integers(1, 3)), int(r.integers(1, 3)), int(r.integers(1, 4)), 8
+        s = int(r.integers(1, 90))
+        bs, chunk = int(r.choice([1, 4, 16, 128])), int(r.choice([4, 8, 16, 64]))
+        q = jnp.asarray(r.normal(size=(b, hkv * g, d)), jnp.float32)
+        k = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+        v = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+        starts, lens = _random_runs(r, b, hkv, g, s, per_query=bool(r.random() < 0.5))
+        span = lens if lens.ndim == 3 else lens.max(axis=2)
+        max_rows = int(span.sum(axis=-1).max()) + int(r.integers(0, 5))
+        run = jax.jit(lambda q, k, v, st, ln: decode_attention_runs_xla(q, k, v, st, ln, max_rows=max_rows,
+                                                                         block_size=bs, chunk=chunk))
+        got = run(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
+        want = decode_attention_runs_reference(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+        from kernels_pallas.decode_attention import normalise
+        np.testing.assert_allclose(np.asarray(normalise(want)), _numpy_runs_attention(q, k, v, starts, lens),
+                                   rtol=1e-5, atol=1e-5)
+        pub = decode_attention_runs(q, k, v, jnp.asarray(starts), jnp.asarray(lens), max_rows=max_rows,
+                                    block_size=bs)
+        for x, y in zip(pub, want):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_runs_through_the_block_kernels(impl):
+    """Without a run kernel the Pallas impls attend the gathered windows (interpret mode here)."""
+    from kernels_pallas.decode_attention import decode_attention_runs, decode_attention_runs_reference
+    r = np.random.default_rng(5)
+    b, hkv, g, d, s = 2, 2, 2, 128, 200
+    q = jnp.asarray(r.normal(size=(b, hkv * g, d)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32)
+    for per_query in (False, True):
+        starts, lens = _random_runs(r, b, hkv, g, s, per_query)
+        span = lens if lens.ndim == 3 else lens.max(axis=2)
+        got = decode_attention_runs(q, k, v, jnp.asarray(starts), jnp.asarray(lens), max_rows=int(span.sum(-1).max()),
+                                    block_size=16, impl=impl, interpret=True)
+        want = decode_attention_runs_reference(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_runs_bad_inputs_name_the_argument():
+    from kernels_pallas.decode_attention import decode_attention_runs
+    q = jnp.zeros((1, 4, 8))
+    k = jnp.zeros((1, 2, 40, 8))
+    st, ln = jnp.array([[[0, 20], [5, 30]]]), jnp.array([[[4, 4], [4, 4]]])
+    with pytest.raises(ValueError, match="starts has shape"):
+        decode_attention_runs(q, k, k, st[0], ln, max_rows=8)
+    with pytest.raises(ValueError, match="lens has shape"):
+        decode_attention_runs(q, k, k, st, ln[..., :1], max_rows=8)
+    with pytest.raises(ValueError, match="runs leave the buffer"):
+        decode_attention_runs(q, k, k, st + 20, ln, max_rows=8)
+    with pytest.raises(ValueError, match="max_rows=7 is below the 8 rows"):
+        decode_attention_runs(q, k, k, st, ln, max_rows=7)
+
+
+def test_runs_plan_bytes_count_distinct_rows():
+    from kernels_pallas.decode_attention import runs_plan_bytes
+    k = jax.ShapeDtypeStruct((1, 2, 400, 8), jnp.float32)
+    st = np.array([[[0, 100, 200], [0, 0, 0]]])
+    ln = np.array([[[40, 3, 0], [17, 0, 0]]])  # 40 rows, 3 -> a 16-row window, 0 -> nothing; 17 rows
+    row = 2 * 8 * 4
+    assert runs_plan_bytes(k, st, ln, block_size=16, num_heads=4) == (40 + 16 + 17) * row + 4 * 8 * 4 + 4 * 10 * 4

@@ -166,9 +166,12 @@ def test_cluster_layout_invariants():
                                           np.arange(n + windows * m.window, n + steps))
 
 
-def test_one_token_per_cluster_selects_the_exact_top_b():
+@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+def test_one_token_per_cluster_selects_the_exact_top_b(gqa):
+    """Singleton clusters (mu = k): each query head (``query``), or the group's mean query (``group_mean``),
+    selects exactly its top-``bsel`` tokens by ``q·k``."""
     n, bucket, hq, hkv = 40, 40, 4, 2
-    m = ClusterKV(budget=12, sink=2, tokens_per_cluster=1, n_full=0, window=8, window_clusters=1)
+    m = ClusterKV(budget=12, sink=2, tokens_per_cluster=1, n_full=0, window=8, window_clusters=1, gqa=gqa)
     rng = np.random.default_rng(3)
     k = rng.normal(size=(1, hkv, bucket, 16)).astype(np.float32)
     q = rng.normal(size=(1, hq, bucket, 16)).astype(np.float32)
@@ -179,7 +182,8 @@ def test_one_token_per_cluster_selects_the_exact_top_b():
     qn = rng.normal(size=(1, hq, 16)).astype(np.float32)
     sel = np.asarray(m.selected_positions(st, LAYER, jnp.asarray(qn)))[0]
     for hh in range(hq):
-        s = k[0, hh // 2, 2:n] @ qn[0, hh]
+        qs = qn[0, hh] if gqa == "query" else qn[0, (hh // 2) * 2:(hh // 2) * 2 + 2].astype(np.float64).mean(0)
+        s = k[0, hh // 2, 2:n] @ qs
         top = set((2 + np.argsort(-s, kind="stable")[:10]).tolist())
         assert set(np.flatnonzero(sel[hh]).tolist()) == top | {0, 1}
 
@@ -282,3 +286,21 @@ def test_bad_options(opts, match):
 def test_more_clusters_than_tokens():
     with pytest.raises(ValueError, match="num_clusters=40 is more clusters than the 16 clustered tokens"):
         ClusterKV(num_clusters=40, n_full=0).init(_cfg(4, 2), 1, Capacity(32, 4), 0, jnp.float32)
+
+
+@pytest.mark.parametrize("gqa", ["query", "group_mean"])
+def test_decode_step_copies_no_cache_buffer(gqa):
+    """The compiled, donated decode step, window clustering compiled in (``lax.cond``), holds no ``copy`` of a
+    buffer with the slot axis (K, V, positions): the new token, the runs' attention and the window's in-place
+    permutation all work on the donated buffers (a cond whose do-nothing branch copies them is a defect)."""
+    import re
+    m = ClusterKV(budget=32, sink=4, tokens_per_cluster=8, window=8, window_clusters=2, n_full=0, gqa=gqa)
+    n, new = 200, 40
+    st = m.init(_cfg(8, 2), 1, Capacity(n, new), LAYER, jnp.float32)
+    step = jax.jit(lambda s, q, k, v, p: m.decode(s, LAYER, q, k, v, p), donate_argnums=0)
+    text = step.lower(st, jnp.zeros((1, 8, 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)),
+                      jnp.array([n])).compile().as_text()
+    assert " conditional(" in text  # the window clustering is compiled in
+    copies = [line.strip()[:120] for line in text.splitlines()
+              if re.search(r"= \w+\[[\d,]*\b%d\b[\d,]*\]\S* copy\(" % (n + new), line)]
+    assert not copies, copies

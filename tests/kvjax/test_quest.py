@@ -223,7 +223,8 @@ def test_generate_end_to_end(tiny):
 
 def test_bytes_read_and_memory():
     """memory_bytes is every leaf (KV + page min/max + counts). bytes_read_per_step is a hand count: the min/max
-    of the live pages ``[0, t // P]``, the float32 page scores top-k reads, and ``P`` K/V rows per page the
+    of the pages the scoring loop reads (here its one chunk: every page) and of the current page (its update),
+    the float32 page scores top-k reads, and ``P`` K/V rows per page the
     kernel visits (``pages_b`` pages, or every live page for a dense row), query and outputs; a row below one
     page lists no page and its window call reads one block of ``P`` rows of the gathered window buffer (the
     window call's query and outputs counted too)."""
@@ -246,7 +247,7 @@ def test_bytes_read_and_memory():
                 win += hkv * ps
             else:
                 rows += hkv * ps * ((cur + 1) if dense else pages_b)
-            meta += hkv * 2 * (cur + 1) * D * item
+            meta += hkv * 2 * (n_pages + 1) * D * item  # one scoring chunk of all 20 pages, the current page
         q_out = 2 * hq * D * item + 2 * hq * (D + 2) * 4
         want = meta + 2 * hkv * n_pages * 4 + rows * 2 * D * item + win * 2 * D * item + 2 * q_out
         br = method.bytes_read_breakdown(st, hq)
