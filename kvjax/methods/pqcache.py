@@ -159,6 +159,13 @@ def _int32_fraction(f: Fraction) -> tuple[int, int]:
     return floor_fraction(f, _EXACT_Q)
 
 
+def _write_codes(codes, t, code):
+    """``codes [B, Hkv, m, S_c]`` with slot ``t [B]`` set to ``code [B, Hkv, m]`` (in place; out of range:
+    dropped)."""
+    one = lambda row, tb, cb: row.at[:, :, tb].set(cb, mode="drop")  # noqa: E731
+    return jax.vmap(one)(codes, t, code.astype(codes.dtype))
+
+
 def _empty_partial(q):
     b, hq, d = q.shape
     return (jnp.zeros((b, hq, d), jnp.float32), jnp.full((b, hq), NEG_INF, jnp.float32),
@@ -411,8 +418,7 @@ class PQCache(Method):
 
     def _tuple_at(self, codes, p) -> jnp.ndarray:
         """``[B, Hkv]`` tuple of the codes at slot ``p [B]`` (clipped into the buffer)."""
-        p = jnp.clip(p, 0, codes.shape[-1] - 1)
-        c = jnp.take_along_axis(codes, p[:, None, None, None], axis=3)  # [B, Hkv, m, 1]
+        c = jax.vmap(lambda row, pb: jax.lax.dynamic_slice_in_dim(row, pb, 1, axis=2))(codes, p)  # [B, Hkv, m, 1]
         return self._tuples(c)[..., 0]
 
     def _advance(self, codes, hist, hist_end, end) -> jnp.ndarray:
@@ -522,17 +528,15 @@ class PQCache(Method):
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
         code = self.encode(state.centroids, k)  # [B, Hkv, m]
-        hist = state.hist
-        if self.uses_table():  # rewriting a counted slot (never in a plain decode) moves its count
-            moved = jnp.where((t >= state.sink) & (t < state.hist_end), 1, 0)[:, None]
-            hist = rows_at(hist, self._tuple_at(state.codes, t), -moved, "add")
-            hist = rows_at(hist, self._tuples(code[..., None])[..., 0], moved, "add")
-        codes = jnp.swapaxes(rows_at(jnp.swapaxes(state.codes, 2, 3), ti, code), 2, 3)  # [B, Hkv, m, S_c]
+        rewrite = jnp.any((t >= state.sink) & (t < state.hist_end))  # a counted slot rewritten: never in a plain decode
+        codes = _write_codes(state.codes, t, code)  # [B, Hkv, m, S_c]
         state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
                               codes=codes, filled=jnp.maximum(state.filled, t + 1))
         end = self._cand_end(state, t)
-        if self.uses_table():
-            hist = self._advance(codes, hist, state.hist_end, end)
+        hist = state.hist
+        if self.uses_table():  # one count per step; a rewritten counted slot (a rewind) recounts them all
+            hist = jax.lax.cond(rewrite, lambda: self._histogram(state, end),
+                                lambda: self._advance(codes, state.hist, state.hist_end, end))
         state = state.replace(hist=hist, hist_end=end)
         w, _ = self.split_dynamic(state.lengths)
         if state.topk:
