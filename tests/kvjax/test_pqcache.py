@@ -161,6 +161,64 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     assert decode._cache_size() == 1  # no retrace across steps
 
 
+@pytest.mark.parametrize("score_table", [True, False], ids=["table", "slots"])
+@pytest.mark.parametrize("hq,budget", [(4, 4), (2, 0.5)], ids=["gqa2-int", "mha"])
+def test_long_decode_matches_reference(score_table, hq, budget):
+    """Decode long enough that generated tokens leave the window and become candidates (``t - W`` passes the
+    prompt), on both scoring paths (per code tuple with counted candidates, per slot): outputs and retrieved
+    sets equal the reference's, and the tuple counts equal a count of the candidates' codes at every step."""
+    t, steps, hkv, lengths = 24, 12, 2, (24, 17)
+    method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=5, score_table=score_table)
+    assert method.uses_table() == score_table
+    state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps, seed=4)
+    valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
+    init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
+    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
+                         init_idx=init[bi]) for bi, n in enumerate(lengths)]
+    assert not any(s.dense for s in seqs)
+    rng = np.random.default_rng(2)
+    decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
+    select = jax.jit(method.select)
+    pos = np.asarray(lengths)
+    for _ in range(steps):
+        qn, kn, vn = (rng.standard_normal(s_).astype(np.float32) for s_ in [(2, hq, D), (2, hkv, D), (2, hkv, D)])
+        out, state = decode(state, jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(pos))
+        idx, ok = (np.asarray(x) for x in select(state, jnp.asarray(qn), jnp.asarray(pos)))
+        codes, hist, end = np.asarray(state.codes), np.asarray(state.hist), np.asarray(state.hist_end)
+        for bi, seq in enumerate(seqs):
+            np.testing.assert_allclose(np.asarray(out)[bi], seq.step(qn[bi], kn[bi], vn[bi]), atol=1e-5)
+            assert end[bi] == max(pos[bi] - seq.w, 3)
+            for h in range(hkv):
+                assert sorted(idx[bi, h][ok[bi, h]].tolist()) == seq.selected[-1][h]
+                if score_table:
+                    tup = codes[bi, h, 0, 3:end[bi]].astype(int) * 8 + codes[bi, h, 1, 3:end[bi]]
+                    np.testing.assert_array_equal(hist[bi, h], np.bincount(tup, minlength=64))
+        pos = pos + 1
+    assert max(pos - np.asarray([s.w for s in seqs])) > t + 2  # generated tokens were candidates
+    assert decode._cache_size() == 1
+
+
+def test_rewind_recounts_tuples():
+    """A decode at an earlier position (a rewind: a counted slot is rewritten) recounts the tuple counts: they
+    equal a count of the candidates' codes afterwards."""
+    method = PQCache(budget=4, m=2, bits=3, sink=3, iters=5)
+    state, _ = run_prefill(method, 4, 2, (30, 26), 40, 10, seed=6)
+    rng = np.random.default_rng(3)
+    decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
+    qn, kn, vn = (jnp.asarray(rng.standard_normal(s_), jnp.float32) for s_ in [(2, 4, D), (2, 2, D), (2, 2, D)])
+    for p in range(6):
+        _, state = decode(state, qn, kn * p, vn, state.filled)
+    _, state = decode(state, qn, -kn, vn, jnp.asarray([30, 26]))  # back to the first decode position
+    s = state.k.shape[2]
+    tup = np.asarray(method._tuples(state.codes[..., :s]))
+    end = np.asarray(state.hist_end)
+    want = np.zeros((2, 2, 64), int)
+    for bi in range(2):
+        for h in range(2):
+            want[bi, h] = np.bincount(tup[bi, h, 3:end[bi]], minlength=64)
+    np.testing.assert_array_equal(np.asarray(state.hist), want)
+
+
 # ------------------------------------------------------------------------------------- selected positions
 
 
