@@ -174,19 +174,20 @@ def _empty_partial(q):
 
 def _attend_range(q, k, v, lo, hi, chunk: int):
     """Partials of ``q [B, Hq, D]`` over the contiguous slots ``[lo[b], hi[b])`` of ``k, v [B, Hkv, S, D]``, read
-    in chunks of ``chunk`` slots from ``lo`` (trip count: the longest range over ``chunk``)."""
+    in chunks of ``chunk`` slots from ``min(lo)`` (one slice of every row per chunk; trip count: the span
+    ``max(hi) - min(lo)`` over ``chunk``; rows of a row's chunk outside its own range are masked)."""
     b, h, s, _ = k.shape
     c = min(chunk, s)
-    trips = (jnp.max(jnp.maximum(hi - lo, 0)) + c - 1) // c
+    lo0 = jnp.min(lo)
+    trips = jnp.maximum(jnp.max(hi) - lo0 + c - 1, 0) // c
 
     def body(i, acc):
-        first = lo + i * c  # [B]
+        first = lo0 + i * c
         start = jnp.clip(first, 0, s - c)
-        cut = lambda x: jax.vmap(lambda xb, sb: jax.lax.dynamic_slice_in_dim(xb, sb, c, axis=1))(x, start)  # noqa
-        rows = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [B, C]
-        take = (rows >= first[:, None]) & (rows < hi[:, None])  # rows a clamped chunk already visited: out
-        take = jnp.broadcast_to(take[:, None, :], (b, h, c))
-        return attention.merge(acc, attention.attend(q, cut(k), cut(v), take))
+        rows = start + jnp.arange(c, dtype=jnp.int32)  # [C]
+        take = (rows[None, :] >= jnp.maximum(first, lo)[:, None]) & (rows[None, :] < hi[:, None])  # [B, C]
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2)  # noqa: E731
+        return attention.merge(acc, attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, c))))
 
     return jax.lax.fori_loop(0, trips, body, _empty_partial(q))
 
@@ -651,8 +652,8 @@ class PQCache(Method):
           written and read by the group softmax, and the ``[Hkv, S_c]`` keys;
         - ``words``: the two bit words per 32 visited slots (written, then read by the compaction);
           ``indices``: the ``topk`` retrieved slots and their flags;
-        - ``kv``: K and V rows read: all ``sink`` rows, the window's chunks from ``t - W_b`` (whole chunks of
-          ``chunk_rows`` slots, as many as the longest window of the batch needs) and the retrieved rows
+        - ``kv``: K and V rows read: all ``sink`` rows, the window's chunks (whole chunks of ``min(chunk_rows,
+          W_max)`` slots of every row, from the batch's earliest window start to its latest end) and the retrieved rows
           gathered in chunks (padding rows of the last chunk included); the new token's K/V are the step's input;
         - ``attention``: per attention call (new token, sinks, each chunk) the query and the partial outputs,
           plus one mask byte per row.
@@ -698,8 +699,8 @@ class PQCache(Method):
                 out["kv"] += b * h * state.sink * 2 * d * item
             if state.window:
                 c = min(chunk, state.window, s)
-                span = np.maximum(np.minimum(t, s) - np.maximum(t - w, state.sink), 0)
-                trips = -(-int(span.max()) // c)
+                span = max(int(np.minimum(t, s).max() - np.maximum(t - w, state.sink).min()), 0)
+                trips = -(-span // c)
                 calls, rows = calls + trips, rows + trips * c
                 out["kv"] += b * h * trips * c * 2 * d * item
             if state.topk:

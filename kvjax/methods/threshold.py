@@ -9,8 +9,9 @@
   one entry per slot);
 - turned into slot indices from one bit per slot, packed 32 to a ``uint32`` word (:func:`pack_bits`): the
   first ``need`` tied slots are cut with :func:`keep_first` and the ``k`` positions are read off the words
-  with a prefix count over words and a select-the-n-th-set-bit per output (:func:`compact`), so nothing of the
-  size of the slot axis is sorted, scanned serially or scattered.
+  (:func:`compact`: prefix counts over the words, the word of each output from a count of words per prefix
+  value, then the n-th set bit inside it), so nothing of the size of the slot axis is sorted, searched per
+  output or scattered: ``O(W + k)`` after the pass that packs the bits.
 
 The positions come out ascending (``lax.top_k`` orders by value; a set is the same set). Shapes: keys, weights
 ``[..., N]``; words ``[..., W]`` (slot ``s`` is bit ``s % 32`` of word ``s // 32``); counts ``[...]`` int32.
@@ -78,35 +79,41 @@ def nth_bit(x: jnp.ndarray, n: jnp.ndarray) -> jnp.ndarray:
     return p
 
 
-def _locate(words: jnp.ndarray, r: jnp.ndarray):
-    """Word index and bit of the ``r``-th set bit (0-based, ascending) of each row of ``words [..., W]``; ``r
-    [..., R]``. Returns (slot ``[..., R]`` int32, total set bits ``[...]``)."""
-    cnt = _popcount(words)
-    incl = jnp.cumsum(cnt, axis=-1)  # [..., W]
-    flat_incl = incl.reshape(-1, incl.shape[-1])
-    flat_r = jnp.broadcast_to(r, (*words.shape[:-1], r.shape[-1])).reshape(-1, r.shape[-1])
-    w = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right"))(flat_incl, flat_r)
-    w = jnp.minimum(w, words.shape[-1] - 1).reshape(*words.shape[:-1], r.shape[-1]).astype(jnp.int32)
+def _slot_in_word(words, cnt, incl, w, r):
+    """Slot ``32 w + bit`` of the ``r``-th set bit (counted over all words) given its word ``w``."""
     before = jnp.take_along_axis(incl, w, axis=-1) - jnp.take_along_axis(cnt, w, axis=-1)
-    bit = nth_bit(jnp.take_along_axis(words, w, axis=-1), r - before)
-    return w * 32 + bit, incl[..., -1]
+    return w * 32 + nth_bit(jnp.take_along_axis(words, w, axis=-1), r - before)
 
 
 def keep_first(words: jnp.ndarray, n: jnp.ndarray) -> jnp.ndarray:
-    """``words`` with only the ``n [...]`` lowest set bits kept (``n <= 0``: none)."""
+    """``words [..., W]`` with only the ``n [...]`` lowest set bits kept (``n <= 0``: none)."""
     n = jnp.asarray(n, jnp.int32)
-    slot, total = _locate(words, jnp.maximum(n - 1, 0)[..., None])
-    last = slot[..., 0]  # the n-th set bit (when n >= 1)
+    cnt = _popcount(words)
+    incl = jnp.cumsum(cnt, axis=-1)
+    r = jnp.maximum(n - 1, 0)[..., None]  # the n-th set bit (when n >= 1)
+    w = jnp.sum(incl <= r, axis=-1, keepdims=True).astype(jnp.int32)  # its word: words with incl <= r
+    last = _slot_in_word(words, cnt, incl, jnp.minimum(w, words.shape[-1] - 1), r)[..., 0]
     wi = jnp.arange(words.shape[-1], dtype=jnp.int32)
     lw, lb = (last // 32)[..., None], (last % 32)[..., None]
     keep = jnp.where(wi < lw, jnp.uint32(0xFFFFFFFF), jnp.where(wi == lw, _low_mask(lb + 1), jnp.uint32(0)))
-    keep = jnp.where((n >= total)[..., None], jnp.uint32(0xFFFFFFFF), keep)
+    keep = jnp.where((n >= incl[..., -1])[..., None], jnp.uint32(0xFFFFFFFF), keep)
     return jnp.where((n > 0)[..., None], words & keep, jnp.uint32(0))
 
 
 def compact(words: jnp.ndarray, k: int):
     """The first ``k`` set slots of ``words [..., W]``, ascending: ``(slots [..., k] int32, ok [..., k] bool)``;
-    entries past the number of set bits are ``ok = False`` (their slot is clipped into ``[0, 32 W)``)."""
-    r = jnp.arange(k, dtype=jnp.int32)
-    slot, total = _locate(words, r)
-    return jnp.clip(slot, 0, 32 * words.shape[-1] - 1), r < total[..., None]
+    entries past the number of set bits are ``ok = False`` (their slot is clipped into ``[0, 32 W)``).
+
+    The word holding output ``r`` is the number of words whose inclusive prefix count is ``<= r``: a count of
+    the words per prefix value (an add of the ``W`` words into ``k + 1`` bins) summed up to ``r`` (a cumulative
+    sum over ``k``), so the work is ``O(W + k)``, not a search per output; then the bit inside the word
+    (:func:`nth_bit`)."""
+    cnt = _popcount(words)
+    incl = jnp.cumsum(cnt, axis=-1)  # [..., W]
+    lead, nw = words.shape[:-1], words.shape[-1]
+    flat = jnp.minimum(incl, k).reshape(-1, nw)
+    bins = jax.vmap(lambda v: jnp.zeros((k + 1,), jnp.int32).at[v].add(1))(flat)  # [N, k + 1]
+    w = jnp.minimum(jnp.cumsum(bins[:, :k], axis=-1).reshape(*lead, k), nw - 1)  # [..., k]
+    r = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), w.shape)
+    slot = _slot_in_word(words, cnt, incl, w, r)
+    return jnp.clip(slot, 0, 32 * nw - 1), r < incl[..., -1:]
