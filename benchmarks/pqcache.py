@@ -9,7 +9,12 @@
 2. Needle (``--needle``): the PQCache paper's needle sentence inside a Paul Graham haystack at several depths;
    greedy answer with ``full`` and with PQCache at each ratio; "found" = the answer mentions the sandwich or
    Dolores Park.
-3. Decode: compiled ``scan`` loop step time of ``full`` and PQCache (compile excluded by a warm-up run), cache
+3. Agreement (``--agree N``): the retrieved sets of the default decode path (scores per code tuple, the group
+   softmax's normaliser summed per tuple times its count, threshold + bit compaction; ``score_table=True``)
+   against the per-slot computation it replaced (the lookup's scores per slot and query head, the normaliser
+   summed per slot, ``lax.top_k``), for the last ``N`` prompt tokens' queries on every layer and KV head of the
+   real keys. Both are float32; the sets may differ only where two code tuples' aggregates are within rounding.
+4. Decode: compiled ``scan`` loop step time of ``full`` and PQCache (compile excluded by a warm-up run), cache
    bytes held and the K/V + index bytes each step reads (``PQCache.bytes_read_breakdown``, all layers).
 JSON includes the jax version and the device. ``--random-weights`` times SmolLM2-135M shapes with random
 weights (skips recall and needle).
@@ -82,6 +87,58 @@ def recall_one(method: PQCache, q, k):
     return out, mass
 
 
+def layer_qks(model, ids, nq: int):
+    """Per layer: the queries of the last ``nq`` tokens ``[nq, 1, Hq, D]`` and the keys of the tokens before the
+    last one ``[1, Hkv, n, D]``."""
+    cfg = model.config
+    n = len(ids) - 1
+
+    @jax.jit
+    def run(params, tokens):
+        def attend(layer, x, q, k, v, out):
+            attn = M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None)
+            qs = jnp.moveaxis(q[:, :, n + 1 - nq:n + 1].astype(jnp.float32), 2, 0)
+            return attn, out + ((qs, k[:, :, :n].astype(jnp.float32)),)
+
+        return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(len(ids))[None], attend, ())[1]
+
+    yield from run(model.params, jnp.asarray([ids]))
+
+
+def agree_one(method: PQCache, qs, k):
+    """``(cases, differing cases, differing tokens, retrieved tokens)`` over the queries ``qs [nq, 1, Hq, D]`` and
+    KV heads of one layer: ``method`` (``score_table=True``) against the per-slot path with ``lax.top_k`` on the
+    same prefilled state."""
+    _, _, hq, d = qs.shape
+    hkv, n = k.shape[1], k.shape[2]
+    cfg = kvjax.ModelConfig(model_type="llama", vocab_size=1, hidden_size=hq * d, intermediate_size=1,
+                            num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    state = method.init(cfg, 1, Capacity(n, 1), 0, jnp.float32)
+    lengths = jnp.asarray([n])
+    state = jax.jit(lambda s, k: method.prefill(s, 0, jnp.zeros((1, hq, n, d)), k, k, lengths))(state, k)
+    w, kk = method.split(n)
+
+    @jax.jit
+    def per_slot(state, q):  # the previous decode path: scores per slot and query head, softmax, lax.top_k
+        s_hat = method.scores(state, q, jnp.asarray([n - w]))[..., method.sink:]
+        cand = (jnp.arange(method.sink, method.sink + s_hat.shape[-1]) < n - w)[None, None, None, :]
+        z = jnp.where(cand, s_hat / jnp.sqrt(jnp.float32(d)), -1e30)
+        p = jnp.where(cand, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
+        agg = (p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)).sum(axis=2) if hq > hkv else z[:, :, 0]
+        vals, idx = jax.lax.top_k(jnp.where(cand[:, :, 0], agg, -1e30), kk)
+        return idx + method.sink, vals > -1e29
+
+    select = jax.jit(method.select)
+    cases = diff = tokens = total = 0
+    for q in qs:
+        a_idx, a_ok = (np.asarray(x) for x in select(state, q, lengths))
+        b_idx, b_ok = (np.asarray(x) for x in per_slot(state, q))
+        for h in range(hkv):
+            a, b = set(a_idx[0, h][a_ok[0, h]].tolist()), set(b_idx[0, h][b_ok[0, h]].tolist())
+            cases, diff, tokens, total = cases + 1, diff + (a != b), tokens + len(a ^ b) // 2, total + len(b)
+    return cases, diff, tokens, total
+
+
 def time_decode(model, ids, method, steps):
     cfg = model.config
     bucket = engine.bucket_length(len(ids))
@@ -129,6 +186,8 @@ def main(argv=None):
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--bits", type=int, default=6, help="bits per code for the recall measurement")
     p.add_argument("--skip-decode", action="store_true", help="recall (and needle) only")
+    p.add_argument("--agree", type=int, default=0, metavar="N",
+                   help="compare the retrieved sets with the per-slot path for the last N prompt queries")
     p.add_argument("--out", default="benchmarks/results/pqcache.json")
     args = p.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -161,6 +220,17 @@ def main(argv=None):
         for r in ratios:
             print(f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
                   f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}")
+
+    if args.agree and not args.random_weights:
+        agree = {}
+        for r in ratios:
+            tot = np.zeros(4, np.int64)
+            for qs, k in tqdm(layer_qks(model, ids, args.agree), total=model.config.num_layers, desc=f"agree r={r}"):
+                tot += agree_one(PQCache(budget=r, bits=args.bits, score_table=True), qs, k)
+            agree[str(r)] = dict(zip(("cases", "cases_differing", "tokens_differing", "tokens_retrieved"),
+                                     tot.tolist()))
+            print(f"agreement r={r}: {agree[str(r)]}")
+        result["agreement_vs_per_slot"] = agree
 
     if args.needle and not args.random_weights:
         rows = []

@@ -12,12 +12,34 @@ new tokens), §3.3 (K-means at prefill).
   gets ``m`` uint8 codes (the final assignment).
 - Decode (paper §3.1, note §2.4, §8.7): the new key is encoded with the frozen centroids when written (the
   same code the paper assigns when it leaves the local window, since centroids never change; note §2.5, §8.5).
-  Per query head a lookup table ``lut[i, c] = q_i · C_{i,c}`` gives approximate logits for every token from
-  its codes (:func:`kernels_pallas.pq_lookup.pq_lookup`). Candidates are the tokens in ``[sink, t - W)``; per
-  query head ``softmax(s_hat / sqrt(D))`` over the candidates is summed over the query group (the authors'
-  GQA rule; with G = 1 the raw logits rank), and ``lax.top_k`` picks ``k`` per KV head (exact top-k, ties to
-  the lower position). Exact attention then runs over sinks + the local window + the ``k`` retrieved tokens
-  + the new token (gathered at fixed shape ``sink + W_max + k_max + 1``).
+  Per query head a lookup table ``lut[i, c] = q_i · C_{i,c}`` gives approximate logits ``q · k_hat`` for every
+  token from its codes. Candidates are the tokens in ``[sink, t - W)``; per query head ``softmax(s_hat /
+  sqrt(D))`` over the candidates is summed over the query group (the authors' GQA rule; with G = 1 the raw
+  logits rank), and the ``k`` best per KV head are retrieved: the exact top-k, ties to the lower position, as
+  ``lax.top_k`` keeps them. Exact attention then runs over sinks + the local window + the ``k`` retrieved
+  tokens + the new token.
+- How a step finds the top-k without a score per slot per query head or a sort (``score_table``, the default
+  where the lookup runs in XLA and ``(2^bits)^m <= 8192``, e.g. the paper's m = 2, b = 6: 4096 tuples): a
+  token's aggregated score depends only on its code tuple ``(c_0, ..., c_{m-1})``. The state keeps ``hist [B,
+  Hkv, (2^bits)^m]``, how many candidates hold each tuple, updated by one count per step as the candidate end
+  ``t - W`` moves on. Each step computes, per tuple, ``s_hat`` for every query head, the group softmax's
+  maximum and normaliser ``Z_g = sum_u hist[u] exp(z_g(u) - max_g)``, and the aggregate; finds the k-th
+  largest aggregate with multiplicities by bisection on its bits (:func:`kvjax.methods.threshold.kth_key`, 32
+  counts over the table); then one pass over the candidates' uint8 codes (chunks up to the candidate end:
+  nothing past it is read) looks each tuple's key up in the small table and sets one bit per slot for
+  "above" and "tied", and the ``k`` slots are read off the bit words (ties to the lower position,
+  :mod:`kvjax.methods.threshold`). **Float rounding**: the normaliser is the same sum in a different order
+  (per tuple times its count instead of per slot), so an aggregate may differ from a per-slot computation in
+  the last float32 bit; the kept set then differs only where two different tuples' aggregates are that
+  close (the ``benchmarks/pqcache.py --agree`` check counts such steps against the per-slot path). With
+  ``score_table=False`` (the default with a Pallas lookup, or for larger tuple spaces) the scores per slot
+  come from :func:`kernels_pallas.pq_lookup.pq_lookup`, the group softmax is taken per slot, and the same
+  bisection (over the slots) and bit compaction select; no sort either way.
+- Attention reads only the attended rows: the sinks and the window are contiguous ranges (sliced in
+  cache-sized chunks, from ``t - W_b``, not ``t - W_max``), the retrieved rows are gathered chunk by chunk
+  (chunks up to the number retrieved), the new token's K/V come from the step's input; the partials merge
+  exactly (:func:`kvjax.attention.merge`). On a backend whose decode attention is a Pallas kernel each part
+  is one gather + one kernel call.
 - Budget split (authors' code, note §2.2, A1), exact integers (:mod:`kvjax.budget`): ``budget = r`` (float)
   gives each sequence ``W_b = floor((n_b - sink) r lr)`` local and ``k_b = floor((n_b - sink) r (1 - lr))``
   retrieved tokens of its own prompt length ``n_b`` (never the bucket), ``lr = local_ratio`` (0.5). ``r`` and
@@ -25,13 +47,10 @@ new tokens), §3.3 (K-means at prefill).
   fraction ``p/q`` applied with :func:`kvjax.budget.floor_mul` (int32-safe while ``q^2 < 2^31``; a product
   with a larger denominator is rounded *down* to the ``1/10000`` grid, which never happens for budgets and
   ratios with at most two decimals). An int budget is a token count ``W + k`` with ``W = floor(budget lr)``.
-  The static ``window``/``topk`` (gather sizes) are those of the bucket, the maxima. Default ``sink = 32``.
-- Live slots only: the state's ``filled [B]`` counts the written slots (prompt + decoded). The PQ lookup gets
-  the candidate end ``t - W_b`` as its ``lengths`` (the Pallas kernels read and score no code block past it),
-  the group softmax and the top-k are masked to ``[sink, t - W_b)``, and the dense fallback attends with
-  ``lengths = filled``. ``lax.top_k`` needs a static size: it runs over the ``S - sink`` masked scores (no
-  tighter static bound exists: a sequence may fill the whole bucket); :meth:`PQCache.bytes_read_breakdown`
-  counts that buffer.
+  The static ``window``/``topk`` are those of the bucket, the maxima. Default ``sink = 32``.
+- Live slots only: the state's ``filled [B]`` counts the written slots (prompt + decoded); the code pass and
+  the per-slot lookup stop at the candidate end ``t - W_b``, the window starts at ``t - W_b``, and the dense
+  fallback attends with ``lengths = filled``. What a step reads is :meth:`PQCache.bytes_read_breakdown`.
 - Memory vs bandwidth: every token stays stored (``tokens_held = held(n, steps) = n + steps``); what a step
   *attends* is ``sink + W_b + k_b + 1`` tokens (:meth:`PQCache.attended`, the whole cache for a
   ``dense_short`` row), and what it reads is :meth:`PQCache.bytes_read_per_step`.
@@ -41,10 +60,11 @@ new tokens), §3.3 (K-means at prefill).
 
 Shapes (per layer): k, v ``[B, Hkv, S, D]`` (``S`` = prompt bucket + max_new_tokens, slot = position); codes
 ``[B, Hkv, m, S_c]`` uint8, sub-space-major: the layout the PQ-lookup kernels read (no per-step repack), with
-``S_c`` = ``S`` rounded up to ``CODE_ALIGN`` when a Pallas kernel does the lookup (no padding copy per step;
-``S_c = S`` on the XLA path); centroids ``[B, Hkv, m, 2^bits, D/m]`` float32; lengths (prompt) and filled
+``S_c`` = ``S`` rounded up to 32 (one bit word) on the XLA path, to ``CODE_ALIGN`` when a Pallas kernel does
+the lookup; centroids ``[B, Hkv, m, 2^bits, D/m]`` float32; hist ``[B, Hkv, (2^bits)^m]`` int32 (``[B, Hkv,
+0]`` without the table) counting the candidates ``[sink, hist_end)``; lengths (prompt), filled and hist_end
 ``[B]`` int32. Axes in einsums: b batch, h KV head, g query head in group, i sub-space, c centroid, d
-sub-vector dim, s slot.
+sub-vector dim, s slot, u code tuple.
 
 Host offload (``offload=True``, EXPERIMENTAL): the full K/V live in the ``pinned_host`` memory kind (results
 of prefill/decode are placed there with ``jax.device_put``), the gathered rows are moved to device memory for
@@ -55,8 +75,9 @@ before relying on it.
 Short prompts (note A11, authors' code): a sequence with ``L - sink <= 2^bits`` attends to every cached token
 (``dense_short=True``); in a batch that has one, a ``lax.cond`` switches the step to attention over the live
 slots ``[0, filled)`` with a per-row mask (the other rows keep exactly their sparse set), else the step reads
-only the gathered set. Any prompt length and budget works (a prompt shorter than the sinks attends to what
-exists); only impossible configurations raise (``m`` not dividing ``head_dim``, bad values).
+only the attended rows; neither branch returns the state. Any prompt length and budget works (a prompt
+shorter than the sinks attends to what exists); only impossible configurations raise (``m`` not dividing
+``head_dim``, bad values).
 
 Not reproduced: the paper's CPU offload machinery (overlap, adaptive iterations, the GPU block cache).
 """
@@ -73,15 +94,26 @@ import numpy as np
 from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
+from kernels_pallas.decode_attention import default_impl as attention_impl
+from kernels_pallas.decode_attention.xla import chunk_rows
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
 from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, rows_at, top_k, tree_bytes
+from kvjax.methods import threshold as th
+from kvjax.methods.base import Capacity, Method, rows_at, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
 _EXACT_Q = 46340
+#: Tuple tables up to this many entries are used by default (m = 2 with bits <= 6, m = 1); ``score_table=True``
+#: accepts up to ``_TABLE_MAX``.
+_TABLE_AUTO = 1 << 13
+_TABLE_MAX = 1 << 16
+#: Slots per chunk of the code pass (a multiple of the 32-slot bit word).
+_SCAN_CHUNK = 4096
+#: Code buffers are allocated in whole bit words.
+_WORD = 32
 
 
 @struct.dataclass
@@ -90,10 +122,12 @@ class PQState:
 
     k: jnp.ndarray  # [B, Hkv, S, D]
     v: jnp.ndarray  # [B, Hkv, S, D]
-    codes: jnp.ndarray  # [B, Hkv, m, S_c] uint8 (sub-space-major, S_c >= S)
+    codes: jnp.ndarray  # [B, Hkv, m, S_c] uint8 (sub-space-major, S_c >= S, a multiple of 32)
     centroids: jnp.ndarray  # [B, Hkv, m, K, D/m] float32
     lengths: jnp.ndarray  # [B] int32 prompt lengths (0 before prefill)
     filled: jnp.ndarray  # [B] int32 slots written: prompt + decoded tokens
+    hist: jnp.ndarray  # [B, Hkv, K^m] int32 candidates per code tuple ([B, Hkv, 0] without the table)
+    hist_end: jnp.ndarray  # [B] int32: hist counts the candidates [sink, hist_end)
     sink: int = struct.field(pytree_node=False, default=0)
     window: int = struct.field(pytree_node=False, default=0)
     topk: int = struct.field(pytree_node=False, default=0)
@@ -125,6 +159,69 @@ def _int32_fraction(f: Fraction) -> tuple[int, int]:
     return floor_fraction(f, _EXACT_Q)
 
 
+def _write_codes(codes, t, code):
+    """``codes [B, Hkv, m, S_c]`` with slot ``t [B]`` set to ``code [B, Hkv, m]`` (in place; out of range:
+    dropped)."""
+    one = lambda row, tb, cb: row.at[:, :, tb].set(cb, mode="drop")  # noqa: E731
+    return jax.vmap(one)(codes, t, code.astype(codes.dtype))
+
+
+def _empty_partial(q):
+    b, hq, d = q.shape
+    return (jnp.zeros((b, hq, d), jnp.float32), jnp.full((b, hq), NEG_INF, jnp.float32),
+            jnp.zeros((b, hq), jnp.float32))
+
+
+def _attend_range(q, k, v, lo, hi, chunk: int):
+    """Partials of ``q [B, Hq, D]`` over the contiguous slots ``[lo[b], hi[b])`` of ``k, v [B, Hkv, S, D]``, read
+    in chunks of ``chunk`` slots from ``min(lo)`` (one slice of every row per chunk; trip count: the span
+    ``max(hi) - min(lo)`` over ``chunk``; rows of a row's chunk outside its own range are masked)."""
+    b, h, s, _ = k.shape
+    c = min(chunk, s)
+    lo0 = jnp.min(lo)
+    trips = jnp.maximum(jnp.max(hi) - lo0 + c - 1, 0) // c
+
+    def body(i, acc):
+        first = lo0 + i * c
+        start = jnp.clip(first, 0, s - c)
+        rows = start + jnp.arange(c, dtype=jnp.int32)  # [C]
+        take = (rows[None, :] >= jnp.maximum(first, lo)[:, None]) & (rows[None, :] < hi[:, None])  # [B, C]
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2)  # noqa: E731
+        return attention.merge(acc, attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, c))))
+
+    return jax.lax.fori_loop(0, trips, body, _empty_partial(q))
+
+
+def _attend_rows(q, k, v, idx, ok, chunk: int):
+    """Partials of ``q`` over the rows ``idx [B, Hkv, N]`` (``ok`` a prefix of each row) of ``k, v``, gathered
+    ``chunk`` rows at a time (trip count: the most ``ok`` entries of any row over ``chunk``)."""
+    n = idx.shape[-1]
+    c = min(chunk, n)
+    pad = -n % c
+    if pad:
+        idx = jnp.concatenate([idx, jnp.broadcast_to(idx[..., -1:], (*idx.shape[:2], pad))], axis=-1)
+        ok = jnp.concatenate([ok, jnp.zeros((*ok.shape[:2], pad), bool)], axis=-1)
+    trips = (jnp.max(jnp.sum(ok, axis=-1)) + c - 1) // c
+
+    def body(i, acc):
+        ii = jax.lax.dynamic_slice_in_dim(idx, i * c, c, axis=2)
+        take = jax.lax.dynamic_slice_in_dim(ok, i * c, c, axis=2)
+        kk = jnp.take_along_axis(k, ii[..., None], axis=2, mode="clip")
+        vv = jnp.take_along_axis(v, ii[..., None], axis=2, mode="clip")
+        return attention.merge(acc, attention.attend(q, kk, vv, take))
+
+    return jax.lax.fori_loop(0, trips, body, _empty_partial(q))
+
+
+def _row_chunk(k) -> int:
+    """Rows per attention chunk: cache-sized on the XLA path (``chunk_rows``), everything at once where the
+    decode attention is a Pallas kernel (one gather, one kernel call)."""
+    if attention_impl() == "xla":
+        b, h, _, d = k.shape
+        return chunk_rows(b, h, d, np.dtype(k.dtype).itemsize)
+    return 1 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
@@ -140,6 +237,7 @@ class PQCache(Method):
     impl: str | None = None  # pq_lookup implementation (None: by backend)
     offload: bool = False  # keep the full KV in pinned_host memory (accelerators only)
     dense_short: bool = True  # the authors' fallback: full attention for prompts with L - sink <= 2^bits
+    score_table: bool | None = None  # score per code tuple (module doc); None: where the lookup is XLA's
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -156,10 +254,26 @@ class PQCache(Method):
             raise ValueError(f"iters={self.iters!r} must be an int >= 0")
         if self.impl not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"impl={self.impl!r} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
+        if self.score_table not in (None, True, False):
+            raise ValueError(f"score_table={self.score_table!r} must be None (automatic), True or False")
+        if self.score_table and self.num_tuples > _TABLE_MAX:
+            raise ValueError(f"score_table=True needs (2^bits)^m <= {_TABLE_MAX} code tuples, got "
+                             f"(2^{self.bits})^{self.m} = {self.num_tuples}; use score_table=None or False")
 
     @property
     def num_centroids(self) -> int:
         return 2 ** self.bits
+
+    @property
+    def num_tuples(self) -> int:
+        """Distinct code tuples ``(2^bits)^m``."""
+        return self.num_centroids ** self.m
+
+    def uses_table(self) -> bool:
+        """Whether a step scores per code tuple (see the module doc) or per slot."""
+        if self.score_table is None:
+            return (self.impl or default_impl()) == "xla" and self.num_tuples <= _TABLE_AUTO
+        return self.score_table
 
     # ---- budget split (authors' code: W = int((L-S) r lr), k = int((L-S) r (1-lr)), in exact integers) ----
 
@@ -211,9 +325,8 @@ class PQCache(Method):
     # ---- the method interface ----
 
     def _code_slots(self, slots: int) -> int:
-        if (self.impl or default_impl()) == "xla":
-            return slots
-        return -(-slots // CODE_ALIGN) * CODE_ALIGN
+        align = _WORD if (self.impl or default_impl()) == "xla" else CODE_ALIGN
+        return -(-slots // align) * align
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> PQState:
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
@@ -226,7 +339,9 @@ class PQCache(Method):
             k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
             codes=jnp.zeros((batch, h, self.m, self._code_slots(slots)), jnp.uint8),
             centroids=jnp.zeros((batch, h, self.m, self.num_centroids, d // self.m), jnp.float32),
-            lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32), sink=sink,
+            lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32),
+            hist=jnp.zeros((batch, h, self.num_tuples if self.uses_table() else 0), jnp.int32),
+            hist_end=jnp.full((batch,), sink, jnp.int32), sink=sink,
             window=min(w, slots - sink), topk=min(k, slots - sink))
         if self.offload:
             host = _host_sharding()
@@ -247,9 +362,12 @@ class PQCache(Method):
         new_k = state.k.at[:, :, :t].set(k.astype(state.k.dtype))
         new_v = state.v.at[:, :, :t].set(v.astype(state.v.dtype))
         lengths = jnp.asarray(lengths, jnp.int32)
-        return state.replace(k=self._place(new_k), v=self._place(new_v),
-                             codes=state.codes.at[..., :t].set(labels.astype(jnp.uint8)),
-                             centroids=cent, lengths=lengths, filled=lengths)
+        codes = state.codes.at[..., :t].set(labels.astype(jnp.uint8))
+        state = state.replace(k=self._place(new_k), v=self._place(new_v), codes=codes, centroids=cent,
+                              lengths=lengths, filled=lengths)
+        end = self._cand_end(state, lengths)  # the first step's candidate end (new token at t = L)
+        hist = self._histogram(state, end) if self.uses_table() else state.hist
+        return state.replace(hist=hist, hist_end=end)
 
     def _place(self, x):
         return jax.device_put(x, _host_sharding()) if self.offload else x
@@ -260,40 +378,149 @@ class PQCache(Method):
         x = k.astype(jnp.float32).reshape(b, h, self.m, 1, d // self.m)
         return km.assign(x, centroids)[..., 0].astype(jnp.uint8)
 
+    def _lut(self, state: PQState, q) -> jnp.ndarray:
+        """``lut [B, Hkv, G, m, K]`` float32: ``q_i · C_{i,c}`` per query head (paper §3.1)."""
+        b, hq, d = q.shape
+        h = state.k.shape[1]
+        qs = q.astype(jnp.float32).reshape(b, h, hq // h, self.m, d // self.m)
+        return jnp.einsum("bhgid,bhicd->bhgic", qs, state.centroids, precision=jax.lax.Precision.HIGHEST)
+
     def scores(self, state: PQState, q, lengths=None) -> jnp.ndarray:
         """Approximate logits ``q · k_hat`` ``[B, Hkv, G, S]`` float32 from the codes (unscaled); slots
         ``>= lengths[b]`` (default: ``filled``) are ``NEG_INF`` and their code blocks are not read."""
-        b, hq, d = q.shape
-        h, s = state.k.shape[1], state.k.shape[2]
-        qs = q.astype(jnp.float32).reshape(b, h, hq // h, self.m, d // self.m)
-        lut = jnp.einsum("bhgid,bhicd->bhgic", qs, state.centroids, precision=jax.lax.Precision.HIGHEST)
+        s = state.k.shape[2]
         lengths = state.filled if lengths is None else lengths
         lookup = lambda t, c, n: pq_lookup(t, c, n, impl=self.impl)  # noqa: E731  (per device on a mesh)
-        return sharding.per_head(lookup, lut, state.codes, lengths)[..., :s]
+        return sharding.per_head(lookup, self._lut(state, q), state.codes, lengths)[..., :s]
 
-    def select(self, state: PQState, q, t):
-        """Retrieved slots ``idx [B, Hkv, k_max]`` int32 and ``ok`` bool (note §8.7). t ``[B]`` = new position.
+    # ---- retrieval ----
 
-        Candidates ``[sink, t - W_b)``: the lookup scores only slots below ``t - W_b`` (always ``< filled``), the
-        softmax and the top-k see the ``S - sink`` slots past the sinks with the others masked."""
-        b, hq, d = q.shape
-        h, s = state.k.shape[1], state.k.shape[2]
-        sink = state.sink
-        w, kk = self.split_dynamic(state.lengths)
-        end = jnp.clip(jnp.minimum(t - w, state.filled), 0, s)  # candidate end (exclusive)
-        j = jnp.arange(sink, s)
-        cand = (j[None, :] < end[:, None])[:, None, None, :]  # [B, 1, 1, S - sink]
-        z = jnp.where(cand, self.scores(state, q, end)[..., sink:] / jnp.sqrt(jnp.float32(d)), NEG_INF)
-        if hq == h:
+    def _cand_end(self, state: PQState, t) -> jnp.ndarray:
+        """``[B]`` int32: the candidates of the step whose new token is at ``t`` are ``[sink, end)``, ``end =
+        t - W_b`` (never past the written slots or the buffer, never below the sinks)."""
+        w, _ = self.split_dynamic(state.lengths)
+        end = jnp.minimum(jnp.asarray(t, jnp.int32) - w, state.filled)
+        return jnp.clip(end, state.sink, state.k.shape[2]).astype(jnp.int32)
+
+    def _tuples(self, codes) -> jnp.ndarray:
+        """Code tuple index ``sum_i c_i K^(m-1-i)`` int32 ``[..., N]`` of codes ``[..., m, N]``."""
+        u = codes[..., 0, :].astype(jnp.int32)
+        for i in range(1, self.m):
+            u = u * self.num_centroids + codes[..., i, :].astype(jnp.int32)
+        return u
+
+    def _histogram(self, state: PQState, end) -> jnp.ndarray:
+        """``[B, Hkv, K^m]`` int32: candidates ``[sink, end[b])`` per code tuple (one scatter-add, at prefill)."""
+        s = state.k.shape[2]
+        u = self._tuples(state.codes[..., :s])  # [B, Hkv, S]
+        j = jnp.arange(s)
+        cand = ((j[None, :] >= state.sink) & (j[None, :] < end[:, None])).astype(jnp.int32)  # [B, S]
+        return rows_at(jnp.zeros_like(state.hist), u, cand[:, None, :], "add")
+
+    def _tuple_at(self, codes, p) -> jnp.ndarray:
+        """``[B, Hkv]`` tuple of the codes at slot ``p [B]`` (clipped into the buffer)."""
+        c = jax.vmap(lambda row, pb: jax.lax.dynamic_slice_in_dim(row, pb, 1, axis=2))(codes, p)  # [B, Hkv, m, 1]
+        return self._tuples(c)[..., 0]
+
+    def _advance(self, codes, hist, hist_end, end) -> jnp.ndarray:
+        """``hist`` counted over ``[sink, hist_end)`` -> over ``[sink, end)``: one count added (or removed) per
+        slot between the two ends, a loop of ``max |end - hist_end|`` steps (one per decode step)."""
+        lo, hi = jnp.minimum(hist_end, end), jnp.maximum(hist_end, end)
+        sign = jnp.where(end >= hist_end, 1, -1).astype(jnp.int32)
+
+        def body(i, hst):
+            p = lo + i
+            add = jnp.where(p < hi, sign, 0)[:, None]  # [B, 1]
+            return rows_at(hst, self._tuple_at(codes, p), add, "add")
+
+        return jax.lax.fori_loop(0, jnp.max(hi - lo), body, hist)
+
+    def _tuple_keys(self, lut, hist, d: int) -> jnp.ndarray:
+        """``[B, Hkv, K^m]`` uint32 order keys (:func:`~kvjax.methods.threshold.sortable`) of each code tuple's
+        aggregated score; 0 for a tuple no candidate holds. ``d`` the head dim. G = 1: ``s_hat / sqrt(D)``; else the sum over the
+        group of ``softmax(s_hat / sqrt(D))`` over the candidates, whose maximum and normaliser come from the
+        tuples weighted by ``hist`` (their counts)."""
+        b, h, g, m, kc = lut.shape
+        s = lut[..., 0, :]  # [B, Hkv, G, K]
+        for i in range(1, m):  # the lookup's sum over sub-spaces, in its order
+            s = (s[..., :, None] + lut[..., i, None, :]).reshape(b, h, g, -1)
+        z = s / jnp.sqrt(jnp.float32(d))  # [B, Hkv, G, K^m]
+        present = (hist > 0)[:, :, None, :]
+        if g == 1:
             agg = z[:, :, 0]
         else:
-            p = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
-            p = jnp.where(cand, p, 0.0)
+            mx = jnp.max(jnp.where(present, z, NEG_INF), axis=-1, keepdims=True)
+            e = jnp.where(present, jnp.exp(z - mx), 0.0)
+            tot = jnp.sum(e * hist[:, :, None, :].astype(jnp.float32), axis=-1, keepdims=True)
+            agg = (e / jnp.maximum(tot, 1e-30)).sum(axis=2)
+        return jnp.where(present[:, :, 0], th.sortable(agg), jnp.uint32(0))
+
+    def _scan_codes(self, codes, keys, tau, sink: int, end):
+        """One pass over the candidates' codes in chunks of ``_SCAN_CHUNK`` slots up to ``max(end)``: each slot's
+        tuple key looked up in ``keys [B, Hkv, K^m]``, compared with ``tau [B, Hkv]``. Returns the bit words
+        ``(above, tied) [B, Hkv, S_c / 32]`` uint32 of the candidates ``[sink, end[b])`` (zero past them)."""
+        b, h, _, sc = codes.shape
+        c = min(_SCAN_CHUNK, sc)
+        words = jnp.zeros((b, h, sc // _WORD), jnp.uint32)
+
+        def body(i, acc):
+            above, tied = acc
+            start = jnp.minimum(i * c, sc - c)  # a clamped last chunk recomputes the same words
+            key = jnp.take_along_axis(keys, self._tuples(jax.lax.dynamic_slice_in_dim(codes, start, c, axis=3)),
+                                      axis=-1)  # [B, Hkv, C]
+            j = start + jnp.arange(c, dtype=jnp.int32)
+            cand = ((j[None, :] >= sink) & (j[None, :] < end[:, None]))[:, None, :]  # [B, 1, C]
+            put = lambda w, bits: jax.lax.dynamic_update_slice_in_dim(w, th.pack_bits(bits), start // _WORD, 2)  # noqa
+            return (put(above, cand & (key > tau[..., None])), put(tied, cand & (key == tau[..., None])))
+
+        return jax.lax.fori_loop(0, (jnp.max(end) + c - 1) // c, body, (words, words))
+
+    def _slot_keys(self, lut, codes, sink: int, end, d: int):
+        """Per-slot path: ``(keys [B, Hkv, S_c] uint32, cand [B, 1, S_c] bool)`` from the lookup's scores
+        (:func:`~kernels_pallas.pq_lookup.pq_lookup`, no block past ``end`` read) and the group softmax over the
+        candidates ``[sink, end)`` taken per slot (note §8.7)."""
+        s_hat = pq_lookup(lut, codes, end, impl=self.impl)  # [B, Hkv, G, S_c]
+        j = jnp.arange(codes.shape[-1])
+        cand = ((j[None, :] >= sink) & (j[None, :] < end[:, None]))[:, None, None, :]  # [B, 1, 1, S_c]
+        z = jnp.where(cand, s_hat / jnp.sqrt(jnp.float32(d)), NEG_INF)
+        if lut.shape[2] == 1:
+            agg = z[:, :, 0]
+        else:
+            p = jnp.where(cand, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
             agg = (p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)).sum(axis=2)
-        agg = jnp.where(cand[:, :, 0], agg, NEG_INF)  # [B, Hkv, S - sink]
-        vals, idx = top_k(agg, state.topk)
-        ok = (jnp.arange(state.topk)[None, None, :] < kk[:, None, None]) & (vals > NEG_INF / 2)
-        return (idx + sink).astype(jnp.int32), ok
+        cand = cand[:, :, 0]
+        return jnp.where(cand, th.sortable(agg), jnp.uint32(0)), cand
+
+    def _retrieve_local(self, lut, codes, hist, end, kk, *, sink: int, topk: int, d: int):
+        """``(slots, ok) [B, Hkv, topk]``: the ``kk[b]`` candidates of ``[sink, end[b])`` with the largest
+        aggregated scores, ties to the lower slot (= ``lax.top_k``), ascending; per device on a mesh."""
+        if self.uses_table():
+            keys = self._tuple_keys(lut, hist, d)
+            tau, above = th.kth_key(keys, hist, kk[:, None])
+            up, tie = self._scan_codes(codes, keys, tau, sink, end)
+        else:
+            keys, cand = self._slot_keys(lut, codes, sink, end, d)
+            tau, above = th.kth_key(keys, jnp.broadcast_to(cand, keys.shape).astype(jnp.int32), kk[:, None])
+            up = th.pack_bits(cand & (keys > tau[..., None]))
+            tie = th.pack_bits(cand & (keys == tau[..., None]))
+        return th.compact(up | th.keep_first(tie, kk[:, None] - above), topk)
+
+    def _retrieve(self, state: PQState, q, end, hist):
+        """Retrieved slots ``[B, Hkv, topk]`` int32 and ``ok`` bool for candidates ``[sink, end)`` (``hist``
+        counted over them on the table path)."""
+        _, kk = self.split_dynamic(state.lengths)
+        run = lambda lut, codes, hst, e, k: self._retrieve_local(  # noqa: E731
+            lut, codes, hst, e, k, sink=state.sink, topk=state.topk, d=q.shape[-1])
+        idx, ok = sharding.per_head(run, self._lut(state, q), state.codes, hist, end, kk)
+        return jnp.minimum(idx, state.k.shape[2] - 1), ok  # unset entries point into the buffer
+
+    def select(self, state: PQState, q, t):
+        """Retrieved slots ``idx [B, Hkv, k_max]`` int32 (ascending) and ``ok`` bool (``k_b`` set, fewer when
+        there are fewer candidates) for the step whose new token is at ``t [B]`` (note §8.7). Candidates
+        ``[sink, t - W_b)``; the same set the step's ``decode`` retrieves."""
+        end = self._cand_end(state, t)
+        hist = self._advance(state.codes, state.hist, state.hist_end, end) if self.uses_table() else state.hist
+        return self._retrieve(state, q, end, hist)
 
     def decode(self, state: PQState, layer: int, q, k, v, pos):
         """Encode + store the new token, retrieve, attend (note §2.4-2.5, §8.5-8.8). q ``[B, Hq, D]``; k, v
@@ -302,22 +529,42 @@ class PQCache(Method):
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
         code = self.encode(state.centroids, k)  # [B, Hkv, m]
-        codes = jnp.swapaxes(rows_at(jnp.swapaxes(state.codes, 2, 3), ti, code), 2, 3)  # [B, Hkv, m, S]
+        rewrite = jnp.any((t >= state.sink) & (t < state.hist_end))  # a counted slot rewritten: never in a plain decode
+        codes = _write_codes(state.codes, t, code)  # [B, Hkv, m, S_c]
         state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
-                              codes=codes,
-                              filled=jnp.maximum(state.filled, t + 1))
-        idx, ok = self._attended_rows(state, q, t)
-        idx = jnp.concatenate([idx, jnp.broadcast_to(t[:, None, None], (b, h, 1))], axis=-1)  # + the new token
-        ok = jnp.concatenate([ok, jnp.ones((b, h, 1), bool)], axis=-1)
+                              codes=codes, filled=jnp.maximum(state.filled, t + 1))
+        end = self._cand_end(state, t)
+        hist = state.hist
+        if self.uses_table():  # one count per step; a rewritten counted slot (a rewind) recounts them all
+            hist = jax.lax.cond(rewrite, lambda: self._histogram(state, end),
+                                lambda: self._advance(codes, state.hist, state.hist_end, end))
+        state = state.replace(hist=hist, hist_end=end)
+        w, _ = self.split_dynamic(state.lengths)
+        if state.topk:
+            idx, ok = self._retrieve(state, q, end, hist)
+        else:
+            idx, ok = jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), bool)
 
         def sparse(_):
-            # Reads exactly the N = sink + window + topk + 1 gathered rows per KV head.
-            kk = jnp.take_along_axis(state.k, idx[..., None], axis=2)
-            vv = jnp.take_along_axis(state.v, idx[..., None], axis=2)
+            # Reads the sinks, the window [t - W_b, t) and the retrieved rows; the new token is the input.
+            kv = state.k, state.v
             if self.offload:
                 dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-                kk, vv = jax.device_put(kk, dev), jax.device_put(vv, dev)
-            return attention.attend(q, kk, vv, ok)
+                kv = tuple(jax.device_put(x, dev) for x in kv)
+            kc, vc = kv
+            dt = kc.dtype
+            part = attention.attend(q, k[:, :, None].astype(dt), v[:, :, None].astype(dt), jnp.ones((b, h, 1), bool))
+            chunk = _row_chunk(kc)
+            if state.sink:
+                live = jnp.broadcast_to((jnp.arange(state.sink)[None, :] < t[:, None])[:, None, :], (b, h, state.sink))
+                part = attention.merge(part, attention.attend(q, kc[:, :, :state.sink], vc[:, :, :state.sink], live))
+            if state.window:
+                hi = jnp.minimum(t, kc.shape[2])
+                lo = jnp.maximum(t - w, state.sink)
+                part = attention.merge(part, _attend_range(q, kc, vc, lo, hi, min(chunk, state.window)))
+            if state.topk:
+                part = attention.merge(part, _attend_rows(q, kc, vc, idx, ok, chunk))
+            return part
 
         if not self.dense_short:
             return attention.normalise(sparse(None)), state
@@ -326,10 +573,13 @@ class PQCache(Method):
         def dense(_):
             # Authors' fallback (note A11): a short prompt's row attends to every cached token; the other
             # rows of the batch keep exactly their sparse set, as a mask; only the live slots are read.
-            every = jnp.arange(state.k.shape[2])[None, None, :] <= t[:, None, None]
-            return attention.attend(q, state.k, state.v,
-                                    jnp.where(short[:, None, None], every, _rows_mask(idx, ok, state.k.shape[2])),
-                                    lengths=state.filled)
+            s = state.k.shape[2]
+            rows, oks = self._attended_rows(state, t, idx, ok)
+            rows = jnp.concatenate([rows, jnp.broadcast_to(t[:, None, None], (b, h, 1))], axis=-1)
+            oks = jnp.concatenate([oks, jnp.ones((b, h, 1), bool)], axis=-1)
+            every = jnp.arange(s)[None, None, :] <= t[:, None, None]
+            return attention.attend(q, state.k, state.v, jnp.where(short[:, None, None], every,
+                                                                   _rows_mask(rows, oks, s)), lengths=state.filled)
 
         return attention.normalise(jax.lax.cond(jnp.any(short), dense, sparse, None)), state
 
@@ -343,7 +593,7 @@ class PQCache(Method):
         hq = q.shape[1]
         h, s = state.k.shape[1], state.k.shape[2]
         t = state.filled  # [B]
-        sel = _rows_mask(*self._attended_rows(state, q, t), s)
+        sel = _rows_mask(*self._attended_rows(state, t, *self.select(state, q, t)), s)
         if self.dense_short:
             every = (jnp.arange(s)[None, :] < t[:, None])[:, None, :]
             sel = jnp.where(self._short(state)[:, None, None], every, sel)
@@ -353,11 +603,11 @@ class PQCache(Method):
         """``[B]`` bool: the row's prompt is short enough for the authors' dense fallback (note A11)."""
         return (state.lengths - state.sink) <= self.num_centroids
 
-    def _attended_rows(self, state: PQState, q, t):
+    def _attended_rows(self, state: PQState, t, idx, ok):
         """Slots ``[B, Hkv, sink + window + topk]`` int32 (clipped into the buffer) and ``ok`` bool the step whose
         new token is at ``t [B]`` attends besides it: the sinks ``[0, min(sink, t))``, the local window
-        ``[max(t - W_b, sink), t)`` and the retrieved tokens (:meth:`select`)."""
-        b, h = q.shape[0], state.k.shape[1]
+        ``[max(t - W_b, sink), t)`` and the retrieved ``idx``/``ok`` (:meth:`select`)."""
+        b, h = idx.shape[:2]
         w, _ = self.split_dynamic(state.lengths)
         parts, oks = [], []
         if state.sink:
@@ -369,18 +619,14 @@ class PQCache(Method):
             wok = (wp >= (t - w)[:, None, None]) & (wp >= state.sink) & (wp >= 0)
             parts.append(jnp.broadcast_to(wp, (b, h, state.window)))
             oks.append(jnp.broadcast_to(wok, (b, h, state.window)))
-        if state.topk:
-            idx, ok = self.select(state, q, t)
-            parts.append(idx)
-            oks.append(ok)
-        if not parts:
-            return jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), bool)
-        idx = jnp.clip(jnp.concatenate(parts, axis=-1), 0, state.k.shape[2] - 1)
-        return idx, jnp.concatenate(oks, axis=-1)
+        parts.append(idx)
+        oks.append(ok)
+        rows = jnp.clip(jnp.concatenate(parts, axis=-1), 0, state.k.shape[2] - 1)
+        return rows, jnp.concatenate(oks, axis=-1)
 
     def memory_bytes(self, state: PQState) -> int:
-        """Stored bytes: full KV + codes + centroids + lengths + fill counts (the KV is not shrunk; see
-        :meth:`bytes_read_per_step`)."""
+        """Stored bytes: full KV + codes + centroids + tuple counts + lengths, fill counts and ends (the KV is not
+        shrunk; see :meth:`bytes_read_per_step`)."""
         return tree_bytes(state)
 
     def tokens_held(self, state: PQState):
@@ -393,51 +639,82 @@ class PQCache(Method):
 
     def bytes_read_breakdown(self, state: PQState, num_heads: int | None = None) -> dict[str, int]:
         """Bytes the next decode step of this layer reads (new token at ``t = filled``), by part; concrete
-        state only (call outside ``jit``). ``num_heads`` query heads (default the KV heads).
+        state only (call outside ``jit``). ``num_heads`` query heads (default the KV heads). Each buffer is
+        counted once per pass that streams it (the bisection's 32 counts re-read a table that stays in cache:
+        counted once).
 
-        - ``codes``: ``m`` bytes per slot below the candidate end ``t - W_b`` (the Pallas kernels read no
-          block past it; they round up to their token tile, the XLA reference reads all ``S_c`` slots);
-        - ``centroids`` (read for the LUT) and ``lut`` (float32, written then read by the lookup);
-        - ``scores``: the lookup's float32 output ``[Hq, S]`` (written; blocks past the candidate end are only
-          filled with ``NEG_INF``) and its ``S - sink`` slots past the sinks read by the masked group softmax;
-          ``topk``: the ``S - sink`` float32 scores ``lax.top_k`` reads (a static size, see the module doc);
-        - ``kv_gathered``: the ``N = sink + window + topk + 1`` K and V rows per KV head the gather reads
-          (fixed shape: rows of a short sequence's unused entries are read too, then masked);
-        - ``attention``: the decode-attention block plan over the gathered ``N`` rows (their K/V, the float32
-          mask, the query and outputs: :func:`~kernels_pallas.decode_attention.block_plan_bytes`).
+        - ``codes``: ``m`` bytes per slot the code pass visits (whole chunks of ``_SCAN_CHUNK`` slots up to the
+          largest candidate end of the batch) on the table path; on the per-slot path the lookup's reads (the
+          Pallas kernels stop at the candidate end, the XLA reference reads all ``S_c`` slots);
+        - ``centroids`` (read for the LUT) and ``lut`` (float32, written then read);
+        - ``table`` (table path): per ``(b, h)`` the tuple counts, the per-query-head tuple scores and the tuple
+          keys, ``4 (2 + G) K^m`` bytes; ``scores`` (per-slot path): the lookup's ``[Hq, S_c]`` float32 output
+          written and read by the group softmax, and the ``[Hkv, S_c]`` keys;
+        - ``words``: the two bit words per 32 visited slots (written, then read by the compaction);
+          ``indices``: the ``topk`` retrieved slots and their flags;
+        - ``kv``: K and V rows read: all ``sink`` rows, the window's chunks (whole chunks of ``min(chunk_rows,
+          W_max)`` slots of every row, from the batch's earliest window start to its latest end) and the retrieved rows
+          gathered in chunks (padding rows of the last chunk included); the new token's K/V are the step's input;
+        - ``attention``: per attention call (new token, sinks, each chunk) the query and the partial outputs,
+          plus one mask byte per row.
 
-        A step of a batch with a ``dense_short`` row reads, instead of the last two, the block plan over the
-        live slots ``[0, t + 1)`` of the full cache (with its mask). ``full_kv`` (not in ``total``) is what full
-        attention over the same live slots would read, for comparison."""
+        A step of a batch with a ``dense_short`` row reads, instead of ``kv`` and ``attention``, the block plan
+        over the live slots ``[0, t + 1)`` of the full cache (with its mask). ``full_kv`` (not in ``total``) is
+        what full attention over the same live slots would read, for comparison."""
         b, h, s, d = state.k.shape
         hq = num_heads or h
+        g = hq // h
         item = np.dtype(state.k.dtype).itemsize
-        filled = np.asarray(state.filled, np.int64)
-        w, _ = (np.asarray(x, np.int64) for x in self.split_dynamic(state.lengths))
-        t = filled  # the next step's new token position
-        end = np.clip(np.minimum(t - w, filled), 0, s)
+        sc = state.codes.shape[-1]
+        t = np.asarray(state.filled, np.int64)  # the next step's new token position
+        w, kk = (np.asarray(x, np.int64) for x in self.split_dynamic(state.lengths))
+        end = np.clip(t - w, state.sink, s)  # the step writes slot t first: filled = t + 1 > t - W_b
         live = jnp.asarray(np.minimum(t + 1, s), jnp.int32)
-        n_att = state.sink + state.window + state.topk + 1
-        out = {"codes": int(h * self.m * end.sum()), "centroids": int(state.centroids.size * 4),
-               "lut": 2 * b * hq * self.m * self.num_centroids * 4, "scores": 0, "topk": 0}
-        if state.topk:
-            out["scores"] = b * hq * s * 4 + b * hq * (s - state.sink) * 4
-            out["topk"] = b * h * (s - state.sink) * 4
-        else:  # no retrieval: no lookup runs
-            out["codes"] = out["centroids"] = out["lut"] = 0
+        out = dict.fromkeys(("codes", "centroids", "lut", "table", "scores", "words", "indices", "kv", "attention"), 0)
+        if state.topk:  # no retrieval, no lookup
+            out["centroids"] = int(state.centroids.size * 4)
+            out["lut"] = 2 * b * hq * self.m * self.num_centroids * 4
+            if self.uses_table():
+                c = min(_SCAN_CHUNK, sc)
+                scanned = min(-(-int(end.max()) // c) * c, sc)
+                out["codes"] = b * h * self.m * scanned
+                out["table"] = b * h * self.num_tuples * 4 * (2 + g)
+            else:
+                scanned = sc
+                pallas = (self.impl or default_impl()) != "xla"
+                out["codes"] = int(h * self.m * end.sum()) if pallas else b * h * self.m * sc
+                out["scores"] = 2 * b * hq * sc * 4 + b * h * sc * 4
+            out["words"] = 2 * 2 * b * h * (scanned // _WORD) * 4
+            out["indices"] = b * h * state.topk * (4 + 1)
         short = np.asarray(state.lengths) - state.sink <= self.num_centroids
         if self.dense_short and short.any():
-            out["kv_gathered"] = 0
             out["attention"] = block_plan_bytes(state.k, live, num_heads=hq, with_mask=True)
         else:
-            gathered = jax.ShapeDtypeStruct((b, h, n_att, d), state.k.dtype)
-            out["kv_gathered"] = 2 * b * h * n_att * d * item
-            out["attention"] = block_plan_bytes(gathered, num_heads=hq, with_mask=True)
+            chunk = _row_chunk(state.k)
+            qo = b * hq * d * item + b * hq * (d + 2) * 4  # one call's query and partial outputs
+            calls, rows = 1, 1  # the new token: from the input, its mask row
+            out["kv"] = 0
+            if state.sink:
+                calls, rows = calls + 1, rows + state.sink
+                out["kv"] += b * h * state.sink * 2 * d * item
+            if state.window:
+                c = min(chunk, state.window, s)
+                span = max(int(np.minimum(t, s).max() - np.maximum(t - w, state.sink).min()), 0)
+                trips = -(-span // c)
+                calls, rows = calls + trips, rows + trips * c
+                out["kv"] += b * h * trips * c * 2 * d * item
+            if state.topk:
+                c = min(chunk, state.topk)
+                got = np.minimum(kk, np.maximum(end - state.sink, 0))
+                trips = -(-int(got.max()) // c)
+                calls, rows = calls + trips, rows + trips * c
+                out["kv"] += b * h * trips * c * 2 * d * item
+            out["attention"] = calls * qo + b * h * rows
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq, with_mask=False)
         return out
 
     def bytes_read_per_step(self, state: PQState, num_heads: int | None = None) -> int:
-        """Total of :meth:`bytes_read_breakdown`: codes below the candidate end, centroids, LUT, the score
-        buffers, the gathered K/V rows and the attention over them (query and outputs included)."""
+        """Total of :meth:`bytes_read_breakdown`: codes visited, centroids, LUT, the tuple table (or per-slot
+        scores), bit words, indices, the attended K/V rows and the attention calls' queries, outputs and masks."""
         return self.bytes_read_breakdown(state, num_heads)["total"]

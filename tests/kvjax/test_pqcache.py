@@ -161,6 +161,64 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     assert decode._cache_size() == 1  # no retrace across steps
 
 
+@pytest.mark.parametrize("score_table", [True, False], ids=["table", "slots"])
+@pytest.mark.parametrize("hq,budget", [(4, 4), (2, 0.5)], ids=["gqa2-int", "mha"])
+def test_long_decode_matches_reference(score_table, hq, budget):
+    """Decode long enough that generated tokens leave the window and become candidates (``t - W`` passes the
+    prompt), on both scoring paths (per code tuple with counted candidates, per slot): outputs and retrieved
+    sets equal the reference's, and the tuple counts equal a count of the candidates' codes at every step."""
+    t, steps, hkv, lengths = 24, 12, 2, (24, 17)
+    method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=5, score_table=score_table)
+    assert method.uses_table() == score_table
+    state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps, seed=4)
+    valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
+    init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
+    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
+                         init_idx=init[bi]) for bi, n in enumerate(lengths)]
+    assert not any(s.dense for s in seqs)
+    rng = np.random.default_rng(2)
+    decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
+    select = jax.jit(method.select)
+    pos = np.asarray(lengths)
+    for _ in range(steps):
+        qn, kn, vn = (rng.standard_normal(s_).astype(np.float32) for s_ in [(2, hq, D), (2, hkv, D), (2, hkv, D)])
+        out, state = decode(state, jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(pos))
+        idx, ok = (np.asarray(x) for x in select(state, jnp.asarray(qn), jnp.asarray(pos)))
+        codes, hist, end = np.asarray(state.codes), np.asarray(state.hist), np.asarray(state.hist_end)
+        for bi, seq in enumerate(seqs):
+            np.testing.assert_allclose(np.asarray(out)[bi], seq.step(qn[bi], kn[bi], vn[bi]), atol=1e-5)
+            assert end[bi] == max(pos[bi] - seq.w, 3)
+            for h in range(hkv):
+                assert sorted(idx[bi, h][ok[bi, h]].tolist()) == seq.selected[-1][h]
+                if score_table:
+                    tup = codes[bi, h, 0, 3:end[bi]].astype(int) * 8 + codes[bi, h, 1, 3:end[bi]]
+                    np.testing.assert_array_equal(hist[bi, h], np.bincount(tup, minlength=64))
+        pos = pos + 1
+    assert max(pos - np.asarray([s.w for s in seqs])) > t + 2  # generated tokens were candidates
+    assert decode._cache_size() == 1
+
+
+def test_rewind_recounts_tuples():
+    """A decode at an earlier position (a rewind: a counted slot is rewritten) recounts the tuple counts: they
+    equal a count of the candidates' codes afterwards."""
+    method = PQCache(budget=4, m=2, bits=3, sink=3, iters=5)
+    state, _ = run_prefill(method, 4, 2, (30, 26), 40, 10, seed=6)
+    rng = np.random.default_rng(3)
+    decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
+    qn, kn, vn = (jnp.asarray(rng.standard_normal(s_), jnp.float32) for s_ in [(2, 4, D), (2, 2, D), (2, 2, D)])
+    for p in range(6):
+        _, state = decode(state, qn, kn * p, vn, state.filled)
+    _, state = decode(state, qn, -kn, vn, jnp.asarray([30, 26]))  # back to the first decode position
+    s = state.k.shape[2]
+    tup = np.asarray(method._tuples(state.codes[..., :s]))
+    end = np.asarray(state.hist_end)
+    want = np.zeros((2, 2, 64), int)
+    for bi in range(2):
+        for h in range(2):
+            want[bi, h] = np.bincount(tup[bi, h, 3:end[bi]], minlength=64)
+    np.testing.assert_array_equal(np.asarray(state.hist), want)
+
+
 # ------------------------------------------------------------------------------------- selected positions
 
 
@@ -321,15 +379,20 @@ def test_no_retrace_in_bucket(tiny):
 
 
 def test_memory_and_bytes_read():
-    """memory_bytes is every leaf; bytes_read_per_step equals a hand count from the state: codes below the
-    candidate end, centroids, LUT, score buffers, gathered rows and the attention over them (sparse step), or
-    the live slots of the full cache (a batch with a dense_short row)."""
+    """memory_bytes is every leaf; bytes_read_per_step equals a hand count from the state: the codes of the
+    visited chunks, centroids, LUT, the tuple table, bit words, indices, the sink/window/retrieved K/V rows and
+    the attention calls over them (sparse step), or the live slots of the full cache (a batch with a
+    dense_short row)."""
+    from kernels_pallas.decode_attention.xla import chunk_rows
+
     method = PQCache(budget=0.25, m=2, bits=3, sink=4, iters=2)
+    assert method.uses_table()
     st = method.init(model_cfg(4, 2), 1, Capacity(64, 16), 0, jnp.float32)
     w, k = method.split(64)
     assert (st.window, st.topk) == (w, k) == (7, 7)
     kv = 2 * 1 * 2 * 80 * D * 4
-    assert method.memory_bytes(st) == kv + 2 * 2 * 80 + 2 * 2 * 8 * (D // 2) * 4 + 4 + 4
+    sc = 96  # 80 slots in whole 32-slot words
+    assert method.memory_bytes(st) == kv + 2 * 2 * sc + 2 * 2 * 8 * (D // 2) * 4 + 2 * 64 * 4 + 4 + 4 + 4
 
     b, hq, h, s, g, item = 2, 4, 2, 64 + 16, 2, 4
     for lengths in [(40, 30), (40, 10)]:  # (40, 10): 10 - 4 <= 2^3, the dense fallback for the batch
@@ -343,27 +406,32 @@ def test_memory_and_bytes_read():
         filled = np.asarray(st.filled)
         np.testing.assert_array_equal(filled, np.asarray(lengths) + 3)
         np.testing.assert_array_equal(np.asarray(method.tokens_held(st)), filled.astype(np.float32))
-        ws = [method.split(n)[0] for n in lengths]
-        codes = sum(h * 2 * max(f - wb, 0) for f, wb in zip(filled, ws))  # m=2 bytes per candidate slot
+        splits = [method.split(n) for n in lengths]
+        codes = b * h * 2 * sc  # one chunk (min(4096, S_c) slots) covers every candidate end
         cent = b * h * 2 * 8 * (D // 2) * 4
         lut = 2 * b * hq * 2 * 8 * 4
-        scores = b * hq * s * 4 + b * hq * (s - 4) * 4
-        topk = b * h * (s - 4) * 4
-        q_out = b * hq * D * item + b * hq * (D + 2) * 4
+        table = b * h * 64 * 4 * (2 + g)  # counts, keys, per-query-head tuple scores
+        words = 2 * 2 * b * h * (sc // 32) * 4
+        indices = b * h * 7 * (4 + 1)
+        qo = b * hq * D * item + b * hq * (D + 2) * 4
         if 10 in lengths:
             live = np.minimum(filled + 1, s)
             bs = min(128, s)  # the decode-attention kernel reads whole blocks of the live slots
             rows = sum(min(-(-int(n) // bs) * bs, s) for n in live)
-            att = h * rows * (2 * D * item + 4) + q_out
-            gathered = 0
+            att = h * rows * (2 * D * item + 4) + qo
+            kvr = 0
         else:
-            n_att = 4 + 7 + 7 + 1
-            gathered = 2 * b * h * n_att * D * item
-            att = b * h * n_att * (2 * D * item + 4) + q_out
+            assert chunk_rows(b, h, D, item) >= 80  # one chunk per part
+            wmax = max(min(wb, f - 4) for (wb, _), f in zip(splits, filled))  # the longest window of the batch
+            kmax = max(min(kb, f - wb - 4) for (wb, kb), f in zip(splits, filled))  # the most retrieved
+            assert (wmax, kmax) == (4, 4)
+            rows = 4 + 7 + 7  # sinks, one window chunk (min(chunk, W_max) rows), one retrieved chunk (k_max rows)
+            kvr = b * h * rows * 2 * D * item
+            att = 4 * qo + b * h * (1 + rows)  # calls: new token, sinks, window, retrieved; mask bytes
         r = method.bytes_read_breakdown(st, num_heads=hq)
-        assert (r["codes"], r["centroids"], r["lut"], r["scores"], r["topk"]) == (codes, cent, lut, scores, topk)
-        assert (r["kv_gathered"], r["attention"]) == (gathered, att)
-        assert method.bytes_read_per_step(st, hq) == codes + cent + lut + scores + topk + gathered + att
+        assert (r["codes"], r["centroids"], r["lut"], r["table"], r["scores"]) == (codes, cent, lut, table, 0)
+        assert (r["words"], r["indices"], r["kv"], r["attention"]) == (words, indices, kvr, att)
+        assert method.bytes_read_per_step(st, hq) == codes + cent + lut + table + words + indices + kvr + att
         assert isinstance(method.bytes_read_per_step(st, hq), int)
 
 
