@@ -407,8 +407,8 @@ class Chelsea(Method):
         bias = jnp.log(jnp.where(valid, n, 1.0))
         qc = _heads(q4, comp).reshape(b, len(comp) * g, d)
         if comp:
-            o_c = attention.normalise(attention.attend(qc, kk, vv, valid, bias=bias, lengths=length))
-            o_c = o_c.reshape(b, len(comp), g, d)
+            part = attention.attend(qc, kk, vv, valid, bias=bias, lengths=length)
+            o_c = attention.normalise(part).reshape(b, len(comp), g, d)
         else:  # every KV head of this layer is an outlier head
             o_c = jnp.zeros((b, 0, g, d), jnp.float32)
         new = state.replace(seen=(pos + 1).astype(jnp.int32))
@@ -427,11 +427,8 @@ class Chelsea(Method):
             o = o_c
         if state.decode_rounds and comp:
             need = length >= state.target + self.interval
-
-            def compress(args):
-                return self._compress(state, *args, state.decode_rounds, need)
-
-            kk, vv, n, length = jax.lax.cond(jnp.any(need), compress, lambda args: args, (kk, vv, n, length))
+            length = _after(length, part)
+            kk, vv, n, length = self._compress(state, kk, vv, n, length, state.decode_rounds, need)
         return o.reshape(b, hq, d), new.replace(k=kk, v=vv, n=n, length=length)
 
     def memory_bytes(self, state: ChelseaState) -> int:
@@ -500,6 +497,16 @@ def _simulate(start, target, sink, recent, active, table, idle) -> tuple[Round, 
         rounds.append(Round(int(r_q), int(m.max()), int(s.max())))
         i += 1
     return tuple(rounds)
+
+
+def _after(x, partial):
+    """``x`` (an int32 array), unchanged, but computed from the attention ``partial``'s sum ``l``: a data dependency
+    that orders the in-place compression after every read of the attention (``l`` is a sum of exponentials, never
+    ``< 0``, so ``x + (l < 0)`` is ``x`` for every input, NaN included; XLA cannot prove it, so it keeps the order).
+    Without it the attention's reads and the compression's writes are unordered and XLA copies the cache buffers
+    on every step (:func:`Chelsea.decode`)."""
+    flag = jnp.any(partial[2] < 0).astype(x.dtype)
+    return x + flag
 
 
 def _heads(x, heads: tuple) -> jnp.ndarray:

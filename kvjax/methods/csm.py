@@ -102,9 +102,8 @@ def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merg
     else:
         s = k.shape[2]
         ns = jnp.asarray(n_sink, jnp.int32)
-        fwd = (jnp.arange(s)[None, :] + ns[:, None]) % s  # rotated slot j holds slot (j + ns) mod s
-        back = (jnp.arange(s)[None, :] - ns[:, None]) % s
-        k2, v2, n2, matches = _merge(_rotate(k, fwd), _rotate(v, fwd), _rotate(n, fwd), length - ns, merges, 0,
+        back = (s - ns) % s  # rotated slot j holds slot (j + ns) mod s
+        k2, v2, n2, matches = _merge(_rotate(k, ns), _rotate(v, ns), _rotate(n, ns), length - ns, merges, 0,
                                      n_recent, chunk, max_merges, impl)
         k2, v2, n2 = _rotate(k2, back), _rotate(v2, back), _rotate(n2, back)
         src, dst = matches
@@ -114,11 +113,14 @@ def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merg
     return (out, matches) if return_matches else out
 
 
-def _rotate(x, idx):
-    """``x [B, H, S, ...]`` gathered along the slot axis by ``idx [B, S]``."""
-    b, h, s = x.shape[:3]
-    i = jnp.broadcast_to(idx.reshape(b, 1, s, *([1] * (x.ndim - 3))), (b, h, s, *x.shape[3:]))
-    return jnp.take_along_axis(x, i, axis=2)
+def _rotate(x, shift):
+    """``x [B, H, S, ...]`` rotated along the slot axis: slot ``j`` of sequence ``b`` becomes slot ``(j + shift[b])
+    mod S`` (``shift [B]`` in ``[0, S)``). One contiguous window per sequence of ``x`` repeated twice (an
+    element-wise ``take_along_axis`` built ``[B, H, S, D]`` index arrays, three times the buffer, on every
+    step)."""
+    s = x.shape[2]
+    twice = jnp.concatenate([x, x], axis=2)
+    return jax.vmap(lambda row, i: jax.lax.dynamic_slice_in_dim(row, i, s, axis=1))(twice, shift)
 
 
 def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merges: int, impl):
