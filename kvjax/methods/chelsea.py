@@ -325,12 +325,16 @@ class Chelsea(Method):
         """One Chelsea call (§5.1) for the elements with ``active [B]``: CSM rounds until every active element
         holds at most its budget ``state.target``.
 
-        Default (``unroll_rounds=False``): a ``lax.while_loop`` at the input size (the masked fixed-capacity
-        variant, spec §8.4b) that runs rounds until no active element is above its budget; round ``i`` uses
-        the quantised ratio ``table[min(i, m)]``. One compiled round body; the number of rounds adapts to the
-        batch (a short prompt has a smaller budget and may need more rounds). ``unroll_rounds=True`` runs the
-        static worst-case plan at shrinking sizes instead: the same merges (top-k is sorted and stable, so the
-        first m of a larger top-k are the top m; surplus rounds merge nothing), one compile per round.
+        Default (``unroll_rounds=False``): the rounds run as ``lax.while_loop``s over *levels* of shrinking size
+        (:func:`_levels`): each level is one compiled round body at a static size that bounds every element's
+        occupancy there (from the host plan ``rounds``), and runs its rounds until no active element is above
+        its budget (round ``i`` uses the quantised ratio ``table[min(i, m)]``); the buffers are then cut to the
+        next level's size. So a round costs what the cache holds at that point (a prefill call from ``n`` slots
+        costs about ``2 n`` slot-rounds instead of ``rounds x n``), with a handful of compiles; the last level
+        runs until every element is done (a shorter prompt has a smaller budget and may need more rounds). A
+        decode call is one level at the cache size. ``unroll_rounds=True`` runs the static worst-case plan at
+        shrinking sizes instead: the same merges (top-k is sorted and stable, so the first m of a larger top-k
+        are the top m; surplus rounds merge nothing), one compile per round.
         """
         target = state.target
         if state.per_seq_windows:
@@ -344,22 +348,30 @@ class Chelsea(Method):
                                     max_merges=rnd.max_merges, out_slots=rnd.out_slots, impl=self.impl)
                 length = length - m
             return k, v, n, length
-        kmax = max(r.max_merges for r in rounds)
         table = self.ratio_table()
         r_tab = jnp.asarray(table, jnp.int32)
+        length = length.astype(jnp.int32)
+        size_in = k.shape[2]
+        levels = _levels(rounds, size_in)
+        i = jnp.int32(0)
+        for li, (first, end, size, kmax) in enumerate(levels):
+            last = li == len(levels) - 1
+            if size < k.shape[2]:  # every element holds at most `size` slots here (host plan bound)
+                k, v, n = k[:, :, :size], v[:, :, :size], n[:, :, :size]
 
-        def cond(carry):
-            return jnp.any(active & (carry[4] > target))
+            def cond(carry, end=end, last=last):
+                more = jnp.any(active & (carry[4] > target))
+                return more if last else more & (carry[0] < end)
 
-        def body(carry):
-            i, k, v, n, length = carry
-            r_q = r_tab[jnp.minimum(i, len(table) - 1)]
-            m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
-            k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk, max_merges=kmax,
-                                out_slots=k.shape[2], impl=self.impl)
-            return i + 1, k, v, n, (length - m).astype(jnp.int32)
+            def body(carry, kmax=kmax):
+                i, k, v, n, length = carry
+                r_q = r_tab[jnp.minimum(i, len(table) - 1)]
+                m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
+                k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk,
+                                    max_merges=kmax, out_slots=k.shape[2], impl=self.impl)
+                return i + 1, k, v, n, (length - m).astype(jnp.int32)
 
-        _, k, v, n, length = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, n, length.astype(jnp.int32)))
+            i, k, v, n, length = jax.lax.while_loop(cond, body, (i, k, v, n, length))
         return k, v, n, length
 
     def prefill(self, state: ChelseaState, layer: int, q, k, v, lengths, previous=None) -> ChelseaState:
@@ -507,6 +519,26 @@ def _after(x, partial):
     on every step (:func:`Chelsea.decode`)."""
     flag = jnp.any(partial[2] < 0).astype(x.dtype)
     return x + flag
+
+
+#: A new level of the round loop starts once the plan's occupancy bound has fallen to this fraction of the
+#: current level's size (smaller: fewer compiles, more work per round).
+LEVEL_SHRINK = 0.7
+
+
+def _levels(rounds: tuple[Round, ...], size_in: int) -> list[tuple[int, int, int, int]]:
+    """Group the host plan's rounds into levels ``(first round, end round, slots, max merges)``: a level's slots
+    bound every element's occupancy when it starts (``size_in`` or the previous round's ``out_slots``); a new
+    level starts when that bound has fallen to ``LEVEL_SHRINK`` of the current level's slots. The last level
+    also covers any rounds past the plan (its loop runs until every element is done)."""
+    levels, first, size = [], 0, size_in
+    for i in range(1, len(rounds)):
+        bound = rounds[i - 1].out_slots
+        if bound <= LEVEL_SHRINK * size:
+            levels.append((first, i, size, max(r.max_merges for r in rounds[first:i])))
+            first, size = i, bound
+    levels.append((first, max(len(rounds), first + 1), size, max((r.max_merges for r in rounds[first:]), default=0)))
+    return levels
 
 
 def _heads(x, heads: tuple) -> jnp.ndarray:

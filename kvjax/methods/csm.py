@@ -179,11 +179,18 @@ def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merge
 
 
 def compact(k, v, n, out_slots: int):
-    """Move the occupied slots (``n > 0``) to the front, keeping their order; ``out_slots`` slots out."""
-    b, h, s, d = k.shape
+    """Move the occupied slots (``n > 0``) to the front, keeping their order; ``out_slots`` slots out (zeros past
+    the occupied ones).
+
+    A gather of rows (output slot ``j`` reads the ``j``-th occupied slot, found by a scatter of int32 slot
+    numbers), not a scatter of rows into a zero buffer: the result is a fresh buffer that XLA can place in the
+    input's (a while loop's carry is updated without a copy)."""
+    b, h, s, _ = k.shape
     keep = n > 0
-    tgt = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, out_slots)
-    ko = rows_at(jnp.zeros((b, h, out_slots, d), k.dtype), tgt, k)
-    vo = rows_at(jnp.zeros((b, h, out_slots, v.shape[-1]), v.dtype), tgt, v)
-    no = rows_at(jnp.zeros((b, h, out_slots), n.dtype), tgt, n)
-    return ko, vo, no
+    rank = jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1  # [B, H, S] output slot of each occupied slot
+    src = rows_at(jnp.zeros((b, h, out_slots), jnp.int32), jnp.where(keep, rank, out_slots),
+                  jnp.arange(s, dtype=jnp.int32))  # [B, H, out] occupied slot read by each output slot
+    live = jnp.arange(out_slots)[None, None, :] <= rank[..., -1:]  # [B, H, out]
+    rows = jax.vmap(jax.vmap(lambda row, i: row[i]))
+    pick = lambda x: jnp.where(live.reshape(live.shape + (1,) * (x.ndim - 3)), rows(x, src), 0).astype(x.dtype)
+    return pick(k), pick(v), pick(n)
