@@ -21,15 +21,22 @@ Algorithm 1 at fixed shapes; method details and the resolutions of what the pape
   one Chelsea call: CSM rounds (:mod:`kvjax.methods.csm`) with the ratio schedule
   ``r_i = max(r_init - alpha min(m, i), r_floor)`` (App. C.2; presets ``PRESETS``) and merges
   ``min(floor(r_i M_i), s_i - B_b)`` until the cache holds exactly ``B_b``. By default the rounds of a call run
-  as one ``lax.while_loop`` at the input size (one compiled round body) until every active sequence is at its
-  budget (a shorter prompt has a smaller ``B_b`` and may need more rounds); ``unroll_rounds=True`` unrolls a
-  static worst-case plan over every prompt length of the bucket at shrinking sizes instead (less work per
-  round, one compile per round; identical results).
-- Decode (Alg. 1): the new token is appended with count 1, attention is
-  ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias), and when the cache
-  reaches ``B_b + g`` slots a Chelsea call (``lax.cond``, same shapes) merges it back to ``B_b``. Attention
-  reads only the live slots (``lengths=`` to ``attention.attend``: ``length`` for the compressed heads,
-  ``pos + 1`` for the outlier heads).
+  as ``lax.while_loop``s over a few *levels* of shrinking size (one compiled round body per level, sized from
+  the host plan; :meth:`Chelsea._compress`) until every active sequence is at its budget (a shorter prompt has
+  a smaller ``B_b`` and may need more rounds), so a round costs what the cache holds by then;
+  ``unroll_rounds=True`` unrolls a static worst-case plan over every prompt length of the bucket at shrinking
+  sizes instead (one compile per round; identical results).
+- Decode (Alg. 1): the new token is appended with count 1 (in place), attention is
+  ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias) over the live slots
+  (``lengths=``: ``length`` for the compressed heads, ``pos + 1`` for the outlier heads), and when the cache
+  reaches ``B_b + g`` slots a Chelsea call merges it back to ``B_b``. The call is the rounds' ``while_loop``
+  itself, not a ``lax.cond``: on the other ``g - 1`` steps it runs zero rounds and passes k, v, n through
+  untouched (a ``cond``'s identity branch copied them, and copies were also needed to order the attention's
+  reads before the in-place compression; a data dependency on the attention's output orders them now), so a
+  plain step reads K, V and the counts of the live slots once and writes one row. A compressing step adds one
+  CSM round at ``B_b + g`` slots (``g`` merges): the chunked similarity over the middle's keys, a top-``g``,
+  per-edge merges and one compaction gather of k, v, n (see ``benchmarks/roofline.py`` and the method docs
+  for its cost).
 - Outlier heads (§5.4, App. B): KV heads listed by ``outlier_heads`` (a JSON from ``kvjax calibrate-chelsea``
   or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
   allocated only in layers that have outlier heads; their query heads attend there.
