@@ -93,7 +93,7 @@ def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merg
 
     ``n_sink`` and ``n_recent`` are Python ints (static) or ``[B]`` int32 arrays (per-sequence windows, used by
     Chelsea for prompts whose budget is too small for the configured windows). With an array ``n_sink`` the keys
-    of each sequence are rotated so that its middle starts at slot 0 for the similarity (chunks stay aligned at
+    of each sequence are shifted so that its middle starts at slot 0 for the similarity (chunks stay aligned at
     its own sink boundary): for ``n_sink[b] == c`` the result is that of the static ``n_sink=c``.
 
     Cost: the chunked similarity reads the middle's keys once (``P (c/2)^2 D`` multiply-adds); the merge works
@@ -103,11 +103,13 @@ def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merg
     b, h, s, _ = k.shape
     half = chunk // 2
     if isinstance(n_sink, int):
-        mid, km = s - n_sink, k[:, :, n_sink:]
-    else:  # rotate each sequence so that its middle starts at slot 0 (chunks aligned at its own sink boundary)
-        mid, km = s, _rotate(k, jnp.asarray(n_sink, jnp.int32))
-    p = max(1, -(-mid // chunk))
-    km = jnp.pad(km, ((0, 0), (0, 0), (0, p * chunk - mid), (0, 0)))
+        mid = s - n_sink
+        p = max(1, -(-mid // chunk))
+        km = jnp.pad(k[:, :, n_sink:], ((0, 0), (0, 0), (0, p * chunk - mid), (0, 0)))
+    else:  # shift each sequence so that its middle starts at slot 0 (chunks aligned at its own sink boundary)
+        p = max(1, -(-s // chunk))
+        at = jnp.minimum(jnp.arange(p * chunk)[None, :] + jnp.asarray(n_sink, jnp.int32)[:, None], s - 1)  # [B, P c]
+        km = jax.vmap(lambda x, i: x[:, i])(k, at)  # one row gather; rows past the middle are never valid
     off = _per_seq(n_sink, b)  # [B, 1, 1] slot of the middle's first chunk
     end = length[:, None, None] - off - _per_seq(n_recent, b)  # middle slots [0, end) can merge
     valid = jnp.broadcast_to(jnp.arange(p * chunk)[None, None, :] < end, (b, h, p * chunk))
@@ -181,17 +183,9 @@ def _merge_edges(k, v, n, src, dst, out_slots: int):
 
     def pick(x, new):
         shape = live.shape + (1,) * (x.ndim - 3)
-        got = jnp.where((pa >= 0).reshape(shape), rows(new, pe), rows(x, at))
+        got = rows(x, at)
+        if kk:
+            got = jnp.where((pa >= 0).reshape(shape), rows(new, pe), got)
         return jnp.where(live.reshape(shape), got, 0).astype(x.dtype)
 
     return pick(k, k_new), pick(v, v_new), pick(n, count)
-
-
-def _rotate(x, shift):
-    """``x [B, H, S, ...]`` rotated along the slot axis: slot ``j`` of sequence ``b`` becomes slot ``(j + shift[b])
-    mod S`` (``shift [B]`` in ``[0, S)``). One contiguous window per sequence of ``x`` repeated twice (an
-    element-wise ``take_along_axis`` built ``[B, H, S, D]`` index arrays, three times the buffer, on every
-    step)."""
-    s = x.shape[2]
-    twice = jnp.concatenate([x, x], axis=2)
-    return jax.vmap(lambda row, i: jax.lax.dynamic_slice_in_dim(row, i, s, axis=1))(twice, shift)
