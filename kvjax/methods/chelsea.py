@@ -21,15 +21,22 @@ Algorithm 1 at fixed shapes; method details and the resolutions of what the pape
   one Chelsea call: CSM rounds (:mod:`kvjax.methods.csm`) with the ratio schedule
   ``r_i = max(r_init - alpha min(m, i), r_floor)`` (App. C.2; presets ``PRESETS``) and merges
   ``min(floor(r_i M_i), s_i - B_b)`` until the cache holds exactly ``B_b``. By default the rounds of a call run
-  as one ``lax.while_loop`` at the input size (one compiled round body) until every active sequence is at its
-  budget (a shorter prompt has a smaller ``B_b`` and may need more rounds); ``unroll_rounds=True`` unrolls a
-  static worst-case plan over every prompt length of the bucket at shrinking sizes instead (less work per
-  round, one compile per round; identical results).
-- Decode (Alg. 1): the new token is appended with count 1, attention is
-  ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias), and when the cache
-  reaches ``B_b + g`` slots a Chelsea call (``lax.cond``, same shapes) merges it back to ``B_b``. Attention
-  reads only the live slots (``lengths=`` to ``attention.attend``: ``length`` for the compressed heads,
-  ``pos + 1`` for the outlier heads).
+  as ``lax.while_loop``s over a few *levels* of shrinking size (one compiled round body per level, sized from
+  the host plan; :meth:`Chelsea._compress`) until every active sequence is at its budget (a shorter prompt has
+  a smaller ``B_b`` and may need more rounds), so a round costs what the cache holds by then;
+  ``unroll_rounds=True`` unrolls a static worst-case plan over every prompt length of the bucket at shrinking
+  sizes instead (one compile per round; identical results).
+- Decode (Alg. 1): the new token is appended with count 1 (in place), attention is
+  ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias) over the live slots
+  (``lengths=``: ``length`` for the compressed heads, ``pos + 1`` for the outlier heads), and when the cache
+  reaches ``B_b + g`` slots a Chelsea call merges it back to ``B_b``. The call is the rounds' ``while_loop``
+  itself, not a ``lax.cond``: on the other ``g - 1`` steps it runs zero rounds and passes k, v, n through
+  untouched (a ``cond``'s identity branch copied them, and copies were also needed to order the attention's
+  reads before the in-place compression; a data dependency on the attention's output orders them now), so a
+  plain step reads K, V and the counts of the live slots once and writes one row. A compressing step adds one
+  CSM round at ``B_b + g`` slots (``g`` merges): the chunked similarity over the middle's keys, a top-``g``,
+  per-edge merges and one compaction gather of k, v, n (see ``benchmarks/roofline.py`` and the method docs
+  for its cost).
 - Outlier heads (§5.4, App. B): KV heads listed by ``outlier_heads`` (a JSON from ``kvjax calibrate-chelsea``
   or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
   allocated only in layers that have outlier heads; their query heads attend there.
@@ -325,12 +332,16 @@ class Chelsea(Method):
         """One Chelsea call (§5.1) for the elements with ``active [B]``: CSM rounds until every active element
         holds at most its budget ``state.target``.
 
-        Default (``unroll_rounds=False``): a ``lax.while_loop`` at the input size (the masked fixed-capacity
-        variant, spec §8.4b) that runs rounds until no active element is above its budget; round ``i`` uses
-        the quantised ratio ``table[min(i, m)]``. One compiled round body; the number of rounds adapts to the
-        batch (a short prompt has a smaller budget and may need more rounds). ``unroll_rounds=True`` runs the
-        static worst-case plan at shrinking sizes instead: the same merges (top-k is sorted and stable, so the
-        first m of a larger top-k are the top m; surplus rounds merge nothing), one compile per round.
+        Default (``unroll_rounds=False``): the rounds run as ``lax.while_loop``s over *levels* of shrinking size
+        (:func:`_levels`): each level is one compiled round body at a static size that bounds every element's
+        occupancy there (from the host plan ``rounds``), and runs its rounds until no active element is above
+        its budget (round ``i`` uses the quantised ratio ``table[min(i, m)]``); the buffers are then cut to the
+        next level's size. So a round costs what the cache holds at that point (a prefill call from ``n`` slots
+        costs about ``2 n`` slot-rounds instead of ``rounds x n``), with a handful of compiles; the last level
+        runs until every element is done (a shorter prompt has a smaller budget and may need more rounds). A
+        decode call is one level at the cache size. ``unroll_rounds=True`` runs the static worst-case plan at
+        shrinking sizes instead: the same merges (top-k is sorted and stable, so the first m of a larger top-k
+        are the top m; surplus rounds merge nothing), one compile per round.
         """
         target = state.target
         if state.per_seq_windows:
@@ -344,22 +355,30 @@ class Chelsea(Method):
                                     max_merges=rnd.max_merges, out_slots=rnd.out_slots, impl=self.impl)
                 length = length - m
             return k, v, n, length
-        kmax = max(r.max_merges for r in rounds)
         table = self.ratio_table()
         r_tab = jnp.asarray(table, jnp.int32)
+        length = length.astype(jnp.int32)
+        size_in = k.shape[2]
+        levels = _levels(rounds, size_in)
+        i = jnp.int32(0)
+        for li, (first, end, size, kmax) in enumerate(levels):
+            last = li == len(levels) - 1
+            if size < k.shape[2]:  # every element holds at most `size` slots here (host plan bound)
+                k, v, n = k[:, :, :size], v[:, :, :size], n[:, :, :size]
 
-        def cond(carry):
-            return jnp.any(active & (carry[4] > target))
+            def cond(carry, end=end, last=last):
+                more = jnp.any(active & (carry[4] > target))
+                return more if last else more & (carry[0] < end)
 
-        def body(carry):
-            i, k, v, n, length = carry
-            r_q = r_tab[jnp.minimum(i, len(table) - 1)]
-            m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
-            k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk, max_merges=kmax,
-                                out_slots=k.shape[2], impl=self.impl)
-            return i + 1, k, v, n, (length - m).astype(jnp.int32)
+            def body(carry, kmax=kmax):
+                i, k, v, n, length = carry
+                r_q = r_tab[jnp.minimum(i, len(table) - 1)]
+                m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
+                k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk,
+                                    max_merges=kmax, out_slots=k.shape[2], impl=self.impl)
+                return i + 1, k, v, n, (length - m).astype(jnp.int32)
 
-        _, k, v, n, length = jax.lax.while_loop(cond, body, (jnp.int32(0), k, v, n, length.astype(jnp.int32)))
+            i, k, v, n, length = jax.lax.while_loop(cond, body, (i, k, v, n, length))
         return k, v, n, length
 
     def prefill(self, state: ChelseaState, layer: int, q, k, v, lengths, previous=None) -> ChelseaState:
@@ -407,8 +426,8 @@ class Chelsea(Method):
         bias = jnp.log(jnp.where(valid, n, 1.0))
         qc = _heads(q4, comp).reshape(b, len(comp) * g, d)
         if comp:
-            o_c = attention.normalise(attention.attend(qc, kk, vv, valid, bias=bias, lengths=length))
-            o_c = o_c.reshape(b, len(comp), g, d)
+            part = attention.attend(qc, kk, vv, valid, bias=bias, lengths=length)
+            o_c = attention.normalise(part).reshape(b, len(comp), g, d)
         else:  # every KV head of this layer is an outlier head
             o_c = jnp.zeros((b, 0, g, d), jnp.float32)
         new = state.replace(seen=(pos + 1).astype(jnp.int32))
@@ -427,11 +446,8 @@ class Chelsea(Method):
             o = o_c
         if state.decode_rounds and comp:
             need = length >= state.target + self.interval
-
-            def compress(args):
-                return self._compress(state, *args, state.decode_rounds, need)
-
-            kk, vv, n, length = jax.lax.cond(jnp.any(need), compress, lambda args: args, (kk, vv, n, length))
+            length = _after(length, part)
+            kk, vv, n, length = self._compress(state, kk, vv, n, length, state.decode_rounds, need)
         return o.reshape(b, hq, d), new.replace(k=kk, v=vv, n=n, length=length)
 
     def memory_bytes(self, state: ChelseaState) -> int:
@@ -500,6 +516,36 @@ def _simulate(start, target, sink, recent, active, table, idle) -> tuple[Round, 
         rounds.append(Round(int(r_q), int(m.max()), int(s.max())))
         i += 1
     return tuple(rounds)
+
+
+def _after(x, partial):
+    """``x`` (an int32 array), unchanged, but computed from the attention ``partial``'s sum ``l``: a data dependency
+    that orders the in-place compression after every read of the attention (``l`` is a sum of exponentials, never
+    ``< 0``, so ``x + (l < 0)`` is ``x`` for every input, NaN included; XLA cannot prove it, so it keeps the order).
+    Without it the attention's reads and the compression's writes are unordered and XLA copies the cache buffers
+    on every step (:func:`Chelsea.decode`)."""
+    flag = jnp.any(partial[2] < 0).astype(x.dtype)
+    return x + flag
+
+
+#: A new level of the round loop starts once the plan's occupancy bound has fallen to this fraction of the
+#: current level's size (smaller: fewer compiles, more work per round).
+LEVEL_SHRINK = 0.7
+
+
+def _levels(rounds: tuple[Round, ...], size_in: int) -> list[tuple[int, int, int, int]]:
+    """Group the host plan's rounds into levels ``(first round, end round, slots, max merges)``: a level's slots
+    bound every element's occupancy when it starts (``size_in`` or the previous round's ``out_slots``); a new
+    level starts when that bound has fallen to ``LEVEL_SHRINK`` of the current level's slots. The last level
+    also covers any rounds past the plan (its loop runs until every element is done)."""
+    levels, first, size = [], 0, size_in
+    for i in range(1, len(rounds)):
+        bound = rounds[i - 1].out_slots
+        if bound <= LEVEL_SHRINK * size:
+            levels.append((first, i, size, max(r.max_merges for r in rounds[first:i])))
+            first, size = i, bound
+    levels.append((first, max(len(rounds), first + 1), size, max((r.max_merges for r in rounds[first:]), default=0)))
+    return levels
 
 
 def _heads(x, heads: tuple) -> jnp.ndarray:

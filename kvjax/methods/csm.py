@@ -92,96 +92,100 @@ def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merg
     indices of every A token and its best B partner, with ``src = -1`` where the edge was not selected.
 
     ``n_sink`` and ``n_recent`` are Python ints (static) or ``[B]`` int32 arrays (per-sequence windows, used by
-    Chelsea for prompts whose budget is too small for the configured windows). With an array ``n_sink`` each
-    sequence is rotated so that its middle starts at slot 0 (chunks stay aligned at its own sink boundary),
-    merged with no static sinks, and rotated back before the compaction: for ``n_sink[b] == c`` the result is
-    exactly that of the static ``n_sink=c``.
+    Chelsea for prompts whose budget is too small for the configured windows). With an array ``n_sink`` the keys
+    of each sequence are shifted so that its middle starts at slot 0 for the similarity (chunks stay aligned at
+    its own sink boundary): for ``n_sink[b] == c`` the result is that of the static ``n_sink=c``.
+
+    Cost: the chunked similarity reads the middle's keys once (``P (c/2)^2 D`` multiply-adds); the merge works
+    per kept edge (``max_merges`` rows gathered, :func:`_merge_edges`) and the compaction gathers the surviving
+    rows once. Merged slots are count-weighted means computed in float32; every other slot is copied unchanged.
     """
-    if isinstance(n_sink, int):
-        k2, v2, n2, matches = _merge(k, v, n, length, merges, n_sink, n_recent, chunk, max_merges, impl)
-    else:
-        s = k.shape[2]
-        ns = jnp.asarray(n_sink, jnp.int32)
-        fwd = (jnp.arange(s)[None, :] + ns[:, None]) % s  # rotated slot j holds slot (j + ns) mod s
-        back = (jnp.arange(s)[None, :] - ns[:, None]) % s
-        k2, v2, n2, matches = _merge(_rotate(k, fwd), _rotate(v, fwd), _rotate(n, fwd), length - ns, merges, 0,
-                                     n_recent, chunk, max_merges, impl)
-        k2, v2, n2 = _rotate(k2, back), _rotate(v2, back), _rotate(n2, back)
-        src, dst = matches
-        nsb = ns[:, None, None]
-        matches = (jnp.where(src >= 0, (src + nsb) % s, -1).astype(jnp.int32), ((dst + nsb) % s).astype(jnp.int32))
-    out = compact(k2, v2, n2, out_slots)
-    return (out, matches) if return_matches else out
-
-
-def _rotate(x, idx):
-    """``x [B, H, S, ...]`` gathered along the slot axis by ``idx [B, S]``."""
-    b, h, s = x.shape[:3]
-    i = jnp.broadcast_to(idx.reshape(b, 1, s, *([1] * (x.ndim - 3))), (b, h, s, *x.shape[3:]))
-    return jnp.take_along_axis(x, i, axis=2)
-
-
-def _merge(k, v, n, length, merges, n_sink: int, n_recent, chunk: int, max_merges: int, impl):
-    """The merge of :func:`csm_round` with a static ``n_sink``, before compaction (``S`` slots out)."""
-    b, h, s, d = k.shape
+    b, h, s, _ = k.shape
     half = chunk // 2
-    mid = s - n_sink
-    p = max(1, -(-mid // chunk))
-    pad = p * chunk - mid
-
-    def middle(x):
-        x = x[:, :, n_sink:]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
-
-    km, vm, nm = middle(k), middle(v), middle(n)
-    slot = n_sink + jnp.arange(p * chunk)
-    valid = jnp.broadcast_to(slot[None, None, :] < jnp.asarray(length - n_recent)[:, None, None], (b, h, p * chunk))
+    if isinstance(n_sink, int):
+        mid = s - n_sink
+        p = max(1, -(-mid // chunk))
+        km = jnp.pad(k[:, :, n_sink:], ((0, 0), (0, 0), (0, p * chunk - mid), (0, 0)))
+    else:  # shift each sequence so that its middle starts at slot 0 (chunks aligned at its own sink boundary)
+        p = max(1, -(-s // chunk))
+        at = jnp.minimum(jnp.arange(p * chunk)[None, :] + jnp.asarray(n_sink, jnp.int32)[:, None], s - 1)  # [B, P c]
+        km = jax.vmap(lambda x, i: x[:, i])(k, at)  # one row gather; rows past the middle are never valid
+    off = _per_seq(n_sink, b)  # [B, 1, 1] slot of the middle's first chunk
+    end = length[:, None, None] - off - _per_seq(n_recent, b)  # middle slots [0, end) can merge
+    valid = jnp.broadcast_to(jnp.arange(p * chunk)[None, None, :] < end, (b, h, p * chunk))
     best, jst = sharding.per_head(lambda x, ok: chunk_best_match(x, ok, chunk, impl=impl), km, valid)  # [B,H,P,c/2]
-
-    # Global top-m edges per head; the first merges[b] of the static max_merges are taken.
-    sel = jnp.zeros((b, h, p * half), bool)
+    best, jst = best.reshape(b, h, p * half), jst.reshape(b, h, p * half)
+    a_slot = off + (jnp.arange(p * half) // half) * chunk + 2 * (jnp.arange(p * half) % half)  # [B, 1, P c/2]
+    b_slot = (a_slot - 2 * (jnp.arange(p * half) % half) + 2 * jst + 1) % s  # [B, H, P c/2]
     if max_merges > 0:
-        _, top = top_k(best.reshape(b, h, p * half), max_merges)  # ties: lower index first
-        ok = jnp.arange(max_merges)[None, None, :] < merges[:, None, None]
-        sel = rows_at(sel, top, ok)
-    sel = sel.reshape(b, h, p, half)
-
-    kc = km.reshape(b, h, p, half, 2, d).astype(jnp.float32)
-    dv = v.shape[-1]  # value dim (may differ from the key dim)
-    vc = vm.reshape(b, h, p, half, 2, dv).astype(jnp.float32)
-    nc = nm.reshape(b, h, p, half, 2)
-    ka, kb, va, vb, na, nb = kc[..., 0, :], kc[..., 1, :], vc[..., 0, :], vc[..., 1, :], nc[..., 0], nc[..., 1]
-    w = jnp.where(sel, na, 0.0)  # counts moved from each selected A token to its B partner
-    # Scatter-add into the B rows: each A row's partner, as an index into its (sequence, head)'s P * c/2 B rows.
-    rows = (jnp.arange(p)[:, None] * half + jst).reshape(b, h, p * half)
-    flat = lambda x: x.reshape(b, h, p * half, *x.shape[4:])
-    nb2 = rows_at(flat(nb), rows, flat(w), "add").reshape(b, h, p, half)
-    kb_sum = rows_at(flat(nb[..., None] * kb), rows, flat(w[..., None] * ka), "add")
-    vb_sum = rows_at(flat(nb[..., None] * vb), rows, flat(w[..., None] * va), "add")
-    denom = jnp.where(nb2 > 0, nb2, 1.0)[..., None]
-    kb2 = jnp.where(nb2[..., None] > 0, kb_sum.reshape(b, h, p, half, d) / denom, kb)
-    vb2 = jnp.where(nb2[..., None] > 0, vb_sum.reshape(b, h, p, half, dv) / denom, vb)
-    na2 = jnp.where(sel, 0.0, na)
-
-    def full(x_a, x_b, head):
-        x = jnp.stack([x_a, x_b], axis=4).reshape(b, h, p * chunk, *x_a.shape[4:])[:, :, :mid]
-        return jnp.concatenate([head, x.astype(head.dtype)], axis=2)
-
-    k2 = full(ka, kb2, k[:, :, :n_sink])
-    v2 = full(va, vb2, v[:, :, :n_sink])
-    n2 = full(na2, nb2, n[:, :, :n_sink])
-    base = n_sink + jnp.arange(p)[:, None] * chunk  # [P, 1]
-    src = jnp.where(sel, base + 2 * jnp.arange(half)[None, :], -1).reshape(b, h, p * half)
-    dst = (base + 2 * jst + 1).reshape(b, h, p * half)
-    return k2, v2, n2, (src.astype(jnp.int32), dst.astype(jnp.int32))
+        _, top = top_k(best, max_merges)  # the best edges first; ties: lower index first
+    else:
+        top = jnp.zeros((b, h, 0), jnp.int32)
+    ok = jnp.arange(max_merges)[None, None, :] < merges[:, None, None]  # the first merges[b] edges are kept
+    # The kept edges in A-slot order (the order their weights are summed in), the unused ones after them.
+    e = jnp.sort(jnp.where(ok, top, p * half), axis=-1)
+    ok = e < p * half
+    e = jnp.minimum(e, p * half - 1)
+    src = jnp.where(ok, jnp.take_along_axis(jnp.broadcast_to(a_slot, (b, h, p * half)), e, axis=-1), s)
+    dst = jnp.where(ok, jnp.take_along_axis(b_slot, e, axis=-1), s)  # [B, H, K] slots; s: no edge
+    out = _merge_edges(k, v, n, src.astype(jnp.int32), dst.astype(jnp.int32), out_slots)
+    if not return_matches:
+        return out
+    sel = rows_at(jnp.zeros((b, h, p * half), bool), jnp.where(ok, e, p * half), True)
+    return out, (jnp.where(sel, a_slot, -1).astype(jnp.int32), b_slot.astype(jnp.int32))
 
 
-def compact(k, v, n, out_slots: int):
-    """Move the occupied slots (``n > 0``) to the front, keeping their order; ``out_slots`` slots out."""
-    b, h, s, d = k.shape
-    keep = n > 0
-    tgt = jnp.where(keep, jnp.cumsum(keep, axis=-1) - 1, out_slots)
-    ko = rows_at(jnp.zeros((b, h, out_slots, d), k.dtype), tgt, k)
-    vo = rows_at(jnp.zeros((b, h, out_slots, v.shape[-1]), v.dtype), tgt, v)
-    no = rows_at(jnp.zeros((b, h, out_slots), n.dtype), tgt, n)
-    return ko, vo, no
+def _per_seq(x, b: int):
+    """A static int or a ``[B]`` array as ``[B, 1, 1]`` int32."""
+    return jnp.broadcast_to(jnp.asarray(x, jnp.int32).reshape(-1, 1, 1), (b, 1, 1))
+
+
+def _merge_edges(k, v, n, src, dst, out_slots: int):
+    """Merge the kept edges ``src -> dst`` (``[B, H, K]`` slots, ``S`` where unused; sorted by ``src``) and compact
+    to ``out_slots`` slots (Chelsea §5.3, order-preserving).
+
+    Each destination B slot takes the count-weighted mean of itself and its sources, ``(n_b k_b + sum n_a k_a) /
+    (n_b + sum n_a)`` in float32, the sources summed in slot order; every other slot is kept as it is. Work is per
+    edge (gathers of ``K`` rows) plus one gather of the kept rows (the compaction), so a round with few merges (a
+    decode call merges ``g``) reads the cache once, and writes it once, with no buffer-sized intermediate."""
+    b, h, s, _ = k.shape
+    kk = src.shape[-1]
+    rows = jax.vmap(jax.vmap(lambda row, i: row[i]))  # x [B, H, S, ...], i [B, H, ...] in range -> rows
+    used = src < s
+    # the first edge into each destination accumulates the cluster (its index: a scatter-min over slots)
+    first = rows_at(jnp.full((b, h, s), kk, jnp.int32), dst, jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32),
+                                                                                 dst.shape), "min")
+    lead = rows(first, jnp.minimum(dst, s - 1))  # [B, H, K]
+    lead = jnp.where(used, lead, kk)
+    src_c, dst_c = jnp.minimum(src, s - 1), jnp.minimum(dst, s - 1)
+    na = jnp.where(used, rows(n, src_c), 0.0)
+    nb = rows(n, dst_c)
+
+    def cluster(x):
+        xa, xb = rows(x, src_c).astype(jnp.float32), rows(x, dst_c).astype(jnp.float32)
+        total = rows_at(nb[..., None] * xb, lead, na[..., None] * xa, "add")  # at each cluster's first edge
+        count = rows_at(nb, lead, na, "add")
+        return (total / jnp.where(count > 0, count, 1.0)[..., None]).astype(x.dtype), count
+
+    k_new, count = cluster(k)
+    v_new, _ = cluster(v)
+    # per slot: the edge whose cluster replaces it (-1: none), and whether it survives
+    is_lead = used & (lead == jnp.arange(kk)[None, None, :])
+    patch = rows_at(jnp.full((b, h, s), -1, jnp.int32), jnp.where(is_lead, dst, s),
+                    jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), dst.shape))
+    keep = (n > 0) & ~rows_at(jnp.zeros((b, h, s), bool), src, True)
+    rank = jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1  # [B, H, S] output slot of each kept slot
+    at = rows_at(jnp.zeros((b, h, out_slots), jnp.int32), jnp.where(keep, rank, out_slots),
+                 jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), keep.shape))  # [B, H, out] slot read
+    live = jnp.arange(out_slots)[None, None, :] <= rank[..., -1:]
+    pa = rows(patch, at)  # [B, H, out]
+    pe = jnp.maximum(pa, 0)
+
+    def pick(x, new):
+        shape = live.shape + (1,) * (x.ndim - 3)
+        got = rows(x, at)
+        if kk:
+            got = jnp.where((pa >= 0).reshape(shape), rows(new, pe), got)
+        return jnp.where(live.reshape(shape), got, 0).astype(x.dtype)
+
+    return pick(k, k_new), pick(v, v_new), pick(n, count)

@@ -563,3 +563,53 @@ def test_scanned_rounds_equal_unrolled_rounds_short_prompts(tiny):
     for a, b in zip(*got):
         for x, y in ((a.k, b.k), (a.v, b.v), (a.n, b.n), (a.length, b.length)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+# ---- the compiled decode step: in place -------------------------------------------------------------------
+
+def _cache_copies(hlo: str, shapes) -> dict[str, list[str]]:
+    """Per computation of a compiled program (name -> lines), the instructions that copy a buffer of one of
+    ``shapes`` (e.g. ``"f32[2,2,35,16]"``), and whether the computation is a CSM round (it holds the top-k)."""
+    out, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY")):
+            name, lines = line.split(" ", 2)[1 if line.startswith("ENTRY") else 0], []
+        elif line.startswith("}") and name:
+            copies = [l.strip()[:160] for l in lines if " copy(" in l and
+                      any(s in l.split("=", 1)[1].split("copy(")[0] for s in shapes)]
+            if copies:
+                out[name] = (copies, any("TopK" in l or " sort(" in l for l in lines))
+            name = None
+        else:
+            lines.append(line)
+    return out
+
+
+def test_decode_updates_the_cache_in_place(tiny):
+    """The compiled decode step never copies a cache buffer (k, v ``[B, Hc, S, D]``, counts ``[B, Hc, S]``) on a
+    plain step: no ``lax.cond`` whose identity branch copies its operands, no copy to order the attention's reads
+    before the compression's in-place writes. The only such copy allowed is inside a CSM round's loop body (the
+    compaction gathers out of place: a round writes its result once, into a fresh buffer or the carry), which
+    runs on a compressing step only."""
+    import kvjax
+
+    cfg = tiny.config
+    method = methods.get("chelsea", budget=0.3, **SMALL)
+    cap = Capacity(64, 40)
+    states = engine.init_states(cfg, method, 2, cap, jnp.float32)
+    st = states[0]
+    assert st.decode_rounds  # the step can compress
+    b, hc, s, d = st.k.shape
+    shapes = (f"f32[{b},{hc},{s},{d}]", f"f32[{b},{hc},{s}]")
+    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), 16, (95,))
+    args = (tiny.params, states, jnp.zeros((2,), jnp.int32), jnp.asarray([50, 64]), jax.random.PRNGKey(0))
+    hlo = engine.run_loop.lower(loop, "while", *args).compile().as_text()
+    assert hlo.count(shapes[0]) > 0 and ("TopK" in hlo or " sort(" in hlo)  # the rounds are in the program
+    outside = {k: c for k, (c, in_round) in _cache_copies(hlo, shapes).items() if not in_round}
+    assert outside == {}
+    # the method's own step, jitted with the state donated (what benchmarks/roofline.py times)
+    q, k = jnp.zeros((b, cfg.num_heads, d)), jnp.zeros((b, cfg.num_kv_heads, d))
+    step = jax.jit(lambda st, q, k, v, pos: method.decode(st, 0, q, k, v, pos), donate_argnums=0)
+    hlo = step.lower(st, q, k, k, jnp.asarray([50, 64])).compile().as_text()
+    outside = {k: c for k, (c, in_round) in _cache_copies(hlo, shapes).items() if not in_round}
+    assert outside == {}
