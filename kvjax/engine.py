@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import model as M
+from kvjax import inplace, model as M
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
@@ -150,17 +150,16 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
             prev, layer = out, layer + 1
             continue
 
-        def attend(l, x, q, k, v, c):
+        def attend(l, x, q, k, v, c, st=st):
             stack, before = c
-            i = l - st.start
-            one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
-            attn, out = step(l, x, q, k, v, one, before)
-            out = S.constrain_state(method, out, mesh)
-            # write back what the method changed; a leaf it returned untouched (LESS's kernels, PQCache's
-            # codebooks during decode) is the same traced value and is not copied back
-            stack = jax.tree.map(lambda a, o, b: a if b is o else jax.lax.dynamic_update_index_in_dim(
-                a, b.astype(a.dtype), i, 0), stack, one, out)
-            return attn, (stack, out if reuse else None)
+
+            def layer(one, l, x, q, k, v, before):
+                attn, out = step(l, x, q, k, v, one, before)
+                return S.constrain_state(method, out, mesh), (attn, out if reuse else None)
+
+            # the method runs on layer l's slice of the stacks; its writes go into the stacks in place
+            stack, (attn, out) = inplace.run_on_layer(layer, stack, l - st.start, l, x, q, k, v, before)
+            return attn, (stack, out)
 
         first = st.layer(0) if reuse else None
         if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
