@@ -77,7 +77,7 @@ class _Ctx:
         if not isinstance(x, _View):
             return x
         self.note("read", x)
-        return jax.lax.dynamic_index_in_dim(x.stack, self.i, keepdims=False)
+        return _slice_at(x.stack, self.i)
 
 
 def run_on_layer(fn: Callable, stacks, i, *args):
@@ -124,7 +124,13 @@ def _run(closed, leaves, args, ctx: _Ctx, slices: set):
 def _write_back(stack, x, ctx: _Ctx, leaf: int):
     if ctx.log is not None:
         ctx.log.append(("write", leaf))
-    return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), ctx.i, 0)
+    return jax.lax.dynamic_update_slice(stack, x.astype(stack.dtype)[None], (ctx.i,) + (0,) * x.ndim)
+
+
+def _slice_at(stack, i):
+    """``stack[i]`` as a ``dynamic_slice`` at the very index a write-back uses (no negative-index wrapping), so XLA
+    sees that a leaf updated from its own slice (LESS's ``H + dH``) is read and written at one place, in place."""
+    return jax.lax.dynamic_slice(stack, (i,) + (0,) * (stack.ndim - 1), (1,) + stack.shape[1:])[0]
 
 
 def _unordered(log) -> set:
