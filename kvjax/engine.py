@@ -135,8 +135,9 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
     """Run every layer with its method state: ``step(layer, x, q, k, v, state, previous) -> (attn, new_state)``
     (``previous``: the previous layer's new state for methods that declare ``reuses_previous_layer``, else None).
     Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
-    one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack, updated in place at the traced
-    layer. Returns ``(x, new states tuple)`` in the layout of ``states``."""
+    one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack: the method runs on the traced layer's
+    slice and its writes (the new token's K/V rows, evictions) go into the stack in place
+    (:func:`kvjax.inplace.run_on_layer`). Returns ``(x, new states tuple)`` in the layout of ``states``."""
     reuse = method.reuses_previous_layer
     new, layer, prev = [], 0, None
     for st in states:
@@ -153,12 +154,12 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
         def attend(l, x, q, k, v, c, st=st):
             stack, before = c
 
-            def layer(one, l, x, q, k, v, before):
+            def on_layer(one, l, x, q, k, v, before):
                 attn, out = step(l, x, q, k, v, one, before)
                 return S.constrain_state(method, out, mesh), (attn, out if reuse else None)
 
             # the method runs on layer l's slice of the stacks; its writes go into the stacks in place
-            stack, (attn, out) = inplace.run_on_layer(layer, stack, l - st.start, l, x, q, k, v, before)
+            stack, (attn, out) = inplace.run_on_layer(on_layer, stack, l - st.start, l, x, q, k, v, before)
             return attn, (stack, out)
 
         first = st.layer(0) if reuse else None
