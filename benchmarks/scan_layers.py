@@ -13,12 +13,22 @@ For each depth and method it builds a random-weight model (``--hidden`` / ``--he
 - whether both layouts generate the same tokens.
 
 It prints a table and writes JSON (jax version, device, commit) with ``--out``. Compile time is what
-``scan_layers`` is for; the step time shows what the in-place update of the stacked cache costs.
+``scan_layers`` is for; the step time shows what running the layers as one loop body costs (the method's writes go
+into the stacked cache in place, :mod:`kvjax.inplace`).
+
+Where the cache dominates (Llama-3.1-8B's attention shapes, long prompts) the model's own prefill would take
+minutes on a CPU; ``--prefill random`` fills every layer's state through the method's own ``prefill`` with random
+``q, k, v`` instead (as ``benchmarks/roofline.py`` does; nothing else changes, and the token check then compares
+the two layouts on the same states)::
+
+    python benchmarks/scan_layers.py --layers 4 --methods full,snapkv,h2o --hidden 256 --heads 32 --kv-heads 8 \
+        --head-dim 128 --prompt 16384 --steps 16 --prefill random
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -50,15 +60,38 @@ def commit() -> str | None:
         return None
 
 
-def one(cfg, params, method, prompt, steps, scan: bool, repeats: int = 3) -> dict:
+def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 0):
+    """Every layer's state prefilled through ``method.prefill`` with random ``q [1, Hq, T, D]``, ``k, v [1, Hkv, T,
+    D]`` (per-layer seeds, so both layouts hold the same values), in the layout ``init_states(..., scan_layers=scan)``
+    gives (:class:`kvjax.engine.Stacked` segments for runs of agreeing layers)."""
+    t, per, prev = cap.prompt_len, [], None
+    for layer in range(cfg.num_layers):
+        kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed * 1000 + layer), 3)
+        shape = lambda h: (1, h, t, cfg.head_dim)  # noqa: E731
+        q, k, v = (jax.random.normal(kq, shape(cfg.num_heads)), jax.random.normal(kk, shape(cfg.num_kv_heads)),
+                   jax.random.normal(kv, shape(cfg.num_kv_heads)))
+        st = method.init(cfg, 1, cap, layer, jnp.float32)
+        kw = {"previous": prev} if method.reuses_previous_layer else {}
+        prev = jax.jit(functools.partial(method.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
+        per.append(prev)
+    plan = engine.layer_plan(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]
+    return tuple(per[r.start] if len(r) == 1 else
+                 engine.Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per[r.start:r.stop]), r.start, r.stop)
+                 for r in plan)
+
+
+def one(cfg, params, method, prompt, steps, scan: bool, repeats: int = 3, prefill: str = "model") -> dict:
     """Time lowering and compiling the decode loop of one layout, then its step time (best of ``repeats`` runs,
-    each on freshly prefilled states: the loop donates them)."""
+    each on freshly prefilled states: the loop donates them). ``prefill``: ``"model"`` (the engine's prefill of a
+    ``prompt``-token prompt) or ``"random"`` (:func:`random_prefill`, the first token fixed)."""
     p = M.stack_layers(params) if scan else M.unstack_layers(params)
     bucket = engine.bucket_length(prompt)
     tokens, lengths = engine.pad_prompts([list(range(1, prompt + 1))], bucket)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
 
     def prefilled():
+        if prefill == "random":
+            return random_prefill(cfg, method, Capacity(bucket, steps), lengths, scan), jnp.ones((1,), jnp.int32)
         states = engine.init_states(cfg, method, 1, Capacity(bucket, steps), jnp.float32, scan_layers=scan)
         states, logits = engine.prefill(cfg, method, p, tokens, lengths, states)
         return states, jnp.argmax(logits, -1).astype(jnp.int32)
@@ -95,20 +128,22 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=200, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=16, help="decode steps of the loop")
+    ap.add_argument("--prefill", choices=("model", "random"), default="model",
+                    help="model: the engine's prefill; random: each layer's method.prefill on random q, k, v")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
 
     rows = []
     for depth in [int(x) for x in args.layers.split(",")]:
         cfg = ModelConfig("llama", args.vocab, args.hidden, 2 * args.hidden, depth, args.heads, args.kv_heads,
-                          args.head_dim, max_position_embeddings=8192)
+                          args.head_dim, max_position_embeddings=max(8192, 2 * (args.prompt + args.steps)))
         params = M.random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
         for name in args.methods.split(","):
             opts = dict(SMALL.get(name, {}))
             if name != "full":
                 opts["budget"] = args.budget
             method = methods.get(name, **opts)
-            res = {layout: one(cfg, params, method, args.prompt, args.steps, layout == "scan")
+            res = {layout: one(cfg, params, method, args.prompt, args.steps, layout == "scan", prefill=args.prefill)
                    for layout in ("unrolled", "scan")}
             u, s = res["unrolled"], res["scan"]
             row = {"layers": depth, "method": name, "same_tokens": u["tokens"] == s["tokens"],

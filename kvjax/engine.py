@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import model as M
+from kvjax import inplace, model as M
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
@@ -135,9 +135,11 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
     """Run every layer with its method state: ``step(layer, x, q, k, v, state, previous) -> (attn, new_state)``
     (``previous``: the previous layer's new state for methods that declare ``reuses_previous_layer``, else None).
     Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
-    one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack, updated in place at the traced
-    layer. ``live`` (prefill): the longest prompt's length, so bucket padding costs no position-wise work
-    (:func:`kvjax.model.layer_step`). Returns ``(x, new states tuple)`` in the layout of ``states``."""
+    one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack: the method runs on the traced layer's
+    slice and its writes (the new token's K/V rows, evictions) go into the stack in place
+    (:func:`kvjax.inplace.run_on_layer`). ``live`` (prefill): the longest prompt's length, so bucket padding costs
+    no position-wise work (:func:`kvjax.model.layer_step`). Returns ``(x, new states tuple)`` in the layout of
+    ``states``."""
     reuse = method.reuses_previous_layer
     new, layer, prev = [], 0, None
     for st in states:
@@ -151,17 +153,16 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
             prev, layer = out, layer + 1
             continue
 
-        def attend(l, x, q, k, v, c):
+        def attend(l, x, q, k, v, c, st=st):
             stack, before = c
-            i = l - st.start
-            one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
-            attn, out = step(l, x, q, k, v, one, before)
-            out = S.constrain_state(method, out, mesh)
-            # write back what the method changed; a leaf it returned untouched (LESS's kernels, PQCache's
-            # codebooks during decode) is the same traced value and is not copied back
-            stack = jax.tree.map(lambda a, o, b: a if b is o else jax.lax.dynamic_update_index_in_dim(
-                a, b.astype(a.dtype), i, 0), stack, one, out)
-            return attn, (stack, out if reuse else None)
+
+            def on_layer(one, l, x, q, k, v, before):
+                attn, out = step(l, x, q, k, v, one, before)
+                return S.constrain_state(method, out, mesh), (attn, out if reuse else None)
+
+            # the method runs on layer l's slice of the stacks; its writes go into the stacks in place
+            stack, (attn, out) = inplace.run_on_layer(on_layer, stack, l - st.start, l, x, q, k, v, before)
+            return attn, (stack, out)
 
         first = st.layer(0) if reuse else None
         if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
