@@ -99,12 +99,33 @@ def run_on_layer(fn: Callable, stacks, i, *args):
         aux_tree.append(t)
         return new_leaves, aux_leaves
 
-    closed = jax.make_jaxpr(flat)(one, args)
+    closed = jax.make_jaxpr(flat)(one, args)  # the method's own errors are raised here
     flat_args = jax.tree.leaves(args)
-    log = []
-    jax.make_jaxpr(lambda: _run(closed, leaves, flat_args, _Ctx(i, log), set()))()  # dry run: traced only
-    new, aux = _run(closed, leaves, flat_args, _Ctx(i), _unordered(log))
+    try:
+        log = []
+        jax.make_jaxpr(lambda: _run(closed, leaves, flat_args, _Ctx(i, log), set()))()  # dry run: traced only
+        new, aux = _run(closed, leaves, flat_args, _Ctx(i), _unordered(log))
+    except Exception as e:  # noqa: BLE001 -- a jaxpr this evaluator does not know (another jax version)
+        _warn_fallback(e)
+        ctx = _Ctx(i)
+        outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *[_slice_at(a, i) for a in leaves], *flat_args)
+        new = [_write_back(a, x, ctx, j) for j, (a, x) in enumerate(zip(leaves, outs))]
+        aux = outs[len(leaves):]
     return jax.tree.unflatten(tree, new), jax.tree.unflatten(aux_tree[0], aux)
+
+
+_WARNED = []
+
+
+def _warn_fallback(e: Exception):
+    """Once per process: the views could not be evaluated, every leaf is sliced and written back (correct; the
+    scanned step then copies each changed leaf, as before this module)."""
+    if not _WARNED:
+        _WARNED.append(e)
+        import warnings
+        warnings.warn(f"kvjax.inplace: scanned layers fall back to slice-and-write-back ({type(e).__name__}: {e}); "
+                      f"the results are the same, the step copies each layer's changed state", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _run(closed, leaves, args, ctx: _Ctx, slices: set):
@@ -385,19 +406,17 @@ def _pass_view(eqn, ins, ctx):
     return [ins[0]] if isinstance(ins[0], _View) else None
 
 
-_RULES = {
-    P.slice_p: _slice,
-    P.dynamic_slice_p: _dynamic_slice,
-    P.gather_p: _gather,
-    P.dynamic_update_slice_p: _dynamic_update_slice,
-    P.while_p: _while,
-    P.scan_p: _scan,
-    P.cond_p: _cond,
-    P.jit_p: _inline("jaxpr"),
-    P.closed_call_p: _inline("call_jaxpr"),
-    P.custom_jvp_call_p: _inline("call_jaxpr"),
-    P.custom_vjp_call_p: _inline("call_jaxpr"),
-    P.sharding_constraint_p: _pass_view,
-}
-for _p in (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p):
-    _RULES[_p] = _scatter
+def _rules() -> dict:
+    """The rules by primitive, for the primitives this jax has (a name missing in another jax version: that
+    primitive is evaluated on the slice, which is correct, only not in place)."""
+    table = {"slice_p": _slice, "dynamic_slice_p": _dynamic_slice, "gather_p": _gather,
+             "dynamic_update_slice_p": _dynamic_update_slice, "while_p": _while, "scan_p": _scan, "cond_p": _cond,
+             "jit_p": _inline("jaxpr"), "closed_call_p": _inline("call_jaxpr"),
+             "custom_jvp_call_p": _inline("call_jaxpr"), "custom_vjp_call_p": _inline("call_jaxpr"),
+             "sharding_constraint_p": _pass_view}
+    for name in ("scatter_p", "scatter_add_p", "scatter_mul_p", "scatter_min_p", "scatter_max_p"):
+        table[name] = _scatter
+    return {getattr(P, name): rule for name, rule in table.items() if hasattr(P, name)}
+
+
+_RULES = _rules()

@@ -98,6 +98,25 @@ def test_scan_matches_unrolled(tiny, name):
             np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-5, atol=1e-5)
 
 
+def test_scan_falls_back_to_slices_when_the_views_fail(tiny, monkeypatch):
+    """Where the in-place evaluator cannot run a program (say a jax version whose jaxpr it does not know), the
+    scanned layer runs on its slice with ``jax.core.eval_jaxpr`` and writes it back: same logits, one warning."""
+    from kvjax import inplace
+
+    def broken(*a, **k):
+        raise NotImplementedError("unknown primitive")
+
+    m = method("snapkv")
+    ref, _ = run(tiny, m, scan=False)
+    monkeypatch.setattr(inplace, "_eval", broken)
+    monkeypatch.setattr(inplace, "_WARNED", [])
+    jax.clear_caches()
+    with pytest.warns(RuntimeWarning, match="slice-and-write-back"):
+        got, _ = run(tiny, m, scan=True)
+    jax.clear_caches()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_layer_plan(tiny):
     cfg, cap = tiny.config, Capacity(BUCKET, 8)
     plan = lambda m: [(r.start, r.stop) for r in engine.layer_plan(cfg, m, 2, cap, jnp.float32)]
