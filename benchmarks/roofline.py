@@ -48,7 +48,8 @@ the same run (one group unless memory forces more, see below). Per row (JSON key
   engine's, on the same prompt) summed over the layers, measured once per (context, batch, dtype);
   [``prefill_s``] the method's own ``prefill`` (its compression: scoring, clustering, quantising, and writing its
   cache; for ``full`` only the cache write) summed over the layers; time to first token [``ttft_s``] =
-  ``attention_s + prefill_s``; [``ttft_ratio``] = TTFT / full's TTFT; compression's share [``compress_share``] =
+  ``attention_s + prefill_s`` (a method that declares ``attends_prompt``, H2O and LESS: its ``prefill_attend``
+  computes the attention with its scores, as in the engine, so ``ttft_s = prefill_s``); [``ttft_ratio``] = TTFT / full's TTFT; compression's share [``compress_share``] =
   (TTFT - full's TTFT) / TTFT. Each is one run, compile excluded (ahead-of-time compiled). A real model's TTFT adds
   the projections and MLPs, which every method pays alike, so these ratios are upper bounds of the model's.
 
@@ -174,10 +175,33 @@ def abstract_state(cfg, method, batch, cap, layer, dtype):
 
 
 def compile_prefill(method, layer, state, q, k, v, lengths, previous):
-    """The method's ``prefill`` for one layer, compiled ahead of time (``state`` donated)."""
+    """The method's ``prefill`` for one layer, compiled ahead of time (``state`` donated). A method that
+    ``attends_prompt`` runs ``prefill_attend`` as the engine does (the prompt's attention included: its
+    ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed."""
     kw = {"previous": previous} if method.reuses_previous_layer else {}
+    if method.attends_prompt:
+        def both(state, **a):
+            out, st = method.prefill_attend(state, layer=layer, **a)
+            return st, out[..., :1, :1]  # keep the attention live (a slice of it, not a copy of T x D)
+        fn = jax.jit(both, donate_argnums=0)
+        return _first(fn.lower(state, q=q, k=k, v=v, lengths=lengths, **kw).compile())
     fn = jax.jit(functools.partial(method.prefill, layer=layer), donate_argnums=0)
     return fn.lower(state, q=q, k=k, v=v, lengths=lengths, **kw).compile()
+
+
+class _first:
+    """A compiled function returning ``(state, x)`` called as one returning the state (after ``x`` is ready)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *a, **kw):
+        st, x = self.compiled(*a, **kw)
+        jax.block_until_ready(x)
+        return st
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
 
 
 def temp_bytes(compiled) -> int:
@@ -746,7 +770,8 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         block = []
         for r, v in zip(runs, [full] + group):
             read = sum(r.method.bytes_read_per_step(st, cfg.num_heads) for st in r.states)
-            ttft = None if attention_s is None else attention_s + r.prefill_s
+            ttft = (r.prefill_s if r.method.attends_prompt  # its prefill computes the attention (prefill_attend)
+                    else None if attention_s is None else attention_s + r.prefill_s)
             block.append({**base, "label": r.label, "method": r.method.name, "budget": r.budget, "group": gi,
                           "status": "ok", "step_s": times[r.label], "bytes_read": int(read),
                           "xla_bytes": r.xla_bytes, "gbs": read / times[r.label] / 1e9, "prefill_s": r.prefill_s,

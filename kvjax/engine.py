@@ -33,6 +33,7 @@ from kvjax import inplace, model as M
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
+from kvjax.prefill_attention import default_impl as default_prefill_impl
 from kvjax.sampling import Greedy
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -192,8 +193,11 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
 
     def step(layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q, k, v)
+        window = _sliding_window(cfg, layer)
+        if method.attends_prompt and window is None and default_prefill_impl() == "chunked":
+            return method.prefill_attend(st, layer, q, k, v, lengths, previous=previous)  # one pass (H2O)
         st = method.prefill(st, layer, q, k, v, lengths, previous=previous)
-        return M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)), st
+        return M.causal_attention(q, k, v, lengths, window), st
 
     x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh,
                                    live=jnp.max(lengths))

@@ -86,6 +86,11 @@ class Method(abc.ABC):
     #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
     #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
     traced_layer: ClassVar[bool] = False
+    #: ``prefill_attend`` is implemented: the method computes the prompt's causal attention together with its own
+    #: prefill (H2O's accumulated scores come from the attention's probabilities), and the engine takes that output
+    #: instead of running the prefill attention a second time (on layers without a sliding window, where the engine's
+    #: prefill attention is the pure-JAX one).
+    attends_prompt: ClassVar[bool] = False
 
     @abc.abstractmethod
     def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:
@@ -102,6 +107,12 @@ class Method(abc.ABC):
     def memory_bytes(self, state) -> int:
         """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
         return tree_bytes(state)
+
+    def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
+        """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
+        ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass. Only for
+        methods that declare ``attends_prompt``."""
+        raise NotImplementedError(f"method {self.name!r} does not declare attends_prompt")
 
     def decode_partial(self, state, layer: int, q, k, v, pos):
         raise NotImplementedError(f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "

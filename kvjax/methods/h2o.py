@@ -5,7 +5,9 @@ its own prompt; a token count ``c``: ``c``, which generated tokens fill up): the
 (``floor(recent P)`` for a fraction, else ``min(recent, P - 1)``) and the heavy hitters with the largest
 accumulated attention (softmax weights summed over every query so far; GQA: mean over the group's query heads).
 At prefill the scores are the column sums of the causal attention of all prompt queries
-(``select.accumulated_scores``: one ``q·k`` per causal score, memory linear in the prompt). During decode the
+(``select.accumulated_scores``: one ``q·k`` per causal score, memory linear in the prompt); H2O declares
+``attends_prompt``, so the engine's prefill takes the prompt's attention from the same pass
+(``select.accumulated_attention`` via ``prefill_attend``) instead of attending twice. During decode the
 new token is attended with the rest, its weights added to the scores, and then, when the sequence holds more than
 ``P`` tokens, the non-recent token with the lowest accumulated score is evicted (H2O's greedy ``real_drop`` step).
 One spare slot makes this exact at a fixed shape; a sequence's live slots are ``[0, P + 1)`` and decode reads only
@@ -33,7 +35,7 @@ from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
 from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
                                 rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
-from kvjax.methods.select import accumulated_scores, topk_with_window
+from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,7 @@ class H2O(Method):
     name: ClassVar[str] = "h2o"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
+    attends_prompt: ClassVar[bool] = True  # the prompt's attention and its scores in one pass
     budget: float | int = 0.2
     recent: float | int = 0.5  # fraction of the budget, or a token count
 
@@ -68,10 +71,20 @@ class H2O(Method):
         return empty_slots(model_cfg, batch, p + 1, dtype, prompt_slots=p, with_score=True)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None) -> SlotCache:
+        return self._keep(state, k, v, lengths, accumulated_scores(q, k, lengths))
+
+    def prefill_attend(self, state: SlotCache, layer: int, q, k, v, lengths, previous=None):
+        """The prompt's causal attention and the prefill from the same probabilities
+        (``select.accumulated_attention``: one ``q·k`` and one ``P·v`` per causal score, where attention then
+        :meth:`prefill` compute ``q·k`` twice)."""
+        out, score = accumulated_attention(q, k, v, lengths)
+        return out, self._keep(state, k, v, lengths, score)
+
+    def _keep(self, state: SlotCache, k, v, lengths, score) -> SlotCache:
+        """The prompt's heavy hitters by accumulated ``score [B, Hkv, T]`` plus the recent window, stored."""
         p = state.prompt_slots
         limit = evicting_budget(self.budget, lengths, p)
         kept = jnp.minimum(limit, lengths)
-        score = accumulated_scores(q, k, lengths)
         idx, ok = _heavy_plus_recent(score, lengths, kept, self._recent(limit), min(p, k.shape[2]))
         return store_prompt(state, k, v, idx, ok, score=score, limit=limit)
 

@@ -564,10 +564,23 @@ class Less(Method):
                          H=jnp.zeros((batch, h, r, d), jnp.float32), z=jnp.zeros((batch, h, r), jnp.float32),
                          kernels=kernels)
 
+    @property
+    def attends_prompt(self) -> bool:  # base.Method.attends_prompt: as its policy (H2O: yes)
+        return self.sparse.attends_prompt
+
     def prefill(self, state: LessState, layer: int, q, k, v, lengths, previous=None) -> LessState:
         """Full-attention prefill is done by the engine; the policy compresses the prompt and every valid
         prompt token it did not keep is folded into ``H, z`` at once (Eqs. 4-5, note §2.8)."""
-        sparse = self.sparse.prefill(state.sparse, layer, q, k, v, lengths)
+        return self._fold_evicted(state, k, v, lengths, self.sparse.prefill(state.sparse, layer, q, k, v, lengths))
+
+    def prefill_attend(self, state: LessState, layer: int, q, k, v, lengths, previous=None):
+        """The policy's :meth:`prefill_attend` (the prompt's attention and its scores in one pass), then the fold."""
+        out, sparse = self.sparse.prefill_attend(state.sparse, layer, q, k, v, lengths)
+        return out, self._fold_evicted(state, k, v, lengths, sparse)
+
+    def _fold_evicted(self, state: LessState, k, v, lengths, sparse) -> LessState:
+        """``state`` with the policy's prompt cache ``sparse`` and every valid prompt token it did not keep folded
+        into ``H, z``."""
         t = k.shape[2]
         tpos = jnp.arange(t)
         b, h, s = sparse.pos.shape

@@ -162,3 +162,42 @@ def test_accumulated_attention_is_attention_and_scores(dtype, heads_at_once):
                                    atol=tol, rtol=tol)
     np.testing.assert_allclose(np.asarray(acc), np_accumulated(np.asarray(q, np.float32), np.asarray(k, np.float32),
                                                                lengths), atol=1e-5 if dtype == "float32" else 2e-2)
+
+
+@pytest.mark.parametrize("name", ["h2o", "less"])
+def test_engine_prefill_takes_the_methods_attention(name, monkeypatch):
+    """H2O and LESS (policy h2o) declare ``attends_prompt``: the engine's prefill takes the prompt's attention from
+    their ``prefill_attend`` (one pass with the scores) instead of ``causal_attention``. The prefill logits equal
+    full's (whose attention is ``causal_attention``), and the kept tokens those of the two-pass path."""
+    from kvjax import engine, model as M
+    from kvjax.config import ModelConfig
+
+    cfg = ModelConfig("llama", 256, 64, 128, 2, 4, 2, 16, max_position_embeddings=512)
+    params = M.random_params(cfg, jax.random.PRNGKey(3), scale=0.15)
+    rng = np.random.RandomState(1)
+    tokens, lengths = engine.pad_prompts([list(rng.randint(1, 255, size=n)) for n in (40, 23)], 48)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    cap = Capacity(48, 2)
+
+    def prefill(m):
+        states = engine.init_states(cfg, m, 2, cap, jnp.float32)
+        return engine.prefill(cfg, m, params, tokens, lengths, states)
+
+    m = methods.get(name, budget=0.5, **({"hidden": 16} if name == "less" else {}))
+    assert m.attends_prompt
+    calls = []
+    real = M.causal_attention
+    jax.clear_caches()  # the engine's compiled prefill is cached per (method, shapes)
+    monkeypatch.setattr(M, "causal_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    states, logits = prefill(m)
+    assert not calls, "the engine ran causal_attention beside the method's own prompt attention"
+    monkeypatch.setattr(M, "causal_attention", real)
+    _, want = prefill(methods.get("full"))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(type(m), "attends_prompt", False)
+    jax.clear_caches()
+    two_pass, _ = prefill(m)
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(states), jax.tree.leaves(two_pass)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
+
