@@ -49,8 +49,8 @@ the same run (one group unless memory forces more, see below). Per row (JSON key
   [``prefill_s``] the method's own ``prefill`` (its compression: scoring, clustering, quantising, and writing its
   cache; for ``full`` only the cache write) summed over the layers; time to first token [``ttft_s``] =
   ``attention_s + prefill_s`` (a method that declares ``attends_prompt``, H2O and LESS: its ``prefill_attend``
-  computes the attention with its scores, as in the engine, so ``ttft_s = prefill_s``); [``ttft_ratio``] = TTFT / full's TTFT; compression's share [``compress_share``] =
-  (TTFT - full's TTFT) / TTFT. Each is one run, compile excluded (ahead-of-time compiled). A real model's TTFT adds
+  computes the attention with its scores, as in the engine, so ``ttft_s = prefill_s``); [``ttft_ratio``] = TTFT /
+  full's TTFT; compression's share [``compress_share``] = (TTFT - full's TTFT) / TTFT. Each is one run, compile excluded (ahead-of-time compiled). A real model's TTFT adds
   the projections and MLPs, which every method pays alike, so these ratios are upper bounds of the model's.
 
 Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and the reason in ``skipped``):
@@ -58,8 +58,8 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
 - **memory**: before anything is allocated, each variant's states (``jax.eval_shape`` of its ``init``, per layer)
   and its compiled prefill's temporaries (``memory_analysis``) are added to the prompt's q, k, v and to full's
   states; variants are packed into groups (each with its own ``full``) that fit ``--memory-gb`` (default 60% of the
-  host's RAM on CPU, the host being shared; 90% of an accelerator's ``bytes_limit``), and a variant that does not fit even alone with full is skipped. float32 at 128k
-  tokens, batch 4 (prompt 12 GiB, full's cache 4 GiB per layer) does not fit a 24 GB host.
+  host's RAM on CPU, the host being shared; 90% of an accelerator's ``bytes_limit``), and a variant that does not
+  fit even alone with full is skipped. float32 at 128k tokens, batch 4 (prompt 12 GiB, full's cache 4 GiB per layer) does not fit a 24 GB host.
 - **prefill time**: the prefill of h2o and LESS (accumulated attention scores over every query) and the causal
   attention are quadratic in the prompt (~80 s per layer at 32k on this CPU, x4 per doubling). Before a prefill
   runs, its seconds are estimated from the largest one of the same method and dtype measured so far in this
@@ -179,7 +179,7 @@ def compile_prefill(method, layer, state, q, k, v, lengths, previous):
     ``attends_prompt`` runs ``prefill_attend`` as the engine does (the prompt's attention included: its
     ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed."""
     kw = {"previous": previous} if method.reuses_previous_layer else {}
-    if method.attends_prompt:
+    if getattr(method, "attends_prompt", False):  # getattr: also an older checkout
         def both(state, **a):
             out, st = method.prefill_attend(state, layer=layer, **a)
             return st, out[..., :1, :1]  # keep the attention live (a slice of it, not a copy of T x D)
@@ -770,7 +770,7 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         block = []
         for r, v in zip(runs, [full] + group):
             read = sum(r.method.bytes_read_per_step(st, cfg.num_heads) for st in r.states)
-            ttft = (r.prefill_s if r.method.attends_prompt  # its prefill computes the attention (prefill_attend)
+            ttft = (r.prefill_s if getattr(r.method, "attends_prompt", False)  # prefill_attend: attention included
                     else None if attention_s is None else attention_s + r.prefill_s)
             block.append({**base, "label": r.label, "method": r.method.name, "budget": r.budget, "group": gi,
                           "status": "ok", "step_s": times[r.label], "bytes_read": int(read),
