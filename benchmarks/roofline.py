@@ -50,7 +50,8 @@ the same run (one group unless memory forces more, see below). Per row (JSON key
   cache; for ``full`` only the cache write) summed over the layers; time to first token [``ttft_s``] =
   ``attention_s + prefill_s`` (a method that declares ``attends_prompt``, H2O and LESS: its ``prefill_attend``
   computes the attention with its scores, as in the engine, so ``ttft_s = prefill_s``); [``ttft_ratio``] = TTFT /
-  full's TTFT; compression's share [``compress_share``] = (TTFT - full's TTFT) / TTFT. Each is one run, compile excluded (ahead-of-time compiled). A real model's TTFT adds
+  full's TTFT; compression's share [``compress_share``] = (TTFT - full's TTFT) / TTFT. Each is one run, compile
+  excluded (ahead-of-time compiled). A real model's TTFT adds
   the projections and MLPs, which every method pays alike, so these ratios are upper bounds of the model's.
 
 Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and the reason in ``skipped``):
@@ -59,7 +60,8 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
   and its compiled prefill's temporaries (``memory_analysis``) are added to the prompt's q, k, v and to full's
   states; variants are packed into groups (each with its own ``full``) that fit ``--memory-gb`` (default 60% of the
   host's RAM on CPU, the host being shared; 90% of an accelerator's ``bytes_limit``), and a variant that does not
-  fit even alone with full is skipped. float32 at 128k tokens, batch 4 (prompt 12 GiB, full's cache 4 GiB per layer) does not fit a 24 GB host.
+  fit even alone with full is skipped. float32 at 128k tokens, batch 4 (prompt 12 GiB, full's cache 4 GiB per layer)
+  does not fit a 24 GB host.
 - **prefill time**: the prefill of h2o and LESS (accumulated attention scores over every query) and the causal
   attention are quadratic in the prompt (~80 s per layer at 32k on this CPU, x4 per doubling). Before a prefill
   runs, its seconds are estimated from the largest one of the same method and dtype measured so far in this
