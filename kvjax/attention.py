@@ -26,7 +26,7 @@ from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
 __all__ = ["NEG_INF", "attend", "attend_runs", "attend_with_scores", "attend_with_weights", "merge", "normalise",
-           "scores"]
+           "scores", "token_partial"]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -58,6 +58,19 @@ def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block
         return decode_attention(**dict(zip(names, xs)), block_size=block_size, impl=impl)
 
     return sharding.per_head(run, *(args[n] for n in names), batch_only=shared)  # local on a mesh
+
+
+def token_partial(q, k, v):
+    """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 of ``q [B, Hq, D]`` over one key/value per KV head
+    (``k, v [B, Hkv, D]``, e.g. the new token): ``o = v``, ``m = q·k / sqrt(D)``, ``l = 1``. Exact, and no kernel
+    call over a one-slot buffer (a Pallas block of one row does not lower on TPU)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    m = jnp.einsum("bhd,bhgd->bhg", k.astype(q.dtype), qg, preferred_element_type=jnp.float32) / np.sqrt(
+        np.float32(d))
+    o = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None, :], qg.shape)
+    return o.reshape(b, hq, d), m.reshape(b, hq), jnp.ones((b, hq), jnp.float32)
 
 
 def attend_runs(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, impl=None):

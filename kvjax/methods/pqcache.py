@@ -553,7 +553,7 @@ class PQCache(Method):
                 kv = tuple(jax.device_put(x, dev) for x in kv)
             kc, vc = kv
             dt = kc.dtype
-            part = attention.attend(q, k[:, :, None].astype(dt), v[:, :, None].astype(dt), jnp.ones((b, h, 1), bool))
+            part = attention.token_partial(q, k.astype(dt), v.astype(dt))
             chunk = _row_chunk(kc)
             if state.sink:
                 live = jnp.broadcast_to((jnp.arange(state.sink)[None, :] < t[:, None])[:, None, :], (b, h, state.sink))

@@ -214,11 +214,11 @@ def test_bad_input(tiny):
 
 def test_clusterkv_with_one_token_per_cluster_recalls_the_exact_top_b_and_quest_less(tiny):
     """ClusterKV with singleton clusters and no sinks attends exactly the top-B prompt tokens by ``q·k`` of each
-    query head (``mu = k``), so its top-B recall is 1.0 in every layer (the first ``n_full`` are full); Quest's
-    pages at the same budget miss some of them."""
+    query head (``mu = k``) under the authors' per-query-head rule (``gqa="query"``), so its top-B recall is 1.0
+    in every layer (the first ``n_full`` are full); Quest's pages at the same budget miss some of them."""
     ids = list(np.random.RandomState(5).randint(0, 64, 60))
-    ck = fidelity.probe(tiny, ids, methods.get("clusterkv", budget=12, sink=0, tokens_per_cluster=1, n_full=1),
-                        probes=3)
+    ck = fidelity.probe(tiny, ids, methods.get("clusterkv", budget=12, sink=0, tokens_per_cluster=1, n_full=1,
+                                               gqa="query"), probes=3)
     assert ck["topb_recall"] == pytest.approx([1.0] * 3) and ck["recall"] is None
     qu = fidelity.probe(tiny, ids, methods.get("quest", budget=12, page_size=4, n_full=1), probes=3)
     assert qu["topb_recall"][0] == pytest.approx(1.0) and all(0.0 <= r < 1.0 for r in qu["topb_recall"][1:])

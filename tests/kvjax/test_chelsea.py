@@ -428,8 +428,8 @@ def _batch(ps, bucket):
 
 
 def test_bucket_invariance(tiny):
-    """The same prompts (40, 70, 120 tokens) in buckets 128, 256, 512 keep identical merged slots and counts and
-    give identical greedy output: B_b comes from each sequence's own n, never from the bucket."""
+    """The same prompts (40, 70, 120 tokens) in buckets 128, 256, 512 keep the same merged slots (values up to
+    float rounding) and identical counts, and give identical greedy output: B_b comes from each sequence's own n, never from the bucket."""
     cfg = tiny.config
     ps = prompts([40, 70, 120], seed=7)
     method = methods.get("chelsea", budget=0.25, **SMALL)
@@ -447,8 +447,10 @@ def test_bucket_invariance(tiny):
             np.testing.assert_array_equal(np.asarray(b.target), want)
             for i, L in enumerate(want):
                 np.testing.assert_array_equal(np.asarray(a.n[i, :, :L]), np.asarray(b.n[i, :, :L]))
-                np.testing.assert_array_equal(np.asarray(a.k[i, :, :L]), np.asarray(b.k[i, :, :L]))
-                np.testing.assert_array_equal(np.asarray(a.v[i, :, :L]), np.asarray(b.v[i, :, :L]))
+                # the merged values up to float rounding: the model's position-wise matmuls run in blocks of
+                # the bucket's live tokens, whose size changes the summation order (the counts are exact)
+                np.testing.assert_allclose(np.asarray(a.k[i, :, :L]), np.asarray(b.k[i, :, :L]), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(np.asarray(a.v[i, :, :L]), np.asarray(b.v[i, :, :L]), rtol=1e-5, atol=1e-5)
                 assert np.all(np.asarray(b.n[i, :, L:]) == 0)
     assert toks[0] == toks[1] == toks[2]
 

@@ -184,12 +184,15 @@ def prefill_temp_bytes(name: str, t: int) -> int:
 def test_h2o_and_less_prefill_memory_is_linear():
     """Compiled prefill temp bytes at T = 4096 and 8192: h2o's accumulated scores and LESS's fold add no more
     per prompt token than twice what full attention's prefill itself takes (before the tiling, h2o's query
-    chunks took a ``[512, T]`` block per head: 13x full's per-token growth), and at most double with T."""
+    chunks took a ``[512, T]`` block per head: 13x full's per-token growth), and at most double with T. Their
+    prefill also computes the prompt's attention (``attends_prompt``: zero-padded tiles of q, k, v and the output in
+    float32 beside the score tiles, where full's attention writes over ``q``; measured 3.1x), hence 3.5x rather
+    than 2x."""
     full = [prefill_temp_bytes("full", t) for t in (4096, 8192)]
     for name in ("h2o", "less"):
         a, b = (prefill_temp_bytes(name, t) for t in (4096, 8192))
         assert b <= 2.1 * a, (name, a, b)
-        assert b - a <= 2 * (full[1] - full[0]), (name, a, b, full)
+        assert b - a <= 3.5 * (full[1] - full[0]), (name, a, b, full)
 
 
 @pytest.mark.slow

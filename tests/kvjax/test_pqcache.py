@@ -425,9 +425,15 @@ def test_memory_and_bytes_read():
             wmax = max(min(wb, f - 4) for (wb, _), f in zip(splits, filled))  # the longest window of the batch
             kmax = max(min(kb, f - wb - 4) for (wb, kb), f in zip(splits, filled))  # the most retrieved
             assert (wmax, kmax) == (4, 4)
-            rows = 4 + 7 + 7  # sinks, one window chunk (min(chunk, W_max) rows), one retrieved chunk (k_max rows)
+            # the window is read as one slice of every row per chunk of min(chunk, W) = 7 slots, from the batch's
+            # earliest window start to its latest end: windows [43 - 4, 43) and [33 - 4, 33) span 14 slots
+            lo = min(max(int(f) - wb, 4) for (wb, _), f in zip(splits, filled))
+            win_chunks = -(-(int(filled.max()) - lo) // 7)
+            assert win_chunks == 2
+            rows = 4 + 7 * win_chunks + 7  # sinks, the window's chunks, one retrieved chunk (k_max rows)
             kvr = b * h * rows * 2 * D * item
-            att = 4 * qo + b * h * (1 + rows)  # calls: new token, sinks, window, retrieved; mask bytes
+            # calls: new token, sinks, each window chunk, retrieved; mask bytes
+            att = (3 + win_chunks) * qo + b * h * (1 + rows)
         r = method.bytes_read_breakdown(st, num_heads=hq)
         assert (r["codes"], r["centroids"], r["lut"], r["table"], r["scores"]) == (codes, cent, lut, table, 0)
         assert (r["words"], r["indices"], r["kv"], r["attention"]) == (words, indices, kvr, att)
