@@ -27,11 +27,13 @@ other leaf is written into its stack at ``i`` (``dynamic_update_index_in_dim``),
 
 The program computes the same values either way; only where they live changes. An in-place write must not leave an
 earlier value of the stack still needed, or XLA keeps it by copying the *whole* stack. So a write goes into the
-stack only at the view's last use in its program, and a leaf is handled as a view only where XLA orders its uses
-without copies (measured on XLA:CPU, jax 0.10): reads before its writes, then one run of writes, then reads
-(``full``: write the token, then the attention loop reads). A leaf read by a loop or a branch before a write, or read
-between two writes (H2O's scores: zero the new slot, add the step's weights, zero the evicted slot), is passed to
-the method as its slice and written back, as before; a dry run of the program (traced, not executed) finds them.
+stack only at the view's last use in its program, and a method orders its writes after the reads of the old rows
+by a data dependency where XLA could otherwise run them first (ClusterKV's window clustering and Chelsea's decode
+rounds are ``while_loop``s whose predicate depends on the step's attention, not ``lax.cond``s). Measured on
+XLA:CPU (jax 0.10), every built-in method's scanned loop then compiles without a copy of a stack or a
+materialised K/V slice; an earlier rule that sliced a leaf read by a loop before a write (or read between two
+writes) and wrote it back is no longer needed by any of them, and for a method that breaks the ordering XLA
+inserts the copy (correct, slower).
 ``tests/kvjax/test_scan_layers.py`` checks the compiled decode loop: no K/V slice materialised and no stack copied
 per step, for several methods, and the same logits as the unrolled loop.
 """
@@ -62,21 +64,14 @@ class _View:
 
 @dataclasses.dataclass
 class _Ctx:
-    """The layer index ``i`` (traced int32) and, in the dry run, the log of ``(event, leaf)`` with ``event`` one of
-    ``"read"``, ``"write"`` (in place) and ``"loop"`` (a loop or branch reads the stack)."""
+    """The layer index ``i`` (traced int32) the views stand for."""
 
     i: Any
-    log: list | None = None
-
-    def note(self, event: str, x):
-        if self.log is not None and isinstance(x, _View):
-            self.log.append((event, x.leaf))
 
     def value(self, x):
         """``x`` as an array: a view's slice (materialised, or fused into its consumer by XLA)."""
         if not isinstance(x, _View):
             return x
-        self.note("read", x)
         return _slice_at(x.stack, self.i)
 
 
@@ -102,9 +97,7 @@ def run_on_layer(fn: Callable, stacks, i, *args):
     closed = jax.make_jaxpr(flat)(one, args)  # the method's own errors are raised here
     flat_args = jax.tree.leaves(args)
     try:
-        log = []
-        jax.make_jaxpr(lambda: _run(closed, leaves, flat_args, _Ctx(i, log), set()))()  # dry run: traced only
-        new, aux = _run(closed, leaves, flat_args, _Ctx(i), _unordered(log))
+        new, aux = _run(closed, leaves, flat_args, _Ctx(i), set())
     except Exception as e:  # noqa: BLE001 -- a jaxpr this evaluator does not know (another jax version)
         _warn_fallback(e)
         ctx = _Ctx(i)
@@ -143,8 +136,6 @@ def _run(closed, leaves, args, ctx: _Ctx, slices: set):
 
 
 def _write_back(stack, x, ctx: _Ctx, leaf: int):
-    if ctx.log is not None:
-        ctx.log.append(("write", leaf))
     return jax.lax.dynamic_update_slice(stack, x.astype(stack.dtype)[None], (ctx.i,) + (0,) * x.ndim)
 
 
@@ -152,18 +143,6 @@ def _slice_at(stack, i):
     """``stack[i]`` as a ``dynamic_slice`` at the very index a write-back uses (no negative-index wrapping), so XLA
     sees that a leaf updated from its own slice (LESS's ``H + dH``) is read and written at one place, in place."""
     return jax.lax.dynamic_slice(stack, (i,) + (0,) * (stack.ndim - 1), (1,) + stack.shape[1:])[0]
-
-
-def _unordered(log) -> set:
-    """Leaves whose uses XLA may not order without copying the stack: a loop read before a write, or any read
-    between two writes."""
-    out = set()
-    for leaf in {j for _, j in log}:
-        events = [e for e, j in log if j == leaf]
-        writes = [n for n, e in enumerate(events) if e == "write"]
-        if writes and ("loop" in events[:writes[-1]] or "read" in events[writes[0]:writes[-1]]):
-            out.add(leaf)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,7 +216,6 @@ def _with_layer(indices, i):
 
 
 def _read_at(x: _View, starts, sizes, ctx: _Ctx):
-    ctx.note("read", x)
     out = jax.lax.dynamic_slice(x.stack, (ctx.i, *starts), (1, *sizes))
     return [jax.lax.squeeze(out, (0,))]
 
@@ -268,7 +246,6 @@ def _gather(eqn, ins, ctx):
         start_index_map=(0, *_shift(dn.start_index_map)),
         operand_batching_dims=_shift(dn.operand_batching_dims),
         start_indices_batching_dims=dn.start_indices_batching_dims)
-    ctx.note("read", x)
     return _bind(eqn, [x.stack, _with_layer(ctx.value(indices), ctx.i)], dimension_numbers=dn,
                  slice_sizes=(1, *eqn.params["slice_sizes"]))
 
@@ -278,7 +255,6 @@ def _dynamic_update_slice(eqn, ins, ctx):
     if not (isinstance(x, _View) and x.writable):
         return None
     upd, idx = ctx.value(upd), [ctx.value(j) for j in idx]
-    ctx.note("write", x)
     stack = jax.lax.dynamic_update_slice(x.stack, upd[None].astype(x.stack.dtype), (ctx.i, *idx))
     return [dataclasses.replace(x, stack=stack)]
 
@@ -295,7 +271,6 @@ def _scatter(eqn, ins, ctx):
         operand_batching_dims=_shift(dn.operand_batching_dims),
         scatter_indices_batching_dims=dn.scatter_indices_batching_dims)
     indices, upd = _with_layer(ctx.value(indices), ctx.i), ctx.value(upd)
-    ctx.note("write", x)
     stack, = _bind(eqn, [x.stack, indices, upd], dimension_numbers=dn)
     return [dataclasses.replace(x, stack=stack)]
 
@@ -312,8 +287,6 @@ def _inline(key):
 
 def _loop_consts(xs, ctx: _Ctx):
     """A loop's or a branch's constants: views are read there (read only)."""
-    for x in xs:
-        ctx.note("loop", x)
     return [x.read_only() if isinstance(x, _View) else x for x in xs]
 
 

@@ -406,7 +406,12 @@ class ClusterKV(Method):
         if wmax == 0:
             return state
         full = jnp.all(t + 1 - state.clustered >= self.window) & (state.windows < wmax) & after
-        return jax.lax.cond(full, lambda s: self._cluster_window(s, layer), lambda s: s, state)
+        # a while_loop of 0 or 1 rounds, not a lax.cond: its body updates K/V in place, and on a step that does not
+        # cluster the state passes through untouched (a cond's identity branch would hold a second copy; in a
+        # scanned layer stack a branch's outputs are new values, written back into the stack by a copy)
+        state, _ = jax.lax.while_loop(lambda c: c[1], lambda c: (self._cluster_window(c[0], layer), jnp.array(False)),
+                                      (state, full))
+        return state
 
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:
         """Cluster slots ``[clustered, clustered + window)`` into ``window_clusters`` clusters, permute the rows

@@ -210,14 +210,14 @@ def _computing_ops(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-#: Scanned decode loops checked for in-place updates. Not here: ``chelsea`` and ``clusterkv``, whose decode-time
-#: ``lax.cond`` (merge / re-cluster) writes K/V after the attention has read them, which XLA orders only by copying
-#: (the unrolled loop copies each layer's K/V in the branch that does nothing too), so their K/V enter the scanned
-#: body as slices (kvjax/inplace.py); ``pyramidkv``, unrolled (a slot count per layer).
-IN_PLACE = ("full", "streaming_llm", "snapkv", "chunkkv", "h2o", "less", "pqcache", "quest")
+#: Scanned decode loops checked for in-place updates (every method that scans; ``pyramidkv`` stays unrolled: a
+#: slot count per layer). ClusterKV's window clustering and Chelsea's decode rounds are ``while_loop``s (0 or 1 /
+#: 0 or more rounds) ordered after the attention, so their K/V stay in the stack too.
+IN_PLACE = ("full", "streaming_llm", "snapkv", "chunkkv", "h2o", "less", "pqcache", "quest", "clusterkv", "chelsea")
 #: Methods whose decode step reads its whole K (and V) with a dense product rather than through the decode attention's
-#: chunks (H2O's weights for the accumulated scores; LESS wraps H2O): that read gets the layer's slice.
-DENSE_READ = ("h2o", "less")
+#: chunks (H2O's weights for the accumulated scores; LESS wraps H2O), or computes over the whole cache in a round
+#: that runs on some steps only (Chelsea's merge and compaction): those ops have K/V's shape; no copy still holds.
+DENSE_READ = ("h2o", "less", "chelsea")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in IN_PLACE])
@@ -228,7 +228,7 @@ def test_scanned_loop_updates_the_stack_in_place(name):
     step (the decode attention reads ``chunk < S`` rows at a time straight from the stack). Shapes at which the
     attention's chunk (256 rows) is shorter than every cache; nothing is allocated (abstract states)."""
     cfg = ModelConfig("llama", 256, 64, 128, 4, 16, 8, 128, max_position_embeddings=4096)
-    extra = {"quest": dict(n_full=0), "less": dict(hidden=16)}.get(name, {})
+    extra = {"quest": dict(n_full=0), "clusterkv": dict(n_full=0), "less": dict(hidden=16)}.get(name, {})
     m = method(name, budget=0.6, **extra)
     cap, b = Capacity(512, 37), 2
     states = jax.eval_shape(lambda: engine.init_states(cfg, m, b, cap, jnp.float32, scan_layers=True))
