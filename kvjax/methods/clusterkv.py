@@ -26,8 +26,9 @@ at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
   gathered a cache-sized chunk at a time and attended with the flash-decoding recurrence; a run of 16 rows or
   more reads no slot outside it), so a step reads its budget's rows and nothing computed over all slots.
   Every ``window`` decode steps the newest window is clustered into ``window_clusters`` clusters and appended
-  (paper §III-B "clustering within the generated tokens only", note §6 #9), inside the jitted step with
-  ``lax.cond`` (one compile), ordered after the attention so the compiled step copies no K/V buffer.
+  (paper §III-B "clustering within the generated tokens only", note §6 #9), inside the jitted step as a
+  ``while_loop`` of 0 or 1 rounds (one compile), ordered after the attention so the compiled step copies no K/V
+  buffer (scanned layers included).
 - **GQA** (note §2.7, §6 #8; the paper is silent, the authors' code selects per query head): ``gqa="group_mean"``
   (**the default, a declared deviation from the authors' code**) ranks once per KV head with the mean of the
   group's queries, so a step reads its budget once per KV head. ``gqa="query"`` (the authors' rule) lets each
