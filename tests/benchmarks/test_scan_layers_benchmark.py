@@ -23,7 +23,7 @@ def bench():
     return mod
 
 
-@pytest.mark.parametrize("prefill, names", [("model", "full"), ("random", "full,h2o")])
+@pytest.mark.parametrize("prefill, names", [("model", "full"), pytest.param("random", "full,h2o", marks=pytest.mark.slow)])
 def test_scan_layers_smoke(bench, tmp_path, prefill, names):
     out = tmp_path / "scan.json"
     assert bench.main(["--layers", "3", "--methods", names, "--hidden", "32", "--heads", "4", "--kv-heads", "2",

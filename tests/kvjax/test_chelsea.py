@@ -427,6 +427,7 @@ def _batch(ps, bucket):
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in ps], jnp.int32)
 
 
+@pytest.mark.slow  # test_budget_contract runs the same-prompts-any-bucket check for chelsea by default
 def test_bucket_invariance(tiny):
     """The same prompts (40, 70, 120 tokens) in buckets 128, 256, 512 keep the same merged slots (values up to
     float rounding) and identical counts, and give identical greedy output: B_b comes from each sequence's own n, never from the bucket."""
@@ -550,6 +551,7 @@ def test_short_prompts_with_default_windows(tiny):
     engine.generate(tiny, ps, methods.get("chelsea", budget=0.25), max_new_tokens=8, prompt_len=128)
 
 
+@pytest.mark.slow
 def test_scanned_rounds_equal_unrolled_rounds_short_prompts(tiny):
     """The while_loop and the static worst-case plan agree with per-sequence (shrunk) windows too."""
     cfg = tiny.config
