@@ -46,18 +46,8 @@ QUESTION = "What is the best thing to do in San Francisco?"
 
 def layer_qk(model, ids):
     """Per layer: the last token's query ``[1, Hq, D]`` and the keys of the tokens before it ``[1, Hkv, n, D]``."""
-    cfg = model.config
-    n = len(ids) - 1
-
-    @jax.jit
-    def run(params, tokens):
-        def attend(layer, x, q, k, v, out):
-            attn = M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None)
-            return attn, out + ((q[:, :, n].astype(jnp.float32), k[:, :, :n].astype(jnp.float32)),)
-
-        return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(len(ids))[None], attend, ())[1]
-
-    yield from run(model.params, jnp.asarray([ids]))
+    for qs, k in layer_qks(model, ids, 1):
+        yield qs[0], k
 
 
 def recall_one(method: PQCache, q, k):

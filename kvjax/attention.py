@@ -67,8 +67,7 @@ def token_partial(q, k, v):
     b, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, d)
-    m = jnp.einsum("bhd,bhgd->bhg", k.astype(q.dtype), qg, preferred_element_type=jnp.float32) / np.sqrt(
-        np.float32(d))
+    m = jnp.einsum("bhd,bhgd->bhg", k, qg, preferred_element_type=jnp.float32) / np.sqrt(np.float32(d))
     o = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None, :], qg.shape)
     return o.reshape(b, hq, d), m.reshape(b, hq), jnp.ones((b, hq), jnp.float32)
 

@@ -103,12 +103,9 @@ class H2O(Method):
         (merged exactly) and written after."""
         b, h = k.shape[:2]
         g = q.shape[1] // h
-        qg = q.reshape(b, h, g, -1)
         k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)  # as stored
-        s_new = jnp.einsum("bhd,bhgd->bhg", k, qg, preferred_element_type=jnp.float32) / jnp.sqrt(
-            jnp.float32(q.shape[-1]))  # [B, Hkv, G]: the new token's scaled scores, its own partial below
-        mine = (jnp.broadcast_to(v.astype(jnp.float32)[:, :, None, :], qg.shape), s_new, jnp.ones_like(s_new))
-        mine = tuple(x.reshape((b, h * g) + x.shape[3:]) for x in mine)
+        mine = attention.token_partial(q, k, v)  # the new token's own partial, merged below
+        s_new = mine[1].reshape(b, h, g)  # [B, Hkv, G]: its scaled scores
         part, sc, held, slot = attention.attend_with_scores(q, state.k, state.v, state.pos, state.length,
                                                             start=mine, chunk=chunk)
         o, m, l = part
