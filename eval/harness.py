@@ -62,28 +62,33 @@ def method_grid(names: Sequence[str], budgets: Sequence, max_tokens: int | None 
     return grid
 
 
-def make_method(name: str, budget=None):
-    """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default)."""
+def make_method(name: str, budget=None, options: dict | None = None):
+    """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default), with its
+    config fields ``options`` (e.g. ``{"kernels": "runs/less"}``)."""
     if budget is None:
-        return methods.get(name)
-    return methods.get(name, budget=check_budget(budget, "--budgets"))
+        return methods.get(name, **(options or {}))
+    return methods.get(name, budget=check_budget(budget, "--budgets"), **(options or {}))
 
 
-def memory_rows(method, states, batch: int | None = None) -> list[dict]:
-    """Per sequence: ``tokens_held`` (mean over layers and KV heads, measured on ``states``), ``cache_bytes``
-    (the batch's :func:`kvjax.engine.memory_bytes` / B) and ``kib_per_seq`` (the same in KiB). The first
-    ``batch`` sequences (default all)."""
+def memory_rows(method, states, batch: int | None = None, num_heads: int | None = None) -> list[dict]:
+    """Per sequence, measured on ``states``: ``tokens_held`` (mean over layers and KV heads), ``held_bytes``
+    (:func:`kvjax.engine.held_bytes`: what the sequence holds now), ``cache_bytes`` (the batch's allocated
+    :func:`kvjax.engine.memory_bytes` / B), ``kib_per_seq`` (the allocated size in KiB) and, with ``num_heads``,
+    ``bytes_read_per_step`` (the next decode step's reads / B). The first ``batch`` sequences (default all)."""
     held = engine.tokens_held(method, states)
+    held_b = engine.held_bytes(method, states)
     b = len(held)
     per_seq = engine.memory_bytes(method, states) // b
-    return [{"tokens_held": float(h), "cache_bytes": per_seq, "kib_per_seq": per_seq / 1024}
-            for h in held[: batch or b]]
+    read = None if num_heads is None else engine.bytes_read_per_step(method, states, num_heads) // b
+    return [{"tokens_held": float(h), "held_bytes": int(hb), "cache_bytes": per_seq, "kib_per_seq": per_seq / 1024,
+             "bytes_read_per_step": read} for h, hb in zip(held[: batch or b], held_b)]
 
 
 def memory_from_stats(stats: dict) -> dict:
-    """The same three fields from one ``engine.generate`` stats dict."""
-    return {"tokens_held": float(stats["tokens_held"]), "cache_bytes": int(stats["cache_bytes"]),
-            "kib_per_seq": stats["cache_bytes"] / 1024}
+    """The same fields from one ``engine.generate`` stats dict."""
+    return {"tokens_held": float(stats["tokens_held"]), "held_bytes": stats.get("held_bytes"),
+            "cache_bytes": int(stats["cache_bytes"]), "kib_per_seq": stats["cache_bytes"] / 1024,
+            "bytes_read_per_step": stats.get("bytes_read_per_step")}
 
 
 def check_context(model, length: int, extra: int, what: str = "lengths"):
@@ -168,7 +173,7 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
         logits, states = engine.decode_step(cfg, method, model.params, states, put(feed), put(pos), mesh=mesh)
         pos = pos + 1
     answers = answers if model.tokenizer is None else [model.tokenizer.decode(a) for a in answers]
-    return (answers, memory_rows(method, states)) if memory else answers
+    return (answers, memory_rows(method, states, num_heads=cfg.num_heads)) if memory else answers
 
 
 def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
@@ -181,7 +186,8 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     return engine.memory_bytes(method, states)
 
 
-def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype) -> tuple[int, int]:
+def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype,
+                       options: dict | None = None) -> tuple[int, int]:
     """The largest token budget ``t`` of method ``name`` whose cache holds at most ``ref_bytes`` per sequence at
     ``capacity``: ``(t, its bytes)``. Bytes grow with ``t``; budgets ``init`` refuses (too few slots for the
     method's structure, e.g. Chelsea's sink + recent) are below every legal one. Binary search over
@@ -191,7 +197,7 @@ def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity,
 
     def size(t):
         try:
-            return bytes_per_seq(model_cfg, methods.get(name, budget=t), capacity, dtype)
+            return bytes_per_seq(model_cfg, methods.get(name, budget=t, **(options or {})), capacity, dtype)
         except ValueError:
             return None
 

@@ -73,10 +73,12 @@ def build_example(model, length: int, depth: float, key: str) -> NeedleExample:
     return NeedleExample(length, float(depth), key, tuple(prompt))
 
 
-def build(model, lengths: Sequence[int], depths: Sequence[float], seed: int = 0) -> list[NeedleExample]:
-    """The (length x depth) grid, one random 5-digit passkey per cell (seeded)."""
+def build(model, lengths: Sequence[int], depths: Sequence[float], seed: int = 0,
+          trials: int = 1) -> list[NeedleExample]:
+    """The (length x depth) grid, ``trials`` random 5-digit passkeys per cell (seeded), length-major."""
     rng = np.random.RandomState(seed)
-    return [build_example(model, int(n), float(d), str(rng.randint(10000, 100000))) for n in lengths for d in depths]
+    return [build_example(model, int(n), float(d), str(rng.randint(10000, 100000)))
+            for n in lengths for d in depths for _ in range(trials)]
 
 
 def score(answer: str, key: str) -> float:

@@ -83,7 +83,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         return nll
     from eval.harness import memory_rows
 
-    return nll, memory_rows(method, states)
+    return nll, memory_rows(method, states, num_heads=cfg.num_heads)
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -63,9 +63,67 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _commit() -> str | None:
+    """The git commit of the kvjax checkout this runs from (``+dirty`` with local changes), or None."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def new_results(config: dict[str, Any]) -> dict[str, Any]:
+    import shlex
+    import sys
+
+    command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:])
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, **environment(),
-            "timings": {"runs": []}, "rows": []}
+            "commit": _commit(), "command": command, "timings": {"runs": []}, "rows": []}
+
+
+def header(results: dict[str, Any]) -> str:
+    """The lines results.md opens with: model, dtype, tasks and their sizes, budgets, n per cell, versions,
+    device, commit and command; then how to read the tables (and the run's own notes, ``config["notes"]``)."""
+    cfg = results.get("config", {})
+    tasks = cfg.get("tasks", {})
+    n = collections.Counter(_key(r) for r in results["rows"])
+    per_task = {t: sorted({c for k, c in n.items() if k[0] == t}) for t in _tasks(results)}
+    lines = [f"# kvjax-eval results ({results.get('created', '')})", "",
+             f"- model: `{cfg.get('model', '?')}`, dtype {cfg.get('dtype', '?')}; methods "
+             f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(f'{b:g}' for b in cfg.get('budgets', []))}"
+             + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
+             + (f"; token budgets matched to the bytes of `{cfg['equal_bytes']}`" if cfg.get("equal_bytes") else "")]
+    for t, spec in tasks.items():
+        size = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name",))
+        lines.append(f"- {t}: {size}; n per cell {'/'.join(map(str, per_task.get(t, []))) or '-'}")
+    v, d = results.get("versions", {}), results.get("device", {})
+    lines += [f"- jax {v.get('jax')}, kvjax {v.get('kvjax')}, {d.get('backend')} ({d.get('kind')}, "
+              f"{d.get('cpu_count')} cores); commit `{results.get('commit')}`; "
+              f"wall {results.get('timings', {}).get('wall_seconds', float('nan')):.0f} s",
+              f"- command: `{results.get('command', '')}`", "", "How to read this: " + HOW_TO_READ]
+    if cfg.get("notes"):
+        lines += ["", cfg["notes"]]
+    return "\n".join(lines)
+
+
+HOW_TO_READ = ("each cell is the mean over n trials with a 95% interval (Wilson for accuracies, Student's t over "
+               "sequences for perplexity): cells whose intervals overlap are not shown to differ. `budget` is the "
+               "nominal one, a fraction of each prompt (or a token count); `held KiB/seq` is what a sequence's KV "
+               "cache holds at the end of generation (measured from the state: tokens held x bytes per slot, plus "
+               "codes, centroids and low-rank states), `allocated KiB/seq` the buffer the fixed-shape state reserves "
+               "for the bucket and max new tokens, `read KiB/step` the bytes one decode step reads. Methods that keep "
+               "generated tokens (SnapKV, PyramidKV, ChunkKV, Chelsea) end holding more than their nominal budget; "
+               "the recall methods (PQCache, ClusterKV, Quest) hold every token and save reads, not memory. Rows "
+               "`= bytes of REF` rerun a method at the token budget whose allocated bytes match REF's at that "
+               "nominal budget.")
 
 
 def save(results: dict[str, Any], path: str | Path) -> Path:
@@ -94,47 +152,106 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def _config(row) -> tuple[str, float | int | None]:
-    """A row's (method, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose token budget is
-    chosen per task to match the reference method's memory)."""
-    return row["method"], row.get("nominal_budget", row["budget"])
+    """A row's (label, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose token budget is
+    chosen per task to match the reference method's memory); rows of a second, equal-bytes pass beside nominal
+    ones (``setting == "equal_bytes"``, the main job) are labelled ``"method = bytes of REF"``."""
+    name = row["method"]
+    if row.get("setting") == "equal_bytes":
+        name = f"{name} = bytes of {row['equal_bytes_ref']}"
+    return name, row.get("nominal_budget", row["budget"])
 
 
 def _key(row) -> tuple[str, str, float | int | None]:
     return (row["task"],) + _config(row)
 
 
-def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | int | None], float]:
-    """(task, method, budget) -> aggregated score (see ``TASKS``)."""
+def _groups(results) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list] = collections.defaultdict(list)
     for row in results["rows"]:
         groups[_key(row)].append(row)
-    out = {}
-    for key, rows in groups.items():
-        kind = TASKS.get(key[0], (key[0], "mean", True))[1]
-        if kind == "perplexity":
-            tokens = sum(r["tokens"] for r in rows)
-            out[key] = math.exp(sum(r["nll"] * r["tokens"] for r in rows) / tokens)
-        else:
-            mean = sum(r["score"] for r in rows) / len(rows)
-            out[key] = 100.0 * mean if kind == "mean_percent" else mean
-    return out
+    return groups
 
 
-def _kib(row) -> float | None:
-    if row.get("kib_per_seq") is not None:
-        return row["kib_per_seq"]
-    return None if row.get("cache_bytes") is None else row["cache_bytes"] / 1024
+def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | int | None], float]:
+    """(task, method, budget) -> aggregated score (see ``TASKS``)."""
+    return {key: interval(key[0], rows)["value"] for key, rows in _groups(results).items()}
+
+
+def _t_quantile(df: int) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, df))
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of ``k`` successes in ``n`` trials (Wilson, 1927), as fractions."""
+    if n == 0:
+        return math.nan, math.nan
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _t_interval(xs: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return math.nan, math.nan
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = _t_quantile(n - 1) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def interval(task: str, rows: list[dict]) -> dict[str, float]:
+    """``{"value", "lo", "hi", "n"}`` of one (task, method, budget) cell, a 95% interval: Wilson for accuracies
+    whose rows score 0 or 1 (needle, RULER), Student's t over the rows' means otherwise; for perplexity the value
+    is ``exp`` of the token-weighted mean NLL and the interval ``exp`` of the t interval of the per-sequence mean
+    NLLs (``n`` = sequences). NaN bounds where ``n < 2``."""
+    kind = TASKS.get(task, (task, "mean", True))[1]
+    n = len(rows)
+    if kind == "perplexity":
+        tokens = sum(r["tokens"] for r in rows)
+        lo, hi = _t_interval([r["nll"] for r in rows])
+        value = math.exp(sum(r["nll"] * r["tokens"] for r in rows) / tokens)
+        return {"value": value, "lo": math.exp(lo), "hi": math.exp(hi), "n": n}
+    scores = [float(r["score"]) for r in rows]
+    mean = sum(scores) / n
+    if kind == "mean_percent" and all(x in (0.0, 1.0) for x in scores):
+        lo, hi = wilson(int(sum(scores)), n)
+    else:
+        lo, hi = _t_interval(scores)
+    scale = 100.0 if kind == "mean_percent" else 1.0
+    return {"value": scale * mean, "lo": scale * lo, "hi": scale * hi, "n": n}
+
+
+def summarise_intervals(results: dict[str, Any]) -> dict[tuple, dict[str, float]]:
+    """(task, method, budget) -> :func:`interval` of its rows."""
+    return {key: interval(key[0], rows) for key, rows in _groups(results).items()}
+
+
+#: memory summary field -> (row field, scale): bytes fields shown in KiB
+_MEMORY_FIELDS = {"tokens_held": ("tokens_held", 1.0), "held_kib": ("held_bytes", 1 / 1024),
+                  "kib_per_seq": ("kib_per_seq", 1.0), "read_kib": ("bytes_read_per_step", 1 / 1024)}
+
+
+def _memory_value(row, field) -> float | None:
+    src, scale = _MEMORY_FIELDS[field]
+    if field == "kib_per_seq" and row.get("kib_per_seq") is None and row.get("cache_bytes") is not None:
+        return row["cache_bytes"] / 1024  # old results with only cache_bytes
+    return None if row.get(src) is None else row[src] * scale
 
 
 def summarise_memory(results: dict[str, Any]) -> dict[tuple, dict[str, float]]:
-    """(task, method, budget) -> ``{"tokens_held": mean, "kib_per_seq": mean}`` over the rows that record them
-    (a key is absent when no row does; old results with only ``cache_bytes`` give KiB/seq alone)."""
+    """(task, method, budget) -> means over the rows that record them of ``tokens_held``, ``held_kib`` (KiB the
+    sequence holds at the end), ``kib_per_seq`` (KiB allocated per sequence) and ``read_kib`` (KiB one decode
+    step reads per sequence); a field is absent when no row records it."""
     acc: dict[tuple, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for row in results["rows"]:
-        if row.get("tokens_held") is not None:
-            acc[_key(row)]["tokens_held"].append(row["tokens_held"])
-        if _kib(row) is not None:
-            acc[_key(row)]["kib_per_seq"].append(_kib(row))
+        for field in _MEMORY_FIELDS:
+            v = _memory_value(row, field)
+            if v is not None:
+                acc[_key(row)][field].append(v)
     return {k: {f: sum(xs) / len(xs) for f, xs in v.items()} for k, v in acc.items()}
 
 
@@ -146,7 +263,8 @@ def _tasks(results) -> list[str]:
     return list(dict.fromkeys(row["task"] for row in results["rows"]))
 
 
-MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("KiB/seq", "kib_per_seq"))
+MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("held KiB/seq", "held_kib"), ("allocated KiB/seq", "kib_per_seq"),
+                  ("read KiB/step", "read_kib"))
 
 
 def _budget_cell(results, method, budget) -> str:
@@ -157,89 +275,183 @@ def _budget_cell(results, method, budget) -> str:
     return f"{text} (bytes of {ref})" if ref and method not in ("full", ref) else text
 
 
+def _score_cell(ci: dict | None, agg: str) -> str:
+    if ci is None:
+        return ""
+    fmt = "{:.1f}" if agg == "mean_percent" else "{:.3f}" if agg == "mean" else "{:.2f}"
+    text = fmt.format(ci["value"])
+    if not math.isnan(ci["lo"]):
+        text += f" [{fmt.format(ci['lo'])}, {fmt.format(ci['hi'])}]"
+    return text
+
+
+def _task_table(results, task, intervals, memory, extra) -> list[str]:
+    title, agg, _ = TASKS.get(task, (task, "mean", True))
+    mem_cols = [(t, f) for t, f in MEMORY_COLUMNS if any(f in v for k, v in memory.items() if k[0] == task)]
+    head = ["method", "budget", f"{title} [95% CI]", "n"] + [t for t, _ in EXTRA_COLUMNS.get(task, ())]
+    head += [t for t, _ in mem_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    for method, budget in _configs(results):
+        ci = intervals.get((task, method, budget))
+        if ci is None:
+            continue
+        cells = [method, _budget_cell(results, method, budget), _score_cell(ci, agg), str(ci["n"])]
+        for _, field in EXTRA_COLUMNS.get(task, ()):
+            xs = extra.get((task, field, method, budget))
+            cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")
+        for _, field in mem_cols:
+            m = memory.get((task, method, budget), {}).get(field)
+            cells.append("" if m is None else f"{m:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One line per (method, budget); per task its score (and extra columns), then the measured mean tokens
-    held per sequence and the cache KiB per sequence (where rows record them)."""
-    summary = summarise(results)
+    """Per task a table, one line per (method, budget): the score with its 95% interval (:func:`interval`) and
+    ``n``, the task's extra columns, then where rows record them: tokens held, KiB held per sequence at the end,
+    KiB allocated per sequence and KiB one decode step reads. Several tasks: each table under a ``###`` heading."""
+    intervals = summarise_intervals(results)
     memory = summarise_memory(results)
-    tasks = _tasks(results)
     extra = collections.defaultdict(list)
     for row in results["rows"]:
         for _, field in EXTRA_COLUMNS.get(row["task"], ()):
             if row.get(field) is not None:
                 extra[(row["task"], field) + _config(row)].append(row[field])
-    mem_cols = {t: [(title, f) for title, f in MEMORY_COLUMNS
-                    if any(f in v for k, v in memory.items() if k[0] == t)] for t in tasks}
-    head = ["method", "budget"]
-    for t in tasks:
-        head += [TASKS.get(t, (t,))[0]] + [title for title, _ in EXTRA_COLUMNS.get(t, ())]
-        head += [title if len(tasks) == 1 else f"{title} ({t})" for title, _ in mem_cols[t]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
-    for method, budget in _configs(results):
-        cells = [method, _budget_cell(results, method, budget)]
-        for t in tasks:
-            v = summary.get((t, method, budget))
-            agg = TASKS.get(t, ("", "mean"))[1]
-            cells.append("" if v is None else f"{v:.1f}" if agg == "mean_percent" else f"{v:.3f}" if agg == "mean"
-                         else f"{v:.2f}")
-            for _, field in EXTRA_COLUMNS.get(t, ()):
-                xs = extra.get((t, field, method, budget))
-                cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")
-            for _, field in mem_cols[t]:
-                m = memory.get((t, method, budget), {}).get(field)
-                cells.append("" if m is None else f"{m:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    tasks = _tasks(results)
+    out: list[str] = []
+    for task in tasks:
+        if len(tasks) > 1:
+            out += ([""] if out else []) + [f"### {task}", ""]
+        out += _task_table(results, task, intervals, memory, extra)
+    return "\n".join(out)
+
+
+#: marker shapes cycled over methods (with the colour cycle: no two methods share both)
+_MARKERS = "osD^vP*Xh<>p"
+
+
+def _styles(results) -> dict[str, dict]:
+    """Per method label: colour and marker (``full`` black squares); equal-bytes labels hollow markers of their
+    method's style."""
+    from matplotlib import rcParams
+
+    colours = rcParams["axes.prop_cycle"].by_key()["color"]
+    base = [m for m in dict.fromkeys(r["method"] for r in results["rows"]) if m != "full"]
+    styles = {"full": {"color": "k", "marker": "s"}}
+    for i, m in enumerate(base):
+        styles[m] = {"color": colours[i % len(colours)], "marker": _MARKERS[i % len(_MARKERS)]}
+    for label, _ in _configs(results):
+        method = label.split(" = ")[0]
+        if label != method:
+            styles[label] = {**styles[method], "mfc": "none"}
+    return styles
+
+
+def _identical_note(points: dict[str, tuple]) -> dict[str, str]:
+    """label -> ' (= other)' for configurations whose plotted points equal an earlier one's exactly (a line drawn
+    under another is otherwise invisible)."""
+    seen: dict[tuple, str] = {}
+    notes = {}
+    for label, pts in points.items():
+        key = tuple(pts)
+        if key in seen:
+            notes[label] = f" (= {seen[key]})"
+        else:
+            seen[key] = label
+    return notes
+
+
+def scores_figure(results: dict[str, Any]):
+    """The figure :func:`plot_scores` saves (a ``matplotlib.figure.Figure``, no pyplot)."""
+    from matplotlib.figure import Figure
+
+    intervals = summarise_intervals(results)
+    memory = summarise_memory(results)
+    tasks = _tasks(results)
+    styles = _styles(results)
+    budgets = {b for _, b in _configs(results) if b is not None}
+    by_budget = len(budgets) > 1
+    nrows = 2 if by_budget else 1
+    fig = Figure(figsize=(5.2 * len(tasks) + 2.6, 4.2 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, len(tasks), squeeze=False)
+    handles, notes_all = {}, collections.defaultdict(list)
+    for col, task in enumerate(tasks):
+        title, _, higher = TASKS.get(task, (task, "mean", True))
+        cells = {(m, b): ci for (t, m, b), ci in intervals.items() if t == task}
+        kax = axes[-1][col]
+        pts = {}
+        for (m, b), ci in cells.items():
+            x = memory.get((task, m, b), {}).get("held_kib", memory.get((task, m, b), {}).get("kib_per_seq"))
+            if x is not None:
+                pts.setdefault(m, []).append((b, x, ci))
+        notes = _identical_note({m: [(round(x, 3), round(ci["value"], 6)) for _, x, ci in sorted(
+            p, key=lambda p: str(p[0]))] for m, p in pts.items()})
+        for m, p in pts.items():
+            st = styles[m]
+            xs = [x for _, x, _ in p]
+            ys = [ci["value"] for _, _, ci in p]
+            err = [[max(0.0, ci["value"] - ci["lo"]) if not math.isnan(ci["lo"]) else 0.0 for _, _, ci in p],
+                   [max(0.0, ci["hi"] - ci["value"]) if not math.isnan(ci["hi"]) else 0.0 for _, _, ci in p]]
+            handles.setdefault(m, kax.errorbar(xs, ys, yerr=err, ls="", capsize=2, elinewidth=0.8, ms=6, **st))
+            if m in notes:
+                notes_all[m].append((notes[m], task))
+        kax.set_title(f"{task}: score vs memory held ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        kax.set_xlabel("KV held per sequence at the end (MiB)")
+        kax.set_ylabel(title)
+        _mib_axis(kax)
+        kax.grid(alpha=0.3)
+        if by_budget:
+            ax = axes[0][col]
+            lines = collections.defaultdict(list)
+            for (m, b), ci in cells.items():
+                lines[m].append((b, ci["value"]))
+            for m, p in lines.items():
+                if all(b is None for b, _ in p):
+                    ax.axhline(p[0][1], ls="--", color="k", lw=1)
+                    continue
+                p = sorted((q for q in p if q[0] is not None), key=lambda q: (isinstance(q[0], int), q[0]))
+                ax.plot([b for b, _ in p], [v for _, v in p], **styles[m], ms=5)
+            ax.set_title(f"{task}: score vs budget (full dashed)", fontsize=9)
+            ax.set_xlabel("budget (fraction of the prompt, or tokens)")
+            ax.set_ylabel(title)
+            ax.grid(alpha=0.3)
+    if handles:
+        labels = []
+        for m in handles:
+            same = collections.defaultdict(list)  # " (= other)" -> tasks
+            for note, task in notes_all.get(m, ()):
+                same[note].append(task)
+            labels.append(m + "".join(f"{note[:-1]} on {', '.join(ts)})" for note, ts in same.items()))
+        refs = sorted({m.split(" = bytes of ")[1] for m in handles if " = bytes of " in m})
+        title = "method (error bars: 95% CI)" + (f"\nhollow: at the bytes of {', '.join(refs)}" if refs else "")
+        fig.legend(list(handles.values()), labels, loc="outside right upper", fontsize=8, title=title,
+                   title_fontsize=8)
+    return fig
+
+
+def _mib_axis(ax) -> None:
+    """A log-scale x axis of KiB values labelled in MiB at powers of two (no minor labels to collide)."""
+    from matplotlib import ticker
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(ticker.LogLocator(base=2))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v / 1024:g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
-    """Per task (columns): score vs budget (top; one line per method, ``full`` a dashed horizontal line) and
-    score vs measured cache KiB per sequence (bottom; where rows record memory)."""
-    from matplotlib.figure import Figure  # no pyplot: the caller's backend (e.g. a notebook's inline) is untouched
-
-    summary = summarise(results)
-    memory = summarise_memory(results)
-    tasks = _tasks(results)
-    fig = Figure(figsize=(5 * len(tasks), 7.6))
-    axes = fig.subplots(2, len(tasks), squeeze=False)
-    for ax, kax, task in zip(axes[0], axes[1], tasks):
-        by_method = collections.defaultdict(list)
-        for (t, m, b), v in summary.items():
-            if t == task:
-                by_method[m].append((b, v))
-        title, _, higher = TASKS.get(task, (task, "mean", True))
-        for m, pts in by_method.items():
-            kib = [(memory.get((task, m, b), {}).get("kib_per_seq"), v) for b, v in pts]
-            kib = sorted((k, v) for k, v in kib if k is not None)
-            if m == "full" or all(b is None for b, _ in pts):
-                for b, v in pts:
-                    ax.axhline(v, ls="--", color="k", lw=1, label=f"{m} ({v:.3g})")
-                if kib:
-                    kax.plot([k for k, _ in kib], [v for _, v in kib], marker="s", ls="", color="k", label=m)
-                continue
-            pts = sorted(((b, v) for b, v in pts if b is not None), key=lambda p: (isinstance(p[0], int), p[0]))
-            line, = ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=m)
-            if kib:
-                kax.plot([k for k, _ in kib], [v for _, v in kib], marker="o", color=line.get_color(), label=m)
-        ax.set_title(f"{task} ({'higher' if higher else 'lower'} is better)")
-        ax.set_xlabel("budget (fraction of the prompt, or tokens)")
-        ax.set_ylabel(title)
-        kax.set_title(f"{task}: score vs memory")
-        kax.set_xlabel("KV cache per sequence (KiB, measured)")
-        kax.set_ylabel(title)
-        for a in (ax, kax):
-            a.grid(alpha=0.3)
-            if a.get_legend_handles_labels()[0]:
-                a.legend(fontsize=8)
-    fig.tight_layout()
+    """Per task (columns): score with its 95% interval vs the KV bytes each sequence holds at the end (one marker
+    per method and budget; hollow: the equal-bytes pass), and above it score vs budget when several budgets ran.
+    One legend, outside the data."""
+    fig = scores_figure(results)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
 
 
-def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
-    """The needle heatmap (depth x context length, colour = accuracy), one panel per (method, budget)."""
+def needle_figure(results: dict[str, Any]):
+    """The figure :func:`plot_needle` saves, or None without needle rows."""
     rows = [r for r in results["rows"] if r["task"] == "needle"]
     if not rows:
         return None
@@ -251,11 +463,11 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
     configs = [c for c in _configs(results) if any(_config(r) == c for r in rows)]
     cols = min(4, len(configs))
     nrows = -(-len(configs) // cols)
-    fig = Figure(figsize=(3.2 * cols + 1, 2.8 * nrows))
+    fig = Figure(figsize=(3.3 * cols + 1.2, 2.6 * nrows + 0.6), layout="constrained")
     axes = fig.subplots(nrows, cols, squeeze=False)
     for ax in axes.flat[len(configs):]:
         ax.axis("off")
-    for ax, (m, b) in zip(axes.flat, configs):
+    for i, (ax, (m, b)) in enumerate(zip(axes.flat, configs)):
         grid = np.full((len(depths), len(lengths)), np.nan)
         acc = collections.defaultdict(list)
         for r in rows:
@@ -264,12 +476,22 @@ def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
         for (d, n), s in acc.items():
             grid[depths.index(d), lengths.index(n)] = 100.0 * sum(s) / len(s)
         im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_title(m if b is None else f"{m} @ {b:g}", fontsize=9)
-        ax.set_xlabel("context (tokens)", fontsize=8)
-        ax.set_ylabel("depth", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(m if b is None else f"{m} @ {b:g}", fontsize=8)
+        if i // cols == nrows - 1 or i + cols >= len(configs):
+            ax.set_xlabel("context (tokens)", fontsize=7)
+        if i % cols == 0:
+            ax.set_ylabel("needle depth", fontsize=7)
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (%)")
+    return fig
+
+
+def plot_needle(results: dict[str, Any], path: str | Path) -> Path | None:
+    """The needle heatmap (depth x context length, colour = accuracy), one panel per (method, budget)."""
+    fig = needle_figure(results)
+    if fig is None:
+        return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -280,7 +502,7 @@ def write_all(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """results.json, results.md, scores.png and (with needle rows) needle.png in ``out_dir``."""
     out = Path(out_dir)
     paths = {"json": save(results, out / "results.json")}
-    (out / "results.md").write_text(markdown_table(results) + "\n")
+    (out / "results.md").write_text(header(results) + "\n\n" + markdown_table(results) + "\n")
     paths["markdown"] = out / "results.md"
     paths["scores_png"] = plot_scores(results, out / "scores.png")
     needle_png = plot_needle(results, out / "needle.png")

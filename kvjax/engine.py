@@ -309,6 +309,29 @@ def memory_bytes(method, states) -> int:
     return int(sum(method.memory_bytes(s) for s in layer_states(states)))
 
 
+def held_bytes(method, states) -> np.ndarray:
+    """``[B]`` int: bytes each sequence holds now, over all layers; :func:`memory_bytes` is what is allocated.
+
+    Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
+    costs over the KV heads (every ``[B, Hkv, S, ...]`` leaf: K, V, positions, scores, PQ codes, cluster ids),
+    plus the layer's state that is not per slot (centroids, LESS's low-rank state, page summaries, counts) split
+    evenly over the batch. ``S`` is the slot axis of the largest ``[B, Hkv, S, D]`` leaf; a method whose layers
+    keep two slot buffers of different lengths (Chelsea's outlier heads) is counted at the main buffer's slot
+    cost, and its other buffer as allocated."""
+    total = None
+    for st in layer_states(states):
+        held = np.asarray(method.tokens_held(st), np.float64)
+        b = held.shape[0]
+        leaves = [x for x in jax.tree.leaves(st) if hasattr(x, "shape")]
+        slots = max((x.shape[2] for x in leaves if x.ndim == 4 and x.shape[0] == b), default=0)
+        per_slot = [x for x in leaves if slots and x.ndim >= 3 and x.shape[0] == b and x.shape[2] == slots]
+        slot_bytes = sum(x.size * x.dtype.itemsize for x in per_slot)  # all sequences, all slots
+        fixed = method.memory_bytes(st) - slot_bytes
+        layer = fixed / b + held * (slot_bytes / (b * slots) if slots else 0.0)
+        total = layer if total is None else total + layer
+    return np.rint(total).astype(np.int64)
+
+
 def bytes_read_per_step(method, states, num_heads: int) -> int:
     """Bytes one decode step reads over all layers (the batch's), from each layer's block plan."""
     return int(sum(method.bytes_read_per_step(s, num_heads) for s in layer_states(states)))
@@ -438,6 +461,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         steps = int(steps)
     t2 = time.perf_counter()
     held_end = tokens_held(method, states)
+    held_end_bytes = held_bytes(method, states)
     read = bytes_read_per_step(method, states, cfg.num_heads)
 
     result = Result([], [], [])
@@ -451,7 +475,8 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         result.stats.append({
             "prompt_tokens": n, "new_tokens": len(seq), "method": method.name,
             "tokens_held_prefill": float(held_prefill[i]), "tokens_held": float(held_end[i]),
-            "cache_bytes": cache_bytes // len(ids), "bytes_read_per_step": read // len(ids),
+            "cache_bytes": cache_bytes // len(ids), "held_bytes": int(held_end_bytes[i]),
+            "bytes_read_per_step": read // len(ids),
             "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
             "decode_steps": steps, "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9)})
     return result

@@ -35,13 +35,17 @@ def test_round_trip_table_and_plots(tmp_path):
     table = report.markdown_table(loaded)
     assert table == report.markdown_table(results)
     lines = table.splitlines()
-    assert lines[0] == "| method | budget | needle acc (%) | KiB/seq (needle) | perplexity |"
-    assert lines[3] == "| snapkv | 0.2 | 50.0 | 2.0 | 3.49 |"
+    assert lines[:3] == ["### needle", "", "| method | budget | needle acc (%) [95% CI] | n | allocated KiB/seq |"]
+    # 2 of 4: Wilson [15.0, 85.0]; perplexity rows nll 2 and 1 (10 and 30 tokens): exp(1.25) = 3.49
+    assert lines[5] == "| snapkv | 0.2 | 50.0 [15.0, 85.0] | 4 | 2.0 |"
+    # t(1) interval of the per-sequence NLLs 2 and 1: 1.5 +- 12.706 * 0.5, exponentiated
+    assert lines[lines.index("### perplexity") + 5] == "| snapkv | 0.2 | 3.49 [0.01, 2573.71] | 2 |"
     for key in ("scores_png", "needle_png"):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # re-plot from the JSON alone, elsewhere
     again = report.write_all(report.load(paths["json"]), tmp_path / "replot")
-    assert (tmp_path / "replot" / "results.md").read_text() == table + "\n"
+    md = (tmp_path / "replot" / "results.md").read_text()
+    assert md.endswith("\n\n" + table + "\n") and md.startswith("# kvjax-eval results") and "- command: `" in md
     assert again["needle_png"].stat().st_size > 1000
 
 
@@ -76,12 +80,14 @@ def test_memory_columns_beside_every_score(tmp_path):
     assert mem[("needle", "less", 0.2)] == {"tokens_held": 80.0, "kib_per_seq": 19.0}
     assert mem[("perplexity", "full", None)] == {"tokens_held": 200.0, "kib_per_seq": 32.0}
     lines = report.markdown_table(results).splitlines()
-    assert lines[0] == ("| method | budget | needle acc (%) | tokens held (needle) | KiB/seq (needle) | perplexity | "
-                        "tokens held (perplexity) | KiB/seq (perplexity) |")
+    assert lines[2] == "| method | budget | needle acc (%) [95% CI] | n | tokens held | allocated KiB/seq |"
     # hand-computed: needle 50% (scores 0, 1); held (61+99)/2 = 80; KiB (18+20)/2 = 19; ppl exp((1+2)/2) = 4.48;
     # perplexity rows hold half: 40 tokens, 9.5 KiB
-    assert lines[4] == "| less | 0.2 | 50.0 | 80.0 | 19.0 | 4.48 | 40.0 | 9.5 |"
-    assert lines[2] == "| full | - | 50.0 | 400.0 | 64.0 | 4.48 | 200.0 | 32.0 |"
+    assert lines[6] == "| less | 0.2 | 50.0 [9.5, 90.5] | 2 | 80.0 | 19.0 |"
+    assert lines[4] == "| full | - | 50.0 [9.5, 90.5] | 2 | 400.0 | 64.0 |"
+    ppl = lines.index("### perplexity")
+    assert lines[ppl + 4].startswith("| full | - | 4.48 [") and lines[ppl + 4].endswith("| 2 | 200.0 | 32.0 |")
+    assert lines[ppl + 6].endswith("| 2 | 40.0 | 9.5 |")
     paths = report.write_all(results, tmp_path)
     assert paths["scores_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -93,5 +99,132 @@ def test_equal_bytes_rows_group_by_nominal_budget():
         if row["method"] == "snapkv":  # chosen token budgets differ per task; the table groups by the nominal one
             row.update(nominal_budget=0.2, budget=57 if row["task"] == "needle" else 31, equal_bytes_ref="less")
     lines = report.markdown_table(results).splitlines()
-    assert lines[3] == "| snapkv | 0.2 (bytes of less) | 50.0 | 80.0 | 16.0 | 4.48 | 40.0 | 8.0 |"
-    assert len(lines) == 5
+    assert lines[5] == "| snapkv | 0.2 (bytes of less) | 50.0 [9.5, 90.5] | 2 | 80.0 | 16.0 |"
+    assert len(lines) == 2 * 7 + 1
+
+
+def test_wilson_inverts_the_score_test():
+    """Wilson's interval is the set of p the score test does not reject: |k/n - p| <= z sqrt(p (1 - p) / n).
+    Checked by scanning p on a fine grid (independent of the closed form)."""
+    import numpy as np
+
+    z = 1.959964
+    for k, n in [(0, 6), (3, 6), (6, 6), (7, 20), (19, 20)]:
+        p = np.linspace(0, 1, 200001)
+        ok = np.abs(k / n - p) <= z * np.sqrt(p * (1 - p) / n)
+        lo, hi = report.wilson(k, n)
+        assert lo == pytest.approx(p[ok].min(), abs=2e-5) and hi == pytest.approx(p[ok].max(), abs=2e-5)
+
+
+def test_perplexity_interval_against_scipy():
+    """exp of scipy's Student-t interval of the per-sequence mean NLLs; the value stays token-weighted."""
+    stats = pytest.importorskip("scipy.stats")
+    import numpy as np
+
+    nll = [1.9, 2.3, 2.0, 2.6, 2.2]
+    rows = [{"nll": x, "tokens": 48, "score": x} for x in nll]
+    ci = report.interval("perplexity", rows)
+    lo, hi = stats.t.interval(0.95, len(nll) - 1, loc=np.mean(nll), scale=stats.sem(nll))
+    assert ci["n"] == 5 and ci["value"] == pytest.approx(math.exp(np.mean(nll)))
+    assert ci["lo"] == pytest.approx(math.exp(lo)) and ci["hi"] == pytest.approx(math.exp(hi))
+
+
+def test_second_equal_bytes_pass_gets_its_own_rows():
+    """The main job's rows at the reference's bytes (``setting="equal_bytes"``) are labelled apart from the
+    nominal rows of the same method and budget."""
+    results = _memory_results()
+    extra = [dict(r, setting="equal_bytes", equal_bytes_ref="less", nominal_budget=0.2, budget=40, score=0.0)
+             for r in results["rows"] if r["method"] == "snapkv" and r["task"] == "needle"]
+    results["rows"] += extra
+    lines = report.markdown_table(results).splitlines()
+    assert "| snapkv = bytes of less | 0.2 | 0.0 [0.0, 65.8] | 2 | 80.0 | 16.0 |" in lines
+    assert "| snapkv | 0.2 | 50.0 [9.5, 90.5] | 2 | 80.0 | 16.0 |" in lines
+
+
+def _text_boxes(fig):
+    """Window extents of every drawn, non-empty text of ``fig`` (titles, labels, the tick labels of the ticks
+    inside each axis's view, legend entries, colorbar labels)."""
+    from matplotlib.axis import Tick
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    tick_labels = {id(t) for tick in fig.findobj(Tick) for t in (tick.label1, tick.label2)}
+    texts = [t for t in fig.findobj(Text) if id(t) not in tick_labels]
+    for ax in fig.axes:
+        if ax.get_visible() and ax.axison:
+            for axis in (ax.xaxis, ax.yaxis):
+                texts += [t for tick in axis._update_ticks() for t in (tick.label1, tick.label2)]
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts
+            if t.get_visible() and t.get_text().strip() and (t.axes is None or t.axes.get_visible())]
+
+
+def _overlaps(boxes, fig):
+    fb = fig.bbox
+    out = []
+    for i, (a, ba) in enumerate(boxes):
+        if ba.x0 < fb.x0 - 1 or ba.y0 < fb.y0 - 1 or ba.x1 > fb.x1 + 1 or ba.y1 > fb.y1 + 1:
+            out.append((a, "clipped by the figure edge"))
+        for b, bb in boxes[i + 1:]:
+            w = min(ba.x1, bb.x1) - max(ba.x0, bb.x0)
+            h = min(ba.y1, bb.y1) - max(ba.y0, bb.y0)
+            if w > 1 and h > 1:
+                out.append((a, b))
+    return out
+
+
+def _held(method, setting):
+    """Synthetic bytes held: h2o and chunkkv alike (their points coincide), the equal-bytes pass 10% lower."""
+    base = {"full": 8, "h2o": 2, "chunkkv": 2}.get(method, 1 + len(method) % 3)
+    return int(2 ** 20 * base * (0.9 if setting else 1.0))
+
+
+def _main_like_results():
+    """Every registered method at one budget plus an equal-bytes pass, two needle lengths x five depths and
+    perplexity: the main job's shape, synthetic scores (two methods identical, as h2o/chunkkv were)."""
+    from kvjax import methods
+
+    r = report.new_results({"note": "synthetic main"})
+    rows = []
+    for i, m in enumerate(methods.names()):
+        for setting in (None, "equal_bytes") if m not in ("full", "h2o") else (None,):
+            b = None if m == "full" else 0.2
+            extra = {} if setting is None else {"setting": setting, "equal_bytes_ref": "h2o", "nominal_budget": 0.2}
+            for n in (256, 512):
+                for d in (0.0, 0.25, 0.5, 0.75, 1.0):
+                    rows.append({"task": "needle", "method": m, "budget": b, "length": n, "depth": d,
+                                 "score": float((i + int(d * 4) + (setting is None)) % 3 == 0
+                                                or m in ("h2o", "chunkkv")),
+                                 "held_bytes": _held(m, setting), "kib_per_seq": 1024.0 * (2 + i % 4),
+                                 "tokens_held": 50.0, **extra})
+            for k in range(3):
+                rows.append({"task": "perplexity", "method": m, "budget": b, "nll": 2.0 + 0.1 * k + 0.01 * i,
+                             "tokens": 48, "score": 2.0, "held_bytes": _held(m, setting), **extra})
+    r["rows"] = rows
+    return r
+
+
+@pytest.mark.parametrize("which", ["scores", "needle"])
+def test_figures_have_no_overlapping_or_clipped_text(which):
+    """The defect of the first main job (legend over the data, panel titles on the x labels above, depth labels
+    over the neighbouring panel, a clipped '50%'): no two texts of a figure overlap and none leaves the figure."""
+    results = _main_like_results()
+    fig = report.scores_figure(results) if which == "scores" else report.needle_figure(results)
+    boxes = _text_boxes(fig)
+    assert len(boxes) > 20
+    assert _overlaps(boxes, fig) == []
+    if which == "scores":  # the legend sits outside every axes
+        legend = fig.legends[0].get_window_extent()
+        assert all(not legend.overlaps(ax.get_window_extent()) for ax in fig.axes)
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert "chunkkv (= h2o on needle)" in labels, labels  # identical points are named, not hidden
+
+
+def test_overlap_check_catches_a_collision():
+    """The check above can fail: a panel title too long for its column is reported against its neighbours'."""
+    results = _main_like_results()
+    fig = report.needle_figure(results)
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    axes[1].set_title(axes[1].get_title() + " with a long setting name" * 3, fontsize=8)  # into its neighbours
+    assert _overlaps(_text_boxes(fig), fig) != []

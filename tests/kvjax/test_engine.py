@@ -142,3 +142,23 @@ def test_bad_input(tiny):
         engine.generate(model, ["text"], "full", max_new_tokens=4)
     with pytest.raises(ValueError, match="not registered"):
         engine.generate(model, prompts(1, [4]), "nope", max_new_tokens=4)
+
+
+def test_held_bytes_follow_each_sequence(tiny):
+    """``stats["held_bytes"]`` is what each sequence holds at the end, by hand: full holds ``n + steps - 1`` slots
+    per KV head and layer (the last sampled token is never fed back), each K and V (D float32) plus its int32 position, plus two int32 counters per layer; H2O
+    holds its budget; the allocated ``cache_bytes`` is the same for every sequence of the batch."""
+    model, _ = tiny
+    cfg = model.config
+    lengths, steps = [9, 23], 6
+    per_slot = cfg.num_kv_heads * (2 * cfg.head_dim * 4 + 4)
+    out = engine.generate(model, prompts(2, lengths), "full", max_new_tokens=steps, stop_at_eos=False)
+    for n, st in zip(lengths, out.stats):
+        assert st["tokens_held"] == n + steps - 1
+        assert st["held_bytes"] == cfg.num_layers * ((n + steps - 1) * per_slot + 2 * 4)
+    assert out.stats[0]["cache_bytes"] == out.stats[1]["cache_bytes"] > out.stats[1]["held_bytes"]
+    h2o = methods.get("h2o", budget=8)
+    out = engine.generate(model, prompts(2, lengths), h2o, max_new_tokens=steps, stop_at_eos=False)
+    per_slot_h2o = per_slot + cfg.num_kv_heads * 4  # + the float32 accumulated score
+    for st in out.stats:
+        assert st["tokens_held"] == 8 and st["held_bytes"] == cfg.num_layers * (8 * per_slot_h2o + 2 * 4)
