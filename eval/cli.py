@@ -37,7 +37,10 @@ MAIN_NOTES = (
     "fraction of it per step, so they have no equal-bytes row.")
 
 
-MAIN_BATCH, MAIN_TRIALS, MAIN_SEQUENCES = 10, 2, 10  # needle: 2 lengths x 5 depths x 2 keys = 20 per cell
+#: needle: 2 lengths x 5 depths x 2 keys = 20 per cell, in batches of 10; perplexity: 10 sequences of 512 + 48 tokens.
+#: Both tasks have the same batch, bucket (512) and decode capacity (48), so each method compiles its prefill and
+#: decode step once for the two tasks (the answer stops at EOS well before 48 tokens).
+MAIN_BATCH, MAIN_TRIALS, MAIN_SEQUENCES, MAIN_NEW = 10, 2, 10, 48
 
 
 def _floats(text: str) -> list[float]:
@@ -104,6 +107,14 @@ def _check_mesh_batches(model, args) -> None:
                 raise ValueError(f"--{option} {n}: {e}") from None
 
 
+def _also_equal_bytes(args, names) -> str | None:
+    """The main job's second pass: ``--also-equal-bytes`` as given ('' for none), by default h2o when it runs."""
+    ref = getattr(args, "also_equal_bytes", None)
+    if ref is None and args.command == "main":
+        return "h2o" if "h2o" in names and len(set(names) - {"full"}) > 1 else None
+    return ref or None
+
+
 def cmd_run(args) -> int:
     import kvjax
     from eval import report, runner
@@ -114,9 +125,10 @@ def cmd_run(args) -> int:
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
     compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
-    if args.equal_bytes is not None and args.equal_bytes not in compressed:
-        raise ValueError(f"--equal-bytes {args.equal_bytes!r} must be one of the compressed methods of --methods "
-                         f"({', '.join(compressed) or 'none'})")
+    for option, ref in (("--equal-bytes", args.equal_bytes), ("--also-equal-bytes", _also_equal_bytes(args, names))):
+        if ref is not None and ref not in compressed:
+            raise ValueError(f"{option} {ref!r} must be one of the compressed methods of --methods "
+                             f"({', '.join(compressed) or 'none'})")
     model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
@@ -134,7 +146,7 @@ def cmd_run(args) -> int:
         config["notes"] = MAIN_NOTES
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
                          equal_bytes=args.equal_bytes, options=options,
-                         also_equal_bytes=getattr(args, "also_equal_bytes", None) or None)
+                         also_equal_bytes=_also_equal_bytes(args, names))
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     paths = report.write_all(results, args.out)
     print(report.markdown_table(results))
@@ -201,13 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("main", help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and "
                        "perplexity (embedded model)")
-    common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=12, seed=True,
-           scan=True)
+    common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=MAIN_NEW,
+           seed=True, scan=True)
     needle_opts(m, [0.0, 0.25, 0.5, 0.75, 1.0], trials=MAIN_TRIALS)
-    ppl_opts(m, MAIN_SEQUENCES, 512, 48)
-    m.add_argument("--also-equal-bytes", default="h2o", metavar="REF",
+    ppl_opts(m, MAIN_SEQUENCES, 512, MAIN_NEW)
+    m.add_argument("--also-equal-bytes", default=None, metavar="REF",
                    help="after the nominal runs, run every other compressed method again at the token budget whose "
-                        "bytes match REF's ('' for none)")
+                        "bytes match REF's (default: h2o when it runs; '' for none)")
 
     n = sub.add_parser("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
     common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
