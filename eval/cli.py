@@ -111,6 +111,8 @@ def cmd_run(args) -> int:
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
                          equal_bytes=args.equal_bytes)
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
+    if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
+        return 0
     paths = report.write_all(results, args.out)
     print(report.markdown_table(results))
     print(f"\nwall time {results['timings']['wall_seconds']:.0f}s; wrote " + ", ".join(str(p) for p in paths.values()))
