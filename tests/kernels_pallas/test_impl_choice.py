@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +45,24 @@ def fake(monkeypatch):
     return set_
 
 
-def test_the_shipped_record_verifies_nothing_yet():
-    assert IC.load_verified() == {k: {"gpu": None, "tpu": None} for k in KERNELS}
-    assert set(IC.PLATFORM_IMPLS) == set(IC.ENV_VARS) == set(IC.VERIFYING_TESTS) == set(KERNELS)
-    assert (da.ENV_IMPL, P.ENV_IMPL, pq.ENV_IMPL) == (IC.ENV_VARS["decode_attention"],
-                                                      IC.ENV_VARS["prefill_attention"], IC.ENV_VARS["pq_lookup"])
+def test_the_shipped_record_and_its_documentation():
+    record = IC.load_verified()
+    assert set(record) == set(IC.PLATFORM_IMPLS) == set(IC.ENV_VARS) == set(IC.VERIFYING_TESTS) == set(KERNELS)
+    assert (da.ENV_IMPL, P.ENV_IMPL, pq.ENV_IMPL, ck.ENV_IMPL, cs.ENV_IMPL) == tuple(
+        IC.ENV_VARS[k] for k in ("decode_attention", "prefill_attention", "pq_lookup", "cosine_kmeans",
+                                 "chunked_similarity"))
+    fields = {"impl", "device_kind", "jax", "date", "tests"}
+    for kernel, by in record.items():
+        assert set(by) == {"gpu", "tpu"}
+        for backend, entry in by.items():
+            assert entry is None or (set(entry) == fields and entry["impl"] == PLATFORM[backend][kernel])
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "accelerator.md").read_text()
+    for kernel, by in record.items():  # docs/accelerator.md's table (a row per kernel) says what the record says
+        row = next(line for line in doc.splitlines() if line.startswith("|") and f"`{IC.ENV_VARS[kernel]}`" in line)
+        gpu, tpu = row.split("|")[3:5]
+        for backend, cell in (("gpu", gpu), ("tpu", tpu)):
+            assert f"`{PLATFORM[backend][kernel]}`" in cell
+            assert ("not verified" in cell) == (by[backend] is None), (kernel, backend, cell)
 
 
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
