@@ -30,7 +30,10 @@ the kernels and the Adam states are *replicated* on every device, and ``jit``'s 
 gradients (the loss is a mean over the batch), so every device applies the same update: the same training as one
 device up to the order of float sums. ``batch`` must be a multiple of the ``data`` size; a ``model`` axis > 1 is
 refused (the kernels are small; tensor parallelism would not pay). Activation capture runs with its batch split
-over ``data`` too.
+over ``data`` too. Several processes (``jax.distributed``, the mesh spanning them): every process runs the same
+training on the same tokens; each captures to its own folder (``capture-process<i>``, read back whole), the orbax
+checkpoint is saved collectively (written once, restorable by one process), and process 0 alone writes
+``kernels.npz`` and ``less_config.json`` (docs/architecture.md#multi-host).
 """
 
 from __future__ import annotations
