@@ -15,7 +15,6 @@ set, else ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where verified on the har
 
 from __future__ import annotations
 
-
 from kernels_pallas.impl_choice import choose
 from kernels_pallas.chunked_similarity.reference import chunk_best_match_reference
 

@@ -20,7 +20,6 @@ reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (t
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kernels_pallas.impl_choice import choose
