@@ -148,6 +148,8 @@ def cmd_run(args) -> int:
                          equal_bytes=args.equal_bytes, options=options,
                          also_equal_bytes=_also_equal_bytes(args, names))
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
+    if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
+        return 0
     paths = report.write_all(results, args.out)
     print(report.markdown_table(results))
     print(f"\nwall time {results['timings']['wall_seconds']:.0f}s; wrote " + ", ".join(str(p) for p in paths.values()))

@@ -155,7 +155,7 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
     done = [False] * b
     pos = np.asarray(lengths, np.int32)
     for step in range(cap_new):
-        greedy = np.asarray(jnp.argmax(logits, axis=-1))
+        greedy = S.to_host(jnp.argmax(logits, axis=-1))
         feed = np.zeros(b, np.int32)
         for i in range(b):
             if step < len(questions[i]):

@@ -78,7 +78,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],
                                             lengths + i - 1, mesh=mesh)
         out.append(_logprob(logits, seqs[:, prefix + i]))
-    nll = -np.asarray(jnp.stack(out, axis=1))
+    nll = -S.to_host(jnp.stack(out, axis=1))
     if not memory:
         return nll
     from eval.harness import memory_rows

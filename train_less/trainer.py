@@ -30,7 +30,10 @@ the kernels and the Adam states are *replicated* on every device, and ``jit``'s 
 gradients (the loss is a mean over the batch), so every device applies the same update: the same training as one
 device up to the order of float sums. ``batch`` must be a multiple of the ``data`` size; a ``model`` axis > 1 is
 refused (the kernels are small; tensor parallelism would not pay). Activation capture runs with its batch split
-over ``data`` too.
+over ``data`` too. Several processes (``jax.distributed``, the mesh spanning them): every process runs the same
+training on the same tokens; each captures to its own folder (``capture-process<i>``, read back whole), the orbax
+checkpoint is saved collectively (written once, restorable by one process), and process 0 alone writes
+``kernels.npz`` and ``less_config.json`` (docs/architecture.md#multi-host).
 """
 
 from __future__ import annotations
@@ -411,8 +414,10 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     opt_leaves, opt_def = jax.tree.flatten(opt)
 
     def ckpt_tree(kp, op, bp, bv, be):
-        return {"params": kp, "best": bp, "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(op))},
-                "best_val": jnp.asarray(bv), "best_epoch": jnp.asarray(be)}
+        tree = {"params": kp, "best": bp, "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(op))},
+                "best_val": np.asarray(bv), "best_epoch": np.asarray(be)}
+        # with a mesh every leaf is a global (replicated) array: orbax's multi-process save needs them so
+        return jax.tree.map(jnp.asarray, tree) if mesh is None else jax.device_put(tree, S.replicated(mesh))
 
     def check(meta):
         saved = {k: v for k, v in meta["config"].items() if k != "epochs"}
@@ -438,6 +443,8 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         return json.loads((run_dir / L.CONFIG_FILE).read_text())
     dp = S.axis_size(mesh, S.DATA)
     cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
+    if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
+        cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
     store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
                     batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype, shard_mb=shard_mb,
                     progress=progress, mesh=mesh, model_name=model_name)
@@ -478,7 +485,7 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
                 kp_c[j], op_c[j], loss = _train_step(cfg, tc, steps_per_epoch, ly_c[j], kp_c[j], op_c[j], x[c],
                                                       ev[c, :, 0], lkeys[c])
                 losses.append(loss)
-            run += np.asarray(jnp.concatenate(losses))
+            run += S.to_host(jnp.concatenate(losses))
             bar.update(1)
             bar.set_postfix_str("loss/layer " + " ".join(f"{v:.2e}" for v in run / (i + 1)))
             if checkpoint_every and (gstep + 1) % checkpoint_every == 0 and i + 1 < steps_per_epoch:
@@ -493,7 +500,7 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
             idx = val_idx[i:i + tc.batch]
             x, ev = batch(idx)
             parts = [_evaluate(cfg, tc, ly_c[j], kp_c[j], x[c], ev[c, :, 0], ev[c, :, 1]) for j, c in enumerate(chunks)]
-            val += np.stack([np.concatenate([np.asarray(p[t]) for p in parts]) for t in range(3)]) * len(idx)
+            val += np.stack([np.concatenate([S.to_host(p[t]) for p in parts]) for t in range(3)]) * len(idx)
         val /= n_val
         kparams = _cat(kp_c)
         better = val[0] < best_val
@@ -506,6 +513,8 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         bar.write(f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
                   f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0]))
         save((epoch + 1) * steps_per_epoch, {"epoch": epoch + 1, "step": 0, "run": None})
+        if not S.is_primary():  # several processes: orbax saved collectively above; process 0 writes the rest
+            continue
         _write_output(run_dir, tc, cfg, model_name, best, sel, {
             "epochs_done": epoch + 1, "val_loss": best_val.tolist(), "best_epoch": best_epoch.tolist(),
             "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist(),
@@ -515,6 +524,10 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
             merge_parts(out)
     bar.close()
     mngr.close()
+    if jax.process_count() > 1:  # the others read what process 0 wrote
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("train_less.train: output written")
     if not stopped and end == tc.epochs and not keep_capture:
         shutil.rmtree(cap_dir, ignore_errors=True)
     path = run_dir / L.CONFIG_FILE

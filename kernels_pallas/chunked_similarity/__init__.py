@@ -7,23 +7,25 @@ k ``[B, H, M, D]`` (``M`` a multiple of ``chunk``), valid ``[B, H, M]`` bool -> 
 float32 cosine (``-inf``: invalid A or no valid B in the chunk) and idx ``[B, H, M/c, c/2]`` int32, the B row of
 the match (chunk offset ``2 idx + 1``), lowest on ties. A = even chunk offsets, B = odd (Theorem 6.1).
 
-impl: ``"xla"`` (reference), ``"pallas_tpu"``, ``"pallas_gpu"``, or None: ``pallas_tpu`` on TPU, ``pallas_gpu``
-on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the reference silently.
+impl: ``"xla"`` (reference), ``"pallas_tpu"``, ``"pallas_gpu"``, or None: ``$KVJAX_CHUNKED_SIMILARITY_IMPL`` if
+set, else ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where verified on the hardware
+(``kernels_pallas/verified.py``), else ``xla``. A Pallas failure is raised, never replaced by the reference silently.
 ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU).
 """
 
 from __future__ import annotations
 
-import jax
-
+from kernels_pallas.impl_choice import choose
 from kernels_pallas.chunked_similarity.reference import chunk_best_match_reference
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
+ENV_IMPL = "KVJAX_CHUNKED_SIMILARITY_IMPL"
 
 
 def default_impl() -> str:
-    backend = jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "xla")
+    """``$KVJAX_CHUNKED_SIMILARITY_IMPL`` if set, else the backend's kernel (tpu -> pallas_tpu, gpu ->
+    pallas_gpu) where it has been verified (:mod:`kernels_pallas.impl_choice`), else xla."""
+    return choose("chunked_similarity", IMPLS, "xla")
 
 
 def check_inputs(k, valid, chunk: int):

@@ -21,8 +21,10 @@ row); cvalid ``[N, C]`` bool (None: every centroid).
   then each centroid becomes the mean of its member rows (raw keys); an empty (or invalid) cluster keeps its
   old centroid. ``labels`` are the assignment against the old centroids.
 
-impl: ``"xla"`` (reference), ``"pallas_tpu"``, ``"pallas_gpu"`` (Triton), or None: ``pallas_tpu`` on TPU,
-``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the reference silently.
+impl: ``"xla"`` (reference), ``"pallas_tpu"``, ``"pallas_gpu"`` (Triton), or None: ``$KVJAX_COSINE_KMEANS_IMPL`` if
+set, else ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where verified on the hardware
+(``kernels_pallas/verified.py``), else ``xla``. A Pallas failure is raised, never replaced by the reference
+silently.
 ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU). ``block_l`` is the row tile
 (defaults in ``_common``: 512 on TPU, 64 on GPU, 512 for xla, whose assignment runs a tile at a time so its
 similarity block is ``[N, block_l, C]``, linear in L); pallas_tpu needs a multiple of 128 or ``>= L`` (checked by
@@ -37,16 +39,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.impl_choice import choose
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans._common import ROW_ALIGN
 from kernels_pallas.cosine_kmeans.reference import (centroid_update_reference, cosine_assign_reference,
                                                     new_centroids, normalise_centroids)
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
+ENV_IMPL = "KVJAX_COSINE_KMEANS_IMPL"
 
 
 def default_impl() -> str:
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    """``$KVJAX_COSINE_KMEANS_IMPL`` if set, else the backend's kernel (tpu -> pallas_tpu, gpu ->
+    pallas_gpu) where it has been verified (:mod:`kernels_pallas.impl_choice`), else xla."""
+    return choose("cosine_kmeans", IMPLS, "xla")
 
 
 def _check_impl(impl):

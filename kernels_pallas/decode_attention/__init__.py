@@ -18,8 +18,9 @@ head): see its docstring.
 impl: ``"xla"`` (pure JAX that reads only the live chunks, the listed blocks or the runs, :mod:`.xla`; the masked
 ``reference`` is the spec), ``"pallas_tpu"`` (scalar-prefetched block lists), ``"pallas_gpu"``
 (Triton, flash-decoding split), or None: the ``KVJAX_DECODE_ATTENTION_IMPL`` environment variable if set, else
-``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by the
-reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (CPU tests).
+``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where that kernel has been verified on the hardware
+(``kernels_pallas/verified.py``, :mod:`kernels_pallas.impl_choice`), else ``xla``. A Pallas failure is raised,
+never replaced by the reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (CPU tests).
 
 block_size: slots per block; default 128 with ``block_indices`` (what the listed indices mean), else the tuning
 table's (``tuning.TABLE``; only the tile size then, which slots take part does not depend on it). When ``S`` is smaller, the Pallas kernels use one block covering
@@ -39,15 +40,16 @@ from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention
                                                        slot_mask)
 from kernels_pallas.decode_attention import tuning
 from kernels_pallas.decode_attention.tiling import check_block_shape
-from kernels_pallas.impl_choice import env_impl
+from kernels_pallas.impl_choice import choose
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 ENV_IMPL = "KVJAX_DECODE_ATTENTION_IMPL"
 
 
 def default_impl() -> str:
-    """``$KVJAX_DECODE_ATTENTION_IMPL`` if set, else by backend: tpu -> pallas_tpu, gpu -> pallas_gpu, else xla."""
-    return env_impl(ENV_IMPL, IMPLS) or {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    """``$KVJAX_DECODE_ATTENTION_IMPL`` if set, else the backend's kernel (tpu -> pallas_tpu, gpu -> pallas_gpu) where
+    it has been verified (:mod:`kernels_pallas.impl_choice`), else xla."""
+    return choose("decode_attention", IMPLS, "xla")
 
 
 def _concrete(x):

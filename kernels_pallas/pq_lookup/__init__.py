@@ -12,24 +12,28 @@ for ``s < lengths[b]`` and ``NEG_INF`` (-1e30) beyond. The Pallas kernels read a
 starts at or past ``lengths[b]``. Allocate ``S`` as a multiple of ``CODE_ALIGN`` (512) to avoid a padding copy.
 
 impl: ``"xla"`` (reference), ``"pallas_tpu"`` (one-hot MXU matmul), ``"pallas_gpu"`` (Triton), or None:
-``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, ``xla`` on CPU. A Pallas failure is raised, never replaced by
-the reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU);
+``$KVJAX_PQ_LOOKUP_IMPL`` if set, else ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where verified on the
+hardware (``kernels_pallas/verified.py``), else ``xla``. A Pallas failure is raised, never replaced by the
+reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU);
 ``block_t`` is the token tile (default 512 on TPU, 128 on GPU).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from kernels_pallas.impl_choice import choose
 from kernels_pallas.pq_lookup._common import CODE_ALIGN, NEG_INF
 from kernels_pallas.pq_lookup.reference import pq_lookup_reference
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
+ENV_IMPL = "KVJAX_PQ_LOOKUP_IMPL"
 
 
 def default_impl() -> str:
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+    """``$KVJAX_PQ_LOOKUP_IMPL`` if set, else the backend's kernel (tpu -> pallas_tpu, gpu ->
+    pallas_gpu) where it has been verified (:mod:`kernels_pallas.impl_choice`), else xla."""
+    return choose("pq_lookup", IMPLS, "xla")
 
 
 def check_inputs(lut, codes, block_t, lengths=None):
