@@ -62,11 +62,12 @@ def method_grid(names: Sequence[str], budgets: Sequence, max_tokens: int | None 
     return grid
 
 
-def make_method(name: str, budget=None):
-    """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default)."""
+def make_method(name: str, budget=None, options: dict | None = None):
+    """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default), with its
+    other config ``options`` (``kvjax-eval --option``; None: the defaults)."""
     if budget is None:
-        return methods.get(name)
-    return methods.get(name, budget=check_budget(budget, "--budgets"))
+        return methods.get(name, **(options or {}))
+    return methods.get(name, **(options or {}), budget=check_budget(budget, "--budgets"))
 
 
 def memory_rows(method, states, batch: int | None = None) -> list[dict]:
@@ -181,7 +182,8 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     return engine.memory_bytes(method, states)
 
 
-def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype) -> tuple[int, int]:
+def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype,
+                       options: dict | None = None) -> tuple[int, int]:
     """The largest token budget ``t`` of method ``name`` whose cache holds at most ``ref_bytes`` per sequence at
     ``capacity``: ``(t, its bytes)``. Bytes grow with ``t``; budgets ``init`` refuses (too few slots for the
     method's structure, e.g. Chelsea's sink + recent) are below every legal one. Binary search over
@@ -191,7 +193,7 @@ def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity,
 
     def size(t):
         try:
-            return bytes_per_seq(model_cfg, methods.get(name, budget=t), capacity, dtype)
+            return bytes_per_seq(model_cfg, make_method(name, t, options), capacity, dtype)
         except ValueError:
             return None
 

@@ -75,7 +75,7 @@ class PerplexityTask:
                  "score": float(row.mean()), **m} for i, (row, m) in enumerate(zip(nll, mem))]
 
 
-def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[dict]]:
+def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None = None) -> tuple[list, list[dict]]:
     """``--equal-bytes REF`` for one task: ``full`` and ``ref`` keep their budgets; every other method at
     nominal budget ``b`` gets the largest token budget whose cache holds at most ``ref``'s bytes per sequence
     at ``b`` (at the task's capacity). Returns (configs ``(name, budget, nominal budget)``, records)."""
@@ -83,14 +83,15 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[
         raise ValueError(f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
                          "per example); run it without --equal-bytes")
     cap = task.capacity(prepared)
+    options = options or {}
     configs, records = [], []
     for name, b in grid:
         if name in ("full", ref):
             configs.append((name, b, b))
             continue
-        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b), cap, model.dtype)
+        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b, options.get(ref)), cap, model.dtype)
         try:
-            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype)
+            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, options.get(name))
         except ValueError as e:
             print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
             records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
@@ -104,19 +105,21 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str) -> tuple[list, list[
 
 
 def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
-        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None
-        ) -> dict[str, Any]:
+        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
+        options: dict[str, dict] | None = None) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the token budget
     whose memory matches that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
-    ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget."""
+    ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget.
+    ``options``: ``{method: {option: value}}`` passed to every config of that method (``kvjax-eval --option``)."""
+    options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
     if equal_bytes is not None and equal_bytes not in [n for n, _ in grid if n != "full"]:
         raise ValueError(f"--equal-bytes {equal_bytes!r} must be one of the compressed methods run "
                          f"({', '.join(n for n, _ in dict.fromkeys(grid) if n != 'full')})")
     for name, b in grid:
-        harness.make_method(name, b)  # option errors surface here
+        harness.make_method(name, b, options.get(name))  # option errors surface here
     prepared = {t.name: t.prepare(model) for t in tasks}
     results = report.new_results({**(config or {}), "model": model.name, "methods": list(method_names),
                                   "budgets": list(budgets), "equal_bytes": equal_bytes,
@@ -127,7 +130,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
         if equal_bytes is None:
             configs = [(n, b, b) for n, b in grid]
         else:
-            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes)
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes, options)
             results.setdefault("equal_bytes", []).extend(records)
         plan.extend((task, n, b, nb) for n, b, nb in configs)
     order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
@@ -136,7 +139,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     start = time.perf_counter()
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
         for task, name, budget, nominal in plan:
-            method = harness.make_method(name, budget)
+            method = harness.make_method(name, budget, options.get(name))
             t0 = time.perf_counter()
             meta = {"task": task.name, "method": name, "budget": budget}
             if equal_bytes is not None:

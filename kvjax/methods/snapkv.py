@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
                                 empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
@@ -83,6 +83,10 @@ class SnapKV(Method):
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)
 
+    def min_budget(self) -> tuple[int, str]:
+        return (max(MIN_TOKENS, self.window + 1),
+                f"window={self.window} observation tokens + at least one selected token")
+
     def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
         return min(n, int(self.layer_budgets(n, layer, num_layers))) + steps
 
@@ -124,6 +128,10 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
             raise ValueError(f"beta={self.beta!r} must be an int >= 1 (the harness uses 20)")
+
+    def min_budget(self) -> tuple[int, str]:
+        return (self.window + self.beta,
+                f"window={self.window} + beta={self.beta}, so the smallest layer budget selects a token")
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
         total = budget_tokens(self.budget, lengths)
