@@ -84,6 +84,7 @@ class SnapKV(Method):
         return slot_tokens_held(state)
 
     def min_budget(self) -> tuple[int, str]:
+        """The window plus one selected token (PyramidKV: the same total, which its layers share unevenly)."""
         return (max(MIN_TOKENS, self.window + 1),
                 f"window={self.window} observation tokens + at least one selected token")
 
@@ -128,10 +129,6 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
             raise ValueError(f"beta={self.beta!r} must be an int >= 1 (the harness uses 20)")
-
-    def min_budget(self) -> tuple[int, str]:
-        return (self.window + self.beta,
-                f"window={self.window} + beta={self.beta}, so the smallest layer budget selects a token")
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
         total = budget_tokens(self.budget, lengths)
