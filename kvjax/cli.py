@@ -37,9 +37,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def run_cli(prog: str, func, *args) -> int:
     """``func(*args)`` for the command line ``prog``: a ``ValueError``/``FileNotFoundError`` (from the library or
-    the command, in this thread or re-raised from a worker, :func:`kvjax.engine.stream`) becomes one ``PROG:
-    error: ...`` line on stderr and exit code 2; a :class:`kvjax.budget.BudgetWarning` is printed as one ``PROG:
-    warning: ...`` line (other warnings as Python prints them)."""
+    the command, in this thread or re-raised from a worker, :func:`kvjax.engine.stream`) or a failed subprocess
+    (``CalledProcessError``, e.g. pip in ``install-assets``) becomes one ``PROG: error: ...`` line on stderr and
+    exit code 2; a :class:`kvjax.budget.BudgetWarning` is printed as one ``PROG: warning: ...`` line (other
+    warnings as Python prints them)."""
+    import subprocess
+
     from kvjax.budget import BudgetWarning
 
     with warnings.catch_warnings():
@@ -57,6 +60,11 @@ def run_cli(prog: str, func, *args) -> int:
             return func(*args)
         except (ValueError, FileNotFoundError) as e:
             print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        except subprocess.CalledProcessError as e:
+            cmd = " ".join(map(str, e.cmd)) if isinstance(e.cmd, (list, tuple)) else str(e.cmd)
+            print(f"{prog}: error: `{cmd}` failed with exit code {e.returncode} (its output is above); fix what it "
+                  "reports and run the command again", file=sys.stderr)
             return 2
 
 

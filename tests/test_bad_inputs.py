@@ -330,6 +330,18 @@ def test_bad_input_fails_clearly(results, i):
     assert "Traceback" not in msg
 
 
+def test_a_failed_subprocess_is_one_error_line(capsys):
+    """``kvjax install-assets`` runs pip: a pip failure is one ``error:`` line naming the command, exit code 2."""
+    from kvjax.cli import run_cli
+
+    def pip_fails():
+        subprocess.run([sys.executable, "-c", "import sys; sys.exit(3)"], check=True)
+
+    assert run_cli("kvjax", pip_fails) == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if "error:" in l]
+    assert len(lines) == 1 and "failed with exit code 3" in lines[0] and "Traceback" not in lines[0]
+
+
 def test_table_is_current(results, ctx):
     want = render(results, ctx["tmp"])
     have = DOC.read_text() if DOC.is_file() else ""
