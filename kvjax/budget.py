@@ -132,28 +132,30 @@ class BudgetWarning(UserWarning):
 _warned: set = set()
 
 
-def warn_small_budget(method, lengths) -> bool:
+def warn_small_budget(method, lengths, max_new_tokens: int = 0, model_cfg=None) -> bool:
     """Warn (:class:`BudgetWarning`, once per method config) when ``method``'s budget keeps fewer tokens of a
-    prompt than the method can use sensibly: ``budget_tokens(budget, n) < min(n, method.min_budget())`` for a
-    prompt length ``n`` of ``lengths`` (host ints; call it outside ``jit``). The minimum is the method's own
-    (sinks + window, a chunk, a page; at least :data:`MIN_TOKENS`); ``budget=1.0`` (the whole prompt) never
-    warns. Methods without a budget (``full``) never warn. Returns whether it warned."""
+    prompt than the method can use sensibly: ``method.kept_tokens(n) < min(n, method.min_budget())`` for a prompt
+    length ``n`` of ``lengths`` (host ints; call it outside ``jit``). The minimum is the method's own (sinks +
+    window, a chunk, a page; at least :data:`MIN_TOKENS`); ``budget=1.0`` (the whole prompt) never warns.
+    Methods without a budget (``full``) never warn. Returns whether it warned."""
     budget = getattr(method, "budget", None)
     if budget is None or not lengths:
         return False
     need, why = method.min_budget()
-    short = [(budget_tokens(budget, int(n)), int(n)) for n in lengths if budget_tokens(budget, int(n)) < min(n, need)]
+    kept_n = [(method.kept_tokens(int(n), max_new_tokens, model_cfg), int(n)) for n in lengths]
+    short = [(k, n) for k, n in kept_n if k < min(n, need)]
     key = (method.name, repr(method))  # once per method config (repr: hashable whatever its fields hold)
     if not short or key in _warned:
         return False
     _warned.add(key)
     kept, n = min(short)
     kind = "a fraction" if isinstance(budget, float) else "an int: a token count"
+    fix = (f"Use a budget of at least {need} tokens (a fraction >= {math.ceil(100 * need / n) / 100:g} of this "
+           "prompt), or 1.0 to keep the whole prompt" if need <= n else
+           "The prompt is shorter than that: use 1.0 to keep the whole prompt, or a longer prompt")
     warnings.warn(f"{method.name}: budget={budget} ({kind}) keeps {kept} token{'s' * (kept != 1)} of a {n}-token "
                   f"prompt, fewer than the {need} {method.name} can use sensibly ({why}); the answer may be "
-                  f"nonsense. Use a budget of at least {need} tokens (a fraction >= "
-                  f"{math.ceil(100 * need / n) / 100:g} of this prompt), or 1.0 to keep the whole prompt",
-                  BudgetWarning, stacklevel=3)
+                  f"nonsense. {fix}", BudgetWarning, stacklevel=3)
     return True
 
 

@@ -416,7 +416,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     bucket = prompt_len or bucket_length(max(lengths_list))
     _check_capacity(cfg, lengths_list, bucket, max_new_tokens)
     check_method(cfg, method)
-    warn_small_budget(method, lengths_list)  # host side, once per (method, budget): never inside jit
+    warn_small_budget(method, lengths_list, max_new_tokens, cfg)  # on the host, once per method config: never in jit
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()

@@ -146,6 +146,11 @@ class Method(abc.ABC):
         warn_small_budget` warns once."""
         return MIN_TOKENS, f"a budget of 1-{MIN_TOKENS - 1} tokens keeps no usable context"
 
+    def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg: ModelConfig | None = None) -> int:
+        """Tokens the budget gives a sequence with an ``n``-token prompt (host ints): ``budget_tokens(budget, n)``
+        (Chelsea's budget also counts the ``max_new_tokens`` to come). Compared with :meth:`min_budget`."""
+        return int(budget_tokens(self.budget, n))
+
     @abc.abstractmethod
     def held(self, n: int, steps: int) -> int:
         ...

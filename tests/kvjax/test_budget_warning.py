@@ -108,3 +108,10 @@ def test_cli_prints_one_warning_line(tiny_path, capsys):
     assert code == 0 and len(lines) == 1, err
     assert re.match(r"kvjax: warning: h2o: budget=1 \(an int: a token count\) keeps 1 token of a \d+-token prompt, "
                     r"fewer than the 3 h2o can use", lines[0]), lines[0]
+
+
+def test_chelsea_counts_the_tokens_to_come():
+    """Chelsea's budget is ``floor(R (n + max_new_tokens))``: 0.2 * (256 + 48) = 60.8 -> 60 < 16 + 64 + 1."""
+    got = _caught(lambda: warn_small_budget(methods.get("chelsea", budget=0.2), [256], 48))
+    assert len(got) == 1 and "keeps 60 tokens of a 256-token prompt, fewer than the 81" in got[0]
+    assert _caught(lambda: warn_small_budget(methods.get("chelsea", budget=0.2), [400], 48)) == []  # 89.6 -> 89
