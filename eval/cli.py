@@ -8,6 +8,7 @@
     kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
     kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
     kvjax-eval main --mesh data=2,model=4            # sharded over 8 devices: batch over data, heads over model
+    kvjax-eval needle --methods snapkv,chunkkv --option window=16 --option chunkkv.chunk_size=4   # method options
     kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
 """
 
@@ -20,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from kvjax import assets
-from kvjax.cli import budget_type
+from kvjax.cli import HelpFormatter, budget_type, names_help, parse_qualified_option, run_cli
 
 #: the main job: the five papers' methods first (Chelsea, ClusterKV, PQCache, ChunkKV, LESS), then the baselines
 MAIN_METHODS = "full,chelsea,clusterkv,pqcache,chunkkv,less,streaming_llm,h2o,snapkv,pyramidkv,quest"
@@ -64,6 +65,36 @@ def _methods(text: str, main: bool) -> list[str]:
     if main:  # the main job's default list includes methods only once they are registered
         names = [n for n in names if n in methods.REGISTRY]
     return names
+
+
+def method_options(names, options) -> dict[str, dict]:
+    """``--option [METHOD.]KEY=VALUE`` pairs as ``{method: {key: value}}`` for the methods ``names`` of a run.
+    ``METHOD.KEY`` sets one method's option; a bare ``KEY`` sets it on every method of ``names`` that has it.
+    A ValueError (before any model loads) for a method not in the run, an option no such method has, or
+    ``budget`` (that is ``--budgets``)."""
+    import dataclasses
+
+    from kvjax import methods
+
+    fields = {n: {f.name for f in dataclasses.fields(methods.REGISTRY[n])} for n in names}
+    out: dict[str, dict] = {n: {} for n in names}
+    for key, value in options:
+        method, _, field = key.rpartition(".")
+        shown = f"--option {key}={value!r}"
+        if field == "budget":
+            raise ValueError(f"{shown}: set budgets with --budgets (e.g. --budgets 0.2,256)")
+        if method and method not in out:
+            raise ValueError(f"{shown}: {method!r} is not one of --methods ({', '.join(names)}); add it or drop the "
+                             "option")
+        targets = [method] if method else [n for n in names if field in fields[n]]
+        if not targets or field not in fields[targets[0]]:
+            has = sorted(fields[method] - {"budget"}) if method else []
+            raise ValueError(f"{shown}: " + (f"method {method!r} has no option {field!r}; its options are {has}"
+                                             if method else f"no method of --methods ({', '.join(names)}) has an "
+                                             f"option {field!r}"))
+        for n in targets:
+            out[n][field] = value
+    return {n: kw for n, kw in out.items() if kw}
 
 
 def _tasks(args):
@@ -124,6 +155,18 @@ def cmd_run(args) -> int:
     from eval import harness
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
+    options = method_options(list(dict.fromkeys(n for n, _ in grid)), args.option)
+    if "less" in names and args.model == assets.SMOLLM2_NAME and "kernels" not in options.get("less", {}):
+        # the kernels shipped for the embedded model, trained with H2O at 103 tokens (0.2 of 512); the main job
+        # uses them at 0.2 of each prompt and says so once (MAIN_NOTES) instead of warning per prompt length
+        options["less"] = {**options.get("less", {}), "kernels": str(assets.LESS_SMOLLM2_KERNELS)}
+        warnings.filterwarnings("ignore", message=r"kernels=.* were trained for another sparse policy setting: budget: "
+                                r"trained \d+( tokens)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels")
+    for name, b in grid:
+        try:
+            harness.make_method(name, b, options.get(name))  # bad option values fail here too
+        except ValueError as e:
+            raise ValueError(f"--option {name}: {e}" if options.get(name) else str(e)) from None
     compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
     for option, ref in (("--equal-bytes", args.equal_bytes), ("--also-equal-bytes", _also_equal_bytes(args, names))):
         if ref is not None and ref not in compressed:
@@ -136,12 +179,6 @@ def cmd_run(args) -> int:
         _check_mesh_batches(model, args)
         print(f"[kvjax-eval] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     config = {k: v for k, v in vars(args).items() if k != "func"}
-    options = {}
-    if "less" in names and args.model == assets.SMOLLM2_NAME:  # the shipped kernels, trained for this model
-        options["less"] = {"kernels": str(assets.LESS_SMOLLM2_KERNELS)}
-        # trained at 103 tokens (0.2 of 512); used at 0.2 of each prompt, which MAIN_NOTES says once
-        warnings.filterwarnings("ignore", message=r"kernels=.* were trained for another sparse policy setting: "
-                                r"budget: trained \d+, requested \d+\. ")
     if args.command == "main":
         config["notes"] = MAIN_NOTES
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
@@ -167,19 +204,27 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvjax-eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="kvjax-eval", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                formatter_class=HelpFormatter, epilog="examples:\n" + __doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, help):  # every subcommand: defaults in its --help, its help line as its description
+        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                              formatter_class=HelpFormatter)
 
     def common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True,
                scan=False):
         """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
         subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
         sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
-        sp.add_argument("--methods", default=methods, help="comma-separated registered methods")
+        sp.add_argument("--methods", default=methods, help=names_help("comma-separated methods"))
         sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
                         help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
                              "counts (256)")
+        sp.add_argument("--option", type=parse_qualified_option, action="append", default=[],
+                        metavar="[METHOD.]KEY=VALUE",
+                        help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
+                             "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)")
         if equal_bytes:
             sp.add_argument("--equal-bytes", default=None, metavar="REF",
                             help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
@@ -190,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         if batch is not None:
             sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
         if max_new is not None:
-            sp.add_argument("--max-new-tokens", type=int, default=max_new)
+            sp.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens generated per answer")
         if seed:
-            sp.add_argument("--seed", type=int, default=0)
+            sp.add_argument("--seed", type=int, default=0, help="seed of the generated needles / tasks")
         sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
                         help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
                              "'model'; --batch / --sequences must be multiples of the 'data' size")
@@ -200,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stack the layers and run them as one compiled loop body (faster compiles of deep "
                              "models; same results)")
         sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
-        sp.add_argument("--no-progress", action="store_true")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
         sp.set_defaults(func=cmd_run, equal_bytes=None)
 
     def needle_opts(sp, depths, trials=1):
@@ -208,12 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--trials", type=int, default=trials, help="passkeys per (length, depth) cell")
 
     def ppl_opts(sp, sequences, prefix, continuation):
-        sp.add_argument("--sequences", type=int, default=sequences)
+        sp.add_argument("--sequences", type=int, default=sequences, help="held-out sequences scored")
         sp.add_argument("--prefix", type=int, default=prefix, help="prefilled (compressed) tokens per sequence")
         sp.add_argument("--continuation", type=int, default=continuation, help="teacher-forced scored tokens")
         sp.add_argument("--book", default="John", help="King James book used as held-out text")
 
-    m = sub.add_parser("main", help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and "
+    m = add("main", help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and "
                        "perplexity (embedded model)")
     common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=MAIN_NEW,
            seed=True, scan=True)
@@ -223,28 +268,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the nominal runs, run every other compressed method again at the token budget whose "
                         "bytes match REF's (default: h2o when it runs; '' for none)")
 
-    n = sub.add_parser("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
+    n = add("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
     common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
            batch=4, max_new=8, seed=True)
     needle_opts(n, [0.0, 0.25, 0.5, 0.75, 1.0])
 
-    pp = sub.add_parser("perplexity", help="streaming perplexity of held-out text under a compressed cache")
+    pp = add("perplexity", help="streaming perplexity of held-out text under a compressed cache")
     common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-perplexity")
     ppl_opts(pp, 4, 1024, 256)
 
-    r = sub.add_parser("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
+    r = add("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
     common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], "runs/eval-ruler", lengths=[1024], batch=4,
            max_new=32, seed=True)
-    r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words")
+    r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words", help="comma-separated tasks")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
 
-    f = sub.add_parser("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
+    f = add("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
                        "top-B recall (recall methods) and layer Jaccard vs full")
     common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], "runs/eval-fidelity", lengths=[1024],
            equal_bytes=False)
     f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
 
-    lb = sub.add_parser("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
+    lb = add("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
     common(lb, "full,snapkv", [0.2], "runs/eval-longbench", batch=1, equal_bytes=False)
     lb.add_argument("--data", required=True, help="folder of LongBench jsonl files, or the hub id THUDM/LongBench")
     lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
@@ -252,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--max-length", type=int, default=None,
                     help="prompt tokens before middle truncation (default: context - longest generation)")
 
-    pl = sub.add_parser("plot", help="redraw the markdown table and plots from a results.json")
-    pl.add_argument("results")
+    pl = add("plot", help="redraw the markdown table and plots from a results.json")
+    pl.add_argument("results", help="a results.json written by kvjax-eval")
     pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
     pl.set_defaults(func=cmd_plot)
     return p
@@ -261,11 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvjax-eval: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli("kvjax-eval", args.func, args)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,10 @@ def method_grid(names: Sequence[str], budgets: Sequence, max_tokens: int | None 
 
 def make_method(name: str, budget=None, options: dict | None = None):
     """The registered method ``name`` at ``budget`` (a fraction or a token count; None: its default), with its
-    config fields ``options`` (e.g. ``{"kernels": "runs/less"}``)."""
+    other config ``options`` (``kvjax-eval --option``; None: the defaults)."""
     if budget is None:
         return methods.get(name, **(options or {}))
-    return methods.get(name, budget=check_budget(budget, "--budgets"), **(options or {}))
+    return methods.get(name, **(options or {}), budget=check_budget(budget, "--budgets"))
 
 
 def memory_rows(method, states, batch: int | None = None, num_heads: int | None = None) -> list[dict]:
@@ -197,7 +197,7 @@ def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity,
 
     def size(t):
         try:
-            return bytes_per_seq(model_cfg, methods.get(name, budget=t, **(options or {})), capacity, dtype)
+            return bytes_per_seq(model_cfg, make_method(name, t, options), capacity, dtype)
         except ValueError:
             return None
 

@@ -84,15 +84,15 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
         raise ValueError(f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
                          "per example); run it without --equal-bytes")
     cap = task.capacity(prepared)
+    options = options or {}
     configs, records = [], []
     for name, b in grid:
         if name in ("full", ref):
             configs.append((name, b, b))
             continue
-        opts = (options or {})
-        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b, opts.get(ref)), cap, model.dtype)
+        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b, options.get(ref)), cap, model.dtype)
         try:
-            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, opts.get(name))
+            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, options.get(name))
         except ValueError as e:
             print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
             records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
@@ -113,7 +113,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the token budget
     whose memory matches that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
     ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget.
-    ``options``: per method name, config fields passed to ``methods.get`` (e.g. LESS's ``kernels``).
+    ``options``: ``{method: {option: value}}`` passed to every config of that method (``kvjax-eval --option``).
     ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the
     token budget matching that method's bytes (rows with ``setting="equal_bytes"``; the main job's second
     comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped."""

@@ -21,6 +21,7 @@ and ``kvjax-train-less``: ``"0.2"`` is a fraction, ``"256"`` a token count.
 from __future__ import annotations
 
 import math
+import warnings
 from fractions import Fraction
 
 import jax.numpy as jnp
@@ -120,6 +121,43 @@ def budget_tokens(budget: Budget, n, cap=None):
     return t.astype(np.int64 if xp is np else jnp.int32)
 
 
-__all__ = ["Budget", "MAX_DENOMINATOR", "as_fraction", "budget_tokens", "ceil_mul", "check_budget", "floor_fraction",
-           "floor_mul",
-           "parse_budget", "parse_budgets"]
+#: Fewest tokens any evicting budget can use sensibly: a budget of 1-2 tokens keeps no context worth the name.
+MIN_TOKENS = 3
+
+
+class BudgetWarning(UserWarning):
+    """A budget leaves a sequence fewer tokens than its method can use sensibly (:func:`warn_small_budget`)."""
+
+
+_warned: set = set()
+
+
+def warn_small_budget(method, lengths, max_new_tokens: int = 0, model_cfg=None) -> bool:
+    """Warn (:class:`BudgetWarning`, once per method config) when ``method``'s budget keeps fewer tokens of a
+    prompt than the method can use sensibly: ``method.kept_tokens(n) < min(n, method.min_budget())`` for a prompt
+    length ``n`` of ``lengths`` (host ints; call it outside ``jit``). The minimum is the method's own (sinks +
+    window, a chunk, a page; at least :data:`MIN_TOKENS`); ``budget=1.0`` (the whole prompt) never warns.
+    Methods without a budget (``full``) never warn. Returns whether it warned."""
+    budget = getattr(method, "budget", None)
+    if budget is None or not lengths:
+        return False
+    need, why = method.min_budget()
+    kept_n = [(method.kept_tokens(int(n), max_new_tokens, model_cfg), int(n)) for n in lengths]
+    short = [(k, n) for k, n in kept_n if k < min(n, need)]
+    key = (method.name, repr(method))  # once per method config (repr: hashable whatever its fields hold)
+    if not short or key in _warned:
+        return False
+    _warned.add(key)
+    kept, n = min(short)
+    kind = "a fraction" if isinstance(budget, float) else "an int: a token count"
+    fix = (f"Use a budget of at least {need} tokens (a fraction >= {math.ceil(100 * need / n) / 100:g} of this "
+           "prompt), or 1.0 to keep the whole prompt" if need <= n else
+           "The prompt is shorter than that: use 1.0 to keep the whole prompt, or a longer prompt")
+    warnings.warn(f"{method.name}: budget={budget} ({kind}) keeps {kept} token{'s' * (kept != 1)} of a {n}-token "
+                  f"prompt, fewer than the {need} {method.name} can use sensibly ({why}); the answer may be "
+                  f"nonsense. {fix}", BudgetWarning, stacklevel=3)
+    return True
+
+
+__all__ = ["Budget", "BudgetWarning", "MAX_DENOMINATOR", "MIN_TOKENS", "as_fraction", "budget_tokens", "ceil_mul",
+           "check_budget", "floor_fraction", "floor_mul", "parse_budget", "parse_budgets", "warn_small_budget"]

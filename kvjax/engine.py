@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import inplace, model as M
+from kvjax.budget import warn_small_budget
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
@@ -350,6 +351,8 @@ def prepare_prompts(model, prompts, chat: bool = False) -> list[list[int]]:
     """Token id lists from a string, strings (tokenized; ``chat=True`` applies the chat template) or id lists."""
     if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("prompts=[] is empty; pass a string, a list of strings or a list of token id lists")
     ids = []
     for p in prompts:
         if isinstance(p, str):
@@ -436,6 +439,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     bucket = prompt_len or bucket_length(max(lengths_list))
     _check_capacity(cfg, lengths_list, bucket, max_new_tokens)
     check_method(cfg, method)
+    warn_small_budget(method, lengths_list, max_new_tokens, cfg)  # on the host, once per method config: never in jit
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = _eos_ids(model) if stop_at_eos else ()
@@ -507,13 +511,17 @@ def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token
 
 
 def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, **kw) -> Iterator[str]:
-    """Yield the decoded text of one prompt piece by piece (Python driver)."""
+    """Yield the decoded text of one prompt piece by piece (Python driver).
+
+    ``generate`` runs in a worker thread; an exception it raises there (a bad ``max_new_tokens``, a prompt longer
+    than the model context, ...) is re-raised here, in the caller's thread, when the stream reaches it."""
     import queue
     import threading
 
     q: queue.Queue = queue.Queue()
     seq: list[int] = []
     eos = set(_eos_ids(model))
+    failed: list[BaseException] = []
 
     def on_token(step, toks):
         q.put(int(toks[0]))
@@ -521,6 +529,8 @@ def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, 
     def run():
         try:
             generate(model, [prompt], method, max_new_tokens, sampling, driver="python", on_token=on_token, **kw)
+        except BaseException as e:  # handed to the consumer: a thread's exception would only be printed
+            failed.append(e)
         finally:
             q.put(None)
 
@@ -534,3 +544,5 @@ def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, 
         if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
             yield text[len(shown):]
             shown = text
+    if failed:
+        raise failed[0]

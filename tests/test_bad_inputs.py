@@ -2,9 +2,11 @@
 
 Each case is a bad value given to the Python API, ``kvjax``, ``kvjax-eval`` or ``kvjax-train-less``; the test
 runs it and checks that it fails the documented way: a ``ValueError``/``FileNotFoundError`` (Python) or exit
-code 2 with a one-line ``error:`` (command lines), whose message names the argument (``match``). The docs table
-lists every case with the message it really gives; ``test_table_is_current`` fails when the table and the
-messages part ways. Regenerate it with
+code 2 with a one-line ``error:`` (command lines), whose message names the argument (``match``). Command lines
+run in-process through their ``main(argv)`` (cheap); a few run as real subprocesses (``python -m``, the
+console script's module): an error raised in ``kvjax generate``'s streaming worker thread, and at least one
+case per console script. The docs table lists every case with the message it really gives;
+``test_table_is_current`` fails when the table and the messages part ways. Regenerate it with
 
     python3 tests/test_bad_inputs.py --write docs/bad-inputs.md
 """
@@ -16,6 +18,7 @@ import dataclasses
 import io
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -79,6 +82,25 @@ def _cli(main_path: str, *argv):
     return run
 
 
+def _proc(module: str, *argv):
+    """Run ``python -m module argv`` as a subprocess (this checkout first on PYTHONPATH): its exit code, its
+    stderr copied to ours (where :func:`failure` reads it)."""
+    def run(ctx):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", module, *(a.format(**ctx) for a in argv)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+
+    return run
+
+
+def _stream(**kw):
+    from kvjax import engine
+
+    return lambda ctx: list(engine.stream(ctx["model"], [5, 6, 7], "full", **kw))
+
+
 def _scan_without_traced_layer(ctx):
     import jax.numpy as jnp
 
@@ -108,6 +130,7 @@ def _train_config(**kw):
 KVJAX = "kvjax.cli.main"
 EVAL = "eval.cli.main"
 TRAIN = "train_less.cli.main"
+LONG = " ".join(["word"] * 300)  # 300 tokens of {tiny_tok}'s word-level tokenizer: more than its 256-token context
 
 CASES = [
     # Python API
@@ -135,6 +158,10 @@ CASES = [
     Case("python", "generate(model, ids, max_new_tokens=0)", _generate(max_new_tokens=0), "max_new_tokens"),
     Case("python", "generate(model, ids, max_new_tokens=10**6)", _generate(max_new_tokens=10 ** 6), "context"),
     Case("python", "generate(model, [[]])", _generate(prompt=()), "empty prompt"),
+    Case("python", "generate(model, [])", lambda ctx: __import__("kvjax").engine.generate(ctx["model"], []),
+         "prompts=\\[\\]"),
+    Case("python", "list(stream(model, ids, max_new_tokens=0)) (raised in its worker thread)",
+         _stream(max_new_tokens=0), "max_new_tokens"),
     Case("python", "generate(model, 40 ids, prompt_len=32)", _generate(prompt=range(1, 41), prompt_len=32),
          "prompt_len"),
     Case("python", 'generate(model, "text") on a model without tokenizer', _generate(prompt="text"), "tokenizer"),
@@ -151,14 +178,30 @@ CASES = [
          "--budget"),
     Case("kvjax", "kvjax generate --budget 1.5 --prompt hi",
          _cli(KVJAX, "generate", "--budget", "1.5", "--prompt", "hi"), "--budget"),
-    Case("kvjax", "kvjax generate --model {tiny} --method nope --prompt hi",
-         _cli(KVJAX, "generate", "--model", "{tiny}", "--method", "nope", "--prompt", "hi"), "nope"),
+    Case("kvjax", "kvjax generate --method nope --prompt hi",
+         _cli(KVJAX, "generate", "--method", "nope", "--prompt", "hi"), "--method: 'nope'"),
+    Case("kvjax", "kvjax generate --max-new-tokens 0 --prompt hi",
+         _cli(KVJAX, "generate", "--max-new-tokens", "0", "--prompt", "hi"), "--max-new-tokens 0"),
+    Case("kvjax", "kvjax generate --max-new-tokens -5 --prompt hi",
+         _cli(KVJAX, "generate", "--max-new-tokens", "-5", "--prompt", "hi"), "--max-new-tokens -5"),
+    Case("kvjax", "kvjax generate --method snapkv --option windw=4 --prompt hi",
+         _cli(KVJAX, "generate", "--method", "snapkv", "--option", "windw=4", "--prompt", "hi"), "windw"),
+    Case("kvjax", "kvjax generate --model {tiny_tok} --prompt '<300 words>' (a real process; raised in the "
+         "streaming thread)", _proc("kvjax.cli", "generate", "--model", "{tiny_tok}", "--prompt", LONG),
+         "exceeds the model context"),
     Case("kvjax", "kvjax generate --model {tiny} --option window --prompt hi",
          _cli(KVJAX, "generate", "--model", "{tiny}", "--option", "window", "--prompt", "hi"), "--option"),
     Case("kvjax", "kvjax generate --model {tiny} --mesh tensor=2 --prompt hi",
          _cli(KVJAX, "generate", "--model", "{tiny}", "--mesh", "tensor=2", "--prompt", "hi"), "tensor"),
     Case("kvjax", "kvjax generate --model /no/such/model --prompt hi",
          _cli(KVJAX, "generate", "--model", "/no/such/model", "--prompt", "hi"), "no/such/model"),
+    Case("kvjax", "kvjax demo --methods full,nope", _cli(KVJAX, "demo", "--methods", "full,nope"), "nope"),
+    Case("kvjax", "kvjax demo --max-new-tokens 0", _cli(KVJAX, "demo", "--max-new-tokens", "0"),
+         "--max-new-tokens"),
+    Case("kvjax", "kvjax calibrate-chelsea --out heads.json --text /no/such.txt",
+         _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--text", "/no/such.txt"), "--text"),
+    Case("kvjax", "kvjax calibrate-chelsea --out heads.json --keep-layers first",
+         _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--keep-layers", "first"), "--keep-layers"),
     # kvjax-eval
     Case("kvjax-eval", "kvjax-eval main --budgets 0.2,1.5", _cli(EVAL, "main", "--budgets", "0.2,1.5"), "--budgets"),
     Case("kvjax-eval", "kvjax-eval main --methods full,nope", _cli(EVAL, "main", "--methods", "full,nope"), "nope"),
@@ -168,6 +211,18 @@ CASES = [
          "--lengths"),
     Case("kvjax-eval", "kvjax-eval main --mesh data=2,model=1 --batch 3",
          _cli(EVAL, "main", "--mesh", "data=2,model=1", "--batch", "3"), "--batch"),
+    Case("kvjax-eval", "kvjax-eval main --option windw=4", _cli(EVAL, "main", "--option", "windw=4"), "windw"),
+    Case("kvjax-eval", "kvjax-eval main --option h2o.window=4", _cli(EVAL, "main", "--option", "h2o.window=4"),
+         "h2o"),
+    Case("kvjax-eval", "kvjax-eval needle --methods full,snapkv --option chunkkv.chunk_size=4",
+         _cli(EVAL, "needle", "--methods", "full,snapkv", "--option", "chunkkv.chunk_size=4"), "chunkkv"),
+    Case("kvjax-eval", "kvjax-eval main --option snapkv.window=0", _cli(EVAL, "main", "--option", "snapkv.window=0"),
+         "--option snapkv: window=0"),
+    Case("kvjax-eval", "kvjax-eval main --option budget=0.1", _cli(EVAL, "main", "--option", "budget=0.1"),
+         "--budgets"),
+    Case("kvjax-eval", "kvjax-eval main --option window", _cli(EVAL, "main", "--option", "window"), "--option"),
+    Case("kvjax-eval", "kvjax-eval plot /no/such/results.json (a real process)",
+         _proc("eval.cli", "plot", "/no/such/results.json"), "results"),
     Case("kvjax-eval", "kvjax-eval main --model {tiny} --lengths 100000",
          _cli(EVAL, "main", "--model", "{tiny}", "--methods", "full", "--lengths", "100000"), "lengths"),
     # kvjax-train-less
@@ -187,6 +242,8 @@ CASES = [
          _cli(TRAIN, "--out", "{tmp}/x", "--mask", "h2o"), "--mask"),
     Case("kvjax-train-less", "kvjax-train-less --out runs/x --policy lru",
          _cli(TRAIN, "--out", "{tmp}/x", "--policy", "lru"), "--policy"),
+    Case("kvjax-train-less", "kvjax-train-less --out runs/x --data /no/such/folder (a real process)",
+         _proc("train_less.cli", "--out", "{tmp}/x", "--data", "/no/such/folder"), "--data"),
 ]
 
 
@@ -208,18 +265,28 @@ def failure(case: Case, ctx: dict) -> tuple[str, str]:
 
 
 def context(tmp: Path) -> dict:
-    """A small local HF checkpoint (no tokenizer) and a model loaded from it."""
+    """A small local HF checkpoint (no tokenizer), the same with a word-level tokenizer (``tiny_tok``), and a
+    model loaded from the first."""
+    import shutil
+
     import kvjax
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    tiny = tmp / "tiny"
+    tiny, tiny_tok = tmp / "tiny", tmp / "tiny-tok"
     if not (tiny / "config.json").is_file():
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
                          ).save_pretrained(tiny)
-    return {"tiny": str(tiny), "tmp": str(tmp), "model": kvjax.load_model(tiny, dtype="float32")}
+    if not (tiny_tok / "tokenizer.json").is_file():
+        shutil.copytree(tiny, tiny_tok, dirs_exist_ok=True)
+        words = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2, "word": 3}, unk_token="<unk>"))
+        words.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>").save_pretrained(tiny_tok)
+    return {"tiny": str(tiny), "tiny_tok": str(tiny_tok), "tmp": str(tmp),
+            "model": kvjax.load_model(tiny, dtype="float32")}
 
 
 def render(rows: list[tuple[Case, str, str]], tmp: str) -> str:
@@ -232,7 +299,9 @@ def render(rows: list[tuple[Case, str, str]], tmp: str) -> str:
            "rows below are generated by `tests/test_bad_inputs.py` (`python3 tests/test_bad_inputs.py --write "
            "docs/bad-inputs.md`), which runs each bad input and checks the message; the Python API raises "
            "`ValueError` (or `FileNotFoundError` for missing files), the command lines exit with code 2 and print "
-           "one `error:` line. `{tiny}` is a small local Hugging Face checkpoint.", ""]
+           "one `error:` line. `{tiny}` is a small local Hugging Face checkpoint (`{tiny_tok}`: the same with a "
+           "word-level tokenizer). A budget too small for its method is not an error: it runs and warns once "
+           "(`kvjax.budget.BudgetWarning`, printed by the command lines as one `warning:` line).", ""]
     for entry, title in ENTRY_POINTS.items():
         out += [f"## {title}", "", "| input | error |", "|---|---|"]
         for case, how, msg in rows:
@@ -259,6 +328,18 @@ def test_bad_input_fails_clearly(results, i):
     case, how, msg = results[i]
     assert re.search(case.match, msg), f"{case.shown}: the message does not name {case.match!r}: {msg}"
     assert "Traceback" not in msg
+
+
+def test_a_failed_subprocess_is_one_error_line(capsys):
+    """``kvjax install-assets`` runs pip: a pip failure is one ``error:`` line naming the command, exit code 2."""
+    from kvjax.cli import run_cli
+
+    def pip_fails():
+        subprocess.run([sys.executable, "-c", "import sys; sys.exit(3)"], check=True)
+
+    assert run_cli("kvjax", pip_fails) == 2
+    lines = [l for l in capsys.readouterr().err.splitlines() if "error:" in l]
+    assert len(lines) == 1 and "failed with exit code 3" in lines[0] and "Traceback" not in lines[0]
 
 
 def test_table_is_current(results, ctx):

@@ -56,7 +56,7 @@ from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
-from kvjax.budget import budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
+from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
 from kvjax import sharding
 from kvjax.sharding import BATCH, KV_HEADS
@@ -138,6 +138,18 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def tokens_held(self, state) -> jnp.ndarray:
         ...
+
+    def min_budget(self) -> tuple[int, str]:
+        """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
+        a page; at least :data:`kvjax.budget.MIN_TOKENS`) and a few words on why. A smaller budget still runs (the
+        method shrinks its windows, docs/interface.md#the-budget-contract) but :func:`kvjax.budget.
+        warn_small_budget` warns once."""
+        return MIN_TOKENS, f"a budget of 1-{MIN_TOKENS - 1} tokens keeps no usable context"
+
+    def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg: ModelConfig | None = None) -> int:
+        """Tokens the budget gives a sequence with an ``n``-token prompt (host ints): ``budget_tokens(budget, n)``
+        (Chelsea's budget also counts the ``max_new_tokens`` to come). Compared with :meth:`min_budget`."""
+        return int(budget_tokens(self.budget, n))
 
     @abc.abstractmethod
     def held(self, n: int, steps: int) -> int:

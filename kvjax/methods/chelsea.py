@@ -475,6 +475,16 @@ class Chelsea(Method):
         comp = jnp.sum(jnp.sum(state.n > 0, axis=-1), axis=-1).astype(jnp.float32)
         return ((comp + ho * state.seen.astype(jnp.float32)) / (hc + ho)).astype(jnp.float32)
 
+    def min_budget(self) -> tuple[int, str]:
+        return (self.n_sink + self.n_recent + 1,
+                f"n_sink={self.n_sink} + n_recent={self.n_recent} + at least one merged middle slot")
+
+    def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg=None) -> int:
+        """``B``: slots per compressed KV head, ``floor(R (n + max_new_tokens))`` (:meth:`target`)."""
+        if self.outlier_heads and model_cfg is None:
+            return super().kept_tokens(n, max_new_tokens)
+        return int(self.target(self.rule(model_cfg), int(n), max_new_tokens))
+
     def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1, *, max_new_tokens: int | None = None,
              model_cfg=None) -> int:
         """Slots a compressed KV head of a sequence with an ``n``-token prompt holds after ``steps`` decode

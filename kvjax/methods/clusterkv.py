@@ -78,7 +78,7 @@ from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kernels_pallas.decode_attention import gather_runs, runs_mask
 from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
-from kvjax.budget import check_budget
+from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods.base import Capacity, Method, SlotCache, evicting_budget, rows_at, top_k
 from kvjax.methods.full import Full
@@ -202,6 +202,9 @@ class ClusterKV(Method):
         s, bsel = self.split(n, max_new_tokens)
         unclustered = steps % self.window
         return s + min(bsel, n - s + steps - unclustered) + unclustered + 1
+
+    def min_budget(self) -> tuple[int, str]:
+        return self.sink + MIN_TOKENS, f"sink={self.sink} + at least {MIN_TOKENS} tokens selected from clusters"
 
     def held(self, n: int, steps: int) -> int:
         return n + steps

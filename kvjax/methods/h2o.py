@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
+from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
                                 rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
@@ -142,6 +142,11 @@ class H2O(Method):
 
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)
+
+    def min_budget(self) -> tuple[int, str]:
+        if isinstance(self.recent, int):
+            return max(MIN_TOKENS, self.recent + 1), f"recent={self.recent} + at least one heavy hitter"
+        return super().min_budget()
 
     def held(self, n: int, steps: int) -> int:
         return min(n + steps, evicting_budget(self.budget, n, n + steps))

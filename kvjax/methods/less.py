@@ -643,6 +643,9 @@ class Less(Method):
         """Tokens in the sparse cache (the constant-size ``H, z`` state is counted in bytes, not tokens)."""
         return self.sparse.tokens_held(state.sparse)
 
+    def min_budget(self) -> tuple[int, str]:
+        return self.sparse.min_budget()
+
     def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
         return self.sparse.held(n, steps)
 

@@ -86,7 +86,7 @@ from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
-from kvjax.budget import budget_tokens, check_budget
+from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.methods.base import (Capacity, Method, SlotCache, rows_at, slot_bytes_read, slot_tokens_held,
                                top_k)
 from kvjax.methods.full import Full
@@ -350,6 +350,9 @@ class Quest(Method):
         if isinstance(state, SlotCache):
             return slot_tokens_held(state)
         return jnp.asarray(state.filled, jnp.float32)
+
+    def min_budget(self) -> tuple[int, str]:
+        return max(MIN_TOKENS, self.page_size), f"one page of page_size={self.page_size}"
 
     def held(self, n: int, steps: int) -> int:
         """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""

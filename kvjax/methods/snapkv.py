@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
                                 empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
@@ -82,6 +82,11 @@ class SnapKV(Method):
 
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)
+
+    def min_budget(self) -> tuple[int, str]:
+        """The window plus one selected token (PyramidKV: the same total, which its layers share unevenly)."""
+        return (max(MIN_TOKENS, self.window + 1),
+                f"window={self.window} observation tokens + at least one selected token")
 
     def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
         return min(n, int(self.layer_budgets(n, layer, num_layers))) + steps

@@ -1,0 +1,146 @@
+"""The fast first check: ``python3 -m pytest -m smoke`` (under 2 minutes on 2 cores; the README gives the measured
+time). Every command line's ``--help``, every registered method through ``engine.generate``, one ``kvjax
+generate`` and one ``kvjax-eval`` cell, all on a tiny random Llama saved as a local HF folder with the embedded
+SmolLM2 tokenizer (built here, no downloads). Tests marked ``smoke`` elsewhere join it.
+
+The references are independent of the code under test: argparse's own exit code and the registry's names for
+the help pages; for the methods, the budget's ``ceil(b n)`` computed here by hand; for the eval cell, the option
+given on the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import assets, engine, methods
+
+pytestmark = pytest.mark.smoke
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+#: Per-method options that make the tiny model exercise the method's own code: ClusterKV and Quest keep their first
+#: ``n_full`` layers full (2 by default: every layer here).
+OPTIONS = {"clusterkv": {"n_full": 0}, "quest": {"n_full": 0, "page_size": 4}}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """A tiny random Llama (1 layer, GQA 4/2) with the embedded SmolLM2 tokenizer, as a local HF folder."""
+    from kvjax.tokenizer import GGUFTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-smoke")
+    ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token="<|im_start|>",
+                                               eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                               unk_token="<|endoftext|>")
+    tok.chat_template = ours.chat_template
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)  # peaked, input-dependent logits
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return kvjax.load_model(tiny_path, dtype="float32")
+
+
+def _parsers():
+    from eval import cli as eval_cli
+    from kvjax import cli as kvjax_cli
+    from train_less import cli as train_cli
+
+    yield "kvjax", kvjax_cli.build_parser, [[], ["generate"], ["demo"], ["calibrate-chelsea"], ["install-assets"]]
+    yield "kvjax-eval", eval_cli.build_parser, [[], ["main"], ["needle"], ["perplexity"], ["ruler"], ["fidelity"],
+                                                ["longbench"], ["plot"]]
+    yield "kvjax-train-less", train_cli.build_parser, [[]]
+
+
+def _help(build, argv) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as e:
+        build().parse_args([*argv, "--help"])
+    assert e.value.code == 0
+    return out.getvalue()
+
+
+def test_every_help_shows_defaults_and_method_names():
+    names = ", ".join(methods.names())
+    for prog, build, commands in _parsers():
+        for argv in commands:
+            text = _help(build, argv)
+            flat = " ".join(text.split())
+            shown = " ".join([prog, *argv])
+            assert f"usage: {shown}" in flat, shown
+            if argv or prog == "kvjax-train-less":  # a command's own options: their defaults are shown
+                assert "(default:" in flat or argv == ["install-assets"], f"{shown} --help shows no defaults"
+            if re.search(r"^\s+--methods? ", text, re.M):  # an option taking method names
+                assert names in flat, f"{shown} --help does not list the method names"
+    top = " ".join(_help(next(_parsers())[1], []).split())
+    assert "main job" not in top  # kvjax demo is not the main job (kvjax-eval main is)
+    eval_top = _help(dict((p, b) for p, b, _ in _parsers())["kvjax-eval"], [])
+    assert eval_top.count("compare KV-cache methods") == 1  # the description once, not again in the epilog
+
+
+@pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")  # 0.5 of 40 tokens is below Chelsea's windows
+@pytest.mark.parametrize("name", methods.names())
+def test_every_method_generates(tiny, name):
+    """Each method at budget 0.5 generates the tokens asked for, reports its bytes, and (where it evicts in
+    prefill) holds at most ``ceil(0.5 n)`` of the ``n`` prompt tokens. (That a method keeping every token
+    generates what ``full`` does is tests/kvjax/test_engine.py's, for every method.)"""
+    rng = np.random.RandomState(0)
+    prompt = [int(t) for t in rng.randint(3, 2000, size=40)]
+    method = methods.get(name, **({} if name == "full" else {"budget": 0.5}), **OPTIONS.get(name, {}))
+    out = engine.generate(tiny, [prompt], method, max_new_tokens=4, stop_at_eos=False)
+    s = out.stats[0]
+    assert len(out.tokens[0]) == 4 and s["cache_bytes"] > 0 and s["bytes_read_per_step"] > 0
+    # Recall methods keep every token; Chelsea compresses during decode; PyramidKV's per-layer budgets average to
+    # the budget over layers, and this model's one layer takes the pyramid's largest.
+    if name not in ("full", "chelsea", "pyramidkv") and not methods.REGISTRY[name].recalls:
+        assert s["tokens_held_prefill"] <= math.ceil(0.5 * len(prompt)), (name, s)
+
+
+def test_generate_cli(tiny_path, capsys):
+    from kvjax import cli
+
+    code = cli.main(["generate", "--model", str(tiny_path), "--method", "snapkv", "--budget", "0.5", "--prompt",
+                     "Where is the Eiffel Tower? " * 4, "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "error:" not in err and "snapkv:" in err
+
+
+def test_eval_cell_with_a_method_option(tiny_path, tmp_path, monkeypatch):
+    from eval import cli, harness
+
+    built = []
+    make = harness.make_method
+
+    def spy(name, budget=None, options=None):
+        built.append(make(name, budget, options))
+        return built[-1]
+
+    monkeypatch.setattr(harness, "make_method", spy)
+    out = tmp_path / "eval"
+    code = cli.main(["needle", "--model", str(tiny_path), "--methods", "snapkv", "--budgets", "0.5", "--lengths",
+                     "128", "--depths", "0.5", "--batch", "1", "--max-new-tokens", "4", "--option",
+                     "snapkv.window=4", "--no-progress", "--out", str(out)])
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["method"] == "snapkv" and rows[0]["budget"] == 0.5
+    assert built and all(m.window == 4 for m in built)  # --option reached every config the run built
