@@ -32,6 +32,8 @@ MAIN_NOTES = (
     "window's pooled scores keep only some digits of the 5-digit key (NVIDIA kvpress's SnapKV does the same on "
     "this model); ChunkKV keeps whole 10-token chunks and recovers the key, the failure its paper starts from. "
     "StreamingLLM keeps only sinks and the most recent tokens, so it finds the key only when it is near the end. "
+    "Chelsea's 16 sinks + 64 recent tokens (its paper's setting) are more than 0.2 of a 256-512-token prompt, so at "
+    "this budget it keeps little beyond them (kvjax warns); its paper runs at 16k-64k tokens. "
     "LESS runs with the kernels shipped in `kvjax/data/less-smollm2` (trained by `kvjax-train-less` with H2O at "
     "103 tokens, 0.2 of 512; used here at 0.2 of each prompt; command and validation loss in its README); the "
     "recall methods (PQCache, ClusterKV, Quest) hold every token and read a "

@@ -46,7 +46,7 @@ def tiny_path(tmp_path_factory):
 def _main(path, out, *extra):
     argv = ["main", "--model", str(path), "--methods", "snapkv", "--budgets", "0.5", "--lengths", "160",
             "--depths", "0,1", "--batch", "2", "--max-new-tokens", "4", "--sequences", "2", "--prefix", "64",
-            "--continuation", "8", "--no-progress", "--out", str(out), *extra]
+            "--continuation", "8", "--trials", "1", "--no-progress", "--out", str(out), *extra]
     assert cli.main(argv) == 0
     return json.loads((out / "results.json").read_text())
 
@@ -63,8 +63,9 @@ def test_main_with_mesh_equals_one_device(tiny_path, tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "prefill", spy)
     sharded = _main(tiny_path, tmp_path / "mesh", "--mesh", MESH)
     assert sharded["config"]["mesh"] == MESH and one["config"]["mesh"] is None
-    assert seen and all(m is not None and dict(m.shape) == {"data": 2, "model": 4} and spec[:2] == ("data", "model")
-                        for m, spec in seen)
+    # the main job scans the layers by default: a stacked leaf has the layer axis first, unsharded
+    assert seen and all(m is not None and dict(m.shape) == {"data": 2, "model": 4}
+                        and tuple(spec[:3]) == (None, "data", "model") for m, spec in seen)
     assert len(one["rows"]) == len(sharded["rows"]) == 4
     for a, b in zip(one["rows"], sharded["rows"]):
         assert (a["task"], a["method"], a["budget"]) == (b["task"], b["method"], b["budget"])
