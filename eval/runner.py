@@ -2,7 +2,8 @@
 
 Runs are grouped method-major and every batch of a task is padded to the same batch size and bucket, so the
 engine's jitted ``prefill``/``decode_step`` compile once per (method, budget, task shape) and are reused for
-all of that task's batches. Inputs are checked before anything runs (unknown method, budget outside (0, 1],
+all of that task's batches; when a configuration's batches are done, its compiled programs are released
+(:func:`kvjax.engine.release_compiled`), so a sweep's memory stays that of its largest configuration. Inputs are checked before anything runs (unknown method, budget outside (0, 1],
 context longer than the model's).
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
-from kvjax.engine import bucket_length
+from kvjax.engine import bucket_length, release_compiled
 from kvjax.methods.base import Capacity
 
 
@@ -152,5 +153,6 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
             results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
                                                "seconds": time.perf_counter() - t0,
                                                "note": "first batch includes compilation"})
+            release_compiled()  # the next configuration compiles its own programs; this one's are dead weight
     results["timings"]["total_seconds"] = time.perf_counter() - start
     return results
