@@ -4,7 +4,7 @@
 three compressing methods at three budgets, on two prompt-length tasks) on a tiny random model.
 ``python3 tests/eval/memory_sweep.py single METHOD BUDGET LENGTH``: one of those configurations alone.
 ``--keep`` stubs out the runner's release (what the runner did before it released finished configurations).
-Prints one JSON line: ``peak_mib`` (``ru_maxrss``), ``end_mib`` (RSS at the end, psutil), ``configs``.
+Prints one JSON line: ``peak_mib`` (``ru_maxrss``), ``end_mib`` (RSS at the end, /proc/self/statm), ``configs``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 
 from eval import runner  # noqa: E402
 from kvjax import engine  # noqa: E402
@@ -54,6 +53,12 @@ class PromptTask:
         return [{**meta, "tokens": t} for t in out.tokens]
 
 
+def rss_mib() -> float:
+    """Resident memory of this process now (Linux: /proc/self/statm's resident pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def tiny_model() -> Model:
     cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -74,7 +79,7 @@ def main(argv):
     results = runner.run(model, tasks, methods, budgets, progress=False)
     print(json.dumps({"configs": len(results["timings"]["runs"]),
                       "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "end_mib": psutil.Process().memory_info().rss / 2**20}))
+                      "end_mib": rss_mib()}))
 
 
 if __name__ == "__main__":
