@@ -2,8 +2,9 @@
 
 Runs are grouped method-major and every batch of a task is padded to the same batch size and bucket, so the
 engine's jitted ``prefill``/``decode_step`` compile once per (method, budget, task shape) and are reused for
-all of that task's batches. Inputs are checked before anything runs (unknown method, budget outside (0, 1],
-context longer than the model's).
+all of that task's batches; when a configuration's batches are done, its compiled programs are released
+(:func:`kvjax.engine.release_compiled`), so a sweep's memory stays that of its largest configuration. Inputs are
+checked before anything runs (unknown method, budget outside (0, 1], context longer than the model's).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
-from kvjax.engine import bucket_length
+from kvjax.engine import bucket_length, release_compiled
 from kvjax.methods.base import Capacity
 
 
@@ -146,12 +147,13 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
             plan.extend((task, n, b, nb, also_equal_bytes) for n, b, nb in configs
                         if n not in ("full", also_equal_bytes))
     order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
-    plan.sort(key=lambda p: order[p[1]])  # method-major: each compiled method is reused across its batches
-    plan.sort(key=lambda p: p[4] is not None)  # the nominal pass first (stable: method-major within each)
+    # the nominal pass first, method-major, one configuration's tasks together: a compiled method is reused across
+    # its batches and across tasks of the same shapes (the main job's needle and perplexity)
+    plan.sort(key=lambda p: (p[4] is not None, order[p[1]], repr(p[2]), p[4] or ""))
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
-        for task, name, budget, nominal, second in plan:
+        for k, (task, name, budget, nominal, second) in enumerate(plan):
             method = harness.make_method(name, budget, options.get(name))
             t0 = time.perf_counter()
             meta = {"task": task.name, "method": name, "budget": budget}
@@ -170,6 +172,9 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                 bar.update(1)
             results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
                                                "seconds": time.perf_counter() - t0,
-                                               "note": "first batch includes compilation"})
+                                               "setting": second and f"bytes of {second}",
+                                               "note": "a configuration's first batch includes compilation"})
+            if k + 1 == len(plan) or plan[k + 1][1:3] != (name, budget):
+                release_compiled()  # the next configuration compiles its own programs; this one's are dead weight
     results["timings"]["total_seconds"] = time.perf_counter() - start
     return results

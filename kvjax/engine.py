@@ -11,6 +11,11 @@ Shapes are fixed by (batch, prompt bucket, ``max_new_tokens``, method): the loop
 and never retrace (``TRACE_COUNTS`` counts traces, for tests). Capacity is decided up front; a prompt longer
 than the bucket or the model context is an error, never truncated.
 
+Memory of a long process: every configuration (method, budget, batch, bucket, ``max_new_tokens``) compiles its own
+programs, and JAX keeps every compiled program for the life of the process. A sweep over many configurations (an
+eval run, a notebook) grows by one configuration's programs each time (on SmolLM2, hundreds of MB) unless it calls
+:func:`release_compiled` between configurations, as ``kvjax-eval``'s runner does.
+
 Sharded (:mod:`kvjax.sharding`): every function takes ``mesh`` (static; ``generate`` uses ``model.mesh``). The
 states are created split over the mesh, each layer's new state is pinned to its sharding (batch over ``data``,
 KV heads over ``model``) and q/k/v to theirs, and the SPMD partitioner splits the rest.
@@ -298,6 +303,23 @@ _step_jit = jax.jit(_decode_step, static_argnums=(0, 1), static_argnames=("mesh"
 #: With a mesh, pass sharded params (:func:`kvjax.shard`) and states (``init_states(..., mesh=mesh)``).
 prefill = _prefill_jit
 decode_step = _step_jit
+
+
+def release_compiled() -> None:
+    """Free what finished configurations hold: every compiled program and trace JAX caches (``jax.clear_caches``,
+    which also drops the caller's own jitted programs; they recompile on their next call), then Python garbage and,
+    with glibc, the freed heap pages (``malloc_trim``: without it the allocator keeps the pages of freed programs
+    and buffers and the process's resident memory still grows). Call it between configurations of a sweep; the next
+    ``generate`` recompiles its configuration. Arrays the caller still references (parameters, states) stay."""
+    import ctypes
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): the allocator keeps its pages
+        pass
 
 
 def tokens_held(method, states) -> np.ndarray:

@@ -23,6 +23,12 @@ Optional capabilities are declared here with their defaults; the engine, eval an
 - ``state_axes(state)``: the logical axes of each state leaf, for sharding (:mod:`kvjax.sharding`): by default a
   leaf is batch-major and head-major, ``[B]`` -> ``("batch",)`` and ``[B, Hkv, ...]`` -> ``("batch",
   "kv_heads")``; a method overrides it for leaves that are not (LESS's learned kernels are replicated).
+- ``held_overhead_bytes(model_cfg, batch, capacity, layer, dtype) -> int``: the bytes one layer's state may hold
+  beyond ``b`` x what ``full`` holds at ``capacity`` (``b``: the budget as a fraction of a prompt that fills the
+  bucket): by default a slot cache's ``max_new_tokens`` decode slots and one slot of rounding; methods add what
+  else they keep (H2O's scores, Chelsea's merge interval and counts, LESS's constant-size state and kernels). The
+  recall methods keep everything: full's bytes plus their index (codes, centroids, page bounds). The compiled
+  ``init`` + ``prefill`` program's output is checked against it (tests/kvjax/test_measured.py).
 - ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
 - ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
   ``n``-token prompt holds after ``steps`` decode steps. The budget table of
@@ -134,6 +140,11 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         ...
+
+    def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
+        a slot cache: ``max_new_tokens`` decode slots and one slot of rounding (``ceil(b n)``), K, V and position."""
+        return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
 
     @abc.abstractmethod
     def tokens_held(self, state) -> jnp.ndarray:
@@ -269,6 +280,16 @@ def slot_bytes_read(state: SlotCache, num_heads: int, extra_per_slot: int = 0) -
     ``extra_per_slot`` bytes per live slot (e.g. H2O's scores, read and written)."""
     live = int(jnp.sum(state.length)) * state.k.shape[1]
     return block_plan_bytes(state.k, state.length, num_heads=num_heads, with_mask=True) + live * extra_per_slot
+
+
+def slot_bytes(model_cfg: ModelConfig, batch: int, dtype, extra: int = 4) -> int:
+    """Bytes of one slot of every sequence and KV head: its K and V rows plus ``extra`` bytes (an int32 position)."""
+    return batch * model_cfg.num_kv_heads * (2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize + extra)
+
+
+def full_bytes(model_cfg: ModelConfig, batch: int, capacity: Capacity, dtype) -> int:
+    """Bytes one layer of ``full`` holds at ``capacity``: every prompt and decode slot, plus ``length``, ``limit``."""
+    return (capacity.prompt_len + capacity.max_new_tokens) * slot_bytes(model_cfg, batch, dtype) + 8 * batch
 
 
 def slot_tokens_held(state: SlotCache) -> jnp.ndarray:

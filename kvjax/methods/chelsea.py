@@ -454,6 +454,16 @@ class Chelsea(Method):
         """Every leaf: compressed K/V, counts, lengths, budgets, and the full-size outlier buffers."""
         return tree_bytes(state)
 
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """Beyond the budget, the compressed heads hold the merge interval's ``g`` slots (a call runs when the cache
+        reaches ``B_b + g``), the decode slots and one of rounding, each with its float32 count; the outlier heads
+        keep their full cache."""
+        out = sum(1 for (l, _) in self.outliers(model_cfg) if l == layer)
+        row = 2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize
+        comp = batch * (model_cfg.num_kv_heads - out) * (row + 4)
+        return ((self.interval + capacity.max_new_tokens + 1) * comp
+                + batch * out * (capacity.prompt_len + capacity.max_new_tokens) * row)
+
     def bytes_read_per_step(self, state: ChelseaState, num_heads: int) -> int:
         """Bytes one decode step of this layer reads under the decode-attention kernel's block plan: the live
         compressed slots ``[0, length)`` (K, V and the float32 additive mask carrying ``log N``) and the live

@@ -80,7 +80,7 @@ from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, SlotCache, evicting_budget, rows_at, top_k
+from kvjax.methods.base import Capacity, Method, SlotCache, full_bytes, evicting_budget, rows_at, top_k
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
@@ -500,6 +500,16 @@ class ClusterKV(Method):
         out["total"] = sum(out.values())
         out["full_kv"] = int(h * np.sum(filled + 1) * 2 * d * item + b * num_heads * (2 * d * item + (d + 2) * 4))
         return out
+
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """A recall method keeps everything: full's bytes, plus per cluster a float32 centroid, its size and
+        first slot (one cluster per ``tokens_per_cluster`` prompt tokens, or ``num_clusters``, and
+        ``window_clusters`` per decode window) and the per-sequence counters."""
+        p, new = capacity.prompt_len, capacity.max_new_tokens
+        c = (self.num_clusters or -(-p // self.tokens_per_cluster)) + self.window_clusters * (new // self.window)
+        h = model_cfg.num_kv_heads
+        return (full_bytes(model_cfg, batch, capacity, dtype) + batch * h * (c * (4 * model_cfg.head_dim + 8) + 4)
+                + 6 * 4 * batch + 4)
 
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         """Bytes one decode step reads: a full layer's live slots, else the total of :meth:`bytes_read_breakdown`

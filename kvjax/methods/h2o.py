@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
-                                rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
+                                evicting_budget, rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
@@ -132,6 +132,12 @@ class H2O(Method):
         ek = jnp.take_along_axis(state.k, victim[..., None, None], axis=2)[:, :, 0]
         ev = jnp.take_along_axis(state.v, victim[..., None, None], axis=2)[:, :, 0]
         return part, state, (ek, ev, over)
+
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """The slot cache's (base) plus a float32 accumulated score per slot (the budget's and one new token's)."""
+        slots = budget_tokens(self.budget, capacity.prompt_len + capacity.max_new_tokens) + 1
+        return (super().held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
+                + 4 * batch * model_cfg.num_kv_heads * slots)
 
     def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
         """Per live slot and KV head: its K and V and ``pos`` (the attention pass); the step's float32 scores of

@@ -634,6 +634,13 @@ class Less(Method):
         """Sparse cache + ``H`` + ``z`` (the kernel weights are model weights, like the LLM's, not cache)."""
         return tree_bytes(state.sparse) + tree_bytes((state.H, state.z))
 
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """The policy's overhead plus the constant-size part: ``H``, ``z`` and the kernel weights, whose size must
+        not depend on the capacity (measured at the smallest one, so a state that grew with the bucket fails)."""
+        small = jax.eval_shape(lambda: self.init(model_cfg, batch, Capacity(1, 1), layer, dtype))
+        return (self.sparse.held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
+                + tree_bytes((small.H, small.z, small.kernels)))
+
     def bytes_read_per_step(self, state: LessState, num_heads: int) -> int:
         """The sparse policy's step plus ``H, z`` (read and written) and the kernel weights (read)."""
         return (self.sparse.bytes_read_per_step(state.sparse, num_heads) + 2 * tree_bytes((state.H, state.z))

@@ -101,7 +101,7 @@ from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
-from kvjax.methods.base import Capacity, Method, rows_at, tree_bytes
+from kvjax.methods.base import Capacity, Method, full_bytes, rows_at, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
@@ -713,6 +713,16 @@ class PQCache(Method):
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq, with_mask=False)
         return out
+
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """A recall method keeps everything: full's K/V, plus the index: ``m`` uint8 codes per slot (rows padded
+        to the lookup's alignment), ``m`` codebooks of float32 centroids, the score table's histogram when it is
+        used, and the per-sequence counters."""
+        slots = capacity.prompt_len + capacity.max_new_tokens
+        d, h = model_cfg.head_dim, model_cfg.num_kv_heads
+        index = (self.m * self._code_slots(slots) + self.num_centroids * d * 4
+                 + (4 * self.num_tuples if self.uses_table() else 0))
+        return full_bytes(model_cfg, batch, capacity, dtype) + batch * h * index + 12 * batch
 
     def bytes_read_per_step(self, state: PQState, num_heads: int | None = None) -> int:
         """Total of :meth:`bytes_read_breakdown`: codes visited, centroids, LUT, the tuple table (or per-slot

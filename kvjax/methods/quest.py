@@ -87,7 +87,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
-from kvjax.methods.base import (Capacity, Method, SlotCache, rows_at, slot_bytes_read, slot_tokens_held,
+from kvjax.methods.base import (Capacity, Method, SlotCache, full_bytes, rows_at, slot_bytes_read, slot_tokens_held,
                                top_k)
 from kvjax.methods.full import Full
 
@@ -406,6 +406,12 @@ class Quest(Method):
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq)
         return out
+
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """A recall method keeps everything: full's bytes, plus the per-channel key min and max of every page."""
+        slots = capacity.prompt_len + capacity.max_new_tokens
+        pages = 2 * batch * model_cfg.num_kv_heads * -(-slots // self.page_size) * model_cfg.head_dim
+        return full_bytes(model_cfg, batch, capacity, dtype) + pages * jnp.dtype(dtype).itemsize
 
     def bytes_read_per_step(self, state, num_heads: int | None = None) -> int:
         """Bytes one decode step of this layer reads: the live slots' block plan in a full layer, else the total
