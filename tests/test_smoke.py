@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import assets, engine, methods
+from kvjax import engine, methods
+from tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.smoke
 torch = pytest.importorskip("torch")
@@ -34,25 +35,8 @@ OPTIONS = {"clusterkv": {"n_full": 0}, "quest": {"n_full": 0, "page_size": 4}}
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     """A tiny random Llama (1 layer, GQA 4/2) with the embedded SmolLM2 tokenizer, as a local HF folder."""
-    from kvjax.tokenizer import GGUFTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-smoke")
-    ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token="<|im_start|>",
-                                               eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                               unk_token="<|endoftext|>")
-    tok.chat_template = ours.chat_template
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)  # peaked, input-dependent logits
-    hf.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-smoke"), hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")

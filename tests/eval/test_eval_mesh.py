@@ -12,7 +12,8 @@ import pytest
 
 import kvjax
 from eval import cli, fidelity, harness
-from kvjax import assets, engine
+from kvjax import engine
+from tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
 torch = pytest.importorskip("torch")
@@ -22,25 +23,7 @@ MESH = "data=2,model=4"
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from kvjax.tokenizer import GGUFTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-eval-mesh")
-    ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token="<|im_start|>",
-                                               eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                               unk_token="<|endoftext|>")
-    tok.chat_template = ours.chat_template
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)  # away from a uniform next-token distribution
-    hf.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-eval-mesh"))
 
 
 def _main(path, out, *extra):

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import multiprocess_worker as W  # noqa: E402
+from tiny_models import save_tiny_llama
 
 DEVICES_PER_PROCESS = 2
 
@@ -41,26 +42,7 @@ DEVICES_PER_PROCESS = 2
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     """A tiny random Llama with the embedded SmolLM2 tokenizer (the needle task reads text)."""
-    from kvjax import assets
-    from kvjax.tokenizer import GGUFTokenizer
-
-    path = tmp_path_factory.mktemp("tiny-multiprocess")
-    ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token="<|im_start|>",
-                                               eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                               unk_token="<|endoftext|>")
-    tok.chat_template = ours.chat_template
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)  # away from a uniform next-token distribution
-    hf.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-multiprocess"))
 
 
 @pytest.fixture(scope="module")
