@@ -115,7 +115,9 @@ def header(results: dict[str, Any]) -> str:
 
 
 HOW_TO_READ = ("each cell is the mean over n trials with a 95% interval (Wilson for accuracies, Student's t over "
-               "sequences for perplexity): cells whose intervals overlap are not shown to differ. `budget` is the "
+               "sequences for perplexity): cells whose intervals overlap are not shown to differ. Perplexity varies "
+               "more between texts than between methods, so its table also gives the paired difference of mean NLL "
+               "to full on the same sequences (an interval excluding 0 is a real difference). `budget` is the "
                "nominal one, a fraction of each prompt (or a token count); `held KiB/seq` is what a sequence's KV "
                "cache holds at the end of generation (measured from the state: tokens held x bytes per slot, plus "
                "codes, centroids and low-rank states), `allocated KiB/seq` the buffer the fixed-shape state reserves "
@@ -285,10 +287,28 @@ def _score_cell(ci: dict | None, agg: str) -> str:
     return text
 
 
+def paired_vs_full(results: dict[str, Any], task: str = "perplexity") -> dict[tuple, dict[str, float]]:
+    """(method, budget) -> the mean per-sequence difference of mean NLL to ``full`` on the same sequences, with its
+    95% Student-t interval (paired: the spread between texts, which dominates a perplexity interval, cancels) and
+    ``n``; only configurations whose rows carry the ``sequence`` index of a ``full`` row."""
+    groups = _groups(results)
+    full = {r.get("sequence"): r["nll"] for r in groups.get((task, "full", None), ()) if r.get("sequence") is not None}
+    out = {}
+    for (t, m, b), rows in groups.items():
+        diffs = [r["nll"] - full[r["sequence"]] for r in rows if t == task and m != "full"
+                 and r.get("sequence") in full]
+        if diffs:
+            lo, hi = _t_interval(diffs)
+            out[(m, b)] = {"value": sum(diffs) / len(diffs), "lo": lo, "hi": hi, "n": len(diffs)}
+    return out
+
+
 def _task_table(results, task, intervals, memory, extra) -> list[str]:
     title, agg, _ = TASKS.get(task, (task, "mean", True))
     mem_cols = [(t, f) for t, f in MEMORY_COLUMNS if any(f in v for k, v in memory.items() if k[0] == task)]
+    paired = paired_vs_full(results, task) if agg == "perplexity" else {}
     head = ["method", "budget", f"{title} [95% CI]", "n"] + [t for t, _ in EXTRA_COLUMNS.get(task, ())]
+    head += ["ΔNLL vs full, paired [95% CI]"] if paired else []
     head += [t for t, _ in mem_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for method, budget in _configs(results):
@@ -299,6 +319,8 @@ def _task_table(results, task, intervals, memory, extra) -> list[str]:
         for _, field in EXTRA_COLUMNS.get(task, ()):
             xs = extra.get((task, field, method, budget))
             cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")
+        if paired:
+            cells.append("-" if method == "full" else _score_cell(paired.get((method, budget)), "mean"))
         for _, field in mem_cols:
             m = memory.get((task, method, budget), {}).get(field)
             cells.append("" if m is None else f"{m:.1f}")

@@ -228,3 +228,23 @@ def test_overlap_check_catches_a_collision():
     axes = [ax for ax in fig.axes if ax.get_title()]
     axes[1].set_title(axes[1].get_title() + " with a long setting name" * 3, fontsize=8)  # into its neighbours
     assert _overlaps(_text_boxes(fig), fig) != []
+
+
+def test_paired_difference_to_full_against_scipy():
+    """The perplexity table's paired column: per sequence, method NLL - full NLL; scipy's t interval of the mean."""
+    stats = pytest.importorskip("scipy.stats")
+    import numpy as np
+
+    full = [2.0, 3.1, 1.2, 2.6]
+    meth = [2.1, 3.3, 1.25, 2.6]
+    r = report.new_results({})
+    r["rows"] = ([{"task": "perplexity", "method": "full", "budget": None, "sequence": i, "nll": x, "tokens": 16,
+                   "score": x} for i, x in enumerate(full)]
+                 + [{"task": "perplexity", "method": "h2o", "budget": 0.2, "sequence": i, "nll": x, "tokens": 16,
+                     "score": x} for i, x in enumerate(meth)])
+    d = np.subtract(meth, full)
+    lo, hi = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
+    got = report.paired_vs_full(r)[("h2o", 0.2)]
+    assert got["n"] == 4 and got["value"] == pytest.approx(d.mean())
+    assert (got["lo"], got["hi"]) == (pytest.approx(lo), pytest.approx(hi))
+    assert "| h2o | 0.2 |" in report.markdown_table(r) and "ΔNLL vs full, paired" in report.markdown_table(r)
