@@ -421,6 +421,8 @@ def scores_figure(results: dict[str, Any]):
         kax.set_xlabel("KV held per sequence at the end (MiB)")
         kax.set_ylabel(title)
         _mib_axis(kax)
+        if TASKS.get(task, ("", "mean"))[1] == "perplexity":
+            kax.set_yscale("log")  # one bad configuration would flatten the rest
         kax.grid(alpha=0.3)
         if by_budget:
             ax = axes[0][col]
