@@ -343,7 +343,7 @@ def held_bytes(method, states) -> np.ndarray:
     cost, and its other buffer as allocated."""
     total = None
     for st in layer_states(states):
-        held = np.asarray(method.tokens_held(st), np.float64)
+        held = S.to_host(method.tokens_held(st)).astype(np.float64)
         b = held.shape[0]
         leaves = [x for x in jax.tree.leaves(st) if hasattr(x, "shape")]
         slots = max((x.shape[2] for x in leaves if x.ndim == 4 and x.shape[0] == b), default=0)
