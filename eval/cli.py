@@ -170,11 +170,8 @@ def cmd_run(args) -> int:
             harness.make_method(name, b, options.get(name))  # bad option values fail here too
         except ValueError as e:
             raise ValueError(f"--option {name}: {e}" if options.get(name) else str(e)) from None
-    compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
-    for option, ref in (("--equal-bytes", args.equal_bytes), ("--also-equal-bytes", _also_equal_bytes(args, names))):
-        if ref is not None and ref not in compressed:
-            raise ValueError(f"{option} {ref!r} must be one of the compressed methods of --methods "
-                             f"({', '.join(compressed) or 'none'})")
+    also_equal_bytes = _also_equal_bytes(args, names)
+    runner.check_equal_bytes_refs(grid, {"--equal-bytes": args.equal_bytes, "--also-equal-bytes": also_equal_bytes})
     model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
     print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
           file=sys.stderr)
@@ -186,7 +183,7 @@ def cmd_run(args) -> int:
         config["notes"] = MAIN_NOTES
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
                          equal_bytes=args.equal_bytes, options=options,
-                         also_equal_bytes=_also_equal_bytes(args, names))
+                         also_equal_bytes=also_equal_bytes)
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
         return 0

@@ -106,6 +106,16 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
     return configs, records
 
 
+def check_equal_bytes_refs(grid, refs: dict[str, str | None]) -> None:
+    """Each reference method ``refs[option]`` (None: not asked for) must be one of the compressed methods of
+    ``grid`` (:func:`harness.method_grid`'s pairs); a ValueError naming the option otherwise."""
+    compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
+    for option, ref in refs.items():
+        if ref is not None and ref not in compressed:
+            raise ValueError(f"{option} {ref!r} must be one of the compressed methods of --methods "
+                             f"({', '.join(compressed) or 'none'})")
+
+
 def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
         config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
         options: dict[str, dict] | None = None, also_equal_bytes: str | None = None) -> dict[str, Any]:
@@ -120,10 +130,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped."""
     options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
-    for ref in (equal_bytes, also_equal_bytes):
-        if ref is not None and ref not in [n for n, _ in grid if n != "full"]:
-            raise ValueError(f"--equal-bytes {ref!r} must be one of the compressed methods run "
-                             f"({', '.join(n for n, _ in dict.fromkeys(grid) if n != 'full')})")
+    check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
     for name, b in grid:
         harness.make_method(name, b, options.get(name))  # option errors surface here
     prepared = {t.name: t.prepare(model) for t in tasks}
