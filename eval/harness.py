@@ -15,7 +15,8 @@ uses one bucket per task, so each (method, bucket) compiles ``prefill`` and ``de
 
 On a sharded model (``model.mesh``) both protocols run sharded: ``engine.generate`` uses the mesh itself, and
 ``answer_after_context`` creates its states on the mesh and places every batch array over ``data``. The
-equal-bytes sizing (:func:`bytes_per_seq`) reads state shapes only, the same with or without a mesh.
+equal-bytes sizing (:func:`held_at_end`, :func:`bytes_per_seq`) reads state shapes only, the same with or without a
+mesh.
 """
 
 from __future__ import annotations
@@ -186,37 +187,57 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     return engine.memory_bytes(method, states)
 
 
-def equal_bytes_budget(model_cfg, name: str, ref_bytes: int, capacity: Capacity, dtype,
-                       options: dict | None = None) -> tuple[int, int]:
-    """The largest token budget ``t`` of method ``name`` whose cache holds at most ``ref_bytes`` per sequence at
-    ``capacity``: ``(t, its bytes)``. Bytes grow with ``t``; budgets ``init`` refuses (too few slots for the
-    method's structure, e.g. Chelsea's sink + recent) are below every legal one. Binary search over
-    ``[1, prompt_len + max_new_tokens]``. A ValueError when no legal budget fits (e.g. PQCache, which keeps every
-    token's K/V whatever the budget, against a smaller reference)."""
-    hi = capacity.prompt_len + capacity.max_new_tokens
+#: A fraction budget is searched on this grid (``k / FRACTION_STEPS``).
+FRACTION_STEPS = 10_000
+
+
+def held_at_end(model_cfg, method, capacity: Capacity, dtype, ends: Sequence[tuple[int, int]]) -> float:
+    """Mean bytes a sequence of ``method`` holds at the end of its generation over ``ends``, the ``(prompt
+    tokens, decode steps)`` of each example (:func:`kvjax.engine.expected_held_bytes`: the budget contract and the
+    state's shapes; nothing runs)."""
+    total = 0
+    for steps in sorted({s for _, s in ends}):
+        lengths = [n for n, s in ends if s == steps]
+        total += int(engine.expected_held_bytes(model_cfg, method, capacity, dtype, lengths, steps).sum())
+    return total / len(ends)
+
+
+def equal_bytes_budget(model_cfg, name: str, ref_bytes: float, capacity: Capacity, dtype,
+                       ends: Sequence[tuple[int, int]], fraction: bool = False,
+                       options: dict | None = None) -> tuple[float | int, float]:
+    """The largest budget of method ``name`` whose sequences hold at most ``ref_bytes`` at the end of generation,
+    on average over ``ends`` (:func:`held_at_end`): ``(budget, its mean bytes)``. A token count, or with
+    ``fraction=True`` a fraction of each prompt on a grid of ``1 / FRACTION_STEPS`` (a fraction keeps the
+    comparison per prompt length: a method that keeps its decoded tokens gets a smaller share of every prompt, not
+    the same count for short and long ones). Bytes grow with the budget; budgets ``init`` refuses (too few slots
+    for the method's structure, e.g. Chelsea's sink + recent) are below every legal one. A ValueError when no
+    legal budget fits (e.g. PQCache, which keeps every token's K/V whatever the budget)."""
+    hi = FRACTION_STEPS if fraction else capacity.prompt_len + capacity.max_new_tokens
+    budget = (lambda t: t / FRACTION_STEPS) if fraction else (lambda t: t)
 
     def size(t):
         try:
-            return bytes_per_seq(model_cfg, make_method(name, t, options), capacity, dtype)
+            return held_at_end(model_cfg, make_method(name, budget(t), options), capacity, dtype, ends)
         except ValueError:
             return None
 
     lo = 1
     if size(lo) is None:  # find the smallest legal budget (legality is monotone in t)
         if size(hi) is None:
-            raise ValueError(f"--equal-bytes: method {name} refuses every token budget at {capacity}")
+            raise ValueError(f"--equal-bytes: method {name} refuses every budget at {capacity}")
         a, b = 1, hi  # size(a) illegal, size(b) legal
         while b - a > 1:
             mid = (a + b) // 2
             a, b = (a, mid) if size(mid) is not None else (mid, b)
         lo = b
     if size(lo) > ref_bytes:
-        raise ValueError(f"--equal-bytes: method {name} holds {size(lo)} bytes per sequence at its smallest "
-                         f"budget ({lo} tokens), more than the reference's {ref_bytes}")
+        raise ValueError(f"--equal-bytes: method {name} holds {size(lo):.0f} bytes per sequence at the end of "
+                         f"generation at its smallest budget ({budget(lo)}), more than the reference's "
+                         f"{ref_bytes:.0f}")
     if size(hi) <= ref_bytes:
-        return hi, size(hi)
+        return budget(hi), size(hi)
     a, b = lo, hi  # size(a) <= ref < size(b)
     while b - a > 1:
         mid = (a + b) // 2
         a, b = (mid, b) if size(mid) <= ref_bytes else (a, mid)
-    return a, size(a)
+    return budget(a), size(a)

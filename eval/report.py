@@ -100,7 +100,7 @@ def header(results: dict[str, Any]) -> str:
              f"- model: `{cfg.get('model', '?')}`, dtype {cfg.get('dtype', '?')}; methods "
              f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(f'{b:g}' for b in cfg.get('budgets', []))}"
              + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
-             + (f"; token budgets matched to the bytes of `{cfg['equal_bytes']}`" if cfg.get("equal_bytes") else "")]
+             + (f"; budgets matched to the bytes `{cfg['equal_bytes']}` holds" if cfg.get("equal_bytes") else "")]
     for t, spec in tasks.items():
         size = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name",))
         lines.append(f"- {t}: {size}; n per cell {'/'.join(map(str, per_task.get(t, []))) or '-'}")
@@ -124,8 +124,8 @@ HOW_TO_READ = ("each cell is the mean over n trials with a 95% interval (Wilson 
                "for the bucket and max new tokens, `read KiB/step` the bytes one decode step reads. Methods that keep "
                "generated tokens (SnapKV, PyramidKV, ChunkKV, Chelsea) end holding more than their nominal budget; "
                "the recall methods (PQCache, ClusterKV, Quest) hold every token and save reads, not memory. Rows "
-               "`= bytes of REF` rerun a method at the token budget whose allocated bytes match REF's at that "
-               "nominal budget.")
+               "`= bytes of REF` rerun a method at the budget (after the arrow) whose bytes held at the end of "
+               "generation match REF's at that nominal budget, on average over the task's prompts.")
 
 
 def save(results: dict[str, Any], path: str | Path) -> Path:
@@ -154,8 +154,8 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def _config(row) -> tuple[str, float | int | None]:
-    """A row's (label, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose token budget is
-    chosen per task to match the reference method's memory); rows of a second, equal-bytes pass beside nominal
+    """A row's (label, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose budget is chosen
+    per task to match the bytes the reference method holds at the end of generation); rows of a second, equal-bytes pass beside nominal
     ones (``setting == "equal_bytes"``, the main job) are labelled ``"method = bytes of REF"``."""
     name = row["method"]
     if row.get("setting") == "equal_bytes":
@@ -269,11 +269,14 @@ MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("held KiB/seq", "held_kib"), 
                   ("read KiB/step", "read_kib"))
 
 
-def _budget_cell(results, method, budget) -> str:
+def _budget_cell(results, task, method, budget) -> str:
+    """The nominal budget, and for rows matched to a reference's bytes the budget they ran at (``0.2 → 0.158``)."""
     if budget is None:
         return "-"
+    ran = sorted({r["budget"] for r in _groups(results).get((task, method, budget), ())
+                  if r["budget"] is not None and r["budget"] != budget})
+    text = f"{budget:g}" + (" → " + ", ".join(f"{b:.4g}" for b in ran) if ran else "")
     ref = results.get("config", {}).get("equal_bytes")
-    text = f"{budget:g}"
     return f"{text} (bytes of {ref})" if ref and method not in ("full", ref) else text
 
 
@@ -315,7 +318,7 @@ def _task_table(results, task, intervals, memory, extra) -> list[str]:
         ci = intervals.get((task, method, budget))
         if ci is None:
             continue
-        cells = [method, _budget_cell(results, method, budget), _score_cell(ci, agg), str(ci["n"])]
+        cells = [method, _budget_cell(results, task, method, budget), _score_cell(ci, agg), str(ci["n"])]
         for _, field in EXTRA_COLUMNS.get(task, ()):
             xs = extra.get((task, field, method, budget))
             cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")

@@ -159,6 +159,10 @@ class RulerTask:
 
         return Capacity(*prepared[0])
 
+    def ends(self, prepared) -> list[tuple[int, int]]:
+        """``(context tokens, decode steps)`` of each example at most at the end (question + answer decoded)."""
+        return [(len(e.context), prepared[0][1] - 1) for batch in prepared[1] for e in batch]
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, cap_new = prepared[0]
         padded, real = harness.pad_batch(list(batch), self.batch)

@@ -41,6 +41,10 @@ class NeedleTask:
     def capacity(self, prepared) -> Capacity:
         return Capacity(prepared[0], self.max_new_tokens)
 
+    def ends(self, prepared) -> list[tuple[int, int]]:
+        """``(prompt tokens, decode steps)`` of each example at the end of its generation (``--equal-bytes``)."""
+        return [(len(e.prompt), self.max_new_tokens - 1) for batch in prepared[1] for e in batch]
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, _ = prepared
         padded, real = harness.pad_batch([list(e.prompt) for e in batch], self.batch)
@@ -71,6 +75,10 @@ class PerplexityTask:
     def capacity(self, prepared) -> Capacity:
         return Capacity(self.prefix, self.continuation)
 
+    def ends(self, prepared) -> list[tuple[int, int]]:
+        """``(prompt tokens, decode steps)`` of each sequence at the end of its continuation (``--equal-bytes``)."""
+        return [(self.prefix, self.continuation - 1)] * self.num_sequences
+
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True)
         return [{**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size),
@@ -78,22 +86,25 @@ class PerplexityTask:
 
 
 def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None = None) -> tuple[list, list[dict]]:
-    """``--equal-bytes REF`` for one task: ``full`` and ``ref`` keep their budgets; every other method at
-    nominal budget ``b`` gets the largest token budget whose cache holds at most ``ref``'s bytes per sequence
-    at ``b`` (at the task's capacity). Returns (configs ``(name, budget, nominal budget)``, records)."""
-    if not hasattr(task, "capacity"):
+    """``--equal-bytes REF`` for one task: ``full`` and ``ref`` keep their budgets; every other method at nominal
+    budget ``b`` gets the largest budget (a fraction of each prompt when ``b`` is one, else a token count) whose
+    sequences hold at most ``ref``'s bytes at ``b`` at the end of generation, on average over the task's examples
+    (:func:`harness.equal_bytes_budget`). Returns (configs ``(name, budget, nominal budget)``, records)."""
+    if not hasattr(task, "ends"):
         raise ValueError(f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
                          "per example); run it without --equal-bytes")
-    cap = task.capacity(prepared)
+    cap, ends = task.capacity(prepared), task.ends(prepared)
     options = options or {}
     configs, records = [], []
     for name, b in grid:
         if name in ("full", ref):
             configs.append((name, b, b))
             continue
-        ref_bytes = harness.bytes_per_seq(model.config, harness.make_method(ref, b, options.get(ref)), cap, model.dtype)
+        ref_bytes = harness.held_at_end(model.config, harness.make_method(ref, b, options.get(ref)), cap,
+                                        model.dtype, ends)
         try:
-            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, options.get(name))
+            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, ends,
+                                                fraction=isinstance(b, float), options=options.get(name))
         except ValueError as e:
             print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
             records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
@@ -101,8 +112,8 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
             continue
         configs.append((name, t, b))
         records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": t, "bytes": got,
-                        "ref": ref, "ref_bytes": ref_bytes, "prompt_len": cap.prompt_len,
-                        "max_new_tokens": cap.max_new_tokens})
+                        "ref": ref, "ref_bytes": ref_bytes, "measure": "mean bytes held at the end of generation",
+                        "prompt_len": cap.prompt_len, "max_new_tokens": cap.max_new_tokens})
     return configs, records
 
 
@@ -121,12 +132,12 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
         options: dict[str, dict] | None = None, also_equal_bytes: str | None = None) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
-    ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the token budget
-    whose memory matches that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
+    ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the budget whose
+    bytes held at the end of generation match that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
     ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget.
     ``options``: ``{method: {option: value}}`` passed to every config of that method (``kvjax-eval --option``).
     ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the
-    token budget matching that method's bytes (rows with ``setting="equal_bytes"``; the main job's second
+    budget matching that method's bytes held at the end (rows with ``setting="equal_bytes"``; the main job's second
     comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped."""
     options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)

@@ -38,7 +38,7 @@ from kvjax import inplace, model as M
 from kvjax.budget import warn_small_budget
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
-from kvjax.methods.base import Capacity
+from kvjax.methods.base import Capacity, LayerContext
 from kvjax.prefill_attention import default_impl as default_prefill_impl
 from kvjax.sampling import Greedy
 
@@ -336,23 +336,44 @@ def held_bytes(method, states) -> np.ndarray:
     """``[B]`` int: bytes each sequence holds now, over all layers; :func:`memory_bytes` is what is allocated.
 
     Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
-    costs over the KV heads (every ``[B, Hkv, S, ...]`` leaf: K, V, positions, scores, PQ codes, cluster ids),
-    plus the layer's state that is not per slot (centroids, LESS's low-rank state, page summaries, counts) split
-    evenly over the batch. ``S`` is the slot axis of the largest ``[B, Hkv, S, D]`` leaf; a method whose layers
-    keep two slot buffers of different lengths (Chelsea's outlier heads) is counted at the main buffer's slot
-    cost, and its other buffer as allocated."""
+    costs (:func:`_slot_bytes`), plus the layer's state that is not per slot split evenly over the batch."""
     total = None
     for st in layer_states(states):
         held = S.to_host(method.tokens_held(st)).astype(np.float64)
-        b = held.shape[0]
-        leaves = [x for x in jax.tree.leaves(st) if hasattr(x, "shape")]
-        slots = max((x.shape[2] for x in leaves if x.ndim == 4 and x.shape[0] == b), default=0)
-        per_slot = [x for x in leaves if slots and x.ndim >= 3 and x.shape[0] == b and x.shape[2] == slots]
-        slot_bytes = sum(x.size * x.dtype.itemsize for x in per_slot)  # all sequences, all slots
-        fixed = method.memory_bytes(st) - slot_bytes
-        layer = fixed / b + held * (slot_bytes / (b * slots) if slots else 0.0)
-        total = layer if total is None else total + layer
+        fixed, per_slot = _slot_bytes(method, st, held.shape[0])
+        total = fixed + held * per_slot if total is None else total + fixed + held * per_slot
     return np.rint(total).astype(np.int64)
+
+
+def expected_held_bytes(cfg: ModelConfig, method, capacity: Capacity, dtype, lengths: Sequence[int],
+                        steps: int) -> np.ndarray:
+    """``[len(lengths)]`` int: the bytes a sequence with an ``n``-token prompt holds after ``steps`` decode steps
+    in a cache built for ``capacity``, over all layers, from the budget contract (``method.held`` per layer) and
+    the state's shapes (``jax.eval_shape`` of :func:`init_states`: nothing is allocated) — what
+    :func:`held_bytes` measures at the end of a generation of ``steps + 1`` tokens, for every method whose
+    contract is exact (``kvjax-eval --equal-bytes`` matches methods on it)."""
+    states = jax.eval_shape(lambda: init_states(cfg, method, 1, capacity, dtype))
+    total = np.zeros(len(lengths))
+    for layer, st in enumerate(layer_states(states)):
+        fixed, per_slot = _slot_bytes(method, st, 1)
+        ctx = LayerContext(layer, cfg.num_layers, capacity, cfg)
+        total += fixed + per_slot * np.array([method.held(int(n), steps, ctx) for n in lengths], np.float64)
+    return np.rint(total).astype(np.int64)
+
+
+def _slot_bytes(method, st, batch: int) -> tuple[float, float]:
+    """``(fixed, per_slot)`` for one layer's state (concrete or shapes) of ``batch`` sequences: the bytes of the
+    state that is not per slot (centroids, LESS's low-rank state, page summaries, counts) per sequence, and what
+    one slot costs a sequence over its KV heads (every ``[B, Hkv, S, ...]`` leaf: K, V, positions, scores, PQ
+    codes, cluster ids). ``S`` is the slot axis of the largest ``[B, Hkv, S, D]`` leaf; a method whose layers keep
+    two slot buffers of different lengths (Chelsea's outlier heads) is counted at the main buffer's slot cost,
+    and its other buffer as fixed."""
+    leaves = [x for x in jax.tree.leaves(st) if hasattr(x, "shape")]
+    slots = max((x.shape[2] for x in leaves if x.ndim == 4 and x.shape[0] == batch), default=0)
+    per_slot = [x for x in leaves if slots and x.ndim >= 3 and x.shape[0] == batch and x.shape[2] == slots]
+    slot_bytes = sum(x.size * x.dtype.itemsize for x in per_slot)  # all sequences, all slots
+    fixed = method.memory_bytes(st) - slot_bytes
+    return fixed / batch, (slot_bytes / (batch * slots) if slots else 0.0)
 
 
 def bytes_read_per_step(method, states, num_heads: int) -> int:

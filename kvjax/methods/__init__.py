@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.methods.base import Capacity, Method, SlotCache
+from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache
 from kvjax.methods.chelsea import Chelsea
 from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
@@ -41,5 +41,5 @@ def get(name: str, **options):
     return cls(**options)
 
 
-__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "Less", "Method", "PQCache", "PyramidKV",
-           "Quest", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get", "names"]
+__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "LayerContext", "Less", "Method", "PQCache",
+           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get", "names"]

@@ -30,8 +30,10 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   recall methods keep everything: full's bytes plus their index (codes, centroids, page bounds). The compiled
   ``init`` + ``prefill`` program's output is checked against it (tests/kvjax/test_measured.py).
 - ``tokens_held(state) -> [B] float32``: tokens each sequence holds now (mean over KV heads).
-- ``held(n, steps) -> int``: the budget contract on the host: the most tokens (per KV head) a sequence with an
-  ``n``-token prompt holds after ``steps`` decode steps. The budget table of
+- ``held(n, steps, ctx=LayerContext()) -> int``: the budget contract on the host: the most tokens (per KV head,
+  mean over the layer's KV heads) a sequence with an ``n``-token prompt holds after ``steps`` decode steps, at the
+  layer and cache :class:`LayerContext` names (PyramidKV's budget depends on the layer, Chelsea's on the
+  ``max_new_tokens`` to come and the model's outlier heads). The budget table of
   docs/interface.md#the-budget-contract is this function.
 - ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
   scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
@@ -74,6 +76,17 @@ class Capacity:
 
     prompt_len: int
     max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """Where a :meth:`Method.held` count applies: layer ``layer`` of ``num_layers``, a cache built for ``capacity``
+    (None: Chelsea's ``Gamma`` is the ``steps`` asked about) of a model ``model_cfg`` (None: no outlier heads)."""
+
+    layer: int = 0
+    num_layers: int = 1
+    capacity: Capacity | None = None
+    model_cfg: ModelConfig | None = None
 
 
 class Method(abc.ABC):
@@ -163,7 +176,7 @@ class Method(abc.ABC):
         return int(budget_tokens(self.budget, n))
 
     @abc.abstractmethod
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         ...
 
 

@@ -72,7 +72,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
-from kvjax.methods.base import Capacity, Method, check_budget, rows_at, tree_bytes
+from kvjax.methods.base import LayerContext, Capacity, Method, check_budget, rows_at, tree_bytes
 from kvjax.methods.csm import Round, csm_round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
@@ -495,15 +495,16 @@ class Chelsea(Method):
             return super().kept_tokens(n, max_new_tokens)
         return int(self.target(self.rule(model_cfg), int(n), max_new_tokens))
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1, *, max_new_tokens: int | None = None,
-             model_cfg=None) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Slots a compressed KV head of a sequence with an ``n``-token prompt holds after ``steps`` decode
         steps (exact host simulation of Alg. 1): ``n + steps`` while it has not reached its trigger ``B + g``,
         ``B`` right after every Chelsea call, ``B + (steps since the call)`` in between (always ``< B + g``).
-        ``B = floor(R (n + Gamma))`` with ``Gamma = max_new_tokens`` (default ``steps``). Outlier heads need
-        ``model_cfg`` (their reallocated budget depends on the head counts); the result is then the mean over
-        the KV heads of ``layer`` (outlier heads hold ``n + steps``), like :meth:`tokens_held`."""
-        gamma = steps if max_new_tokens is None else max_new_tokens
+        ``B = floor(R (n + Gamma))`` with ``Gamma = ctx.capacity.max_new_tokens`` (no capacity: ``steps``).
+        Outlier heads need ``ctx.model_cfg`` (their reallocated budget depends on the head counts); the result is
+        then the mean over the KV heads of ``ctx.layer`` (outlier heads hold ``n + steps``), like
+        :meth:`tokens_held`."""
+        gamma = steps if ctx.capacity is None else ctx.capacity.max_new_tokens
+        model_cfg, layer = ctx.model_cfg, ctx.layer
         rule = self.rule(model_cfg)
         b = self.target(rule, n, gamma)
         trig, g = b + self.interval, self.interval

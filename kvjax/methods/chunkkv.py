@@ -38,7 +38,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
                                 empty_slots, slot_bytes_read, slot_tokens_held, store_prompt, top_k)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
@@ -157,7 +157,7 @@ class ChunkKV(Method):
         return (max(MIN_TOKENS, self.window + self.chunk_size),
                 f"window={self.window} + one chunk of chunk_size={self.chunk_size}")
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return min(n, budget_tokens(self.budget, n)) + steps
 
 

@@ -80,7 +80,7 @@ from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import Capacity, Method, SlotCache, full_bytes, evicting_budget, rows_at, top_k
+from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, full_bytes, evicting_budget, rows_at, top_k
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
@@ -206,7 +206,7 @@ class ClusterKV(Method):
     def min_budget(self) -> tuple[int, str]:
         return self.sink + MIN_TOKENS, f"sink={self.sink} + at least {MIN_TOKENS} tokens selected from clusters"
 
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return n + steps
 
     # ---- the method interface ----

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
+from kvjax.methods.base import (LayerContext, Capacity, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
                                 slot_tokens_held, store_prompt)
 
 
@@ -43,5 +43,5 @@ class Full(Method):
     def tokens_held(self, state: SlotCache):
         return slot_tokens_held(state)
 
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return n + steps

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
+from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
                                 evicting_budget, rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
@@ -154,7 +154,7 @@ class H2O(Method):
             return max(MIN_TOKENS, self.recent + 1), f"recent={self.recent} + at least one heavy hitter"
         return super().min_budget()
 
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return min(n + steps, evicting_budget(self.budget, n, n + steps))
 
 

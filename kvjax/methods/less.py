@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import attention
-from kvjax.methods.base import Capacity, Method, SlotCache, tree_bytes
+from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
@@ -653,8 +653,8 @@ class Less(Method):
     def min_budget(self) -> tuple[int, str]:
         return self.sparse.min_budget()
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
-        return self.sparse.held(n, steps)
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
+        return self.sparse.held(n, steps, ctx)
 
     # -- the parallel (training) form of this config ------------------------------------------------------
     def eviction_times(self, q, k, mask: str = "decode"):

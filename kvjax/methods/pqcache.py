@@ -101,7 +101,7 @@ from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
-from kvjax.methods.base import Capacity, Method, full_bytes, rows_at, tree_bytes
+from kvjax.methods.base import LayerContext, Capacity, Method, full_bytes, rows_at, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
@@ -633,7 +633,7 @@ class PQCache(Method):
         """``[B]`` float32 tokens stored: the full KV stays resident (prompt + decoded so far = ``filled``)."""
         return jnp.asarray(state.filled, jnp.float32)
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""
         return n + steps
 

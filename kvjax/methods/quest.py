@@ -87,7 +87,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
-from kvjax.methods.base import (Capacity, Method, SlotCache, full_bytes, rows_at, slot_bytes_read, slot_tokens_held,
+from kvjax.methods.base import (LayerContext, Capacity, Method, SlotCache, full_bytes, rows_at, slot_bytes_read, slot_tokens_held,
                                top_k)
 from kvjax.methods.full import Full
 
@@ -354,7 +354,7 @@ class Quest(Method):
     def min_budget(self) -> tuple[int, str]:
         return max(MIN_TOKENS, self.page_size), f"one page of page_size={self.page_size}"
 
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""
         return n + steps
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
+from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
                                 empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
@@ -88,8 +88,8 @@ class SnapKV(Method):
         return (max(MIN_TOKENS, self.window + 1),
                 f"window={self.window} observation tokens + at least one selected token")
 
-    def held(self, n: int, steps: int, layer: int = 0, num_layers: int = 1) -> int:
-        return min(n, int(self.layer_budgets(n, layer, num_layers))) + steps
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
+        return min(n, int(self.layer_budgets(n, ctx.layer, ctx.num_layers))) + steps
 
 
 def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):

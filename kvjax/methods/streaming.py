@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (MIN_TOKENS, Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
+from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
                                 slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 
 
@@ -91,5 +91,5 @@ class StreamingLLM(Method):
     def min_budget(self) -> tuple[int, str]:
         return max(MIN_TOKENS, self.sinks + 1), f"sinks={self.sinks} + at least one recent token"
 
-    def held(self, n: int, steps: int) -> int:
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return min(n + steps, evicting_budget(self.budget, n, n + steps))

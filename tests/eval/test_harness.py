@@ -10,6 +10,7 @@ from eval import harness, perplexity, runner
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
+from kvjax.methods.base import Capacity
 from kvjax.model import forward, random_params
 
 
@@ -96,21 +97,40 @@ def test_runner_perplexity_rows_and_timings(tiny):
 
 
 def test_equal_bytes_budget_search(tiny):
-    cap = runner.PerplexityTask(prefix=128, continuation=8).capacity(None)
-    ref = harness.bytes_per_seq(tiny.config, methods.get("less", budget=0.2), cap, tiny.dtype)
-    for name in ("snapkv", "streaming_llm"):
-        t, got = harness.equal_bytes_budget(tiny.config, name, ref, cap, tiny.dtype)
-        assert isinstance(t, int) and got <= ref
-        assert got == harness.bytes_per_seq(tiny.config, methods.get(name, budget=t), cap, tiny.dtype)
-        assert harness.bytes_per_seq(tiny.config, methods.get(name, budget=t + 1), cap, tiny.dtype) > ref
+    """``--equal-bytes``: the largest budget whose bytes held at the end of generation (mean over the task's
+    prompts) fit the reference's; the prediction from shapes and the budget contract equals what generations of
+    those prompts hold, measured from their states."""
+    cap, ends = Capacity(128, 8), [(64, 7), (128, 7)]
+    ref = harness.held_at_end(tiny.config, methods.get("h2o", budget=0.2), cap, tiny.dtype, ends)
+    step = 1 / harness.FRACTION_STEPS
+    found = {}
+    for name in ("snapkv", "streaming_llm", "chelsea"):
+        f, got = harness.equal_bytes_budget(tiny.config, name, ref, cap, tiny.dtype, ends, fraction=True)
+        assert isinstance(f, float) and 0 < f < 1 and got <= ref, (name, f, got, ref)
+        assert harness.held_at_end(tiny.config, methods.get(name, budget=f + step), cap, tiny.dtype, ends) > ref
+        t, got_t = harness.equal_bytes_budget(tiny.config, name, ref, cap, tiny.dtype, ends)
+        assert isinstance(t, int) and got_t <= ref
+        assert harness.held_at_end(tiny.config, methods.get(name, budget=t + 1), cap, tiny.dtype, ends) > ref
+        found[name] = f
+    # snapkv keeps its 7 decoded tokens and h2o does not: a smaller share of each prompt; streaming_llm holds no
+    # scores, so at least h2o's share
+    assert found["snapkv"] < 0.2 <= found["streaming_llm"]
     with pytest.raises(ValueError, match="more than the reference"):  # keeps every token's K/V whatever the budget
-        harness.equal_bytes_budget(tiny.config, "pqcache", ref, cap, tiny.dtype)
-    task = runner.PerplexityTask(prefix=128, continuation=8)
+        harness.equal_bytes_budget(tiny.config, "pqcache", ref, cap, tiny.dtype, ends)
+    rng = np.random.RandomState(5)
+    prompts = [[int(x) for x in rng.randint(3, 64, n)] for n, _ in ends]
+    for m, want in ((methods.get("h2o", budget=0.2), ref), (methods.get("snapkv", budget=found["snapkv"]), None)):
+        out = engine.generate(tiny, prompts, m, 8, driver="python", stop_at_eos=False, prompt_len=128)
+        measured = np.mean([st["held_bytes"] for st in out.stats])
+        assert measured == pytest.approx(want or harness.held_at_end(tiny.config, m, cap, tiny.dtype, ends))
+    task = runner.PerplexityTask(num_sequences=3, prefix=128, continuation=8)
     configs, records = runner.equal_bytes_grid(tiny, task, None, harness.method_grid(
-        ["full", "less", "snapkv", "pqcache"], [0.2]), "less")
-    t, _ = harness.equal_bytes_budget(tiny.config, "snapkv", ref, cap, tiny.dtype)
-    assert configs == [("full", None, None), ("less", 0.2, 0.2), ("snapkv", t, 0.2)]
-    assert records[0]["budget"] == t and records[0]["ref_bytes"] == ref and "skipped" in records[1]
+        ["full", "h2o", "snapkv", "pqcache"], [0.2]), "h2o")
+    f, _ = harness.equal_bytes_budget(tiny.config, "snapkv", harness.held_at_end(
+        tiny.config, methods.get("h2o", budget=0.2), cap, tiny.dtype, [(128, 7)]), cap, tiny.dtype, [(128, 7)],
+        fraction=True)
+    assert configs == [("full", None, None), ("h2o", 0.2, 0.2), ("snapkv", f, 0.2)]
+    assert records[0]["budget"] == f and "skipped" in records[1]
 
 
 def test_bad_input(tiny):

@@ -99,7 +99,9 @@ def test_equal_bytes_rows_group_by_nominal_budget():
         if row["method"] == "snapkv":  # chosen token budgets differ per task; the table groups by the nominal one
             row.update(nominal_budget=0.2, budget=57 if row["task"] == "needle" else 31, equal_bytes_ref="less")
     lines = report.markdown_table(results).splitlines()
-    assert lines[5] == "| snapkv | 0.2 (bytes of less) | 50.0 [9.5, 90.5] | 2 | 80.0 | 16.0 |"
+    # the budget each task ran at follows the nominal one
+    assert lines[5] == "| snapkv | 0.2 → 57 (bytes of less) | 50.0 [9.5, 90.5] | 2 | 80.0 | 16.0 |"
+    assert sum("| snapkv | 0.2 → 31 (bytes of less) |" in line for line in lines) == 1
     assert len(lines) == 2 * 7 + 1
 
 
@@ -137,7 +139,7 @@ def test_second_equal_bytes_pass_gets_its_own_rows():
              for r in results["rows"] if r["method"] == "snapkv" and r["task"] == "needle"]
     results["rows"] += extra
     lines = report.markdown_table(results).splitlines()
-    assert "| snapkv = bytes of less | 0.2 | 0.0 [0.0, 65.8] | 2 | 80.0 | 16.0 |" in lines
+    assert "| snapkv = bytes of less | 0.2 → 40 | 0.0 [0.0, 65.8] | 2 | 80.0 | 16.0 |" in lines
     assert "| snapkv | 0.2 | 50.0 [9.5, 90.5] | 2 | 80.0 | 16.0 |" in lines
 
 

@@ -26,7 +26,7 @@ from kvjax import budget as kb
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.base import Capacity, LayerContext, SlotCache
 from kvjax.model import random_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -172,10 +172,23 @@ def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budge
         res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False, prompt_len=bucket)
         runs.append((_kept(states), res.tokens, [s["tokens_held"] for s in res.stats],
                      [s["tokens_held_prefill"] for s in res.stats]))
+        _check_expected_held_bytes(tiny.config, m, Capacity(bucket, NEW), [len(i) for i in ids], res.stats)
     for bucket, other in zip((128, 256), runs[1:]):
         assert other[0] == runs[0][0], f"kept differ at bucket {bucket}"
         assert other[1] == runs[0][1], f"greedy tokens differ at bucket {bucket}"
         assert other[2:] == runs[0][2:], f"tokens held differ at bucket {bucket}"
+
+
+def _check_expected_held_bytes(cfg, m, capacity: Capacity, lengths: list[int], stats: list[dict]):
+    """What a sequence holds at the end (``stats["held_bytes"]``, measured from the state) is at most what the
+    budget contract predicts from shapes (``engine.expected_held_bytes``, ``kvjax-eval --equal-bytes``), and equal
+    to it where the tokens held are the contract's (every method but ChunkKV, whose chunks may keep fewer)."""
+    want = engine.expected_held_bytes(cfg, m, capacity, jnp.float32, lengths, NEW - 1)
+    for n, w, st in zip(lengths, want, stats):
+        held = [m.held(n, NEW - 1, LayerContext(i, cfg.num_layers, capacity, cfg)) for i in range(cfg.num_layers)]
+        assert st["held_bytes"] <= w, (capacity, n, st["held_bytes"], w)
+        if st["tokens_held"] == pytest.approx(np.mean(held)):
+            assert st["held_bytes"] == pytest.approx(w, abs=cfg.num_layers), (capacity, n, st["held_bytes"], w)
 
 
 @pytest.mark.parametrize("name", methods.names())
@@ -184,12 +197,12 @@ def test_short_prompts_work_within_the_contract(tiny, name):
     for budget in (0.1, 0.25, 0.5, 1.0):
         m = _method(name, budget)
         res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False)
-        gamma = {"max_new_tokens": NEW} if name == "chelsea" else {}  # Chelsea's B = R (n + Gamma)
         for n, st in zip((1, 5, 30), res.stats):
             assert all(len(t) == NEW for t in res.tokens)
             # every layer holds at most held(n, steps) per KV head; the reported mean is within it
-            assert st["tokens_held_prefill"] <= m.held(n, 0, **gamma) + 1e-6, (budget, n, st)
-            assert st["tokens_held"] <= m.held(n, NEW - 1, **gamma) + 1e-6, (budget, n, st)
+            ctx = LayerContext(capacity=Capacity(n, NEW))  # Chelsea's B = R (n + Gamma), Gamma = NEW
+            assert st["tokens_held_prefill"] <= m.held(n, 0, ctx) + 1e-6, (budget, n, st)
+            assert st["tokens_held"] <= m.held(n, NEW - 1, ctx) + 1e-6, (budget, n, st)
             if name != "full" and not m.recalls:  # recall methods keep every token stored
                 assert st["tokens_held_prefill"] <= max(exact_tokens(budget, n), 1) + 1e-6 or name == "chelsea"
 

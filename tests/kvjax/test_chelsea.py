@@ -2,6 +2,7 @@
 count conservation and cache invariants through prefill and decode, the log-count attention, full-cache
 equivalence, outlier heads, schedules, Theorem 6.1 by brute force, calibration, no retracing, bad input."""
 
+import functools
 import itertools
 import json
 import math
@@ -15,7 +16,7 @@ import pytest
 from kvjax import attention, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from kvjax.methods.base import Capacity
+from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.chelsea import Chelsea
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax.methods.csm import csm_round, merges_for, plan
@@ -178,7 +179,7 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
         compressed_in_decode += int(np.any(now < prev))
         np.testing.assert_array_equal(now, np.where(prev + 1 >= trigger, b_tok, prev + 1))
         for bi in range(3):
-            assert method.held(int(lengths[bi]), step + 1, max_new_tokens=40) == now[bi]
+            assert method.held(int(lengths[bi]), step + 1, LayerContext(capacity=cap)) == now[bi]
     assert compressed_in_decode >= 5
     assert engine.TRACE_COUNTS["decode_step"] - before == 1
 
@@ -494,7 +495,7 @@ def _run_and_check(tiny, method, ps, bucket, gamma, outliers=False):
                 if seen[i] >= b_tok[i] + g or step > 0 and comp[i, 0] < min(seen[i], b_tok[i] + g):
                     assert comp[i, 0] <= b_tok[i] + g - 1
                 if not outliers:
-                    assert held[i] == comp[i, 0] == method.held(int(lengths[i]), step, max_new_tokens=gamma)
+                    assert held[i] == comp[i, 0] == method.held(int(lengths[i]), step, LayerContext(capacity=Capacity(bucket, gamma)))
                     assert held[i] <= max(b_tok[i] + g - 1, seen[i] if seen[i] < b_tok[i] + g else 0)
             hc, ho = s.k.shape[1], s.ko.shape[1]
             gq = cfg.num_heads // cfg.num_kv_heads
@@ -531,8 +532,8 @@ def test_tokens_held_and_bytes_read(tiny):
     s0 = states[0]  # layer 0: one compressed + one outlier head; tokens_held is their mean
     np.testing.assert_allclose(np.asarray(one.tokens_held(s0)),
                                (np.asarray(s0.length) + np.asarray(s0.seen)) / 2)
-    assert one.held(40, 11, layer=0, max_new_tokens=12, model_cfg=tiny.config) == \
-        (one.held(40, 11, layer=1, max_new_tokens=12, model_cfg=tiny.config) + 40 + 11) // 2
+    ctx = functools.partial(LayerContext, capacity=Capacity(40, 12), model_cfg=tiny.config)
+    assert one.held(40, 11, ctx(layer=0)) == (one.held(40, 11, ctx(layer=1)) + 40 + 11) // 2
 
 
 def test_short_prompts_with_default_windows(tiny):

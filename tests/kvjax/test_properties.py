@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.base import Capacity, LayerContext, SlotCache
 from kvjax.methods.chelsea import ChelseaState
 from kvjax.methods.clusterkv import ClusterState
 from kvjax.methods.less import LessState
@@ -253,14 +253,6 @@ def snapshot(m, states, q):
     return out
 
 
-def held(m, case: Case, n: int, steps: int, layer: int) -> int:
-    if case.name == "chelsea":
-        return m.held(n, steps, max_new_tokens=NEW)
-    if case.name == "pyramidkv":
-        return m.held(n, steps, layer=layer, num_layers=NUM_LAYERS)
-    return m.held(n, steps)
-
-
 def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
     for layer, (state, tokens_held, mem, sel) in enumerate(snap):
         where = f"layer {layer}, {steps} steps"
@@ -273,7 +265,7 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
             else jax.tree.leaves(state)
         assert mem == sum(np.asarray(x).nbytes for x in leaves), where
         for b, n in enumerate(lens):
-            limit = held(m, case, n, steps, layer)
+            limit = m.held(n, steps, LayerContext(layer, NUM_LAYERS, Capacity(n, NEW)))
             per_head = per_head_held(state, b)
             got = float(tokens_held[b])
             assert got <= limit + 1e-6 and per_head.max() <= limit, (where, b, n, got, per_head, limit)
