@@ -73,8 +73,8 @@ def _layer_signature(st) -> tuple:
 def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) -> tuple[range, ...]:
     """Runs of consecutive layers whose states agree in structure, shapes and dtypes (abstractly, nothing is
     allocated): each run of two or more layers is scanned, each other layer unrolled. E.g. ClusterKV with
-    ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer) gives
-    mostly single layers."""
+    ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer, rounded to a
+    multiple of an eighth of its budget) gives runs of 2-3 layers."""
     sigs = [_layer_signature(jax.eval_shape(lambda l=l: method.init(cfg, batch, capacity, l, dtype)))
             for l in range(cfg.num_layers)]
     runs, start = [], 0

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
-                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, append_decode, budget_tokens,
+                                check_budget, empty_slots, slot_bytes, slot_bytes_read, slot_tokens_held,
+                                store_prompt)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
 
@@ -124,11 +125,31 @@ def _pyramid_slots(budget, window: int, beta: int, bucket: int, layer: int, num_
 class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
     beta: int = 20
+    #: Each layer's static slot count is rounded up to a multiple of this (None: an eighth of the budget at the
+    #: bucket, at least 16), so runs of layers share one state shape and scan as one compiled body
+    #: (``engine.layer_plan``: about 8-12 bodies instead of one per layer). It sizes the buffers only: what a layer
+    #: keeps is its own budget. ``1``: one exact slot count per layer.
+    slot_multiple: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
             raise ValueError(f"beta={self.beta!r} must be an int >= 1 (the harness uses 20)")
+        m = self.slot_multiple
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"slot_multiple={m!r} must be an int >= 1 or None (an eighth of the budget)")
+
+    def _multiple(self, prompt_len: int) -> int:
+        if self.slot_multiple is not None:
+            return self.slot_multiple
+        return max(16, -(-int(budget_tokens(self.budget, prompt_len)) // 8))
+
+    def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """The slot cache's (decode slots, one of rounding) plus the slot count's rounding to
+        ``slot_multiple``."""
+        extra = self._multiple(capacity.prompt_len) - 1
+        return super().held_overhead_bytes(model_cfg, batch, capacity, layer, dtype) + extra * slot_bytes(
+            model_cfg, batch, dtype)
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
         total = budget_tokens(self.budget, lengths)
@@ -136,4 +157,6 @@ class PyramidKV(SnapKV):
         return pyramid_budget(total, lengths, layer, num_layers, w, self.beta)
 
     def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
-        return _pyramid_slots(self.budget, self.window, self.beta, prompt_len, layer, num_layers)
+        exact = _pyramid_slots(self.budget, self.window, self.beta, prompt_len, layer, num_layers)
+        r = self._multiple(prompt_len)
+        return min(-(-exact // r) * r, prompt_len)  # a layer never keeps more than the bucket

@@ -214,7 +214,7 @@ def test_short_prompts_work_within_the_contract(tiny, name):
 @pytest.mark.parametrize("budget,window", [(0.2, 8), (0.3, 4), (64, 8), (0.05, 8), (9, 8)])
 @pytest.mark.parametrize("num_layers", [4, 30])
 def test_pyramid_layer_budgets_follow_the_harness(budget, window, num_layers):
-    m = methods.get("pyramidkv", budget=budget, window=window)
+    m = methods.get("pyramidkv", budget=budget, window=window, slot_multiple=1)  # exact static slots
     ns = np.arange(1, 700, dtype=np.int32)
     for layer in range(num_layers):
         got = np.asarray(m.layer_budgets(jnp.asarray(ns), layer, num_layers))
@@ -224,3 +224,6 @@ def test_pyramid_layer_budgets_follow_the_harness(budget, window, num_layers):
             want.append(ref.pyramid_layer_budget(total, int(n), layer, num_layers, min(window, total), 20))
         np.testing.assert_array_equal(got, want, err_msg=f"layer {layer}")
         assert m.prompt_slots(699, layer, num_layers) == max(want)
+        rounded = methods.get("pyramidkv", budget=budget, window=window).prompt_slots(699, layer, num_layers)
+        r = max(16, -(-int(kb.budget_tokens(budget, 699)) // 8))  # an eighth of the budget, at least 16
+        assert (rounded % r == 0 or rounded == 699) and max(want) <= rounded < max(want) + r
