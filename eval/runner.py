@@ -50,11 +50,17 @@ class NeedleTask:
         padded, real = harness.pad_batch([list(e.prompt) for e in batch], self.batch)
         from kvjax import engine
 
-        out = engine.generate(model, padded, method, self.max_new_tokens, driver="python", prompt_len=bucket)
+        # every sequence decodes max_new_tokens, so the bytes held at the end are the same for every batch (the ones
+        # --equal-bytes matches); the answer is cut at its first end-of-sequence token, as generate would
+        out = engine.generate(model, padded, method, self.max_new_tokens, driver="python", prompt_len=bucket,
+                              stop_at_eos=False)
+        eos = set(engine.eos_ids(model))
         rows = []
-        for e, text, stats in zip(batch, out.text[:real], out.stats[:real]):
+        for e, tokens, stats in zip(batch, out.tokens[:real], out.stats[:real]):
+            cut = next((j for j, t in enumerate(tokens) if t in eos), len(tokens))
+            text = model.tokenizer.decode(tokens[:cut]) if model.tokenizer is not None else ""
             rows.append({**meta, "length": e.length, "depth": e.depth, "prompt_tokens": len(e.prompt),
-                         "key": e.key, "answer": text, "score": needle.score(text or "", e.key),
+                         "key": e.key, "answer": text, "score": needle.score(text, e.key),
                          **harness.memory_from_stats(stats)})
         return rows
 

@@ -437,7 +437,8 @@ def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_n
                          "implement the window yet, so keep generations within it")
 
 
-def _eos_ids(model) -> tuple[int, ...]:
+def eos_ids(model) -> tuple[int, ...]:
+    """The token ids that end a generation: the model config's and the tokenizer's end-of-sequence ids."""
     ids = set(model.config.eos_token_ids)
     if model.tokenizer is not None:
         ids |= set(model.tokenizer.eos_token_ids)
@@ -485,7 +486,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     warn_small_budget(method, lengths_list, max_new_tokens, cfg)  # on the host, once per method config: never in jit
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
-    eos = _eos_ids(model) if stop_at_eos else ()
+    eos = eos_ids(model) if stop_at_eos else ()
     mesh = model.mesh
     states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh,
                          scan_layers=M.is_stacked(model.params))
@@ -563,7 +564,7 @@ def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, 
 
     q: queue.Queue = queue.Queue()
     seq: list[int] = []
-    eos = set(_eos_ids(model))
+    eos = set(eos_ids(model))
     failed: list[BaseException] = []
 
     def on_token(step, toks):

@@ -158,7 +158,17 @@ class ChunkKV(Method):
                 f"window={self.window} + one chunk of chunk_size={self.chunk_size}")
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
-        return min(n, budget_tokens(self.budget, n)) + steps
+        """At most: the whole prompt when it fits its budget ``P``; in ``prefix_exclusive`` mode the window ``w``
+        and ``(P - w) // chunk_size`` whole chunks (fewer tokens when the chunk that straddles the window is
+        chosen: it is cut there), or ``P`` when no chunk fits beside the window; ``P`` in ``paper_literal``
+        mode; plus the decoded tokens."""
+        b = int(budget_tokens(self.budget, n))
+        if n <= b:
+            return n + steps
+        w = min(self.window, b)
+        if self.mode == "prefix_exclusive" and b - w >= self.chunk_size:
+            b = w + (b - w) // self.chunk_size * self.chunk_size
+        return b + steps
 
 
 def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive",

@@ -165,7 +165,7 @@ def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budge
     ids = _prompts((5, 30, 57))
     m = _method(name, budget)
     runs = []
-    for bucket in (64, 128, 256):
+    for bucket in (64, 256):  # the smallest bucket the prompts fit and one four times as large
         tokens, lengths = engine.pad_prompts(ids, bucket)
         states = engine.init_states(tiny.config, m, len(ids), Capacity(bucket, NEW), jnp.float32)
         states, _ = engine.prefill(tiny.config, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
@@ -173,7 +173,7 @@ def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budge
         runs.append((_kept(states), res.tokens, [s["tokens_held"] for s in res.stats],
                      [s["tokens_held_prefill"] for s in res.stats]))
         _check_expected_held_bytes(tiny.config, m, Capacity(bucket, NEW), [len(i) for i in ids], res.stats)
-    for bucket, other in zip((128, 256), runs[1:]):
+    for bucket, other in zip((256,), runs[1:]):
         assert other[0] == runs[0][0], f"kept differ at bucket {bucket}"
         assert other[1] == runs[0][1], f"greedy tokens differ at bucket {bucket}"
         assert other[2:] == runs[0][2:], f"tokens held differ at bucket {bucket}"
@@ -194,7 +194,7 @@ def _check_expected_held_bytes(cfg, m, capacity: Capacity, lengths: list[int], s
 @pytest.mark.parametrize("name", methods.names())
 def test_short_prompts_work_within_the_contract(tiny, name):
     ids = _prompts((1, 5, 30), seed=3)
-    for budget in (0.1, 0.25, 0.5, 1.0):
+    for budget in (0.1, 0.5, 1.0):  # 0.25: the bucket-invariance test above checks the same bounds
         m = _method(name, budget)
         res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False)
         for n, st in zip((1, 5, 30), res.stats):
