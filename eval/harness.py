@@ -202,6 +202,16 @@ def held_at_end(model_cfg, method, capacity: Capacity, dtype, ends: Sequence[tup
     return total / len(ends)
 
 
+def same_footprint(model_cfg, a, b, capacity: Capacity, dtype, ends: Sequence[tuple[int, int]]) -> bool:
+    """Whether methods ``a`` and ``b`` (two budgets of one method) allocate the same bytes at ``capacity`` and hold
+    the same bytes at the end of every example of ``ends``: then they keep the same token counts everywhere, and
+    one run stands for both."""
+    if bytes_per_seq(model_cfg, a, capacity, dtype) != bytes_per_seq(model_cfg, b, capacity, dtype):
+        return False
+    return all(held_at_end(model_cfg, a, capacity, dtype, [e]) == held_at_end(model_cfg, b, capacity, dtype, [e])
+               for e in sorted(set(ends)))
+
+
 def equal_bytes_budget(model_cfg, name: str, ref_bytes: float, capacity: Capacity, dtype,
                        ends: Sequence[tuple[int, int]], fraction: bool = False,
                        options: dict | None = None) -> tuple[float | int, float]:

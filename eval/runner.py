@@ -116,6 +116,9 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
             records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
                             "ref": ref, "ref_bytes": ref_bytes, "skipped": str(e)})
             continue
+        if t != b and harness.same_footprint(model.config, harness.make_method(name, t, options.get(name)),
+                                             harness.make_method(name, b, options.get(name)), cap, model.dtype, ends):
+            t = b  # the same token counts as the nominal budget: the nominal run stands for it (run() reuses it)
         configs.append((name, t, b))
         records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": t, "bytes": got,
                         "ref": ref, "ref_bytes": ref_bytes, "measure": "mean bytes held at the end of generation",
@@ -144,7 +147,8 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     ``options``: ``{method: {option: value}}`` passed to every config of that method (``kvjax-eval --option``).
     ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the
     budget matching that method's bytes held at the end (rows with ``setting="equal_bytes"``; the main job's second
-    comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped."""
+    comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped; a method
+    whose matching budget is its nominal one reuses the nominal run's rows (marked ``reused``)."""
     options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
     check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
@@ -176,6 +180,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     plan.sort(key=lambda p: (p[4] is not None, order[p[1]], repr(p[2]), p[4] or ""))
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
+    done = {}  # (task, method, budget) of the first pass -> its rows
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
         for k, (task, name, budget, nominal, second) in enumerate(plan):
             method = harness.make_method(name, budget, options.get(name))
@@ -185,6 +190,15 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                 meta.update(nominal_budget=nominal, equal_bytes_ref=equal_bytes)
             if second is not None:
                 meta.update(nominal_budget=nominal, equal_bytes_ref=second, setting="equal_bytes")
+                same = done.get((task.name, name, budget))
+                if same is not None:  # the budget matching the reference's bytes is the nominal one: same run
+                    results["rows"].extend({**r, **meta, "reused": "the nominal run's rows"} for r in same)
+                    bar.update(len(prepared[task.name][1]))
+                    results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
+                                                       "seconds": 0.0, "setting": f"bytes of {second}",
+                                                       "note": "the nominal run's rows, reused"})
+                    continue
+            first = len(results["rows"])
             for i, batch in enumerate(prepared[task.name][1]):
                 bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}")
                                     + ("" if second is None else f" (bytes of {second})"))
@@ -198,6 +212,8 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                                                "seconds": time.perf_counter() - t0,
                                                "setting": second and f"bytes of {second}",
                                                "note": "a configuration's first batch includes compilation"})
+            if second is None:
+                done[(task.name, name, budget)] = results["rows"][first:]
             if k + 1 == len(plan) or plan[k + 1][1:3] != (name, budget):
                 release_compiled()  # the next configuration compiles its own programs; this one's are dead weight
     results["timings"]["total_seconds"] = time.perf_counter() - start

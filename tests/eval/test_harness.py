@@ -1,6 +1,8 @@
 """Harness on a tiny random model: streaming perplexity and the question-after-context protocol against the
 dense forward pass (kvjax.model.forward, an independent full-attention path), compile reuse, bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +152,42 @@ def test_bad_input(tiny):
         perplexity.streaming_nll(tiny, methods.get("full"), np.zeros((1, 300), np.int32), prefix=256)
     with pytest.raises(ValueError, match="longer than bucket=32"):
         harness.answer_after_context(tiny, methods.get("full"), [[3] * 40], [[4]], bucket=32, max_new_tokens=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IdsTask:
+    """Random prompts of 40 and 64 tokens, 6 greedy tokens each without stopping (the needle task's protocol)."""
+
+    name = "ids"
+
+    def prepare(self, model):
+        rng = np.random.RandomState(6)
+        return 64, [[[int(x) for x in rng.randint(3, 64, n)] for n in (40, 64)]]
+
+    def capacity(self, prepared):
+        return Capacity(64, 6)
+
+    def ends(self, prepared):
+        return [(40, 5), (64, 5)]
+
+    def run_batch(self, model, method, prepared, batch, meta):
+        out = engine.generate(model, batch, method, 6, driver="python", prompt_len=64, stop_at_eos=False)
+        return [{**meta, "score": 0.0, **harness.memory_from_stats(st)} for st in out.stats]
+
+
+def test_second_pass_at_the_references_bytes_held(tiny):
+    """``also_equal_bytes``: each other compressed method reruns at the budget whose bytes held at the end match
+    the reference's (measured from the states); a budget that keeps the nominal token counts reuses the nominal
+    run's rows instead of running again."""
+    res = runner.run(tiny, [_IdsTask()], ["full", "h2o", "streaming_llm", "snapkv"], [0.25], progress=False,
+                     also_equal_bytes="h2o")
+    rows = lambda m, second: [r for r in res["rows"] if r["method"] == m and (r.get("setting") == "equal_bytes")
+                              == second]
+    ref = np.mean([r["held_bytes"] for r in rows("h2o", False)])
+    snap = rows("snapkv", True)
+    assert snap[0]["budget"] < 0.25 and np.mean([r["held_bytes"] for r in snap]) <= ref
+    assert np.mean([r["held_bytes"] for r in rows("snapkv", False)]) > ref  # nominal: it keeps its decoded tokens
+    stream = rows("streaming_llm", True)  # no per-slot score: at least h2o's share, here the same token counts
+    assert [r["budget"] for r in stream] == [0.25, 0.25] and all(r.get("reused") for r in stream)
+    assert [r["held_bytes"] for r in stream] == [r["held_bytes"] for r in rows("streaming_llm", False)]
+    assert not rows("h2o", True) and not rows("full", True)
