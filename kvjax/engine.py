@@ -346,16 +346,17 @@ def held_bytes(method, states) -> np.ndarray:
 
 
 def expected_held_bytes(cfg: ModelConfig, method, capacity: Capacity, dtype, lengths: Sequence[int],
-                        steps: int) -> np.ndarray:
+                        steps: int, batch: int = 1) -> np.ndarray:
     """``[len(lengths)]`` int: the bytes a sequence with an ``n``-token prompt holds after ``steps`` decode steps
     in a cache built for ``capacity``, over all layers, from the budget contract (``method.held`` per layer) and
     the state's shapes (``jax.eval_shape`` of :func:`init_states`: nothing is allocated) — what
     :func:`held_bytes` measures at the end of a generation of ``steps + 1`` tokens, for every method whose
-    contract is exact (``kvjax-eval --equal-bytes`` matches methods on it)."""
-    states = jax.eval_shape(lambda: init_states(cfg, method, 1, capacity, dtype))
+    contract is exact (``kvjax-eval --equal-bytes`` matches methods on it). ``batch``: the batch the state is
+    built for (state without a batch axis, e.g. a step count, is split over it, as :func:`held_bytes` does)."""
+    states = jax.eval_shape(lambda: init_states(cfg, method, batch, capacity, dtype))
     total = np.zeros(len(lengths))
     for layer, st in enumerate(layer_states(states)):
-        fixed, per_slot = _slot_bytes(method, st, 1)
+        fixed, per_slot = _slot_bytes(method, st, batch)
         ctx = LayerContext(layer, cfg.num_layers, capacity, cfg)
         total += fixed + per_slot * np.array([method.held(int(n), steps, ctx) for n in lengths], np.float64)
     return np.rint(total).astype(np.int64)

@@ -265,6 +265,7 @@ def _cli(out, model, extra=()):
             "--checkpoint-every", "1", "--no-progress", *extra]
 
 
+@pytest.mark.slow  # 50-85 s of three training subprocesses: CI runs it on its slow line (.ci/run)
 def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path):
     model = tmp_path / "tiny"
     _tiny_hf_folder(model)
