@@ -191,15 +191,21 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
 FRACTION_STEPS = 10_000
 
 
+def _held_per_end(model_cfg, method, capacity: Capacity, dtype, ends: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``[len(ends)]``: the bytes a sequence holds at each end ``(prompt tokens, decode steps)``
+    (:func:`kvjax.engine.expected_held_bytes`, once per distinct step count)."""
+    out = np.zeros(len(ends), np.int64)
+    for steps in sorted({s for _, s in ends}):
+        at = [i for i, (_, s) in enumerate(ends) if s == steps]
+        out[at] = engine.expected_held_bytes(model_cfg, method, capacity, dtype, [ends[i][0] for i in at], steps)
+    return out
+
+
 def held_at_end(model_cfg, method, capacity: Capacity, dtype, ends: Sequence[tuple[int, int]]) -> float:
     """Mean bytes a sequence of ``method`` holds at the end of its generation over ``ends``, the ``(prompt
     tokens, decode steps)`` of each example (:func:`kvjax.engine.expected_held_bytes`: the budget contract and the
     state's shapes; nothing runs)."""
-    total = 0
-    for steps in sorted({s for _, s in ends}):
-        lengths = [n for n, s in ends if s == steps]
-        total += int(engine.expected_held_bytes(model_cfg, method, capacity, dtype, lengths, steps).sum())
-    return total / len(ends)
+    return float(_held_per_end(model_cfg, method, capacity, dtype, ends).mean())
 
 
 def same_footprint(model_cfg, a, b, capacity: Capacity, dtype, ends: Sequence[tuple[int, int]]) -> bool:
@@ -208,8 +214,9 @@ def same_footprint(model_cfg, a, b, capacity: Capacity, dtype, ends: Sequence[tu
     one run stands for both."""
     if bytes_per_seq(model_cfg, a, capacity, dtype) != bytes_per_seq(model_cfg, b, capacity, dtype):
         return False
-    return all(held_at_end(model_cfg, a, capacity, dtype, [e]) == held_at_end(model_cfg, b, capacity, dtype, [e])
-               for e in sorted(set(ends)))
+    ends = sorted(set(ends))
+    return bool(np.array_equal(_held_per_end(model_cfg, a, capacity, dtype, ends),
+                               _held_per_end(model_cfg, b, capacity, dtype, ends)))
 
 
 def equal_bytes_budget(model_cfg, name: str, ref_bytes: float, capacity: Capacity, dtype,

@@ -155,8 +155,9 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def _config(row) -> tuple[str, float | int | None]:
     """A row's (label, budget) as shown: the nominal budget for ``--equal-bytes`` rows (whose budget is chosen
-    per task to match the bytes the reference method holds at the end of generation); rows of a second, equal-bytes pass beside nominal
-    ones (``setting == "equal_bytes"``, the main job) are labelled ``"method = bytes of REF"``."""
+    per task to match the bytes the reference method holds at the end of generation); rows of a second,
+    equal-bytes pass beside nominal ones (``setting == "equal_bytes"``, the main job) are labelled ``"method =
+    bytes of REF"``."""
     name = row["method"]
     if row.get("setting") == "equal_bytes":
         name = f"{name} = bytes of {row['equal_bytes_ref']}"
@@ -269,11 +270,12 @@ MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("held KiB/seq", "held_kib"), 
                   ("read KiB/step", "read_kib"))
 
 
-def _budget_cell(results, task, method, budget) -> str:
-    """The nominal budget, and for rows matched to a reference's bytes the budget they ran at (``0.2 → 0.158``)."""
+def _budget_cell(results, groups, task, method, budget) -> str:
+    """The nominal budget, and for rows matched to a reference's bytes the budget they ran at (``0.2 → 0.158``);
+    ``groups``: :func:`_groups` of ``results``."""
     if budget is None:
         return "-"
-    ran = sorted({r["budget"] for r in _groups(results).get((task, method, budget), ())
+    ran = sorted({r["budget"] for r in groups.get((task, method, budget), ())
                   if r["budget"] is not None and r["budget"] != budget})
     text = f"{budget:g}" + (" → " + ", ".join(f"{b:.4g}" for b in ran) if ran else "")
     ref = results.get("config", {}).get("equal_bytes")
@@ -314,11 +316,12 @@ def _task_table(results, task, intervals, memory, extra) -> list[str]:
     head += ["ΔNLL vs full, paired [95% CI]"] if paired else []
     head += [t for t, _ in mem_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
+    groups = _groups(results)
     for method, budget in _configs(results):
         ci = intervals.get((task, method, budget))
         if ci is None:
             continue
-        cells = [method, _budget_cell(results, task, method, budget), _score_cell(ci, agg), str(ci["n"])]
+        cells = [method, _budget_cell(results, groups, task, method, budget), _score_cell(ci, agg), str(ci["n"])]
         for _, field in EXTRA_COLUMNS.get(task, ()):
             xs = extra.get((task, field, method, budget))
             cells.append(f"{sum(xs) / len(xs):.3f}" if xs else "")

@@ -57,8 +57,8 @@ class NeedleTask:
         eos = set(engine.eos_ids(model))
         rows = []
         for e, tokens, stats in zip(batch, out.tokens[:real], out.stats[:real]):
-            cut = next((j for j, t in enumerate(tokens) if t in eos), len(tokens))
-            text = model.tokenizer.decode(tokens[:cut]) if model.tokenizer is not None else ""
+            answer = engine.until_eos(tokens, eos)
+            text = model.tokenizer.decode(answer) if model.tokenizer is not None else ""
             rows.append({**meta, "length": e.length, "depth": e.depth, "prompt_tokens": len(e.prompt),
                          "key": e.key, "answer": text, "score": needle.score(text, e.key),
                          **harness.memory_from_stats(stats)})
@@ -142,7 +142,8 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the budget whose
-    bytes held at the end of generation match that method's at each nominal budget (:func:`equal_bytes_grid`); rows then carry
+    bytes held at the end of generation match that method's at each nominal budget (:func:`equal_bytes_grid`);
+    rows then carry
     ``nominal_budget`` and ``equal_bytes_ref``, and ``results["equal_bytes"]`` records every chosen budget.
     ``options``: ``{method: {option: value}}`` passed to every config of that method (``kvjax-eval --option``).
     ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the

@@ -337,11 +337,11 @@ def held_bytes(method, states) -> np.ndarray:
 
     Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
     costs (:func:`_slot_bytes`), plus the layer's state that is not per slot split evenly over the batch."""
-    total = None
+    total = 0.0
     for st in layer_states(states):
         held = S.to_host(method.tokens_held(st)).astype(np.float64)
         fixed, per_slot = _slot_bytes(method, st, held.shape[0])
-        total = fixed + held * per_slot if total is None else total + fixed + held * per_slot
+        total = total + fixed + held * per_slot
     return np.rint(total).astype(np.int64)
 
 
@@ -438,6 +438,12 @@ def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_n
                          "implement the window yet, so keep generations within it")
 
 
+def until_eos(tokens: list[int], eos) -> list[int]:
+    """``tokens`` up to (not including) the first one in ``eos``."""
+    cut = next((j for j, tok in enumerate(tokens) if tok in eos), len(tokens))
+    return tokens[:cut]
+
+
 def eos_ids(model) -> tuple[int, ...]:
     """The token ids that end a generation: the model config's and the tokenizer's end-of-sequence ids."""
     ids = set(model.config.eos_token_ids)
@@ -515,10 +521,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
 
     result = Result([], [], [])
     for i, n in enumerate(lengths_list):
-        seq = [int(x) for x in out[i, :steps]]
-        if eos:
-            cut = next((j for j, tok in enumerate(seq) if tok in eos), None)
-            seq = seq if cut is None else seq[:cut]
+        seq = until_eos([int(x) for x in out[i, :steps]], eos)
         result.tokens.append(seq)
         result.text.append(model.tokenizer.decode(seq) if model.tokenizer is not None else None)
         result.stats.append({

@@ -38,8 +38,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, append_decode, budget_tokens, check_budget,
-                                empty_slots, slot_bytes_read, slot_tokens_held, store_prompt, top_k)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, append_decode, budget_tokens,
+                                check_budget, empty_slots, slot_bytes_read, slot_tokens_held, store_prompt, top_k)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
 

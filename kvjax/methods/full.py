@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import (LayerContext, Capacity, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
+from kvjax.methods.base import (Capacity, LayerContext, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
                                 slot_tokens_held, store_prompt)
 
 

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, budget_tokens, check_budget, empty_slots,
-                                evicting_budget, rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, budget_tokens, check_budget,
+                                empty_slots, evicting_budget, rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 

@@ -87,8 +87,8 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
-from kvjax.methods.base import (LayerContext, Capacity, Method, SlotCache, full_bytes, rows_at, slot_bytes_read, slot_tokens_held,
-                               top_k)
+from kvjax.methods.base import (Capacity, LayerContext, Method, SlotCache, full_bytes, rows_at, slot_bytes_read,
+                                slot_tokens_held, top_k)
 from kvjax.methods.full import Full
 
 _FULL = Full()

@@ -17,8 +17,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (LayerContext, MIN_TOKENS, Capacity, Method, SlotCache, check_budget, empty_slots, evicting_budget,
-                                slot_bytes_read, slot_tokens_held, store_prompt, write_token)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, check_budget, empty_slots,
+                                evicting_budget, slot_bytes_read, slot_tokens_held, store_prompt, write_token)
 
 
 @dataclasses.dataclass(frozen=True)

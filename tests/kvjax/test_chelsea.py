@@ -495,7 +495,8 @@ def _run_and_check(tiny, method, ps, bucket, gamma, outliers=False):
                 if seen[i] >= b_tok[i] + g or step > 0 and comp[i, 0] < min(seen[i], b_tok[i] + g):
                     assert comp[i, 0] <= b_tok[i] + g - 1
                 if not outliers:
-                    assert held[i] == comp[i, 0] == method.held(int(lengths[i]), step, LayerContext(capacity=Capacity(bucket, gamma)))
+                    ctx = LayerContext(capacity=Capacity(bucket, gamma))
+                    assert held[i] == comp[i, 0] == method.held(int(lengths[i]), step, ctx)
                     assert held[i] <= max(b_tok[i] + g - 1, seen[i] if seen[i] < b_tok[i] + g else 0)
             hc, ho = s.k.shape[1], s.ko.shape[1]
             gq = cfg.num_heads // cfg.num_kv_heads
