@@ -43,7 +43,8 @@ MAIN_NOTES = (
 #: needle: 2 lengths x 5 depths = 10 trials per cell, in 2 batches of 5 (one per length: a batch of 256-token prompts
 #: prefills only 256 positions); perplexity: 5 sequences of 512 + 16 tokens. Both tasks have the same batch, bucket
 #: (512) and decode capacity (16), so each method compiles its prefill and decode step once for the two tasks (a
-#: 5-digit answer takes 6-7 tokens). The job's time is mostly prefill FLOPs (about 6k prompt tokens a configuration).
+#: 5-digit answer takes 6-7 tokens). The model's prefill of each batch runs once for all configurations
+#: (``--share-prefill``); the job's time is each configuration's compiles, compression and decode.
 MAIN_BATCH, MAIN_TRIALS, MAIN_SEQUENCES, MAIN_NEW = 5, 1, 5, 16
 
 
@@ -183,7 +184,7 @@ def cmd_run(args) -> int:
         config["notes"] = MAIN_NOTES
     results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
                          equal_bytes=args.equal_bytes, options=options,
-                         also_equal_bytes=also_equal_bytes)
+                         also_equal_bytes=also_equal_bytes, share_prefill=args.share_prefill)
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
         return 0
@@ -244,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan,
                         help="stack the layers and run them as one compiled loop body (faster compiles of deep "
                              "models; same results)")
+        sp.add_argument("--share-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="needle and perplexity: run the model's prefill of each batch once and let every "
+                             "method compress it (kvjax.prefilled; same results up to float rounding; "
+                             "--no-share-prefill prefills per method)")
         sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
         sp.set_defaults(func=cmd_run, equal_bytes=None)

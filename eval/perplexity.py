@@ -25,6 +25,7 @@ from kvjax import assets, engine
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
+from kvjax.prefilled import compress, same_batch
 
 
 @functools.lru_cache(maxsize=2)
@@ -52,12 +53,14 @@ def _logprob(logits, target):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
 
 
-def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False):
+def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False, prefilled=None):
     """Negative log-likelihoods ``[B, N]`` of the ``N = T - prefix`` continuation tokens of ``seqs [B, T]``.
 
     Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
     ``Capacity(prefix, N)``; ``N - 1`` decode steps, all through the same compiled ``decode_step``.
     With ``memory=True``: ``(nll, memory rows)`` (:func:`eval.harness.memory_rows` of the final states).
+    ``prefilled``: the model's prefill of ``seqs[:, :prefix]`` (:func:`kvjax.prefilled.prefill_once`), which the
+    method then only compresses.
     """
     cfg = model.config
     b, t = seqs.shape
@@ -68,11 +71,17 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         raise ValueError(f"prefix + continuation = {t} tokens is longer than the model's context of "
                          f"{cfg.max_position_embeddings}; use a shorter prefix/continuation")
     mesh = model.mesh
+    if prefilled is not None and not same_batch(prefilled, np.asarray(seqs)[:, :prefix], np.full((b,), prefix)):
+        raise ValueError(f"prefilled= is not the prefill of these sequences' {prefix}-token prefixes; pass "
+                         "kvjax.prefilled.prefill_once(model, seqs[:, :prefix], lengths)")
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
     states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype, mesh,
                                 scan_layers=M.is_stacked(model.params))
     lengths = S.put_batch(jnp.full((b,), prefix, jnp.int32), mesh)
-    states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
+    if prefilled is None:
+        states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
+    else:
+        states, logits = compress(cfg, method, prefilled, states), prefilled.logits
     out = [_logprob(logits, seqs[:, prefix])]
     for i in range(1, n):
         logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],

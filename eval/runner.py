@@ -13,6 +13,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
@@ -45,7 +46,13 @@ class NeedleTask:
         """``(prompt tokens, decode steps)`` of each example at the end of its generation (``--equal-bytes``)."""
         return [(len(e.prompt), self.max_new_tokens - 1) for batch in prepared[1] for e in batch]
 
-    def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
+    def prefill_batch(self, prepared, batch):
+        """``(tokens [B, T], lengths [B])``: what ``run_batch`` prefills (shared by every method, :class:`Shared`)."""
+        from kvjax import engine
+
+        return engine.pad_prompts(harness.pad_batch([list(e.prompt) for e in batch], self.batch)[0], prepared[0])
+
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
         bucket, _ = prepared
         padded, real = harness.pad_batch([list(e.prompt) for e in batch], self.batch)
         from kvjax import engine
@@ -53,7 +60,7 @@ class NeedleTask:
         # every sequence decodes max_new_tokens, so the bytes held at the end are the same for every batch (the ones
         # --equal-bytes matches); the answer is cut at its first end-of-sequence token, as generate would
         out = engine.generate(model, padded, method, self.max_new_tokens, driver="python", prompt_len=bucket,
-                              stop_at_eos=False)
+                              stop_at_eos=False, prefilled=prefilled)
         eos = set(engine.eos_ids(model))
         rows = []
         for e, tokens, stats in zip(batch, out.tokens[:real], out.stats[:real]):
@@ -85,10 +92,42 @@ class PerplexityTask:
         """``(prompt tokens, decode steps)`` of each sequence at the end of its continuation (``--equal-bytes``)."""
         return [(self.prefix, self.continuation - 1)] * self.num_sequences
 
-    def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
-        nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True)
+    def prefill_batch(self, prepared, batch):
+        """``(tokens [B, T], lengths [B])``: what ``run_batch`` prefills (shared by every method, :class:`Shared`)."""
+        return np.asarray(batch)[:, : self.prefix], np.full((len(batch),), self.prefix, np.int32)
+
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
+        nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True, prefilled=prefilled)
         return [{**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size),
                  "score": float(row.mean()), **m} for i, (row, m) in enumerate(zip(nll, mem))]
+
+
+#: the most bytes of shared prefills (:class:`Shared`) a run keeps; batches beyond it prefill once per method
+SHARE_PREFILL_BYTES = 2 << 30
+
+
+class Shared:
+    """The model's prefill of each task batch, made by the first configuration that runs the batch and
+    compressed by every later one (:mod:`kvjax.prefilled`): a sweep over N configurations runs the model's prefill
+    once per batch instead of N times. Only for tasks with ``prefill_batch`` and a model without a mesh; batches
+    past ``limit`` bytes in all are not kept (each configuration then prefills them itself)."""
+
+    def __init__(self, model, limit: int = SHARE_PREFILL_BYTES):
+        self.model, self.left, self.kept = model, (limit if model.mesh is None else 0), {}
+
+    def get(self, task, prepared, index: int, batch):
+        from kvjax import prefilled as P
+
+        key = (task.name, index)
+        if key not in self.kept:
+            self.kept[key] = None
+            if hasattr(task, "prefill_batch"):
+                tokens, lengths = task.prefill_batch(prepared, batch)
+                size = P.nbytes(self.model.config, *tokens.shape, self.model.dtype)
+                if size <= self.left:
+                    self.left -= size
+                    self.kept[key] = P.prefill_once(self.model, tokens, lengths)
+        return self.kept[key]
 
 
 def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None = None) -> tuple[list, list[dict]]:
@@ -138,7 +177,8 @@ def check_equal_bytes_refs(grid, refs: dict[str, str | None]) -> None:
 
 def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
         config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
-        options: dict[str, dict] | None = None, also_equal_bytes: str | None = None) -> dict[str, Any]:
+        options: dict[str, dict] | None = None, also_equal_bytes: str | None = None,
+        share_prefill: bool = True) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the budget whose
@@ -149,7 +189,9 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     ``also_equal_bytes`` (a method name): after the nominal runs, every other compressed method runs again at the
     budget matching that method's bytes held at the end (rows with ``setting="equal_bytes"``; the main job's second
     comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped; a method
-    whose matching budget is its nominal one reuses the nominal run's rows (marked ``reused``)."""
+    whose matching budget is its nominal one reuses the nominal run's rows (marked ``reused``). ``share_prefill``:
+    the model's prefill of each needle/perplexity batch runs once and every configuration compresses it
+    (:class:`Shared`); the rows are those of a prefill per configuration, up to float rounding."""
     options = options or {}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
     check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
@@ -182,6 +224,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
     done = {}  # (task, method, budget) of the first pass -> its rows
+    shared = Shared(model) if share_prefill else None
     with tqdm(total=total, desc="kvjax-eval", unit="batch", disable=not progress) as bar:
         for k, (task, name, budget, nominal, second) in enumerate(plan):
             method = harness.make_method(name, budget, options.get(name))
@@ -204,7 +247,9 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                 bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}")
                                     + ("" if second is None else f" (bytes of {second})"))
                 tb = time.perf_counter()
-                rows = task.run_batch(model, method, prepared[task.name], batch, meta)
+                pre = shared.get(task, prepared[task.name], i, batch) if shared else None
+                rows = task.run_batch(model, method, prepared[task.name], batch, meta,
+                                      **({} if pre is None else {"prefilled": pre}))
                 for r in rows:
                     r["batch_seconds"] = time.perf_counter() - tb
                 results["rows"].extend(rows)

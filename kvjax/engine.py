@@ -468,14 +468,16 @@ def pad_prompts(ids: list[list[int]], bucket: int | None = None) -> tuple[np.nda
 
 def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=None, *, chat: bool = False,
              seed: int = 0, driver: str = "while", prompt_len: int | None = None, stop_at_eos: bool = True,
-             on_token=None) -> Result:
+             on_token=None, prefilled=None) -> Result:
     """Generate continuations of ``prompts`` with a (compressed) KV cache.
 
     prompts: a string, a list of strings (tokenized; ``chat=True`` applies the chat template) or lists of
     token ids. method: a method config (``kvjax.methods.get(...)``) or a registered name; default ``full``.
     sampling: ``Greedy()`` (default) or ``Sample(...)``. driver: ``"while"`` (stop at EOS), ``"scan"``
     (exactly ``max_new_tokens``) or ``"python"`` (streams: ``on_token(step, tokens[B])`` after every step).
-    prompt_len: the prompt bucket (default: next power of two). Returns a :class:`Result`.
+    prompt_len: the prompt bucket (default: next power of two). prefilled: the model's prefill of this very
+    batch (:func:`kvjax.prefilled.prefill_once` of the padded prompts), which this method then only compresses
+    (``prefill_seconds`` is then the compression's). Returns a :class:`Result`.
     """
     from kvjax import methods as methods_lib
 
@@ -500,7 +502,15 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     tokens_d, lengths_d = S.put_batch(jnp.asarray(tokens), mesh), S.put_batch(jnp.asarray(lengths), mesh)
 
     t0 = time.perf_counter()
-    states, logits = _prefill_jit(cfg, method, model.params, tokens_d, lengths_d, states, mesh=mesh)
+    if prefilled is None:
+        states, logits = _prefill_jit(cfg, method, model.params, tokens_d, lengths_d, states, mesh=mesh)
+    else:
+        from kvjax import prefilled as P
+
+        if not P.same_batch(prefilled, tokens, lengths):
+            raise ValueError(f"prefilled= is the prefill of another batch (tokens {tuple(prefilled.tokens.shape)}, "
+                             f"these prompts pad to {tokens.shape}); pass prefill_once of the same padded prompts")
+        states, logits = P.compress(cfg, method, prefilled, states), prefilled.logits
     key, sub = jax.random.split(jax.random.PRNGKey(seed))
     first = sampling(logits, sub)
     first.block_until_ready()

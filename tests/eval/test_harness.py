@@ -170,9 +170,24 @@ class _IdsTask:
     def ends(self, prepared):
         return [(40, 5), (64, 5)]
 
-    def run_batch(self, model, method, prepared, batch, meta):
-        out = engine.generate(model, batch, method, 6, driver="python", prompt_len=64, stop_at_eos=False)
-        return [{**meta, "score": 0.0, **harness.memory_from_stats(st)} for st in out.stats]
+    def prefill_batch(self, prepared, batch):
+        return engine.pad_prompts(batch, 64)
+
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None):
+        out = engine.generate(model, batch, method, 6, driver="python", prompt_len=64, stop_at_eos=False,
+                              prefilled=prefilled)
+        return [{**meta, "score": 0.0, "tokens": out.tokens, **harness.memory_from_stats(st)} for st in out.stats]
+
+
+def test_shared_prefill_is_made_once_and_kept_within_its_limit(tiny):
+    task = _IdsTask()
+    prepared = task.prepare(tiny)
+    batch = prepared[1][0]
+    shared = runner.Shared(tiny)
+    pre = shared.get(task, prepared, 0, batch)
+    assert shared.get(task, prepared, 0, batch) is pre and pre.tokens.shape == (2, 64)
+    np.testing.assert_array_equal(pre.lengths, [40, 64])
+    assert runner.Shared(tiny, limit=pre.q.nbytes).get(task, prepared, 0, batch) is None  # over the limit: none
 
 
 def test_second_pass_at_the_references_bytes_held(tiny):
@@ -181,6 +196,8 @@ def test_second_pass_at_the_references_bytes_held(tiny):
     run's rows instead of running again."""
     res = runner.run(tiny, [_IdsTask()], ["full", "h2o", "streaming_llm", "snapkv"], [0.25], progress=False,
                      also_equal_bytes="h2o")
+    alone = runner.run(tiny, [_IdsTask()], ["snapkv"], [0.25], progress=False, share_prefill=False)["rows"]
+    assert [r["tokens"] for r in res["rows"] if r["method"] == "snapkv"][:2] == [r["tokens"] for r in alone]
     rows = lambda m, second: [r for r in res["rows"] if r["method"] == m and (r.get("setting") == "equal_bytes")
                               == second]
     ref = np.mean([r["held_bytes"] for r in rows("h2o", False)])
