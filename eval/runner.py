@@ -3,8 +3,10 @@
 Runs are grouped method-major and every batch of a task is padded to the same batch size and bucket, so the
 engine's jitted ``prefill``/``decode_step`` compile once per (method, budget, task shape) and are reused for
 all of that task's batches; when a configuration's batches are done, its compiled programs are released
-(:func:`kvjax.engine.release_compiled`), so a sweep's memory stays that of its largest configuration. Inputs are
-checked before anything runs (unknown method, budget outside (0, 1], context longer than the model's).
+(:func:`kvjax.engine.release_compiled`), so a sweep's memory stays that of its largest configuration. The model's
+prefill of each needle / perplexity batch runs once, in the first configuration that needs it, and every
+configuration compresses it (:class:`Shared`, :mod:`kvjax.prefilled`). Inputs are checked before anything runs
+(unknown method, budget outside (0, 1], context longer than the model's).
 """
 
 from __future__ import annotations
