@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache
+from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod
 from kvjax.methods.chelsea import Chelsea
 from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
@@ -42,4 +42,4 @@ def get(name: str, **options):
 
 
 __all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "LayerContext", "Less", "Method", "PQCache",
-           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SnapKV", "StreamingLLM", "get", "names"]
+           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SlotMethod", "SnapKV", "StreamingLLM", "get", "names"]

@@ -183,6 +183,23 @@ class Method(abc.ABC):
 # ---------------------------------------------------------------------------------------------------------------
 # The slot cache shared by full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv (and LESS's sparse part).
 
+class SlotMethod(Method):
+    """A method whose state is a :class:`SlotCache` (kept prompt tokens, then the generated ones after them): its
+    ``decode`` appends the new token after the kept prompt and attends the live slots (:func:`append_decode`),
+    ``bytes_read_per_step`` counts the decode-attention kernel's block plan over the live slots
+    (:func:`slot_bytes_read`) and ``tokens_held`` the valid slots (:func:`slot_tokens_held`). A slot-cache method
+    writes ``init``, ``prefill`` and ``held`` and overrides what differs (an evicting ``decode``, extra bytes read)."""
+
+    def decode(self, state: "SlotCache", layer: int, q, k, v, pos):
+        return append_decode(state, q, k, v, pos)
+
+    def bytes_read_per_step(self, state: "SlotCache", num_heads: int) -> int:
+        return slot_bytes_read(state, num_heads)
+
+    def tokens_held(self, state: "SlotCache"):
+        return slot_tokens_held(state)
+
+
 @struct.dataclass
 class SlotCache:
     """Head-major slot buffers with a per-sequence fill count.

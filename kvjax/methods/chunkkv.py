@@ -38,8 +38,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, append_decode, budget_tokens,
-                                check_budget, empty_slots, slot_bytes_read, slot_tokens_held, store_prompt, top_k)
+from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, budget_tokens, check_budget,
+                                empty_slots, store_prompt, top_k)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
 
@@ -47,7 +47,7 @@ MODES = ("prefix_exclusive", "paper_literal")
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkKV(Method):
+class ChunkKV(SlotMethod):
     """ChunkKV config. ``budget``: fraction of each prompt in (0, 1] or a token count, window included
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
     ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
@@ -143,15 +143,6 @@ class ChunkKV(Method):
             return store_prompt(state, k, v, idx, idx >= 0)
         idx, ok = self.select(q, k, lengths, p)
         return store_prompt(state, k, v, idx, ok)
-
-    def decode(self, state: SlotCache, layer: int, q, k, v, pos):
-        return append_decode(state, q, k, v, pos)
-
-    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        return slot_bytes_read(state, num_heads)
-
-    def tokens_held(self, state: SlotCache):
-        return slot_tokens_held(state)
 
     def min_budget(self) -> tuple[int, str]:
         return (max(MIN_TOKENS, self.window + self.chunk_size),

@@ -11,12 +11,11 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, LayerContext, Method, SlotCache, append_decode, empty_slots, slot_bytes_read,
-                                slot_tokens_held, store_prompt)
+from kvjax.methods.base import (Capacity, LayerContext, SlotCache, SlotMethod, empty_slots, store_prompt)
 
 
 @dataclasses.dataclass(frozen=True)
-class Full(Method):
+class Full(SlotMethod):
     name: ClassVar[str] = "full"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
 
@@ -29,19 +28,10 @@ class Full(Method):
         idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, h, t))
         return store_prompt(state, k, v, idx, idx < lengths[:, None, None])
 
-    def decode(self, state: SlotCache, layer: int, q, k, v, pos):
-        return append_decode(state, q, k, v, pos)
-
     def selected_positions(self, state: SlotCache, layer: int, q) -> jnp.ndarray:
         """``[B, Hq, S]`` bool: every stored position (slot = position here), broadcast to the query heads. Not
         a recall method; the recall methods call it for their full layers (``n_full``)."""
         return jnp.repeat(state.valid, q.shape[1] // state.valid.shape[1], axis=1)
-
-    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        return slot_bytes_read(state, num_heads)
-
-    def tokens_held(self, state: SlotCache):
-        return slot_tokens_held(state)
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return n + steps

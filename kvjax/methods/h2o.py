@@ -33,13 +33,13 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, budget_tokens, check_budget,
-                                empty_slots, evicting_budget, rows_at, slot_bytes_read, slot_tokens_held, store_prompt)
+from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, SlotCache, SlotMethod, budget_tokens,
+                                check_budget, empty_slots, evicting_budget, rows_at, slot_bytes_read, store_prompt)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(Method):
+class H2O(SlotMethod):
     name: ClassVar[str] = "h2o"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
@@ -145,9 +145,6 @@ class H2O(Method):
         read again with ``pos`` by the victim search (``8 + 4 + 4 + 4``)."""
         g = num_heads // state.k.shape[1]
         return slot_bytes_read(state, num_heads, extra_per_slot=12 * g + 20)
-
-    def tokens_held(self, state: SlotCache):
-        return slot_tokens_held(state)
 
     def min_budget(self) -> tuple[int, str]:
         if isinstance(self.recent, int):

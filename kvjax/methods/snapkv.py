@@ -26,15 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, append_decode, budget_tokens,
-                                check_budget, empty_slots, slot_bytes, slot_bytes_read, slot_tokens_held,
-                                store_prompt)
+from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, budget_tokens, check_budget,
+                                empty_slots, slot_bytes, store_prompt)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Method):
+class SnapKV(SlotMethod):
     name: ClassVar[str] = "snapkv"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     budget: float | int = 0.2
@@ -74,15 +73,6 @@ class SnapKV(Method):
         scores = self.score_fn(q, k, lengths, lengths - windows)
         idx, ok = topk_with_window(scores, lengths, budgets, self.window, state.prompt_slots, windows)
         return store_prompt(state, k, v, idx, ok)
-
-    def decode(self, state: SlotCache, layer: int, q, k, v, pos):
-        return append_decode(state, q, k, v, pos)
-
-    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        return slot_bytes_read(state, num_heads)
-
-    def tokens_held(self, state: SlotCache):
-        return slot_tokens_held(state)
 
     def min_budget(self) -> tuple[int, str]:
         """The window plus one selected token (PyramidKV: the same total, which its layers share unevenly)."""

@@ -17,12 +17,12 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, Method, SlotCache, check_budget, empty_slots,
-                                evicting_budget, slot_bytes_read, slot_tokens_held, store_prompt, write_token)
+from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, check_budget, empty_slots,
+                                evicting_budget, store_prompt, write_token)
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(Method):
+class StreamingLLM(SlotMethod):
     name: ClassVar[str] = "streaming_llm"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
@@ -81,12 +81,6 @@ class StreamingLLM(Method):
         state = write_token(state, slot, k, v, pos)
         part = attention.attend(q, state.k, state.v, state.valid, lengths=state.length)
         return part, state, (ek, ev, gone)
-
-    def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
-        return slot_bytes_read(state, num_heads)
-
-    def tokens_held(self, state: SlotCache):
-        return slot_tokens_held(state)
 
     def min_budget(self) -> tuple[int, str]:
         return max(MIN_TOKENS, self.sinks + 1), f"sinks={self.sinks} + at least one recent token"
