@@ -111,7 +111,7 @@ def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype,
     if mesh is None:
         return make()
     S.check_mesh(mesh, cfg, batch)
-    if any(f.name == "offload" and getattr(method, "offload") for f in dataclasses.fields(method)):
+    if method.offloads:
         raise ValueError(f"method {method.name!r} with offload=True keeps its K/V on one device's host memory, "
                          "which does not combine with a mesh; use offload=False (the cache is then split over "
                          "the mesh's devices)")

@@ -127,6 +127,12 @@ class Method(abc.ABC):
         """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
         return tree_bytes(state)
 
+    @property
+    def offloads(self) -> bool:
+        """Whether the state keeps its K/V in one device's host memory (``pinned_host``), which a mesh cannot split
+        (PQCache's and ClusterKV's ``offload=True``); the engine refuses such a method with a mesh."""
+        return False
+
     def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
         """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
         ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass. Only for

@@ -154,6 +154,10 @@ class ClusterKV(Method):
     impl: str | None = None  # cosine K-means kernels (None: by backend)
     offload: bool = False  # K/V in pinned_host memory (accelerators only)
 
+    @property
+    def offloads(self) -> bool:  # base.Method.offloads
+        return self.offload
+
     def __post_init__(self):
         check_budget(self.budget)
         for name in ("sink", "n_full"):

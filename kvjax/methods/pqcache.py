@@ -239,6 +239,10 @@ class PQCache(Method):
     dense_short: bool = True  # the authors' fallback: full attention for prompts with L - sink <= 2^bits
     score_table: bool | None = None  # score per code tuple (module doc); None: where the lookup is XLA's
 
+    @property
+    def offloads(self) -> bool:  # base.Method.offloads
+        return self.offload
+
     def __post_init__(self):
         check_budget(self.budget)
         if not isinstance(self.m, int) or self.m < 1:

@@ -608,3 +608,10 @@ def test_bad_input():
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="offload=True is not supported on the CPU"):
             PQCache(offload=True, sink=4).init(cfg, 1, Capacity(64, 8), 0, jnp.float32)
+    # declared (Method.offloads), refused with a mesh before anything is built
+    from kvjax import sharding
+
+    assert PQCache(offload=True).offloads and not PQCache().offloads
+    with pytest.raises(ValueError, match="offload=True keeps its K/V on one device's host memory"):
+        engine.init_states(cfg, PQCache(offload=True, sink=4), 2, Capacity(64, 8), jnp.float32,
+                           sharding.make_mesh("data=2,model=1", jax.devices()[:2]))
