@@ -171,14 +171,30 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
             stack, (attn, out) = inplace.run_on_layer(on_layer, stack, l - st.start, l, x, q, k, v, before)
             return attn, (stack, out)
 
-        first = st.layer(0) if reuse else None
-        if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
-            first = prev
+        first = segment_previous(st, prev, reuse)
         x, (stack, prev) = M.scan_layers(cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop),
                                          live)
         new.append(st.replace(state=stack))
         layer = st.stop
     return x, tuple(new)
+
+
+def segment_previous(st: Stacked, prev, reuse: bool):
+    """The ``previous`` a scanned segment's first layer gets: the layer before it when its state has the segment's
+    structure and shapes, else the segment's own first (empty) state; None for a method that does not reuse."""
+    if not reuse:
+        return None
+    first = st.layer(0)
+    return prev if prev is not None and _layer_signature(prev) == _layer_signature(first) else first
+
+
+def method_prefill(cfg: ModelConfig, method, layer, st, q, k, v, lengths, previous):
+    """One layer's ``(attention output or None, new state)`` of ``method``'s prefill: ``prefill_attend`` for a method
+    that attends the prompt itself (on layers without a sliding window, with the chunked prefill attention), else
+    ``(None, prefill(...))`` and the caller computes the causal attention."""
+    if method.attends_prompt and _sliding_window(cfg, layer) is None and default_prefill_impl() == "chunked":
+        return method.prefill_attend(st, layer, q, k, v, lengths, previous=previous)  # one pass (H2O)
+    return None, method.prefill(st, layer, q, k, v, lengths, previous=previous)
 
 
 def _qkv(mesh, q, k, v):
@@ -199,11 +215,8 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
 
     def step(layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q, k, v)
-        window = _sliding_window(cfg, layer)
-        if method.attends_prompt and window is None and default_prefill_impl() == "chunked":
-            return method.prefill_attend(st, layer, q, k, v, lengths, previous=previous)  # one pass (H2O)
-        st = method.prefill(st, layer, q, k, v, lengths, previous=previous)
-        return M.causal_attention(q, k, v, lengths, window), st
+        attn, st = method_prefill(cfg, method, layer, st, q, k, v, lengths, previous)
+        return (M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)) if attn is None else attn), st
 
     x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh,
                                    live=jnp.max(lengths))

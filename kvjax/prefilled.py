@@ -81,16 +81,12 @@ def prefill_once(model, tokens, lengths) -> Prefilled:
 
 
 def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
-    from kvjax.engine import Stacked, _layer_signature, _sliding_window, TRACE_COUNTS
-    from kvjax.prefill_attention import default_impl
+    from kvjax.engine import TRACE_COUNTS, Stacked, method_prefill, segment_previous
 
     TRACE_COUNTS["compress"] += 1
-    lengths = pre.lengths
 
     def one(layer, st, q, k, v, previous):  # what engine._prefill's step does with the layer's q, k, v
-        if method.attends_prompt and _sliding_window(cfg, layer) is None and default_impl() == "chunked":
-            return method.prefill_attend(st, layer, q, k, v, lengths, previous=previous)[1]
-        return method.prefill(st, layer, q, k, v, lengths, previous=previous)
+        return method_prefill(cfg, method, layer, st, q, k, v, pre.lengths, previous)[1]
 
     reuse = method.reuses_previous_layer
     new, prev, layer = [], None, 0
@@ -100,9 +96,6 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
             new.append(prev)
             layer += 1
             continue
-        first = st.layer(0) if reuse else None
-        if reuse and prev is not None and _layer_signature(prev) == _layer_signature(first):
-            first = prev
 
         def body(before, xs):
             layer, one_st, q, k, v = xs
@@ -110,8 +103,8 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
             return (out if reuse else None), out
 
         span = slice(st.start, st.stop)
-        prev, stack = jax.lax.scan(body, first, (jnp.arange(st.start, st.stop), st.state, pre.q[span], pre.k[span],
-                                                 pre.v[span]))
+        prev, stack = jax.lax.scan(body, segment_previous(st, prev, reuse),
+                                   (jnp.arange(st.start, st.stop), st.state, pre.q[span], pre.k[span], pre.v[span]))
         new.append(st.replace(state=stack))
         layer = st.stop
     return tuple(new)
