@@ -3,7 +3,7 @@
 Backend: in jax 0.10-0.11 a GPU ``pl.pallas_call`` lowers to Mosaic GPU by default
 (``jax_pallas_use_mosaic_gpu=True``, and that path is deprecated for ``pallas_call``); passing
 ``compiler_params=jax.experimental.pallas.triton.CompilerParams(...)`` selects the Triton lowering, which is
-what this kernel is written for (masked ``plgpu.load``, ``pl.dot`` on ``[16+, D]`` tiles).
+what this kernel is written for (masked ``plgpu.load``, ``lax.dot_general`` on ``[16+, D]`` tiles).
 
 Grid ``(B, Hkv, splits)``: program ``(b, h, j)`` walks entries ``[j*per, (j+1)*per)`` of the block list of
 ``(b, h)`` (``_common.plan_blocks``: sorted, only blocks that may hold a taking-part slot, ``count`` of them),
@@ -45,6 +45,10 @@ def num_splits(b: int, hkv: int, n: int, target_programs: int | None = None) -> 
     return -(-n // per), per
 
 
+_NT = (((1,), (1,)), ((), ()))  # a @ b^T  (pl.dot is gone from jax 0.12; lax.dot_general works in 0.10-0.11)
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
 def _kernel(q_ref, k_ref, v_ref, *rest, bs: int, per: int, s_total: int, has_mask: bool):
     if has_mask:
         add_ref, idx_ref, nh_ref, len_ref, o_ref, m_ref, l_ref = rest
@@ -67,7 +71,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, bs: int, per: int, s_total: int, has_mas
         slot = start + offs
         ok = slot < length  # [bs]
         k = pltriton.load(k_ref.at[pl.ds(start, bs), :], mask=ok[:, None], other=0.0)
-        s = pl.dot(q, k, trans_b=True, precision=prec).astype(jnp.float32) / scale  # [Gp, bs]
+        s = jax.lax.dot_general(q, k, _NT, precision=prec, preferred_element_type=jnp.float32) / scale  # [Gp, bs]
         if add_ref is not None:
             add = pltriton.load(add_ref.at[pl.ds(start, bs)], mask=ok, other=NEG_INF)
             s = s + add[None, :]
@@ -77,7 +81,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, bs: int, per: int, s_total: int, has_mas
         p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         v = pltriton.load(v_ref.at[pl.ds(start, bs), :], mask=ok[:, None], other=0.0)
-        pv = pl.dot(p.astype(v.dtype), v, precision=prec).astype(jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, _NN, precision=prec, preferred_element_type=jnp.float32)
         return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), NEG_INF, jnp.float32),

