@@ -69,7 +69,8 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
   ones); a method with none measured yet is first timed once at ``--calibration-len`` (4096) tokens, batch 1. A
   variant whose estimate exceeds ``--max-prefill-s`` (default 600 s) is skipped; for the causal attention only the
   TTFT columns are (``ttft_skipped``), the decode step is still measured. At the defaults h2o and LESS stop after
-  64k at batch 1 and after 32k at batch 4.
+  64k at batch 1 and after 32k at batch 4. ``--max-prefill-s inf`` sets no cap and skips the calibrations (each
+  compiles a prefill: on a GPU, most of a short run).
 
 Output: the JSON (``--out``; jax version, device, commit, command, load average, written after every
 configuration), a printed table, and beside the JSON a ``.txt`` of it, a ``.png`` plot (speed-up vs context per
@@ -719,8 +720,9 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     for v in vars_:
         plan_variant(cfg, v, layers, batch, n, cap, dtype)
     calibrated = set()
+    capped = args.max_prefill_s != float("inf")  # inf: no cap, so no calibration (a short accelerator lease)
     for v in vars_:  # the prefill-time cap
-        if v.skipped:
+        if v.skipped or not capped:
             continue
         est = clock.estimate(v.method.name, dt, n, batch, len(layers))
         if est is None and n > args.calibration_len and v.method.name not in calibrated:
@@ -733,7 +735,7 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
                          f"(the largest measured, scaled as (n/n_ref)^2 x batch x layers)")
     ttft_skip = None
     est = clock.estimate("attention", dt, n, batch, len(layers))
-    if est is None and n > args.calibration_len:
+    if est is None and n > args.calibration_len and capped:
         calibrate_attention(cfg, clock, layers[0], dtype, args.calibration_len)
         est = clock.estimate("attention", dt, n, batch, len(layers))
     if est is not None and est > args.max_prefill_s:
