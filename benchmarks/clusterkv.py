@@ -94,7 +94,7 @@ def attended(method, n: int) -> int:
     return method.attended(n, 0)  # the first decode step (new token at position n), new token included
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="2048,4096")
@@ -108,7 +108,11 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a 2-layer random model (smoke runs)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 else)")
     p.add_argument("--out", default="results/clusterkv.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
 
     extra = {}
     if args.tiny:
@@ -136,6 +140,14 @@ def main(argv=None):
             "prefill": prefill_rows, "per_step": step_rows}, indent=2))
 
     print(f"{model.name}: {nl} layers, {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    _prefill_table(model, args, text_ids, extra, prefill_rows, write)
+    _step_table(model, args, text_ids, extra, names, budgets, step_rows, write)
+    print(f"wrote {args.out}")
+
+
+def _prefill_table(model, args, text_ids, extra, rows, write):
+    """The clustering share of ClusterKV's prefill against full's, per prompt length (timed, interleaved)."""
+    nl = model.config.num_layers
     print("\n== prefill: clustering share ==")
     print(f"{'n':>6} {'full ms':>9} {'clusterkv ms':>13} {'share':>7} {'C0':>4}  kmeans updates per compressed layer")
     for n in [int(x) for x in args.lengths.split(",")] if not args.skip_prefill else []:
@@ -154,11 +166,16 @@ def main(argv=None):
                "clusterkv_runs": tc, "clustering_share": (t_ck - t_full) / t_ck,
                "c0_per_layer": ck.clusters_for(n), "compressed_layers": list(range(ck.n_full, nl)),
                "kmeans_iterations_per_layer": its, "kmeans_max_iters": ck.iters}
-        prefill_rows.append(row)
+        rows.append(row)
         write()
         print(f"{n:6d} {t_full * 1e3:9.1f} {t_ck * 1e3:13.1f} {100 * row['clustering_share']:6.1f}% "
               f"{row['c0_per_layer']:4d}  {its}", flush=True)
 
+
+def _step_table(model, args, text_ids, extra, names, budgets, rows, write):
+    """Tokens attended and bytes read by the first decode step of each recall method, against full's."""
+    cfg = model.config
+    nl = cfg.num_layers
     print("\n== first decode step: attended tokens and bytes read vs full ==")
     print(f"{'n':>6} {'method':10s} {'budget':>6} {'att/layer':>9} {'x full':>7} {'att mean':>9} {'x full':>7} "
           f"{'KV read MiB':>11} {'x full':>7}")
@@ -168,7 +185,7 @@ def main(argv=None):
         st, _ = prefill(model, full, tokens, lengths)
         base_read = engine.bytes_read_per_step(full, st, cfg.num_heads)
         base_att = n + 1
-        step_rows.append({"prompt_len": n, "method": "full", "budget": None, "attended_compressed_layer": base_att,
+        rows.append({"prompt_len": n, "method": "full", "budget": None, "attended_compressed_layer": base_att,
                           "attended_mean_layers": base_att, "bytes_read_per_step": base_read})
         print(f"{n:6d} {'full':10s} {'-':>6} {base_att:9d} {1:7.3f} {base_att:9.1f} {1:7.3f} "
               f"{base_read / 2**20:11.2f} {1:7.3f}", flush=True)
@@ -187,11 +204,10 @@ def main(argv=None):
                      "attended_ratio_vs_full": att / base_att, "attended_mean_layers": mean,
                      "attended_mean_ratio_vs_full": mean / base_att, "bytes_read_per_step": read,
                      "read_ratio_vs_full": read / base_read}
-                step_rows.append(r)
+                rows.append(r)
                 write()
                 print(f"{n:6d} {spec:10s} {b:6d} {att:9d} {att / base_att:7.3f} {mean:9.1f} {mean / base_att:7.3f} "
                       f"{read / 2**20:11.2f} {read / base_read:7.3f}", flush=True)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

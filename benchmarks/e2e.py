@@ -477,7 +477,7 @@ def plot(rows, path: Path) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("8k,16k,32k,64k,128k"),
@@ -507,130 +507,151 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/e2e.json")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="only redraw the table (.txt) and plot (.png) of an earlier run's JSON, beside it")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.report:
         report(json.loads(Path(args.report).read_text()), Path(args.report))
         return 0
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (one from prefill, at least one decode step)")
-
-    cfg, dtype = MODELS[args.model], jnp.dtype(args.dtype)
-    scan = args.scan_layers == "on" or (args.scan_layers == "auto" and args.model == "llama-3.1-8b")
-    layouts = (args.layouts or ("scan" if scan else "unrolled")).split(",")
-    limit, limit_from = device_memory_bytes(jax.devices()[0], args.memory_gb)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    todo = variants(names, args.budgets, args.token_budgets, args.chunkkv_reuse)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    head = header(args, cfg, dtype, limit, limit_from)
-    head["scan_layers"] = scan
-    rows: list[dict] = []
-
-    def write():
-        out_path.write_text(json.dumps({**head, "rows": rows}, indent=1, default=str))
-
-    def add(row):
-        row["row_id"] = len(rows)
-        row["load_average_1min"] = os.getloadavg()[0]  # other work on the host skews timings (CPU runs)
-        rows.append(row)
-        write()  # after every row, so a crash keeps what was measured
-
-    print(f"e2e: {args.model} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"memory limit {_f(limit and limit / 2**30, '.1f')} GiB ({limit_from}), scan_layers={scan}", flush=True)
-    shapes = {lay: abstract_params(cfg, dtype, lay == "scan")
-              for lay in set(layouts) | {"scan" if scan else "unrolled"}}
-    weights = tree_bytes(next(iter(shapes.values())))
-    params = None if args.compile_only else device_params(cfg, dtype, scan)
-    rng = np.random.default_rng(0)
-    compiled: dict = {}
-
-    def bucket_of(n_req):
-        return engine.bucket_length(min(n_req, cfg.max_position_embeddings - args.new_tokens))
-
+    run = _Run(args)
     for i_ctx, n_req in enumerate(args.contexts):
-        n = min(n_req, cfg.max_position_embeddings - args.new_tokens)
-        bucket = bucket_of(n_req)
-        later_buckets = {bucket_of(c) for c in args.contexts[i_ctx + 1:]}
+        n = min(n_req, run.cfg.max_position_embeddings - args.new_tokens)
+        bucket = run.bucket_of(n_req)
+        later_buckets = {run.bucket_of(c) for c in args.contexts[i_ctx + 1:]}
         _init_fn.cache_clear()  # executables are not kept longer than needed: XLA:CPU maps each one's code into
         jax.clear_caches()  # memory, and a few dozen 30-layer programs exhaust the process's memory maps
-        cap = Capacity(bucket, args.new_tokens)
         for b in args.batch:
-            full_row = None
             base = {"model": args.model, "context": n_req, "prompt_len": n, "bucket": bucket, "batch": b,
                     "new_tokens": args.new_tokens}
-            tokens = lengths = None
-            for label, method, budget in todo:
+            run.full_row = run.tokens = None
+            for label, method, budget in run.todo:
                 row = {**base, "label": label, "method": method.name, "budget": budget,
                        "reuse": getattr(method, "reuse", None) if method.name == "chunkkv" else None}
-                reason = cannot_run(types.SimpleNamespace(config=cfg, dtype=dtype), method, n, args.new_tokens - 1)
+                reason = cannot_run(types.SimpleNamespace(config=run.cfg, dtype=run.dtype), method, n,
+                                    args.new_tokens - 1)
                 if args.compile_only:
-                    for lay in layouts:
-                        only = args.unrolled_methods
-                        if lay == "unrolled" and only and label not in only.split(","):
-                            continue
-                        r = {**row, "layout": lay, "scan_layers": lay == "scan"}
-                        if reason:
-                            add({**r, "status": "skipped", "skipped": reason})
-                            print(f"{context_label(n_req):>5s} b={b} {label:22s} {lay:8s} skipped: {reason}",
-                                  flush=True)
-                            continue
-                        st = abstract_states(cfg, method, b, cap, dtype, lay == "scan")
-                        comp = compile_pair(cfg, method, shapes[lay], st, b, bucket, args.new_tokens)
-                        r.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")}, status="ok",
-                                 estimate_bytes=estimate_bytes(cfg, weights, st, b, bucket, dtype))
-                        add(r)
-                        print(f"{context_label(n_req):>5s} b={b} {label:22s} {lay:8s} prefill: lower "
-                              f"{r['prefill_lower_s']:6.1f}s compile {r['prefill_compile_s']:6.1f}s | decode loop: "
-                              f"lower "
-                              f"{r['decode_lower_s']:6.1f}s compile {r['decode_compile_s']:6.1f}s", flush=True)
-                    continue
-                row["scan_layers"] = scan
-                if reason is None:
-                    st = abstract_states(cfg, method, b, cap, dtype, scan)
-                    est = estimate_bytes(cfg, weights, st, b, bucket, dtype)
-                    row["estimate_bytes"] = est
-                    if limit and est["total"] > limit:
-                        reason = (f"estimated memory {est['total'] / 2**30:.1f} GiB (weights {weights / 2**30:.1f} + "
-                                  f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
-                                  f"exceeds the device's {limit / 2**30:.1f} GiB ({limit_from})")
-                if reason is None:
-                    key = (label, b)  # later contexts in the same bucket reuse the executables
-                    row["compile_reused"] = key in compiled
-                    comp = compiled.pop(key, None) or compile_pair(cfg, method, params, st, b, bucket,
-                                                                   args.new_tokens)
-                    if bucket in later_buckets:
-                        compiled[key] = comp
-                    row.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")})
-                    peak = max((m or {}).get("peak", 0) for m in comp["memory_analysis"].values())
-                    if limit and peak > limit:
-                        reason = (f"compiled executables need {peak / 2**30:.1f} GiB (memory_analysis) > the "
-                                  f"device's {limit / 2**30:.1f} GiB ({limit_from})")
-                if reason:
-                    row.update(status="skipped", skipped=reason)
-                    add(row)
-                    if label == "full":
-                        full_row = row
-                    print(f"{context_label(n_req):>5s} b={b} {label:22s} skipped: {reason}", flush=True)
-                    continue
-                if tokens is None:
-                    tokens, lengths = engine.pad_prompts(rng.integers(1, cfg.vocab_size, (b, n)).tolist(), bucket)
-                    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-                row.update(time_run(cfg, method, params, comp, tokens, lengths, b, cap, dtype, scan, args.repeats))
-                row["status"] = "ok"
-                if label == "full":
-                    full_row = row
-                    row["row_id"] = len(rows)
-                add_ratios(row, full_row)
-                add(row)
-                print(f"{context_label(n_req):>5s} b={b} {label:22s} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT "
-                      f"{1e3 * row['tpot_s']:8.2f} ms  {row['throughput_tok_s']:8.1f} tok/s  "
-                      f"x{_f(row['tpot_speedup_vs_full'], '.2f')}"
-                      f" TPOT  TTFT {_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill "
-                      f"{row['prefill_compile_s']:.1f}s loop {row['decode_compile_s']:.1f}s", flush=True)
+                    run.compile_only(row, label, method, reason)
+                else:
+                    run.timed(row, label, method, reason, bucket in later_buckets)
     if not args.compile_only:
-        report({**head, "rows": rows}, out_path)
-    print(f"wrote {out_path}", flush=True)
+        report({**run.head, "rows": run.rows}, run.out_path)
+    print(f"wrote {run.out_path}", flush=True)
     return 0
+
+
+class _Run:
+    """One invocation of :func:`main`: the model's shapes (and weights, unless ``--compile-only``), the rows so
+    far (the JSON is rewritten after every row, so a crash keeps what was measured) and the executables kept for
+    a later context in the same bucket."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cfg, self.dtype = MODELS[args.model], jnp.dtype(args.dtype)
+        self.scan = args.scan_layers == "on" or (args.scan_layers == "auto" and args.model == "llama-3.1-8b")
+        self.layouts = (args.layouts or ("scan" if self.scan else "unrolled")).split(",")
+        self.limit, self.limit_from = device_memory_bytes(jax.devices()[0], args.memory_gb)
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+        self.todo = variants(names, args.budgets, args.token_budgets, args.chunkkv_reuse)
+        self.out_path = Path(args.out)
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self.head = {**header(args, self.cfg, self.dtype, self.limit, self.limit_from), "scan_layers": self.scan}
+        self.rows: list[dict] = []
+        print(f"e2e: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+              f"memory limit {_f(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
+              f"scan_layers={self.scan}", flush=True)
+        self.shapes = {lay: abstract_params(self.cfg, self.dtype, lay == "scan")
+                       for lay in set(self.layouts) | {"scan" if self.scan else "unrolled"}}
+        self.weights = tree_bytes(next(iter(self.shapes.values())))
+        self.params = None if args.compile_only else device_params(self.cfg, self.dtype, self.scan)
+        self.rng = np.random.default_rng(0)
+        self.compiled: dict = {}
+        self.full_row = self.tokens = self.lengths = None
+
+    def bucket_of(self, n_req: int) -> int:
+        return engine.bucket_length(min(n_req, self.cfg.max_position_embeddings - self.args.new_tokens))
+
+    def add(self, row: dict) -> None:
+        row["row_id"] = len(self.rows)
+        row["load_average_1min"] = os.getloadavg()[0]  # other work on the host skews timings (CPU runs)
+        self.rows.append(row)
+        self.out_path.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
+
+    def compile_only(self, row: dict, label: str, method, reason) -> None:
+        """``--compile-only``: lower and compile the prefill and the decode loop per layout, from abstract shapes."""
+        args, b, where = self.args, row["batch"], f"{context_label(row['context']):>5s} b={row['batch']} {label:22s}"
+        for lay in self.layouts:
+            if lay == "unrolled" and args.unrolled_methods and label not in args.unrolled_methods.split(","):
+                continue
+            r = {**row, "layout": lay, "scan_layers": lay == "scan"}
+            if reason:
+                self.add({**r, "status": "skipped", "skipped": reason})
+                print(f"{where} {lay:8s} skipped: {reason}", flush=True)
+                continue
+            st = abstract_states(self.cfg, method, b, Capacity(row["bucket"], args.new_tokens), self.dtype,
+                                 lay == "scan")
+            comp = compile_pair(self.cfg, method, self.shapes[lay], st, b, row["bucket"], args.new_tokens)
+            r.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")}, status="ok",
+                     estimate_bytes=estimate_bytes(self.cfg, self.weights, st, b, row["bucket"], self.dtype))
+            self.add(r)
+            print(f"{where} {lay:8s} prefill: lower {r['prefill_lower_s']:6.1f}s compile "
+                  f"{r['prefill_compile_s']:6.1f}s | decode loop: lower {r['decode_lower_s']:6.1f}s compile "
+                  f"{r['decode_compile_s']:6.1f}s", flush=True)
+
+    def timed(self, row: dict, label: str, method, reason, keep: bool) -> None:
+        """Compile (or reuse; ``keep``: keep for a later context of the same bucket) and time one configuration;
+        skipped, with the reason, where it cannot run or does not fit."""
+        args, b, bucket = self.args, row["batch"], row["bucket"]
+        cap, where = Capacity(bucket, args.new_tokens), f"{context_label(row['context']):>5s} b={b} {label:22s}"
+        row["scan_layers"] = self.scan
+        if reason is None:
+            st = abstract_states(self.cfg, method, b, cap, self.dtype, self.scan)
+            est = row["estimate_bytes"] = estimate_bytes(self.cfg, self.weights, st, b, bucket, self.dtype)
+            reason = self._too_big(est)
+        if reason is None:
+            key = (label, b)  # later contexts in the same bucket reuse the executables
+            row["compile_reused"] = key in self.compiled
+            comp = self.compiled.pop(key, None) or compile_pair(self.cfg, method, self.params, st, b, bucket,
+                                                                args.new_tokens)
+            if keep:
+                self.compiled[key] = comp
+            row.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")})
+            peak = max((m or {}).get("peak", 0) for m in comp["memory_analysis"].values())
+            if self.limit and peak > self.limit:
+                reason = (f"compiled executables need {peak / 2**30:.1f} GiB (memory_analysis) > the "
+                          f"device's {self.limit / 2**30:.1f} GiB ({self.limit_from})")
+        if reason:
+            row.update(status="skipped", skipped=reason)
+            self.add(row)
+            self.full_row = row if label == "full" else self.full_row
+            print(f"{where} skipped: {reason}", flush=True)
+            return
+        if self.tokens is None:
+            tokens, lengths = engine.pad_prompts(self.rng.integers(1, self.cfg.vocab_size, (b, row["prompt_len"]))
+                                                 .tolist(), bucket)
+            self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+        row.update(time_run(self.cfg, method, self.params, comp, self.tokens, self.lengths, b, cap, self.dtype,
+                            self.scan, args.repeats), status="ok")
+        if label == "full":
+            self.full_row = row
+            row["row_id"] = len(self.rows)
+        add_ratios(row, self.full_row)
+        self.add(row)
+        print(f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
+              f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  TTFT "
+              f"{_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill {row['prefill_compile_s']:.1f}s loop "
+              f"{row['decode_compile_s']:.1f}s", flush=True)
+
+    def _too_big(self, est: dict):
+        if self.limit and est["total"] > self.limit:
+            return (f"estimated memory {est['total'] / 2**30:.1f} GiB (weights {self.weights / 2**30:.1f} + "
+                    f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
+                    f"exceeds the device's {self.limit / 2**30:.1f} GiB ({self.limit_from})")
+        return None
 
 
 def report(data: dict, out_path: Path) -> None:

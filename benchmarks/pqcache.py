@@ -165,7 +165,7 @@ def needle_prompt(model, length, depth):
     return (f"{context}\n\nAnswer using the text above. {QUESTION}")
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--length", type=int, default=1024)
@@ -179,7 +179,11 @@ def main(argv=None):
     p.add_argument("--agree", type=int, default=0, metavar="N",
                    help="compare the retrieved sets with the per-slot path for the last N prompt queries")
     p.add_argument("--out", default="benchmarks/results/pqcache.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
 
     if args.random_weights:
@@ -198,41 +202,11 @@ def main(argv=None):
               "prompt_len": len(ids), "ratios": ratios, "pqcache": {"m": 2, "bits": args.bits, "sink": 32, "iters": 10}}
 
     if not args.random_weights:
-        per = {r: [] for r in ratios}
-        mass = {r: [] for r in ratios}
-        for q, k in tqdm(layer_qk(model, ids), total=model.config.num_layers, desc="recall (layers)"):
-            for r in ratios:
-                rec, ms = recall_one(PQCache(budget=r, bits=args.bits), q, k)
-                per[r].append(rec)
-                mass[r].append(ms)
-        result["recall"] = {str(r): {"mean": float(np.mean(per[r])), "mass_mean": float(np.mean(mass[r])),
-                                     "per_layer": [float(np.mean(x)) for x in per[r]]} for r in ratios}
-        for r in ratios:
-            print(f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
-                  f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}")
-
-    if args.agree and not args.random_weights:
-        agree = {}
-        for r in ratios:
-            tot = np.zeros(4, np.int64)
-            for qs, k in tqdm(layer_qks(model, ids, args.agree), total=model.config.num_layers, desc=f"agree r={r}"):
-                tot += agree_one(PQCache(budget=r, bits=args.bits, score_table=True), qs, k)
-            agree[str(r)] = dict(zip(("cases", "cases_differing", "tokens_differing", "tokens_retrieved"),
-                                     tot.tolist()))
-            print(f"agreement r={r}: {agree[str(r)]}")
-        result["agreement_vs_per_slot"] = agree
-
-    if args.needle and not args.random_weights:
-        rows = []
-        for depth in tqdm([float(x) for x in args.depths.split(",")], desc="needle"):
-            prompt = needle_prompt(model, args.length, depth)
-            for name, method in [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
-                                                                    for r in ratios]:
-                ans = engine.generate(model, [prompt], method, max_new_tokens=24, chat=True).text[0]
-                found = any(w in ans.lower() for w in ("sandwich", "dolores"))
-                rows.append({"depth": depth, "method": name, "found": found, "answer": ans})
-                print(f"needle depth {depth} {name:14s} found={found}  {ans[:80]!r}")
-        result["needle"] = rows
+        _recall(model, ids, args, ratios, result)
+        if args.agree:
+            _agreement(model, ids, args, ratios, result)
+        if args.needle:
+            _needle(model, ids, args, ratios, result)
 
     rows = []
     timed = [] if args.skip_decode else [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
@@ -249,6 +223,49 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+
+
+def _recall(model, ids, args, ratios, result):
+    """Top-k recall (and attention-mass recall) of PQCache's retrieval per layer, at every ratio."""
+    per = {r: [] for r in ratios}
+    mass = {r: [] for r in ratios}
+    for q, k in tqdm(layer_qk(model, ids), total=model.config.num_layers, desc="recall (layers)"):
+        for r in ratios:
+            rec, ms = recall_one(PQCache(budget=r, bits=args.bits), q, k)
+            per[r].append(rec)
+            mass[r].append(ms)
+    result["recall"] = {str(r): {"mean": float(np.mean(per[r])), "mass_mean": float(np.mean(mass[r])),
+                                 "per_layer": [float(np.mean(x)) for x in per[r]]} for r in ratios}
+    for r in ratios:
+        print(f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
+              f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}")
+
+
+def _agreement(model, ids, args, ratios, result):
+    """Retrieved sets of the score table against the per-slot path, for the last ``--agree`` queries."""
+    agree = {}
+    for r in ratios:
+        tot = np.zeros(4, np.int64)
+        for qs, k in tqdm(layer_qks(model, ids, args.agree), total=model.config.num_layers, desc=f"agree r={r}"):
+            tot += agree_one(PQCache(budget=r, bits=args.bits, score_table=True), qs, k)
+        agree[str(r)] = dict(zip(("cases", "cases_differing", "tokens_differing", "tokens_retrieved"),
+                                 tot.tolist()))
+        print(f"agreement r={r}: {agree[str(r)]}")
+    result["agreement_vs_per_slot"] = agree
+
+
+def _needle(model, ids, args, ratios, result):
+    """The needle test: full and PQCache at every ratio, at each depth."""
+    rows = []
+    for depth in tqdm([float(x) for x in args.depths.split(",")], desc="needle"):
+        prompt = needle_prompt(model, args.length, depth)
+        for name, method in [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
+                                                                for r in ratios]:
+            ans = engine.generate(model, [prompt], method, max_new_tokens=24, chat=True).text[0]
+            found = any(w in ans.lower() for w in ("sandwich", "dolores"))
+            rows.append({"depth": depth, "method": name, "found": found, "answer": ans})
+            print(f"needle depth {depth} {name:14s} found={found}  {ans[:80]!r}")
+    result["needle"] = rows
 
 
 if __name__ == "__main__":

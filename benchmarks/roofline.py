@@ -307,7 +307,7 @@ def calibrate_attention(cfg, clock: PrefillClock, layer, dtype, n_cal) -> None:
 def plan_groups(full: Variant, others: list[Variant], base: int, limit: int | None):
     """Pack ``others`` into groups that fit ``limit`` bytes with ``base`` (the prompt) and ``full``'s states.
     Returns ``(groups, too_big)``: lists of variants (without full) and ``(variant, reason)`` pairs."""
-    groups, cur, cur_bytes, too_big = [], [], 0, []
+    groups, cur, too_big = [], [], []
     fixed = base + full.state_bytes
 
     def need(vs):
@@ -710,15 +710,11 @@ def memory_limit(gb: float | None) -> int | None:
         return None
 
 
-def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write) -> None:
-    """Every variant at one (context, batch, dtype): plan, skip with reasons, group, build, time; rows appended."""
-    dtype = jnp.dtype(dt)
-    cap = Capacity(n, args.steps * (args.rounds + 1) + 1)
-    base = {"context": n, "batch": batch, "dtype": dt, "layers": len(layers)}
-    vars_ = [Variant(label, m, b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))]
-    print(f"== {context_label(n)} B={batch} {dt}: planning {len(vars_)} variants", flush=True)
-    for v in vars_:
-        plan_variant(cfg, v, layers, batch, n, cap, dtype)
+def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
+    """The prefill-time cap (module docstring, "prefill time"): marks the variants whose estimated prefill exceeds
+    ``--max-prefill-s`` skipped, calibrating a method's clock first where it has none; returns the reason the
+    causal-attention TTFT columns are skipped (None: they are measured)."""
+    dt = jnp.dtype(dtype).name
     calibrated = set()
     capped = args.max_prefill_s != float("inf")  # inf: no cap, so no calibration (a short accelerator lease)
     for v in vars_:  # the prefill-time cap
@@ -741,6 +737,19 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     if est is not None and est > args.max_prefill_s:
         ttft_skip = (f"causal attention estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
                      f"(quadratic in the prompt)")
+    return ttft_skip
+
+
+def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write) -> None:
+    """Every variant at one (context, batch, dtype): plan, skip with reasons, group, build, time; rows appended."""
+    dtype = jnp.dtype(dt)
+    cap = Capacity(n, args.steps * (args.rounds + 1) + 1)
+    base = {"context": n, "batch": batch, "dtype": dt, "layers": len(layers)}
+    vars_ = [Variant(label, m, b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))]
+    print(f"== {context_label(n)} B={batch} {dt}: planning {len(vars_)} variants", flush=True)
+    for v in vars_:
+        plan_variant(cfg, v, layers, batch, n, cap, dtype)
+    ttft_skip = cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers)
     full, others = vars_[0], [v for v in vars_[1:] if not v.skipped]
     pbytes = prompt_bytes(cfg, batch, n, dtype)
     groups, too_big = plan_groups(full, others, pbytes, limit)

@@ -204,6 +204,57 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True,
+            scan=False):
+    """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
+    subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
+    sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
+    sp.add_argument("--methods", default=methods, help=names_help("comma-separated methods"))
+    sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
+                    help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
+                         "counts (256)")
+    sp.add_argument("--option", type=parse_qualified_option, action="append", default=[],
+                    metavar="[METHOD.]KEY=VALUE",
+                    help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
+                         "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)")
+    if equal_bytes:
+        sp.add_argument("--equal-bytes", default=None, metavar="REF",
+                        help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
+                             "the token budget whose cache bytes per sequence are closest to, not above, REF's "
+                             "at each nominal budget (chosen budgets are recorded in results.json)")
+    if lengths is not None:
+        sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
+    if batch is not None:
+        sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
+    if max_new is not None:
+        sp.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens generated per answer")
+    if seed:
+        sp.add_argument("--seed", type=int, default=0, help="seed of the generated needles / tasks")
+    sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                    help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
+                         "'model'; --batch / --sequences must be multiples of the 'data' size")
+    sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan,
+                    help="stack the layers and run them as one compiled loop body (faster compiles of deep "
+                         "models; same results)")
+    sp.add_argument("--share-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="needle and perplexity: run the model's prefill of each batch once and let every "
+                         "method compress it (kvjax.prefilled; same results up to float rounding; "
+                         "--no-share-prefill prefills per method)")
+    sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.set_defaults(func=cmd_run, equal_bytes=None)
+
+def _needle_options(sp, depths, trials=1):
+    sp.add_argument("--depths", type=_floats, default=depths, help="needle depths in [0, 1]")
+    sp.add_argument("--trials", type=int, default=trials, help="passkeys per (length, depth) cell")
+
+def _perplexity_options(sp, sequences, prefix, continuation):
+    sp.add_argument("--sequences", type=int, default=sequences, help="held-out sequences scored")
+    sp.add_argument("--prefix", type=int, default=prefix, help="prefilled (compressed) tokens per sequence")
+    sp.add_argument("--continuation", type=int, default=continuation, help="teacher-forced scored tokens")
+    sp.add_argument("--book", default="John", help="King James book used as held-out text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvjax-eval", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=HelpFormatter, epilog="examples:\n" + __doc__.split("\n\n", 1)[1])
@@ -213,89 +264,39 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
                               formatter_class=HelpFormatter)
 
-    def common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True,
-               scan=False):
-        """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
-        subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
-        sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
-        sp.add_argument("--methods", default=methods, help=names_help("comma-separated methods"))
-        sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
-                        help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
-                             "counts (256)")
-        sp.add_argument("--option", type=parse_qualified_option, action="append", default=[],
-                        metavar="[METHOD.]KEY=VALUE",
-                        help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
-                             "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)")
-        if equal_bytes:
-            sp.add_argument("--equal-bytes", default=None, metavar="REF",
-                            help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
-                                 "the token budget whose cache bytes per sequence are closest to, not above, REF's "
-                                 "at each nominal budget (chosen budgets are recorded in results.json)")
-        if lengths is not None:
-            sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
-        if batch is not None:
-            sp.add_argument("--batch", type=int, default=batch, help="sequences per batch (fixed shape)")
-        if max_new is not None:
-            sp.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens generated per answer")
-        if seed:
-            sp.add_argument("--seed", type=int, default=0, help="seed of the generated needles / tasks")
-        sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                        help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
-                             "'model'; --batch / --sequences must be multiples of the 'data' size")
-        sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan,
-                        help="stack the layers and run them as one compiled loop body (faster compiles of deep "
-                             "models; same results)")
-        sp.add_argument("--share-prefill", action=argparse.BooleanOptionalAction, default=True,
-                        help="needle and perplexity: run the model's prefill of each batch once and let every "
-                             "method compress it (kvjax.prefilled; same results up to float rounding; "
-                             "--no-share-prefill prefills per method)")
-        sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-        sp.set_defaults(func=cmd_run, equal_bytes=None)
-
-    def needle_opts(sp, depths, trials=1):
-        sp.add_argument("--depths", type=_floats, default=depths, help="needle depths in [0, 1]")
-        sp.add_argument("--trials", type=int, default=trials, help="passkeys per (length, depth) cell")
-
-    def ppl_opts(sp, sequences, prefix, continuation):
-        sp.add_argument("--sequences", type=int, default=sequences, help="held-out sequences scored")
-        sp.add_argument("--prefix", type=int, default=prefix, help="prefilled (compressed) tokens per sequence")
-        sp.add_argument("--continuation", type=int, default=continuation, help="teacher-forced scored tokens")
-        sp.add_argument("--book", default="John", help="King James book used as held-out text")
-
     m = add("main", help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and "
                        "perplexity (embedded model)")
-    common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=MAIN_NEW,
+    _common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=MAIN_NEW,
            seed=True, scan=True)
-    needle_opts(m, [0.0, 0.25, 0.5, 0.75, 1.0], trials=MAIN_TRIALS)
-    ppl_opts(m, MAIN_SEQUENCES, 512, MAIN_NEW)
+    _needle_options(m, [0.0, 0.25, 0.5, 0.75, 1.0], trials=MAIN_TRIALS)
+    _perplexity_options(m, MAIN_SEQUENCES, 512, MAIN_NEW)
     m.add_argument("--also-equal-bytes", default=None, metavar="REF",
                    help="after the nominal runs, run every other compressed method again at the token budget whose "
                         "bytes match REF's (default: h2o when it runs; '' for none)")
 
     n = add("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
-    common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
+    _common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
            batch=4, max_new=8, seed=True)
-    needle_opts(n, [0.0, 0.25, 0.5, 0.75, 1.0])
+    _needle_options(n, [0.0, 0.25, 0.5, 0.75, 1.0])
 
     pp = add("perplexity", help="streaming perplexity of held-out text under a compressed cache")
-    common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-perplexity")
-    ppl_opts(pp, 4, 1024, 256)
+    _common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-perplexity")
+    _perplexity_options(pp, 4, 1024, 256)
 
     r = add("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
-    common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], "runs/eval-ruler", lengths=[1024], batch=4,
+    _common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], "runs/eval-ruler", lengths=[1024], batch=4,
            max_new=32, seed=True)
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words", help="comma-separated tasks")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
 
     f = add("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
                        "top-B recall (recall methods) and layer Jaccard vs full")
-    common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], "runs/eval-fidelity", lengths=[1024],
+    _common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], "runs/eval-fidelity", lengths=[1024],
            equal_bytes=False)
     f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
 
     lb = add("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
-    common(lb, "full,snapkv", [0.2], "runs/eval-longbench", batch=1, equal_bytes=False)
+    _common(lb, "full,snapkv", [0.2], "runs/eval-longbench", batch=1, equal_bytes=False)
     lb.add_argument("--data", required=True, help="folder of LongBench jsonl files, or the hub id THUDM/LongBench")
     lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
     lb.add_argument("--samples", type=int, default=8, help="examples per dataset")

@@ -177,6 +177,29 @@ def check_equal_bytes_refs(grid, refs: dict[str, str | None]) -> None:
                              f"({', '.join(compressed) or 'none'})")
 
 
+def _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, results) -> list[tuple]:
+    """The runs of :func:`run`, in order: ``(task, name, budget, nominal budget, equal-bytes reference of a second
+    pass or None)``. The equal-bytes budgets are searched here (their records go to ``results["equal_bytes"]``).
+    The nominal pass comes first, method-major, one configuration's tasks together: a compiled method is reused
+    across its batches and across tasks of the same shapes (the main job's needle and perplexity)."""
+    plan = []
+    for task in tasks:
+        if equal_bytes is None:
+            configs = [(n, b, b) for n, b in grid]
+        else:
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes, options)
+            results.setdefault("equal_bytes", []).extend(records)
+        plan.extend((task, n, b, nb, None) for n, b, nb in configs)
+        if also_equal_bytes is not None:
+            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, also_equal_bytes, options)
+            results.setdefault("equal_bytes", []).extend(records)
+            plan.extend((task, n, b, nb, also_equal_bytes) for n, b, nb in configs
+                        if n not in ("full", also_equal_bytes))
+    order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
+    plan.sort(key=lambda p: (p[4] is not None, order[p[1]], repr(p[2]), p[4] or ""))
+    return plan
+
+
 def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
         config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
         options: dict[str, dict] | None = None, also_equal_bytes: str | None = None,
@@ -206,23 +229,7 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                                   "equal_bytes_also": also_equal_bytes,
                                   "tasks": {t.name: dataclasses.asdict(t) for t in tasks}})
     results["timings"]["load_seconds"] = model.load_seconds
-    plan = []  # (task, name, budget, nominal budget, equal-bytes reference of a second pass or None)
-    for task in tasks:
-        if equal_bytes is None:
-            configs = [(n, b, b) for n, b in grid]
-        else:
-            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, equal_bytes, options)
-            results.setdefault("equal_bytes", []).extend(records)
-        plan.extend((task, n, b, nb, None) for n, b, nb in configs)
-        if also_equal_bytes is not None:
-            configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, also_equal_bytes, options)
-            results.setdefault("equal_bytes", []).extend(records)
-            plan.extend((task, n, b, nb, also_equal_bytes) for n, b, nb in configs
-                        if n not in ("full", also_equal_bytes))
-    order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
-    # the nominal pass first, method-major, one configuration's tasks together: a compiled method is reused across
-    # its batches and across tasks of the same shapes (the main job's needle and perplexity)
-    plan.sort(key=lambda p: (p[4] is not None, order[p[1]], repr(p[2]), p[4] or ""))
+    plan = _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, results)
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
     start = time.perf_counter()
     done = {}  # (task, method, budget) of the first pass -> its rows

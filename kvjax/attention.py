@@ -49,15 +49,11 @@ def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block
     is ``"xla" | "pallas_tpu" | "pallas_gpu"`` or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX
     reference on CPU). On a mesh (:mod:`kvjax.sharding`) the kernel runs per device on its sequences and heads.
     """
-    args = {"q": q, "k": k, "v": v, "valid": valid, "lengths": lengths, "bias": bias,
-            "block_indices": block_indices}
-    names = [n for n, a in args.items() if a is not None]
-    shared = [i for i, n in enumerate(names) if n == "block_indices" and block_indices.ndim == 2]  # [B, N]
+    def run(q, k, v, valid, lengths, bias, block_indices):  # one device's sequences and heads on a mesh
+        return decode_attention(q, k, v, valid, lengths, bias, block_indices, block_size=block_size, impl=impl)
 
-    def run(*xs):
-        return decode_attention(**dict(zip(names, xs)), block_size=block_size, impl=impl)
-
-    return sharding.per_head(run, *(args[n] for n in names), batch_only=shared)  # local on a mesh
+    shared = (6,) if block_indices is not None and block_indices.ndim == 2 else ()  # [B, N]: one list per sequence
+    return sharding.per_head(run, q, k, v, valid, lengths, bias, block_indices, batch_only=shared)
 
 
 def token_partial(q, k, v):

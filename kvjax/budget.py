@@ -138,7 +138,7 @@ def warn_small_budget(method, lengths, max_new_tokens: int = 0, model_cfg=None) 
     length ``n`` of ``lengths`` (host ints; call it outside ``jit``). The minimum is the method's own (sinks +
     window, a chunk, a page; at least :data:`MIN_TOKENS`); ``budget=1.0`` (the whole prompt) never warns.
     Methods without a budget (``full``) never warn. Returns whether it warned."""
-    budget = getattr(method, "budget", None)
+    budget = method.budget  # declared by every method (base.Method.budget: None without one)
     if budget is None or not lengths:
         return False
     need, why = method.min_budget()

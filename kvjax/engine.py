@@ -429,9 +429,8 @@ def check_method(cfg: ModelConfig, method) -> None:
     """A ValueError when the method's token budget exceeds the model context (the fix: a smaller count)."""
     from kvjax.budget import check_budget
 
-    for f in dataclasses.fields(method):
-        if f.name == "budget":
-            check_budget(method.budget, "budget", max_tokens=cfg.max_position_embeddings)
+    if method.budget is not None:  # declared (base.Method.budget); the method validated its type and range
+        check_budget(method.budget, "budget", max_tokens=cfg.max_position_embeddings)
 
 
 def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_new_tokens: int):

@@ -311,14 +311,24 @@ def per_head(fn, *arrays, batch_only: Sequence[int] = ()):
     sequence and head but that XLA's partitioner would gather whole (``lax.top_k`` gathers its operand; a Pallas
     kernel is opaque to it). Arrays are ``[B, H, ...]`` (query heads or KV heads: a group's query heads are
     contiguous, so splitting both ``model`` ways keeps each group with its KV head); the arrays at the positions
-    ``batch_only`` (and 1-D ones) are ``[B, ...]``. Outputs are ``[B, H, ...]``. The batch axis is split over
-    ``data`` and the head axis over ``model`` when they divide for every array (else that axis stays whole)."""
+    ``batch_only`` (and 1-D ones) are ``[B, ...]``; a None argument reaches ``fn`` as None (an optional input not
+    given). Outputs are ``[B, H, ...]``. The batch axis is split over ``data`` and the head axis over ``model`` when
+    they divide for every array (else that axis stays whole)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(AXES) <= set(mesh.axis_names) or mesh.size == 1:
         return fn(*arrays)
+    given = [i for i, a in enumerate(arrays) if a is not None]
+    present = [arrays[i] for i in given]
+
+    def local(*xs):
+        args = [None] * len(arrays)
+        for i, x in zip(given, xs):
+            args[i] = x
+        return fn(*args)
+
     dp, tp = mesh.shape[DATA], mesh.shape[MODEL]
-    headed = [i not in batch_only and a.ndim > 1 for i, a in enumerate(arrays)]
-    batch = DATA if all(a.shape[0] % dp == 0 for a in arrays) else None
-    heads = MODEL if all(a.shape[1] % tp == 0 for a, h in zip(arrays, headed) if h) else None
+    headed = [i not in batch_only and arrays[i].ndim > 1 for i in given]
+    batch = DATA if all(a.shape[0] % dp == 0 for a in present) else None
+    heads = MODEL if all(a.shape[1] % tp == 0 for a, h in zip(present, headed) if h) else None
     specs = tuple(P(batch, heads) if h else P(batch) for h in headed)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(batch, heads), check_vma=False)(*arrays)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(batch, heads), check_vma=False)(*present)

@@ -10,7 +10,7 @@ pre-activation, per-layer best-validation epoch kept. An orbax checkpoint is wri
 epoch and, with ``checkpoint_every``, every that many steps; ``resume=True`` continues from the last readable
 one bit-exactly (data order and dropout keys depend only on the seed, epoch and step; the running loss of a
 mid-epoch checkpoint is saved with it). An unreadable checkpoint is named in a warning, moved to
-``checkpoints-corrupt/`` and the previous one used.
+``checkpoints-corrupt/`` and the previous one used (:mod:`train_less.checkpoints`).
 
 Scale: the activations and the policies' eviction times are captured to disk in shards
 (:mod:`train_less.capture`; host memory bounded by ``shard_mb`` plus one batch, whatever the number of
@@ -45,14 +45,12 @@ import json
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
@@ -60,6 +58,7 @@ from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods import less as L
 from train_less.capture import capture, put_batch, stack_layers
+from train_less.checkpoints import Checkpoints, Record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,42 +312,6 @@ def merge_parts(out_dir) -> dict:
     return meta
 
 
-def _restore(ckpt_dir: Path, abstract, check):
-    """The newest readable checkpoint in ``ckpt_dir`` -> ``(manager, meta, state)``. ``check(meta)`` raises for a
-    run of other settings. An unreadable (truncated, corrupt) checkpoint is reported by name and moved to
-    ``checkpoints-corrupt/``, and the one before it is used; ValueError when none is readable."""
-    opts = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    mngr = ocp.CheckpointManager(ckpt_dir, options=opts)
-    bad = []
-    for step in sorted(mngr.all_steps(), reverse=True):
-        try:
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
-            bad.append((step, e))
-            continue
-        check(meta)
-        try:
-            state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as e:  # noqa: BLE001
-            bad.append((step, e))
-            continue
-        if bad:
-            mngr.close()
-            aside = ckpt_dir.parent / "checkpoints-corrupt"
-            aside.mkdir(exist_ok=True)
-            for b, e in bad:
-                warnings.warn(f"checkpoint {ckpt_dir / str(b)} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-                              f"moved to {aside / str(b)}, resuming from the previous one, {ckpt_dir / str(step)}",
-                              stacklevel=3)
-                shutil.move(str(ckpt_dir / str(b)), str(aside / str(b)))
-            mngr = ocp.CheckpointManager(ckpt_dir, options=opts)
-        return mngr, meta, state
-    mngr.close()
-    raise ValueError(f"no readable checkpoint in {ckpt_dir}: " + "; ".join(
-        f"{ckpt_dir / str(b)}: {type(e).__name__}: {str(e)[:200]}" for b, e in bad)
-        + ". Start a new run in a new folder")
-
-
 def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name: str | None = None,
           resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None, layers=None,
           shard_mb: float = 1024, capture_dir=None, keep_capture: bool = False, checkpoint_every: int | None = None,
@@ -367,23 +330,77 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     capture forward pass (default ``max(batch, 4)``; with a mesh, rounded up to a multiple of its ``data`` size).
     """
     t0 = time.perf_counter()
+    mesh = _check_args(tc, mesh, capture_batch, checkpoint_every)
+    if mesh is not None:
+        params = jax.device_put(params, S.replicated(mesh))
+    sel = L.parse_layers(layers, cfg.num_layers)
+    out = Path(out_dir).absolute()
+    run_dir = out if len(sel) == cfg.num_layers else out / f"layers-{L.format_layers(sel)}"
+    ckpt = Checkpoints(run_dir, mesh, {**_config_dict(tc), "layers": sel}, L.model_identity(cfg, model_name), resume)
+    tokens, train_idx, val_idx = _split(tokens, tc)
+    steps_per_epoch = len(train_idx) // tc.batch
+    run_dir.mkdir(parents=True, exist_ok=True)
+    kparams, opt = _init_kernels(cfg, tc, sel, steps_per_epoch)
+    rec = Record.fresh(kparams)
+    if resume:
+        kparams, opt, rec = ckpt.restore(kparams, opt, rec)
+    else:
+        ckpt.start()
+    end = tc.epochs if stop_after is None else min(tc.epochs, stop_after)
+    if rec.epoch >= end:
+        ckpt.close()
+        return json.loads((run_dir / L.CONFIG_FILE).read_text())
+    cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
+    if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
+        cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
+    dp = S.axis_size(mesh, S.DATA)
+    store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
+                    batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype,
+                    shard_mb=shard_mb, progress=progress, mesh=mesh, model_name=model_name)
+    lay = _Layers(cfg, tc, sel, params, kparams, opt, store, mesh, steps_per_epoch)
+    if mesh is not None:  # replicated, as the kernels (_Layers)
+        rec.best = jax.device_put(rec.best, S.replicated(mesh))
+    bar = tqdm(total=(end - rec.epoch) * steps_per_epoch - rec.step, desc="train LESS", disable=not progress,
+               unit="step")
+    resumed_at, stopped = (rec.epoch, rec.step, rec.run), False
+    for epoch in range(rec.epoch, end):
+        first, run = (resumed_at[1], resumed_at[2]) if epoch == resumed_at[0] else (0, None)
+        run, stopped = _train_epoch(lay, ckpt, rec, epoch, first, run, train_idx, bar, checkpoint_every,
+                                    stop_after_steps)
+        if stopped:
+            break
+        val = lay.validate(val_idx)
+        _end_epoch(lay, rec, epoch, run / steps_per_epoch, val)
+        bar.write(f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
+                  f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0]))
+        ckpt.save((epoch + 1) * steps_per_epoch, lay.kernels(), lay.opt(), rec, epoch + 1, 0, None)
+        if S.is_primary():  # several processes: orbax saved collectively above; process 0 writes the rest
+            _write_output(run_dir, tc, cfg, model_name, rec.best, sel, {
+                "epochs_done": epoch + 1, "val_loss": rec.best_val.tolist(), "best_epoch": rec.best_epoch.tolist(),
+                "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist(),
+                "num_train_seqs": int(len(train_idx)), "num_val_seqs": int(len(val_idx)), "history": rec.history,
+                "wall_seconds": time.perf_counter() - t0})
+            if run_dir != out:
+                merge_parts(out)
+    bar.close()
+    ckpt.close()
+    return _finish(run_dir, cap_dir, not stopped and end == tc.epochs and not keep_capture)
+
+
+def _check_args(tc: TrainConfig, mesh, capture_batch, checkpoint_every):
+    """The training mesh (:func:`make_mesh`, checked) or None; ValueErrors for options that cannot work."""
     if mesh is not None:
         mesh = make_mesh(mesh)
         check_mesh(mesh, tc.batch)
-        params = jax.device_put(params, S.replicated(mesh))
     if capture_batch is not None and capture_batch < 1:
         raise ValueError(f"capture_batch={capture_batch} (--capture-batch) must be >= 1, or None for max(batch, 4)")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every} (--checkpoint-every) must be >= 1 step, or None")
-    sel = L.parse_layers(layers, cfg.num_layers)
-    out = Path(out_dir).absolute()
-    run_dir = out if len(sel) == cfg.num_layers else out / f"layers-{L.format_layers(sel)}"
-    ckpt_dir = run_dir / "checkpoints"
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
-        raise ValueError(f"{str(run_dir)!r} already holds checkpoints; pass resume=True (--resume) to continue that "
-                         "run, or choose a new folder")
-    if resume and not (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
-        raise ValueError(f"resume=True but {str(run_dir)!r} has no checkpoint to resume from")
+    return mesh
+
+
+def _split(tokens, tc: TrainConfig):
+    """``(tokens [N, S] int32, train_idx, val_idx)``: a seeded split, ``val_frac`` (at least one) for validation."""
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[1] != tc.seq_len:
         raise ValueError(f"tokens has shape {tokens.shape}; expected [N, seq_len={tc.seq_len}]")
@@ -393,142 +410,107 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
         raise ValueError(f"{n} sequences leave {n - n_val} for training, fewer than batch={tc.batch}; add data "
                          "(--num-seqs, --data) or lower --batch")
     perm = np.random.default_rng(tc.seed).permutation(n)
-    val_idx, train_idx = np.sort(perm[:n_val]), perm[n_val:]
-    steps_per_epoch = len(train_idx) // tc.batch
-    run_dir.mkdir(parents=True, exist_ok=True)
-    nl = len(sel)
-    tx = _optimizer(tc, steps_per_epoch)
+    return tokens, perm[n_val:], np.sort(perm[:n_val])
+
+
+def _init_kernels(cfg, tc: TrainConfig, sel, steps_per_epoch: int):
+    """Fresh kernels of the selected layers (``[L, ...]``, each layer's own key) and their Adam states."""
     keys = jax.random.split(jax.random.PRNGKey(tc.seed), cfg.num_layers)[jnp.asarray(sel)]
     kparams = jax.vmap(lambda k: L.init_kernels(cfg, k, tc.rank, tc.hidden))(keys)
     if tc.scale_init != 1e-4:
         kparams = {**kparams, "k_s1": jnp.full_like(kparams["k_s1"], tc.scale_init),
                    "k_s2": jnp.full_like(kparams["k_s2"], tc.scale_init)}
-    opt = jax.vmap(tx.init)(kparams)
-    best = kparams
-    best_val = np.full((nl,), np.inf)
-    best_epoch = np.full((nl,), -1)
-    history: list[dict] = []
-    start_epoch, start_step, run0 = 0, 0, None
-    config = {**_config_dict(tc), "layers": sel}
-    ident = L.model_identity(cfg, model_name)
-    opt_leaves, opt_def = jax.tree.flatten(opt)
+    return kparams, jax.vmap(_optimizer(tc, steps_per_epoch).init)(kparams)
 
-    def ckpt_tree(kp, op, bp, bv, be):
-        tree = {"params": kp, "best": bp, "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(op))},
-                "best_val": np.asarray(bv), "best_epoch": np.asarray(be)}
-        # with a mesh every leaf is a global (replicated) array: orbax's multi-process save needs them so
-        return jax.tree.map(jnp.asarray, tree) if mesh is None else jax.device_put(tree, S.replicated(mesh))
 
-    def check(meta):
-        saved = {k: v for k, v in meta["config"].items() if k != "epochs"}
-        now = {k: v for k, v in config.items() if k != "epochs"}
-        if saved != now or meta["model"] != ident:
-            diff = sorted(k for k in now if saved.get(k) != now[k])
-            raise ValueError(f"resume: the checkpoint in {str(run_dir)!r} was written with a different config "
-                             f"(differs in {diff or 'the model'}); resume with the same settings or use a new folder")
+class _Layers:
+    """The selected layers' frozen parameters, kernels and Adam states, in chunks of ``layers_per_step`` (one
+    vmapped step each), and the batches read back from the capture. With a mesh all of it is replicated and each
+    batch split over ``data``: every device applies the same update (module docstring)."""
 
-    if resume:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, ckpt_tree(kparams, opt, best, best_val, best_epoch))
-        mngr, meta, st = _restore(ckpt_dir, abstract, check)
-        kparams, best = st["params"], st["best"]
-        opt = jax.tree.unflatten(opt_def, [st["opt"][f"{i:04d}"] for i in range(len(opt_leaves))])
-        best_val, best_epoch = np.asarray(st["best_val"]), np.asarray(st["best_epoch"])
-        history, start_epoch, start_step = meta["history"], meta["epoch"], meta.get("step", 0)
-        run0 = None if meta.get("run") is None else np.asarray(meta["run"], np.float64)
-    else:
-        mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    end = tc.epochs if stop_after is None else min(tc.epochs, stop_after)
-    if start_epoch >= end:
-        mngr.close()
-        return json.loads((run_dir / L.CONFIG_FILE).read_text())
-    dp = S.axis_size(mesh, S.DATA)
-    cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
-    if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
-        cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
-    store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
-                    batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype, shard_mb=shard_mb,
-                    progress=progress, mesh=mesh, model_name=model_name)
-    lyr = _take(stack_layers(params), jnp.asarray(sel))
+    def __init__(self, cfg, tc: TrainConfig, sel, params, kparams, opt, store, mesh, steps_per_epoch: int):
+        lyr = _take(stack_layers(params), jnp.asarray(sel))
+        if mesh is not None:
+            kparams, opt, lyr = jax.device_put((kparams, opt, lyr), S.replicated(mesh))
+        self.cfg, self.tc, self.store, self.mesh, self.steps_per_epoch = cfg, tc, store, mesh, steps_per_epoch
+        self.chunks = _chunks(len(sel), tc.layers_per_step)
+        self.kp = [_take(kparams, c) for c in self.chunks]
+        self.op = [_take(opt, c) for c in self.chunks]
+        self.ly = [_take(lyr, c) for c in self.chunks]
+        self.ids, self.key = jnp.asarray(sel), jax.random.PRNGKey(tc.seed + 1)
 
-    if mesh is not None:  # replicated: every device holds the kernels and Adam states and applies the same update
-        kparams, opt, best, lyr = jax.device_put((kparams, opt, best, lyr), S.replicated(mesh))
-    chunks = _chunks(nl, tc.layers_per_step)
-    kp_c = [_take(kparams, c) for c in chunks]
-    op_c = [_take(opt, c) for c in chunks]
-    ly_c = [_take(lyr, c) for c in chunks]
-    base_key = jax.random.PRNGKey(tc.seed + 1)
-    layer_ids = jnp.asarray(sel)
+    def kernels(self):
+        return _cat(self.kp)
 
-    def batch(idx):  # [Lsel, B, S, H], [Lsel, B, P, Hkv, S], B split over 'data'
-        x, ev = store.read(idx)
-        return put_batch(np.swapaxes(x, 0, 1), mesh, axis=1), put_batch(np.swapaxes(ev, 0, 1), mesh, axis=1)
+    def opt(self):
+        return _cat(self.op)
 
-    def save(step, meta):
-        mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(ckpt_tree(_cat(kp_c), _cat(op_c), best, best_val, best_epoch)),
-            meta=ocp.args.JsonSave({**meta, "history": history, "config": config, "model": ident})))
-        mngr.wait_until_finished()
+    def batch(self, idx):
+        """``x [L, B, S, H]``, eviction times ``[L, B, P, Hkv, S]`` of sequences ``idx``, B split over 'data'."""
+        x, ev = self.store.read(idx)
+        return put_batch(np.swapaxes(x, 0, 1), self.mesh, axis=1), put_batch(np.swapaxes(ev, 0, 1), self.mesh, axis=1)
 
-    bar = tqdm(total=(end - start_epoch) * steps_per_epoch - start_step, desc="train LESS", disable=not progress,
-               unit="step")
-    stopped = False
-    for epoch in range(start_epoch, end):
-        order = np.random.default_rng([tc.seed, epoch]).permutation(train_idx)
-        first = start_step if epoch == start_epoch else 0
-        run = run0 if first and run0 is not None else np.zeros((nl,))
-        for i in range(first, steps_per_epoch):
-            x, ev = batch(np.sort(order[i * tc.batch:(i + 1) * tc.batch]))
-            gstep = epoch * steps_per_epoch + i
-            lkeys = jax.vmap(lambda l: jax.random.fold_in(jax.random.fold_in(base_key, gstep), l))(layer_ids)
-            losses = []
-            for j, c in enumerate(chunks):
-                kp_c[j], op_c[j], loss = _train_step(cfg, tc, steps_per_epoch, ly_c[j], kp_c[j], op_c[j], x[c],
-                                                      ev[c, :, 0], lkeys[c])
-                losses.append(loss)
-            run += S.to_host(jnp.concatenate(losses))
-            bar.update(1)
-            bar.set_postfix_str("loss/layer " + " ".join(f"{v:.2e}" for v in run / (i + 1)))
-            if checkpoint_every and (gstep + 1) % checkpoint_every == 0 and i + 1 < steps_per_epoch:
-                save(gstep + 1, {"epoch": epoch, "step": i + 1, "run": run.tolist()})
-            if stop_after_steps is not None and gstep + 1 >= stop_after_steps:
-                stopped = True
-                break
-        if stopped:
-            break
-        val = np.zeros((3, nl))
-        for i in range(0, n_val, tc.batch):
-            idx = val_idx[i:i + tc.batch]
-            x, ev = batch(idx)
-            parts = [_evaluate(cfg, tc, ly_c[j], kp_c[j], x[c], ev[c, :, 0], ev[c, :, 1]) for j, c in enumerate(chunks)]
+    def step(self, idx, gstep: int) -> np.ndarray:
+        """One optimizer step of every layer on sequences ``idx`` (global step ``gstep``: the dropout keys)."""
+        x, ev = self.batch(idx)
+        keys = jax.vmap(lambda l: jax.random.fold_in(jax.random.fold_in(self.key, gstep), l))(self.ids)
+        losses = []
+        for j, c in enumerate(self.chunks):
+            self.kp[j], self.op[j], loss = _train_step(self.cfg, self.tc, self.steps_per_epoch, self.ly[j],
+                                                       self.kp[j], self.op[j], x[c], ev[c, :, 0], keys[c])
+            losses.append(loss)
+        return S.to_host(jnp.concatenate(losses))
+
+    def validate(self, val_idx) -> np.ndarray:
+        """``[3, L]`` validation losses (LESS, the sparse policy alone, Baseline+), means over ``val_idx``."""
+        val = np.zeros((3, len(self.ids)))
+        for i in range(0, len(val_idx), self.tc.batch):
+            idx = val_idx[i:i + self.tc.batch]
+            x, ev = self.batch(idx)
+            parts = [_evaluate(self.cfg, self.tc, self.ly[j], self.kp[j], x[c], ev[c, :, 0], ev[c, :, 1])
+                     for j, c in enumerate(self.chunks)]
             val += np.stack([np.concatenate([S.to_host(p[t]) for p in parts]) for t in range(3)]) * len(idx)
-        val /= n_val
-        kparams = _cat(kp_c)
-        better = val[0] < best_val
-        best = jax.tree.map(lambda b, k: jnp.where(better.reshape((-1,) + (1,) * (k.ndim - 1)), k, b),
-                            best, kparams)
-        best_val = np.where(better, val[0], best_val)
-        best_epoch = np.where(better, epoch, best_epoch)
-        history.append({"epoch": epoch, "train_loss": (run / steps_per_epoch).tolist(), "val_loss": val[0].tolist(),
+        return val / len(val_idx)
+
+
+def _train_epoch(lay: _Layers, ckpt: Checkpoints, rec: Record, epoch: int, first: int, run, train_idx, bar,
+                 checkpoint_every, stop_after_steps):
+    """The steps ``first..`` of ``epoch`` (the order depends only on the seed and the epoch): ``(running loss
+    sum [L], stopped)``; ``run``: the sum a mid-epoch checkpoint saved (None: zeros)."""
+    tc, spe = lay.tc, lay.steps_per_epoch
+    order = np.random.default_rng([tc.seed, epoch]).permutation(train_idx)
+    run = np.zeros((len(lay.ids),)) if run is None or not first else run
+    for i in range(first, spe):
+        gstep = epoch * spe + i
+        run += lay.step(np.sort(order[i * tc.batch:(i + 1) * tc.batch]), gstep)
+        bar.update(1)
+        bar.set_postfix_str("loss/layer " + " ".join(f"{v:.2e}" for v in run / (i + 1)))
+        if checkpoint_every and (gstep + 1) % checkpoint_every == 0 and i + 1 < spe:
+            ckpt.save(gstep + 1, lay.kernels(), lay.opt(), rec, epoch, i + 1, run.tolist())
+        if stop_after_steps is not None and gstep + 1 >= stop_after_steps:
+            return run, True
+    return run, False
+
+
+def _end_epoch(lay: _Layers, rec: Record, epoch: int, train_loss, val) -> None:
+    """Keep each layer's kernels where its validation loss improved; add the epoch to the history."""
+    kparams = lay.kernels()
+    better = val[0] < rec.best_val
+    rec.best = jax.tree.map(lambda b, k: jnp.where(better.reshape((-1,) + (1,) * (k.ndim - 1)), k, b),
+                            rec.best, kparams)
+    rec.best_val = np.where(better, val[0], rec.best_val)
+    rec.best_epoch = np.where(better, epoch, rec.best_epoch)
+    rec.history.append({"epoch": epoch, "train_loss": train_loss.tolist(), "val_loss": val[0].tolist(),
                         "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist()})
-        bar.write(f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
-                  f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0]))
-        save((epoch + 1) * steps_per_epoch, {"epoch": epoch + 1, "step": 0, "run": None})
-        if not S.is_primary():  # several processes: orbax saved collectively above; process 0 writes the rest
-            continue
-        _write_output(run_dir, tc, cfg, model_name, best, sel, {
-            "epochs_done": epoch + 1, "val_loss": best_val.tolist(), "best_epoch": best_epoch.tolist(),
-            "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist(),
-            "num_train_seqs": int(len(train_idx)), "num_val_seqs": int(n_val), "history": history,
-            "wall_seconds": time.perf_counter() - t0})
-        if run_dir != out:
-            merge_parts(out)
-    bar.close()
-    mngr.close()
+
+
+def _finish(run_dir: Path, cap_dir: Path, drop_capture: bool) -> dict:
+    """After the last epoch of this call: wait for process 0's output, drop the capture, return the JSON."""
     if jax.process_count() > 1:  # the others read what process 0 wrote
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("train_less.train: output written")
-    if not stopped and end == tc.epochs and not keep_capture:
+    if drop_capture:
         shutil.rmtree(cap_dir, ignore_errors=True)
     path = run_dir / L.CONFIG_FILE
     return json.loads(path.read_text()) if path.is_file() else {"epochs_done": 0}

@@ -41,5 +41,13 @@ def get(name: str, **options):
     return cls(**options)
 
 
+def small(name: str, **options):
+    """``get(name, ...)`` at test sizes: the method's own :meth:`~kvjax.methods.base.Method.small_options` (windows,
+    chunks, pages and sinks shrunk so that it compresses prompts of tens of tokens), then ``options`` over them."""
+    if name not in REGISTRY:
+        get(name)  # the unknown-name error
+    return get(name, **{**REGISTRY[name].small_options(), **options})
+
+
 __all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "LayerContext", "Less", "Method", "PQCache",
-           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SlotMethod", "SnapKV", "StreamingLLM", "get", "names"]
+           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SlotMethod", "SnapKV", "StreamingLLM", "get", "names", "small"]

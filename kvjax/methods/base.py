@@ -110,6 +110,26 @@ class Method(abc.ABC):
     #: instead of running the prefill attention a second time (on layers without a sliding window, where the engine's
     #: prefill attention is the pure-JAX one).
     attends_prompt: ClassVar[bool] = False
+    #: The budget (a fraction of the prompt, or a token count; docs/interface.md#the-budget-contract); None for a
+    #: method without one (``full``). A method with a budget declares it as a dataclass field and validates it once,
+    #: in its ``__post_init__``.
+    budget: ClassVar[float | int | None] = None
+    #: Every sequence holds exactly :meth:`held` tokens; False: at most that many (ChunkKV, whose chunk that
+    #: straddles the window is cut there).
+    holds_exactly: ClassVar[bool] = True
+
+    @classmethod
+    def small_options(cls) -> dict:
+        """Options that make the method compress at test sizes (prompts of tens of tokens, two layers): its
+        windows, chunks, pages and sinks shrunk. The property, budget-contract, sharding and accelerator tests
+        build every registered method with these (``methods.get(name, **REGISTRY[name].small_options())``), so a
+        new method is tested at its own small sizes with no table in the tests. Default: none needed."""
+        return {}
+
+    def min_legal_budget(self) -> int:
+        """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
+        page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""
+        return 1
 
     @abc.abstractmethod
     def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:

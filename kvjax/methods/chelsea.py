@@ -136,6 +136,10 @@ class Chelsea(Method):
     impl: str | None = None
     unroll_rounds: bool = False
 
+    @classmethod
+    def small_options(cls) -> dict:  # base.Method.small_options: 2 sinks, 4 recent, chunks of 8, every 4 steps
+        return dict(n_sink=2, n_recent=4, chunk=8, interval=4)
+
     def __post_init__(self):
         check_budget(self.budget)
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 2 or self.chunk % 2:

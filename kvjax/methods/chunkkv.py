@@ -55,6 +55,7 @@ class ChunkKV(SlotMethod):
     pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.scorers.Scorer`)."""
 
     name: ClassVar[str] = "chunkkv"
+    holds_exactly: ClassVar[bool] = False  # at most held(): the chunk that straddles the window is cut there
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     reuses_previous_layer: ClassVar[bool] = True  # the engine passes ``previous=`` (index reuse, Alg. 2)
     budget: float | int = 0.2

@@ -158,6 +158,13 @@ class ClusterKV(Method):
     def offloads(self) -> bool:  # base.Method.offloads
         return self.offload
 
+    @classmethod
+    def small_options(cls) -> dict:  # base.Method.small_options: one full layer of two, clusters of 4 tokens
+        return dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1)
+
+    def min_legal_budget(self) -> int:
+        return self.sink  # the budget counts the sinks (__post_init__)
+
     def __post_init__(self):
         check_budget(self.budget)
         for name in ("sink", "n_full"):

@@ -476,6 +476,10 @@ class Less(Method):
     fold_chunk: int = 2048  # prompt tokens per step of the prefill fold into H, z (memory, not results)
     strict: bool = False
 
+    @classmethod
+    def small_options(cls) -> dict:  # base.Method.small_options: a 16-wide kernel hidden layer
+        return dict(hidden=16)
+
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a LESS sparse policy; choose 'h2o' or 'lambda'")

@@ -127,6 +127,13 @@ class Quest(Method):
     page_size: int = 16  # tokens per page (Quest's and ClusterKV's setting)
     n_full: int = 2  # the first n_full layers keep and attend the full cache (Quest skips the first two)
 
+    @classmethod
+    def small_options(cls) -> dict:  # base.Method.small_options: pages of 4, both layers of two compressed
+        return dict(page_size=4, n_full=0)
+
+    def min_legal_budget(self) -> int:
+        return self.page_size  # at least one page (__post_init__)
+
     def __post_init__(self):
         check_budget(self.budget)
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) \

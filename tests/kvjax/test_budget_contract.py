@@ -118,21 +118,11 @@ def tiny():
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
-SMALL_OPTIONS = {  # options that make the small-window methods compress at these lengths
-    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=3),
-    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-    "quest": dict(page_size=4, n_full=0),  # 2 layers: compress both
-    "less": dict(hidden=16),
-}
 NEW = 5
 
 
 def _method(name, budget):
-    opts = dict(SMALL_OPTIONS.get(name, {}))
-    if name != "full":
-        opts["budget"] = budget
-    return methods.get(name, **opts)
+    return methods.small(name, **({} if name == "full" else {"budget": budget}))
 
 
 def _prompts(lengths, seed=0):

@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +25,6 @@ from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_budget_contract import SMALL_OPTIONS  # noqa: E402
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -49,7 +45,7 @@ XLA_FACTOR = {
 def _method(name):
     if name == "full":
         return methods.get("full")
-    return methods.get(name, budget=BUDGET, **SMALL_OPTIONS.get(name, {}))
+    return methods.small(name, budget=BUDGET)
 
 
 @functools.lru_cache(maxsize=None)

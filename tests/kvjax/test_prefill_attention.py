@@ -23,8 +23,6 @@ reference, the implementation choice, and memory linear in T for the engine's pr
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +35,6 @@ from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sharding"))
-import test_sharded_generate as tsg  # noqa: E402
 
 HEADS = {"smollm2": (9, 3, 64), "llama31_8b": (32, 8, 128)}  # query heads, KV heads, head_dim
 T, LENGTHS, WINDOW = 300, (300, 157), 100
@@ -188,8 +184,7 @@ DEFAULT_METHODS = ("full", "snapkv")
 def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:
     """XLA's temp bytes for ``engine._prefill`` of CFG with ``name`` (budget 0.1) on a ``t``-token bucket,
     compiled for abstract inputs (nothing allocated)."""
-    opts = dict(tsg.SMALL_OPTIONS.get(name, {}), **({} if name == "full" else {"budget": 0.1}))
-    method = methods.get(name, **opts)
+    method = methods.small(name, **({} if name == "full" else {"budget": 0.1}))
     params = jax.eval_shape(lambda: M.random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, method, batch, Capacity(t, 16), jnp.float32))
     s = jax.ShapeDtypeStruct

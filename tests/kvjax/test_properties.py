@@ -90,18 +90,9 @@ NEW = STEPS + 1
 VOCAB = 64
 NUM_LAYERS = 2
 
-SMALL_OPTIONS = {  # options that make the windowed methods compress at these lengths (as the budget contract)
-    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=3),
-    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-    "quest": dict(page_size=4, n_full=1),
-    "less": dict(hidden=16),
-}
-#: The smallest legal token budget per method (quest: one page; clusterkv: its sinks), else 1.
-MIN_COUNT = {"quest": SMALL_OPTIONS["quest"]["page_size"], "clusterkv": SMALL_OPTIONS["clusterkv"]["sink"]}
-#: Methods whose contract is exact: what a sequence holds equals ``held(n, steps)`` (others: at most).
-EXACT = {"full", "streaming_llm", "h2o", "snapkv", "pyramidkv", "chelsea", "pqcache", "clusterkv", "quest", "less"}
-RECALL = {"pqcache", "clusterkv", "quest"}
+# Every method is built at its own test sizes (``methods.small``: base.Method.small_options); its smallest legal
+# count budget (``min_legal_budget``), whether it holds exactly ``held`` tokens (``holds_exactly``) and whether it
+# recalls (``recalls``) are its declarations, not tables here.
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,16 +112,14 @@ class Case:
     options: tuple = ()  # extra static options, e.g. LESS's policy
 
     def method(self):
-        opts = dict(SMALL_OPTIONS.get(self.name, {}), **dict(self.options))
-        if self.name != "full":
-            opts["budget"] = self.budget
-        return methods.get(self.name, **opts)
+        opts = dict(self.options, **({} if self.name == "full" else {"budget": self.budget}))
+        return methods.small(self.name, **opts)
 
 
 def budgets(name: str, bucket: int):
     """Fractions from the smallest legal one (1/10000: one token) to 1.0, and counts from the smallest legal
     one to beyond the bucket + decode steps."""
-    low = MIN_COUNT.get(name, 1)
+    low = methods.small(name).min_legal_budget()
     frac = st.one_of(st.sampled_from([0.0001, 0.1, 0.25, 0.3, 0.5, 1.0]),
                      st.integers(1, 10_000).map(lambda i: i / 10_000))
     count = st.one_of(st.sampled_from([low, low + 1, bucket // 2, bucket, bucket + NEW + 7]),
@@ -178,7 +167,7 @@ def explicit(name: str):
     """The fixed example every profile runs for this method: large batches, GQA, bf16, mid and extreme budgets,
     rotated over the methods so that the default profile covers every dimension; two draws of varied lengths."""
     i = methods.names().index(name)
-    low = MIN_COUNT.get(name, 1)
+    low = methods.small(name).min_legal_budget()
     table = [dict(batch=4, bucket=32, ratio=3, kv_heads=2, head_dim=64, dtype="bfloat16", budget=0.3),
              dict(batch=3, bucket=32, ratio=8, kv_heads=1, head_dim=128, dtype="float32", budget=max(low, 12)),
              dict(batch=4, bucket=64, ratio=2, kv_heads=2, head_dim=16, dtype="bfloat16", budget=64 + NEW + 7),
@@ -269,7 +258,7 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
             per_head = per_head_held(state, b)
             got = float(tokens_held[b])
             assert got <= limit + 1e-6 and per_head.max() <= limit, (where, b, n, got, per_head, limit)
-            if case.name in EXACT:
+            if m.holds_exactly:
                 assert got == limit and (per_head == limit).all(), (where, b, n, got, per_head, limit)
             check_stored(case, m, state, b, n, steps, where)
             if sel is not None and not isinstance(state, SlotCache):  # recall: what a step attends
@@ -313,7 +302,7 @@ def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
             assert len(set(p.tolist())) == len(p) and (p < total).all(), (where, b, h, sorted(p))
             stored = set(p.tolist())
             name = m.sparse.name if case.name == "less" else case.name
-            if name == "full" or (case.name in RECALL):  # recall methods' full layers (n_full) are Full's
+            if name == "full" or m.recalls:  # recall methods' full layers (n_full) are Full's
                 assert stored == set(range(total)), (where, b, h)
             elif name in ("snapkv", "pyramidkv", "chunkkv"):
                 assert set(range(n, total)) <= stored, (where, b, h, "a decoded token was dropped")

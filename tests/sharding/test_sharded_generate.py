@@ -32,21 +32,11 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices:
                                 "--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
-SMALL_OPTIONS = {  # options that make the windowed methods compress at these lengths (as the budget contract)
-    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=4),  # at 3 bits a retrieval near-tie flips under a 1e-6 weight perturbation
-    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-    "quest": dict(page_size=4, n_full=0),
-    "less": dict(hidden=16),
-}
 BATCH, BUCKET, STEPS = 8, 64, 5
 
 
 def method(name, budget=0.3):
-    opts = dict(SMALL_OPTIONS.get(name, {}))
-    if name != "full":
-        opts["budget"] = budget
-    return methods.get(name, **opts)
+    return methods.small(name, **({} if name == "full" else {"budget": budget}))
 
 
 def tiny(kv_heads: int, layers: int = 2) -> Model:
