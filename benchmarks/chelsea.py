@@ -39,14 +39,16 @@ QUESTION = "What is the secret passcode for the vault? Answer with the number on
 def essay_ids(tok, n: int, offset: int = 0) -> list[int]:
     text = "\n\n".join(p.read_text(errors="replace") for p in sorted(assets.essays_dir().glob("*.txt")))
     ids = tok.encode(text, add_special_tokens=False)
-    return ids[offset:offset + n]
+    return ids[offset : offset + n]
 
 
 def method_set(budget, outliers):
-    out = {"full": methods.get("full"),
-           "streaming_llm": methods.get("streaming_llm", budget=budget),
-           "snapkv": methods.get("snapkv", budget=budget),
-           "chelsea": methods.get("chelsea", budget=budget)}
+    out = {
+        "full": methods.get("full"),
+        "streaming_llm": methods.get("streaming_llm", budget=budget),
+        "snapkv": methods.get("snapkv", budget=budget),
+        "chelsea": methods.get("chelsea", budget=budget),
+    }
     if outliers:
         out["chelsea+outliers"] = methods.get("chelsea", budget=budget, outlier_heads=outliers)
     return out
@@ -75,10 +77,18 @@ def needle(model, n, depths, ms, new_tokens=12):
             if len(prompt) > n:
                 raise ValueError(f"needle prompt of {len(prompt)} tokens exceeds the bucket {n}")
             # scan driver and the timing run's max_new_tokens: the compiled loop is shared with step_times
-            out = engine.generate(model, [prompt], m, max_new_tokens=new_tokens, stop_at_eos=True, prompt_len=n,
-                                  driver="scan")
-            res[name].append({"depth": depth, "code": code, "answer": out.text[0], "hit": code in out.text[0],
-                              "prompt_tokens": len(prompt)})
+            out = engine.generate(
+                model, [prompt], m, max_new_tokens=new_tokens, stop_at_eos=True, prompt_len=n, driver="scan"
+            )
+            res[name].append(
+                {
+                    "depth": depth,
+                    "code": code,
+                    "answer": out.text[0],
+                    "hit": code in out.text[0],
+                    "prompt_tokens": len(prompt),
+                }
+            )
         print(f"  needle depth {depth}: " + ", ".join(f"{k}={v[-1]['hit']}" for k, v in res.items()), file=sys.stderr)
     return {name: float(np.mean([r["hit"] for r in rs])) for name, rs in res.items()}, res
 
@@ -87,11 +97,14 @@ def step_times(model, ids, ms, steps):
     out = {}
     for name, m in ms.items():
         for _ in range(2):  # the first run may compile
-            r = engine.generate(model, [ids], m, max_new_tokens=steps, stop_at_eos=False, driver="scan",
-                                prompt_len=len(ids))
+            r = engine.generate(
+                model, [ids], m, max_new_tokens=steps, stop_at_eos=False, driver="scan", prompt_len=len(ids)
+            )
         s = r.stats[0]
-        out[name] = {"step_ms": 1000 * s["decode_seconds"] / max(s["decode_steps"] - 1, 1),
-                     "cache_bytes": s["cache_bytes"]}
+        out[name] = {
+            "step_ms": 1000 * s["decode_seconds"] / max(s["decode_steps"] - 1, 1),
+            "cache_bytes": s["cache_bytes"],
+        }
     for name in out:
         out[name]["vs_full"] = out[name]["step_ms"] / out["full"]["step_ms"]
         out[name]["bytes_vs_full"] = out[name]["cache_bytes"] / out["full"]["cache_bytes"]
@@ -111,10 +124,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     model = kvjax.load_model(args.model)
     ms = method_set(args.budget, args.outliers)
-    result = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-              "device_kind": getattr(jax.devices()[0], "device_kind", ""), "platform": platform.platform(),
-              "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
-              "methods": {k: repr(v) for k, v in ms.items()}, "lengths": {}}
+    result = {
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "device_kind": getattr(jax.devices()[0], "device_kind", ""),
+        "platform": platform.platform(),
+        "model": args.model,
+        "dtype": str(model.dtype),
+        "budget": args.budget,
+        "methods": {k: repr(v) for k, v in ms.items()},
+        "lengths": {},
+    }
     for n in (int(x) for x in args.lengths.split(",")):
         t0 = time.perf_counter()
         print(f"[chelsea bench] n={n}", file=sys.stderr)
@@ -122,11 +142,18 @@ def main(argv=None):
         err, per_layer = attention_errors(model, ids, args.probes, ms)
         acc, hits = needle(model, n, [float(x) for x in args.depths.split(",")], ms, new_tokens=args.steps)
         times = step_times(model, ids[:n], ms, args.steps)
-        result["lengths"][n] = {"attention_rel_error": err, "attention_rel_error_per_layer": per_layer,
-                                "needle_accuracy": acc, "needle": hits, "decode": times,
-                                "seconds": time.perf_counter() - t0}
-        print(json.dumps({"n": n, "attention_rel_error": err, "needle_accuracy": acc,
-                          "decode": times}, indent=1), file=sys.stderr)
+        result["lengths"][n] = {
+            "attention_rel_error": err,
+            "attention_rel_error_per_layer": per_layer,
+            "needle_accuracy": acc,
+            "needle": hits,
+            "decode": times,
+            "seconds": time.perf_counter() - t0,
+        }
+        print(
+            json.dumps({"n": n, "attention_rel_error": err, "needle_accuracy": acc, "decode": times}, indent=1),
+            file=sys.stderr,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)

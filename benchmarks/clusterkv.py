@@ -40,15 +40,25 @@ from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
 #: A 2-layer random model for smoke runs (``--tiny``); n_full is set to 1 so one layer is compressed.
-TINY = ModelConfig(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192)
+TINY = ModelConfig(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+)
 MAX_NEW = 32  # decode capacity of the states (shapes only: nothing is decoded)
 
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -99,9 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="2048,4096")
     p.add_argument("--prefill-budget", type=int, default=1024, help="clusterkv budget (tokens) for the timing")
-    p.add_argument("--methods", default="clusterkv,clusterkv:gqa=query,quest,pqcache",
-                   help="recall methods for attended/bytes; NAME:OPT=VALUE[+OPT=VALUE] sets string options "
-                        "(e.g. clusterkv:gqa=query)")
+    p.add_argument(
+        "--methods",
+        default="clusterkv,clusterkv:gqa=query,quest,pqcache",
+        help="recall methods for attended/bytes; NAME:OPT=VALUE[+OPT=VALUE] sets string options "
+        "(e.g. clusterkv:gqa=query)",
+    )
     p.add_argument("--skip-prefill", action="store_true", help="only the attended/bytes-read table")
     p.add_argument("--budgets", default="256,512,1024", help="token budgets for attended/bytes")
     p.add_argument("--repeats", type=int, default=5, help="timed prefill runs per method (median)")
@@ -132,12 +145,26 @@ def main(argv=None):
     def write():
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "jax_version": jax.__version__, "device": str(jax.devices()[0]),
-            "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(), "commit": commit(),
-            "python": platform.python_version(), "model": model.name, "dtype": str(model.dtype),
-            "num_layers": nl, "repeats": args.repeats, "prefill_budget": args.prefill_budget,
-            "prefill": prefill_rows, "per_step": step_rows}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "jax_version": jax.__version__,
+                    "device": str(jax.devices()[0]),
+                    "device_kind": jax.devices()[0].device_kind,
+                    "backend": jax.default_backend(),
+                    "commit": commit(),
+                    "python": platform.python_version(),
+                    "model": model.name,
+                    "dtype": str(model.dtype),
+                    "num_layers": nl,
+                    "repeats": args.repeats,
+                    "prefill_budget": args.prefill_budget,
+                    "prefill": prefill_rows,
+                    "per_step": step_rows,
+                },
+                indent=2,
+            )
+        )
 
     print(f"{model.name}: {nl} layers, {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     _prefill_table(model, args, text_ids, extra, prefill_rows, write)
@@ -162,14 +189,25 @@ def _prefill_table(model, args, text_ids, extra, rows, write):
             tc.append(prefill(model, ck, tokens, lengths)[1])
         t_full, t_ck = statistics.median(tf), statistics.median(tc)
         its = kmeans_iterations(model, ck, tokens, lengths)
-        row = {"prompt_len": n, "full_seconds": t_full, "clusterkv_seconds": t_ck, "full_runs": tf,
-               "clusterkv_runs": tc, "clustering_share": (t_ck - t_full) / t_ck,
-               "c0_per_layer": ck.clusters_for(n), "compressed_layers": list(range(ck.n_full, nl)),
-               "kmeans_iterations_per_layer": its, "kmeans_max_iters": ck.iters}
+        row = {
+            "prompt_len": n,
+            "full_seconds": t_full,
+            "clusterkv_seconds": t_ck,
+            "full_runs": tf,
+            "clusterkv_runs": tc,
+            "clustering_share": (t_ck - t_full) / t_ck,
+            "c0_per_layer": ck.clusters_for(n),
+            "compressed_layers": list(range(ck.n_full, nl)),
+            "kmeans_iterations_per_layer": its,
+            "kmeans_max_iters": ck.iters,
+        }
         rows.append(row)
         write()
-        print(f"{n:6d} {t_full * 1e3:9.1f} {t_ck * 1e3:13.1f} {100 * row['clustering_share']:6.1f}% "
-              f"{row['c0_per_layer']:4d}  {its}", flush=True)
+        print(
+            f"{n:6d} {t_full * 1e3:9.1f} {t_ck * 1e3:13.1f} {100 * row['clustering_share']:6.1f}% "
+            f"{row['c0_per_layer']:4d}  {its}",
+            flush=True,
+        )
 
 
 def _step_table(model, args, text_ids, extra, names, budgets, rows, write):
@@ -177,18 +215,31 @@ def _step_table(model, args, text_ids, extra, names, budgets, rows, write):
     cfg = model.config
     nl = cfg.num_layers
     print("\n== first decode step: attended tokens and bytes read vs full ==")
-    print(f"{'n':>6} {'method':10s} {'budget':>6} {'att/layer':>9} {'x full':>7} {'att mean':>9} {'x full':>7} "
-          f"{'KV read MiB':>11} {'x full':>7}")
+    print(
+        f"{'n':>6} {'method':10s} {'budget':>6} {'att/layer':>9} {'x full':>7} {'att mean':>9} {'x full':>7} "
+        f"{'KV read MiB':>11} {'x full':>7}"
+    )
     for n in [int(x) for x in args.lengths.split(",")]:
         tokens, lengths = prompt(text_ids[:n])
         full = methods.get("full")
         st, _ = prefill(model, full, tokens, lengths)
         base_read = engine.bytes_read_per_step(full, st, cfg.num_heads)
         base_att = n + 1
-        rows.append({"prompt_len": n, "method": "full", "budget": None, "attended_compressed_layer": base_att,
-                          "attended_mean_layers": base_att, "bytes_read_per_step": base_read})
-        print(f"{n:6d} {'full':10s} {'-':>6} {base_att:9d} {1:7.3f} {base_att:9.1f} {1:7.3f} "
-              f"{base_read / 2**20:11.2f} {1:7.3f}", flush=True)
+        rows.append(
+            {
+                "prompt_len": n,
+                "method": "full",
+                "budget": None,
+                "attended_compressed_layer": base_att,
+                "attended_mean_layers": base_att,
+                "bytes_read_per_step": base_read,
+            }
+        )
+        print(
+            f"{n:6d} {'full':10s} {'-':>6} {base_att:9d} {1:7.3f} {base_att:9.1f} {1:7.3f} "
+            f"{base_read / 2**20:11.2f} {1:7.3f}",
+            flush=True,
+        )
         for spec in names:
             name, _, opts = spec.partition(":")
             opt = dict(o.split("=", 1) for o in opts.split("+") if o) if opts else {}
@@ -200,14 +251,25 @@ def _step_table(model, args, text_ids, extra, names, budgets, rows, write):
                 att = attended(m, n)
                 nf = min(getattr(m, "n_full", 0), nl)
                 mean = (nf * base_att + (nl - nf) * att) / nl
-                r = {"prompt_len": n, "method": spec, "budget": b, "n_full": nf, "attended_compressed_layer": att,
-                     "attended_ratio_vs_full": att / base_att, "attended_mean_layers": mean,
-                     "attended_mean_ratio_vs_full": mean / base_att, "bytes_read_per_step": read,
-                     "read_ratio_vs_full": read / base_read}
+                r = {
+                    "prompt_len": n,
+                    "method": spec,
+                    "budget": b,
+                    "n_full": nf,
+                    "attended_compressed_layer": att,
+                    "attended_ratio_vs_full": att / base_att,
+                    "attended_mean_layers": mean,
+                    "attended_mean_ratio_vs_full": mean / base_att,
+                    "bytes_read_per_step": read,
+                    "read_ratio_vs_full": read / base_read,
+                }
                 rows.append(r)
                 write()
-                print(f"{n:6d} {spec:10s} {b:6d} {att:9d} {att / base_att:7.3f} {mean:9.1f} {mean / base_att:7.3f} "
-                      f"{read / 2**20:11.2f} {read / base_read:7.3f}", flush=True)
+                print(
+                    f"{n:6d} {spec:10s} {b:6d} {att:9d} {att / base_att:7.3f} {mean:9.1f} {mean / base_att:7.3f} "
+                    f"{read / 2**20:11.2f} {read / base_read:7.3f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

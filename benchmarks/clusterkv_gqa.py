@@ -12,6 +12,7 @@ measured union). Reported, averaged over layers, probes and query heads: the top
 the group's selections (what a step reads once per KV head) over one head's selection. JSON:
 ``clusterkv_gqa_<n>.json`` in the current folder.
 """
+
 import sys, json, time
 import jax, jax.numpy as jnp, numpy as np
 import kvjax
@@ -28,24 +29,29 @@ ids = essay_prompt(mdl, n_total)
 n = n_total - probes
 tokens = jnp.asarray([ids], jnp.int32)
 
+
 @jax.jit
 def capture(params, tokens):
     def attend(layer, x, q, k, v, out):
         return M.causal_attention(q, k, v), out + [(q, k, v)]
+
     return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(tokens.shape[1])[None], attend, [])[1]
+
 
 @jax.jit
 def extra(sel, qi, kk, K):
     """coverage of the exact top-K (per query head) and attention mass over the prompt held by sel [1, Hq, S]."""
     b, hq, d = qi.shape
     hkv = kk.shape[1]
-    logits = jnp.einsum("bhgd,bhtd->bhgt", qi.reshape(b, hkv, hq // hkv, d), kk,
-                        precision="highest").reshape(b, hq, -1) / np.sqrt(d)
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qi.reshape(b, hkv, hq // hkv, d), kk, precision="highest").reshape(
+        b, hq, -1
+    ) / np.sqrt(d)
     s = sel[..., :n]
     rank = jnp.argsort(jnp.argsort(-logits, axis=-1, stable=True), axis=-1)
     cov = jnp.sum(s & (rank < K), -1) / K
     p = jax.nn.softmax(logits, -1)
     return cov.mean(), jnp.sum(jnp.where(s, p, 0.0), -1).mean()
+
 
 qkv = capture(mdl.params, tokens)
 layers = list(range(2, cfg.num_layers))
@@ -72,17 +78,34 @@ for base in budgets:
                 sel = sel_fn(st, L, qi)
                 recs.append(float(np.asarray(rec_fn(sel, qi, k[:, :, :n])).mean()))
                 c, ms = extra(sel, qi, k[:, :, :n], base)
-                covs.append(float(c)); mass.append(float(ms))
+                covs.append(float(c))
+                mass.append(float(ms))
                 if gqa == "query":
                     s = np.asarray(sel)[0, :, :n].reshape(cfg.num_kv_heads, -1, n)
                     unions.append(s.any(1).sum(-1).mean() / s.sum(-1).mean())
                 st = dec(st, L, qi, k[:, :, n + i], v[:, :, n + i], jnp.array([n + i]))
         if unions:
             union = float(np.mean(unions))
-        r = {"gqa": gqa, "budget": budget, "base": base, "n": n, "topb_recall": float(np.mean(recs)),
-             f"top{base}_coverage": float(np.mean(covs)), "attention_mass": float(np.mean(mass)),
-             "union_over_selection": float(np.mean(unions)) if unions else None}
+        r = {
+            "gqa": gqa,
+            "budget": budget,
+            "base": base,
+            "n": n,
+            "topb_recall": float(np.mean(recs)),
+            f"top{base}_coverage": float(np.mean(covs)),
+            "attention_mass": float(np.mean(mass)),
+            "union_over_selection": float(np.mean(unions)) if unions else None,
+        }
         rows.append(r)
         print(r, f"{time.time() - t0:.0f}s", flush=True)
-json.dump({"jax_version": jax.__version__, "device": str(jax.devices()[0]), "model": "smollm2-135m-instruct",
-           "command": " ".join(sys.argv), "rows": rows}, open(f"clusterkv_gqa_{n_total}.json", "w"), indent=1)
+json.dump(
+    {
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "model": "smollm2-135m-instruct",
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    },
+    open(f"clusterkv_gqa_{n_total}.json", "w"),
+    indent=1,
+)

@@ -39,16 +39,42 @@ from kvjax.model import random_params
 
 
 #: SmolLM2-135M-Instruct's shapes (what the embedded GGUF holds), for ``--random-weights``.
-SMOLLM2_135M = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                           rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
-                           tie_word_embeddings=True)
+SMOLLM2_135M = ModelConfig(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=100000.0),
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 #: A 2-layer random model for smoke runs (``--tiny``).
-TINY = ModelConfig(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192)
+TINY = ModelConfig(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+)
 #: Peak HBM bandwidth in GB/s by ``device_kind`` substring.
-PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "TPU v5 lite": 819.0, "TPU v5": 2765.0,
-            "TPU v4": 1228.0, "TPU v6": 1640.0}
+PEAK_GBS = {
+    "H200": 4800.0,
+    "H100": 3350.0,
+    "A100": 2039.0,
+    "TPU v5 lite": 819.0,
+    "TPU v5": 2765.0,
+    "TPU v4": 1228.0,
+    "TPU v6": 1640.0,
+}
 
 
 def _budget(text):
@@ -100,18 +126,26 @@ def run_one(model, ids, method, steps, batch=1):
     held = engine.memory_bytes(method, states)
     kv_read = engine.bytes_read_per_step(method, states, cfg.num_heads)  # the method's own plan, all layers
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
-    return {"step_seconds": step, "tokens_per_second": batch / step, "cache_bytes": held,
-            "cache_bytes_per_seq": held / batch,
-            "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states))),
-            "kv_bytes_read_per_step": kv_read, "bytes_read_per_step": kv_read + weights}
+    return {
+        "step_seconds": step,
+        "tokens_per_second": batch / step,
+        "cache_bytes": held,
+        "cache_bytes_per_seq": held / batch,
+        "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states))),
+        "kv_bytes_read_per_step": kv_read,
+        "bytes_read_per_step": kv_read + weights,
+    }
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--methods", default=",".join(methods.names()),
-                   help="comma-separated registered methods (default: all; full is always timed first)")
+    p.add_argument(
+        "--methods",
+        default=",".join(methods.names()),
+        help="comma-separated registered methods (default: all; full is always timed first)",
+    )
     p.add_argument("--budget", type=_budget, default=0.2, help="fraction in (0, 1] or token count")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
@@ -119,9 +153,12 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a 2-layer random model (smoke runs, seconds per method)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: fp32 on CPU, bf16 else)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device memory bandwidth, GB/s")
-    p.add_argument("--impl", default=None, choices=("xla", "pallas_tpu", "pallas_gpu"),
-                   help="decode-attention kernel for every method (default: by backend; sets "
-                        "$KVJAX_DECODE_ATTENTION_IMPL)")
+    p.add_argument(
+        "--impl",
+        default=None,
+        choices=("xla", "pallas_tpu", "pallas_gpu"),
+        help="decode-attention kernel for every method (default: by backend; sets $KVJAX_DECODE_ATTENTION_IMPL)",
+    )
     p.add_argument("--out", default="results/decode.json")
     args = p.parse_args(argv)
     if args.impl:
@@ -141,19 +178,35 @@ def main(argv=None):
     def write():
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-                                   "device_kind": jax.devices()[0].device_kind, "batch": args.batch,
-                                   "random_weights": args.random_weights or args.tiny, "model_label": model.name,
-                                   "peak_bandwidth_gbs": bandwidth,
-                                   "backend": jax.default_backend(), "python": platform.python_version(),
-                                   "model": args.model, "dtype": str(model.dtype), "budget": args.budget,
-                                   "steps": args.steps, "attention_impl": args.impl or "by backend",
-                                   "rows": rows}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "jax_version": jax.__version__,
+                    "device": str(jax.devices()[0]),
+                    "device_kind": jax.devices()[0].device_kind,
+                    "batch": args.batch,
+                    "random_weights": args.random_weights or args.tiny,
+                    "model_label": model.name,
+                    "peak_bandwidth_gbs": bandwidth,
+                    "backend": jax.default_backend(),
+                    "python": platform.python_version(),
+                    "model": args.model,
+                    "dtype": str(model.dtype),
+                    "budget": args.budget,
+                    "steps": args.steps,
+                    "attention_impl": args.impl or "by backend",
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
     for n in [int(x) for x in args.lengths.split(",")]:
         if n + args.steps + 1 > model.config.max_position_embeddings:
-            raise ValueError(f"--lengths {n} + --steps {args.steps} + 1 exceeds the model context "
-                             f"({model.config.max_position_embeddings}); use a shorter length (e.g. 8000 for 8k)")
+            raise ValueError(
+                f"--lengths {n} + --steps {args.steps} + 1 exceeds the model context "
+                f"({model.config.max_position_embeddings}); use a shorter length (e.g. 8000 for 8k)"
+            )
         names = args.methods.split(",")
         names = ["full"] + [m for m in names if m != "full"]  # the baseline of every ratio, in the same run
         base = None
@@ -176,12 +229,15 @@ def main(argv=None):
                 r["bandwidth_fraction"] = r["bytes_read_per_step"] / r["step_seconds"] / (bandwidth * 1e9)
             rows.append(r)
             write()  # after every row, so an interrupted run keeps what it measured
-            print(f"{n:6d} {name:14s} step {r['step_seconds'] * 1e3:8.2f} ms  {r['tokens_per_second']:7.1f} tok/s  "
-                  f"x{r['speedup_vs_full']:.2f} speed  cache {r['cache_bytes'] / 2**20:7.2f} MiB "
-                  f"(x{r['cache_ratio_vs_full']:.2f})  held {r['tokens_held_per_seq']:7.1f} tok/seq  "
-                  f"KV read {r['kv_bytes_read_per_step'] / 2**20:7.2f} MiB/step (x{r['kv_read_ratio_vs_full']:.2f})  "
-                  f"total {r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
-                  + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""), flush=True)
+            print(
+                f"{n:6d} {name:14s} step {r['step_seconds'] * 1e3:8.2f} ms  {r['tokens_per_second']:7.1f} tok/s  "
+                f"x{r['speedup_vs_full']:.2f} speed  cache {r['cache_bytes'] / 2**20:7.2f} MiB "
+                f"(x{r['cache_ratio_vs_full']:.2f})  held {r['tokens_held_per_seq']:7.1f} tok/seq  "
+                f"KV read {r['kv_bytes_read_per_step'] / 2**20:7.2f} MiB/step (x{r['kv_read_ratio_vs_full']:.2f})  "
+                f"total {r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
+                + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""),
+                flush=True,
+            )
     print(f"wrote {args.out}")
 
 

@@ -60,11 +60,14 @@ def _time(fn, args, iters: int) -> float:
 def _repeat(fn, n: int):
     """``fn`` run ``n`` times inside one jitted ``fori_loop``; each run's ``q`` depends on the last one's output
     (``q + 1e-30 * o``, which leaves ``q`` unchanged in value), so XLA can neither hoist nor merge the calls."""
+
     def looped(q, k, v, bi):
         def body(_, q):
             o = fn(q, k, v, bi)[0]
             return q + (o * 1e-30).astype(q.dtype)
+
         return jax.lax.fori_loop(0, n, body, q)
+
     return jax.jit(looped)
 
 
@@ -104,8 +107,13 @@ def main(argv=None):
     p.add_argument("--impl", default=None, choices=IMPLS, help="kernel under test (default: by backend)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke test only)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--loop", type=int, default=16, help="calls per timed program: seconds per call = (T(loop) - "
-                   "T(1)) / (loop - 1), the fixed cost of a jitted call taken out; 1: one host-timed call")
+    p.add_argument(
+        "--loop",
+        type=int,
+        default=16,
+        help="calls per timed program: seconds per call = (T(loop) - "
+        "T(1)) / (loop - 1), the fixed cost of a jitted call taken out; 1: one host-timed call",
+    )
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="device peak memory bandwidth, GB/s")
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     p.add_argument("--sweep", action="store_true", help="time every tuning candidate (tuning.CANDIDATES[impl])")
@@ -119,22 +127,45 @@ def main(argv=None):
     dev = jax.devices()[0]
     peak = args.bandwidth_gbs or peak_bandwidth_gbs(dev)
     bs, hkv, g, d = args.block_size, args.kv_heads, args.group, args.head_dim
-    kernel = jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl=impl, block_size=bs,
-                                                          interpret=args.interpret))
+    kernel = jax.jit(
+        lambda q, k, v, bi: decode_attention(
+            q, k, v, block_indices=bi, impl=impl, block_size=bs, interpret=args.interpret
+        )
+    )
     ref = jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl="xla", block_size=bs))
     rows = []
 
     def write():
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
-                                   "backend": jax.default_backend(), "python": platform.python_version(),
-                                   "impl": impl, "interpret": args.interpret, "dtype": str(dtype),
-                                   "kv_heads": hkv, "group": g, "head_dim": d, "block_size": bs,
-                                   "peak_bandwidth_gbs": peak, "iters": args.iters, "loop": args.loop, "rows": rows}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "jax_version": jax.__version__,
+                    "device": str(dev),
+                    "device_kind": dev.device_kind,
+                    "backend": jax.default_backend(),
+                    "python": platform.python_version(),
+                    "impl": impl,
+                    "interpret": args.interpret,
+                    "dtype": str(dtype),
+                    "kv_heads": hkv,
+                    "group": g,
+                    "head_dim": d,
+                    "block_size": bs,
+                    "peak_bandwidth_gbs": peak,
+                    "iters": args.iters,
+                    "loop": args.loop,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
-    print(f"{jax.__version__} {dev.device_kind} impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d} bs={bs} "
-          f"peak={peak} GB/s", flush=True)
+    print(
+        f"{jax.__version__} {dev.device_kind} impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d} bs={bs} peak={peak} GB/s",
+        flush=True,
+    )
     for s in [int(x) for x in args.slots.split(",")]:
         for batch in [int(x) for x in args.batch.split(",")]:
             full_t = None
@@ -144,10 +175,20 @@ def main(argv=None):
                 t_r = _time_device(ref, (q, k, v, bi), args.iters, args.loop)
                 kv_read = batch * hkv * 2 * d * dtype.itemsize * min(n_keep * bs, s)
                 ref_read = batch * hkv * 2 * d * dtype.itemsize * s
-                r = {"slots": s, "batch": batch, "keep": keep, "blocks_visited": n_keep, "blocks": nb,
-                     "skipped_fraction": 1 - n_keep / nb, "kernel_seconds": t_k, "reference_seconds": t_r,
-                     "kv_bytes_read": kv_read, "kernel_gbs": kv_read / t_k / 1e9,
-                     "reference_gbs": ref_read / t_r / 1e9, "speedup_vs_reference": t_r / t_k}
+                r = {
+                    "slots": s,
+                    "batch": batch,
+                    "keep": keep,
+                    "blocks_visited": n_keep,
+                    "blocks": nb,
+                    "skipped_fraction": 1 - n_keep / nb,
+                    "kernel_seconds": t_k,
+                    "reference_seconds": t_r,
+                    "kv_bytes_read": kv_read,
+                    "kernel_gbs": kv_read / t_k / 1e9,
+                    "reference_gbs": ref_read / t_r / 1e9,
+                    "speedup_vs_reference": t_r / t_k,
+                }
                 if keep >= 1:
                     full_t = t_k
                 if full_t is not None:
@@ -158,11 +199,17 @@ def main(argv=None):
                     r["reference_hbm_fraction"] = r["reference_gbs"] / peak
                 rows.append(r)
                 write()
-                print(f"S={s:6d} B={batch:2d} keep={keep:4.2f} kernel {t_k * 1e6:9.1f} us  ref {t_r * 1e6:9.1f} us  "
-                      f"x{r['speedup_vs_reference']:5.2f} vs ref  {r['kernel_gbs']:7.1f} GB/s"
-                      + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
-                      + (f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{nb / n_keep:.2f})"
-                         if "speedup_vs_kernel_full" in r else ""), flush=True)
+                print(
+                    f"S={s:6d} B={batch:2d} keep={keep:4.2f} kernel {t_k * 1e6:9.1f} us  ref {t_r * 1e6:9.1f} us  "
+                    f"x{r['speedup_vs_reference']:5.2f} vs ref  {r['kernel_gbs']:7.1f} GB/s"
+                    + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
+                    + (
+                        f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{nb / n_keep:.2f})"
+                        if "speedup_vs_kernel_full" in r
+                        else ""
+                    ),
+                    flush=True,
+                )
     print(f"wrote {args.out}")
 
 
@@ -170,15 +217,19 @@ def kernel_with(impl: str, cand: "tuning.Tuning", interpret: bool):
     """A jitted ``(q, k, v, block_indices) -> partials`` of ``impl``'s kernel at the candidate's knobs."""
     if impl == "pallas_gpu":
         from kernels_pallas.decode_attention.pallas_gpu import decode_attention_gpu as fn
+
         kw = dict(num_warps=cand.num_warps, num_stages=cand.num_stages, target_programs=cand.target_programs)
     elif impl == "pallas_tpu":
         from kernels_pallas.decode_attention.pallas_tpu import decode_attention_tpu as fn
+
         kw = {}
     else:
-        return jax.jit(lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl="xla",
-                                                            block_size=cand.block_size))
-    return jax.jit(lambda q, k, v, bi: fn(q, k, v, block_indices=bi, block_size=cand.block_size,
-                                          interpret=interpret, **kw))
+        return jax.jit(
+            lambda q, k, v, bi: decode_attention(q, k, v, block_indices=bi, impl="xla", block_size=cand.block_size)
+        )
+    return jax.jit(
+        lambda q, k, v, bi: fn(q, k, v, block_indices=bi, block_size=cand.block_size, interpret=interpret, **kw)
+    )
 
 
 def in_blocks_of(blocks, block_size: int):
@@ -200,12 +251,19 @@ def sweep(args) -> int:
     dev = jax.devices()[0]
     peak = args.bandwidth_gbs or peak_bandwidth_gbs(dev)
     hkv, g, d = args.kv_heads, args.group, args.head_dim
-    cands = tuning.CANDIDATES[impl][:args.max_candidates]
-    shapes = [(s, b, keep) for s in map(int, args.slots.split(",")) for b in map(int, args.batch.split(","))
-              for keep in map(float, args.keep.split(","))]
+    cands = tuning.CANDIDATES[impl][: args.max_candidates]
+    shapes = [
+        (s, b, keep)
+        for s in map(int, args.slots.split(","))
+        for b in map(int, args.batch.split(","))
+        for keep in map(float, args.keep.split(","))
+    ]
     rows, totals = [], {}
-    print(f"{jax.__version__} {dev.device_kind} sweep impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d}: "
-          f"{len(cands)} candidates x {len(shapes)} shapes", flush=True)
+    print(
+        f"{jax.__version__} {dev.device_kind} sweep impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d}: "
+        f"{len(cands)} candidates x {len(shapes)} shapes",
+        flush=True,
+    )
     for cand in cands:
         fn, total = kernel_with(impl, cand, args.interpret), 0.0
         for s, batch, keep in shapes:
@@ -216,14 +274,28 @@ def sweep(args) -> int:
             try:
                 t = _time_device(fn, (q, k, v, bi), args.iters, args.loop)
             except Exception as e:  # a candidate that does not compile here (e.g. shared memory): recorded
-                rows.append({**dataclasses.asdict(cand), "slots": s, "batch": batch, "keep": keep,
-                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                rows.append(
+                    {
+                        **dataclasses.asdict(cand),
+                        "slots": s,
+                        "batch": batch,
+                        "keep": keep,
+                        "error": f"{type(e).__name__}: {str(e)[:300]}",
+                    }
+                )
                 total = float("inf")
                 print(f"  {cand} S={s} B={batch} keep={keep}: failed ({type(e).__name__})", flush=True)
                 continue
             kv_read = batch * hkv * 2 * d * dtype.itemsize * min(n_keep * 128, s)
-            r = {**dataclasses.asdict(cand), "slots": s, "batch": batch, "keep": keep, "seconds": t,
-                 "kv_bytes_read": kv_read, "gbs": kv_read / t / 1e9}
+            r = {
+                **dataclasses.asdict(cand),
+                "slots": s,
+                "batch": batch,
+                "keep": keep,
+                "seconds": t,
+                "kv_bytes_read": kv_read,
+                "gbs": kv_read / t / 1e9,
+            }
             if peak:
                 r["hbm_fraction"] = r["gbs"] / peak
             rows.append(r)
@@ -236,23 +308,43 @@ def sweep(args) -> int:
         if ok:
             f = min(ok, key=lambda r: r["seconds"])
             per_shape.append(f)
-            print(f"S={s:6d} B={batch:2d} keep={keep:4.2f} fastest: block {f['block_size']} warps {f['num_warps']} "
-                  f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
-                  f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
-                  flush=True)
+            print(
+                f"S={s:6d} B={batch:2d} keep={keep:4.2f} fastest: block {f['block_size']} warps {f['num_warps']} "
+                f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
+                f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
+                flush=True,
+            )
     chosen = None
     if ran:
-        chosen = dataclasses.replace(min(ran, key=ran.get),
-                                     measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})")
+        chosen = dataclasses.replace(
+            min(ran, key=ran.get), measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})"
+        )
     print(f"chosen (lowest total time): {chosen!r}" if chosen else "chosen: none (no candidate ran at every shape)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
-                               "backend": jax.default_backend(), "impl": impl, "interpret": args.interpret,
-                               "dtype": str(dtype), "kv_heads": hkv, "group": g, "head_dim": d,
-                               "peak_bandwidth_gbs": peak, "iters": args.iters, "loop": args.loop, "sweep": rows,
-                               "fastest_per_shape": per_shape,
-                               "chosen": chosen and dataclasses.asdict(chosen)}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "jax_version": jax.__version__,
+                "device": str(dev),
+                "device_kind": dev.device_kind,
+                "backend": jax.default_backend(),
+                "impl": impl,
+                "interpret": args.interpret,
+                "dtype": str(dtype),
+                "kv_heads": hkv,
+                "group": g,
+                "head_dim": d,
+                "peak_bandwidth_gbs": peak,
+                "iters": args.iters,
+                "loop": args.loop,
+                "sweep": rows,
+                "fastest_per_shape": per_shape,
+                "chosen": chosen and dataclasses.asdict(chosen),
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

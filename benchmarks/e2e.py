@@ -101,37 +101,68 @@ from kvjax.sampling import Greedy  # noqa: E402
 
 #: Llama-3.1-8B(-Instruct)'s shapes (its config.json): GQA 32/8 heads, llama3 rope scaling, 128k context.
 LLAMA31_8B = ModelConfig(
-    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-    rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192),
-    max_position_embeddings=131072, tie_word_embeddings=False)
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(
+        theta=500000.0,
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+)
 MODELS = {"llama-3.1-8b": LLAMA31_8B, "smollm2": SMOLLM2_135M, "tiny": TINY}
 
 #: The papers' end-to-end speed figures, each with its source. Keys of ``*_by_context`` are prompt tokens.
 PAPERS = {
     "chelsea": {
         "source": "Chelsea, Table 3: Llama-3.1-8B-Instruct, 20% budget, batch 1, HF Transformers",
-        "method": "chelsea", "budget": 0.2, "batch": 1,
+        "method": "chelsea",
+        "budget": 0.2,
+        "batch": 1,
         "tpot_speedup_by_context": {16384: 1.23, 32768: 1.97, 65536: 3.19},
         "ttft_overhead_by_context": {16384: 0.017, 32768: 0.022, 65536: 0.007},
-        "note": "TTFT overhead = TTFT(Chelsea)/TTFT(Full) - 1 from Table 3's seconds; <= 8.4% over Tables 3 and 9"},
+        "note": "TTFT overhead = TTFT(Chelsea)/TTFT(Full) - 1 from Table 3's seconds; <= 8.4% over Tables 3 and 9",
+    },
     "clusterkv": {
         "source": "ClusterKV, Fig. 12 (numbers in the text): Llama-3.1-8B, prompt 32k, 1024 decode tokens, B = 1024",
-        "method": "clusterkv", "budget": 1024, "batch": 1, "context": 32768,
-        "e2e_speedup": 2.0, "throughput_ratio_max": 2.5, "compress_share_of_prefill": (0.06, 0.08),
-        "note": "the paper offloads to CPU on a 48 GB GPU; its decode length is 1024 (ours: --new-tokens)"},
+        "method": "clusterkv",
+        "budget": 1024,
+        "batch": 1,
+        "context": 32768,
+        "e2e_speedup": 2.0,
+        "throughput_ratio_max": 2.5,
+        "compress_share_of_prefill": (0.06, 0.08),
+        "note": "the paper offloads to CPU on a 48 GB GPU; its decode length is 1024 (ours: --new-tokens)",
+    },
     "chunkkv": {
         "source": "ChunkKV, Table 8: A40, LLaMA3-8B-Instruct, batch 1, FlashAttention-2, 8192 in / 1024 out",
-        "method": "chunkkv", "batch": 1, "context": 8192,
-        "throughput_gain_reuse_vs_full": 0.265, "throughput_gain_noreuse_vs_full": 0.244,
+        "method": "chunkkv",
+        "batch": 1,
+        "context": 8192,
+        "throughput_gain_reuse_vs_full": 0.265,
+        "throughput_gain_noreuse_vs_full": 0.244,
         "throughput_gain_reuse_vs_noreuse": 232.99 / 228.96 - 1,
         "note": "the +26.5% is ChunkKV_reuse (reuse 2) over FullKV; reuse over plain ChunkKV is +1.8%; budget not "
-                "stated in the paper"},
+        "stated in the paper",
+    },
     "pqcache": {
         "source": "PQCache, Fig. 10b (qualitative: no numbers in the text): TPOT at 1/5 tokens below human reading "
-                  "speed (~333 tokens/min, i.e. < 0.18 s/token); TT2T the lowest of its baselines",
-        "method": "pqcache", "budget": 0.2, "tpot_below_s": 0.18},
+        "speed (~333 tokens/min, i.e. < 0.18 s/token); TT2T the lowest of its baselines",
+        "method": "pqcache",
+        "budget": 0.2,
+        "tpot_below_s": 0.18,
+    },
 }
 
 
@@ -168,8 +199,13 @@ def variants(names, budgets, token_budgets, reuses) -> list[tuple[str, object, o
         for b in list(budgets) + (list(token_budgets) if cls.recalls else []):
             if name == "chunkkv":
                 for r in reuses:
-                    out.append((f"chunkkv{'_reuse' if r > 1 else ''}{r if r > 2 else ''}@{b}",
-                                methods.get("chunkkv", budget=b, reuse=r), b))
+                    out.append(
+                        (
+                            f"chunkkv{'_reuse' if r > 1 else ''}{r if r > 2 else ''}@{b}",
+                            methods.get("chunkkv", budget=b, reuse=r),
+                            b,
+                        )
+                    )
             else:
                 out.append((f"{name}@{b}", methods.get(name, budget=b), b))
     return out
@@ -177,6 +213,7 @@ def variants(names, budgets, token_budgets, reuses) -> list[tuple[str, object, o
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parameters: abstract shapes, and random values made on the device.
+
 
 def _random_params(cfg: ModelConfig, dtype, scan: bool, key):
     """``kvjax.model.random_params`` (norms 1, biases 0, the rest normal), stacked when ``scan``."""
@@ -196,6 +233,7 @@ def device_params(cfg: ModelConfig, dtype, scan: bool, seed: int = 0):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Memory: what the device has, what a configuration needs.
+
 
 def device_memory_bytes(device, override_gb: float | None) -> tuple[int | None, str]:
     """``(bytes, where from)``: ``--memory-gb``, else ``memory_stats()['bytes_limit']``, else the host's RAM."""
@@ -238,16 +276,26 @@ def memory_analysis(compiled) -> dict | None:
         return None
     if m is None:
         return None
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-            "generated_code_size_in_bytes")
+    keys = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     out = {k: int(getattr(m, k, 0) or 0) for k in keys}
-    out["peak"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
-                   + out["temp_size_in_bytes"])
+    out["peak"] = (
+        out["argument_size_in_bytes"]
+        + out["output_size_in_bytes"]
+        - out["alias_size_in_bytes"]
+        + out["temp_size_in_bytes"]
+    )
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Compile and run one configuration.
+
 
 def abstract_states(cfg, method, batch, cap, dtype, scan):
     return jax.eval_shape(lambda: engine.init_states(cfg, method, batch, cap, dtype, scan_layers=scan))
@@ -271,9 +319,15 @@ def compile_pair(cfg, method, params, states, batch, bucket, new_tokens) -> dict
     t3 = time.perf_counter()
     decode = lowered.compile()
     t4 = time.perf_counter()
-    return {"prefill": prefill, "decode": decode, "prefill_lower_s": t1 - t0, "prefill_compile_s": t2 - t1,
-            "decode_lower_s": t3 - t2, "decode_compile_s": t4 - t3,
-            "memory_analysis": {"prefill": memory_analysis(prefill), "decode": memory_analysis(decode)}}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "prefill_lower_s": t1 - t0,
+        "prefill_compile_s": t2 - t1,
+        "decode_lower_s": t3 - t2,
+        "decode_compile_s": t4 - t3,
+        "memory_analysis": {"prefill": memory_analysis(prefill), "decode": memory_analysis(decode)},
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,19 +364,33 @@ def time_run(cfg, method, params, comp, tokens, lengths, batch, cap, dtype, scan
     steps = int(steps) - 1  # decode steps the loop ran (the first token came from prefill)
     decode_s = statistics.median(dec)
     stats = _memory_stats(dev)
-    return {"ttft_s": statistics.median(ttft), "decode_s": decode_s, "decode_steps": steps,
-            "tpot_s": decode_s / steps, "throughput_tok_s": batch * steps / decode_s,
-            "e2e_s": statistics.median(ttft) + decode_s, "ttft_runs_s": ttft, "decode_runs_s": dec,
-            "bytes_in_use_after_prefill": after_prefill, "bytes_in_use_after_decode": after_decode,
-            "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
-            "cache_bytes": engine.memory_bytes(method, states),
-            "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states)))}
+    return {
+        "ttft_s": statistics.median(ttft),
+        "decode_s": decode_s,
+        "decode_steps": steps,
+        "tpot_s": decode_s / steps,
+        "throughput_tok_s": batch * steps / decode_s,
+        "e2e_s": statistics.median(ttft) + decode_s,
+        "ttft_runs_s": ttft,
+        "decode_runs_s": dec,
+        "bytes_in_use_after_prefill": after_prefill,
+        "bytes_in_use_after_decode": after_decode,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "cache_bytes": engine.memory_bytes(method, states),
+        "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states))),
+    }
 
 
 def add_ratios(r: dict, full: dict | None) -> None:
     """Ratios of ``r`` to the ``full`` row of the same run (same context and batch); None when full did not run."""
-    keys = ("tpot_speedup_vs_full", "ttft_overhead_vs_full", "throughput_ratio_vs_full", "e2e_speedup_vs_full",
-            "compress_share_of_prefill", "cache_ratio_vs_full")
+    keys = (
+        "tpot_speedup_vs_full",
+        "ttft_overhead_vs_full",
+        "throughput_ratio_vs_full",
+        "e2e_speedup_vs_full",
+        "compress_share_of_prefill",
+        "cache_ratio_vs_full",
+    )
     if full is None or full.get("status") != "ok":
         r.update(dict.fromkeys(keys), full_row=None)
         return
@@ -338,12 +406,19 @@ def add_ratios(r: dict, full: dict | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Output: JSON, table, papers, plot.
 
+
 def _dirty() -> bool | None:
     """Whether kvjax/ or benchmarks/ differ from the commit (uncommitted changes); None without git."""
     try:
-        return bool(subprocess.run(["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py"],
-                                   capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                                   check=True).stdout.strip())
+        return bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -352,19 +427,38 @@ def header(args, cfg, dtype, limit, limit_from) -> dict:
     dev = jax.devices()[0]
     try:
         import jaxlib
+
         jaxlib_version = jaxlib.__version__
     except (ImportError, AttributeError):
         jaxlib_version = None
-    return {"benchmark": "e2e", "jax_version": jax.__version__, "jaxlib_version": jaxlib_version,
-            "device": str(dev), "device_kind": dev.device_kind, "backend": jax.default_backend(),
-            "device_count": jax.device_count(), "commit": commit(), "commit_dirty": _dirty(),
-            "command": shlex.join([sys.executable] + sys.argv),
-            "python": platform.python_version(), "platform": platform.platform(), "model": args.model,
-            "model_config": dataclasses.asdict(cfg), "dtype": str(jnp.dtype(dtype)), "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "memory_limit_bytes": limit, "memory_limit_from": limit_from,
-            "compile_only": args.compile_only, "papers": PAPERS,
-            "note": ("CPU run: not the papers' setting (no HBM bandwidth to save; small model and contexts)"
-                     if jax.default_backend() == "cpu" else "")}
+    return {
+        "benchmark": "e2e",
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib_version,
+        "device": str(dev),
+        "device_kind": dev.device_kind,
+        "backend": jax.default_backend(),
+        "device_count": jax.device_count(),
+        "commit": commit(),
+        "commit_dirty": _dirty(),
+        "command": shlex.join([sys.executable] + sys.argv),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "model": args.model,
+        "model_config": dataclasses.asdict(cfg),
+        "dtype": str(jnp.dtype(dtype)),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "memory_limit_bytes": limit,
+        "memory_limit_from": limit_from,
+        "compile_only": args.compile_only,
+        "papers": PAPERS,
+        "note": (
+            "CPU run: not the papers' setting (no HBM bandwidth to save; small model and contexts)"
+            if jax.default_backend() == "cpu"
+            else ""
+        ),
+    }
 
 
 def _f(x, fmt, suffix=""):
@@ -374,30 +468,42 @@ def _f(x, fmt, suffix=""):
 def table(rows) -> str:
     lines = []
     ok = [r for r in rows if "ttft_s" in r or r.get("status") == "skipped"]
-    for (n, b) in dict.fromkeys((r["context"], r["batch"]) for r in ok):
-        lines.append(f"\n== context {context_label(n)} ({next(r['prompt_len'] for r in ok if r['context'] == n)} "
-                     f"tokens), batch {b} ==")
-        lines.append(f"{'method':24s} {'TTFT ms':>10s} {'TPOT ms':>9s} {'tok/s':>9s} {'speedup':>7s} {'TTFT+':>7s} "
-                     f"{'thr x':>6s} {'e2e x':>6s} {'comp%':>6s} {'cache MiB':>10s} {'exec GiB':>8s}")
+    for n, b in dict.fromkeys((r["context"], r["batch"]) for r in ok):
+        lines.append(
+            f"\n== context {context_label(n)} ({next(r['prompt_len'] for r in ok if r['context'] == n)} "
+            f"tokens), batch {b} =="
+        )
+        lines.append(
+            f"{'method':24s} {'TTFT ms':>10s} {'TPOT ms':>9s} {'tok/s':>9s} {'speedup':>7s} {'TTFT+':>7s} "
+            f"{'thr x':>6s} {'e2e x':>6s} {'comp%':>6s} {'cache MiB':>10s} {'exec GiB':>8s}"
+        )
         for r in (r for r in ok if r["context"] == n and r["batch"] == b):
             if r.get("status") == "skipped":
                 lines.append(f"{r['label']:24s} skipped: {r['skipped'][:100]}")
                 continue
-            ma = (r.get("memory_analysis") or {})
-            peak = max((ma.get(k) or {}).get("peak", 0) for k in ("prefill", "decode")) or \
-                r.get("bytes_in_use_after_prefill") or 0
+            ma = r.get("memory_analysis") or {}
+            peak = (
+                max((ma.get(k) or {}).get("peak", 0) for k in ("prefill", "decode"))
+                or r.get("bytes_in_use_after_prefill")
+                or 0
+            )
             lines.append(
                 f"{r['label']:24s} {1e3 * r['ttft_s']:10.1f} {1e3 * r['tpot_s']:9.2f} {r['throughput_tok_s']:9.1f} "
                 f"{_f(r['tpot_speedup_vs_full'], '7.2f')} {_f(r['ttft_overhead_vs_full'], '+7.1%')} "
                 f"{_f(r['throughput_ratio_vs_full'], '6.2f')} {_f(r['e2e_speedup_vs_full'], '6.2f')} "
-                f"{_f(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}")
+                f"{_f(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}"
+            )
     return "\n".join(lines)
 
 
 def _find(rows, method_label, context=None, batch=1):
     for r in rows:
-        if r.get("status") == "ok" and r["label"] == method_label and r["batch"] == batch and (
-                context is None or r["context"] == context):
+        if (
+            r.get("status") == "ok"
+            and r["label"] == method_label
+            and r["batch"] == batch
+            and (context is None or r["context"] == context)
+        ):
             return r
     return None
 
@@ -409,35 +515,45 @@ def papers_block(rows) -> str:
     lines.append(f"Chelsea ({c['source']}):")
     for n, s in c["tpot_speedup_by_context"].items():
         r = _find(rows, "chelsea@0.2", n)
-        lines.append(f"  {context_label(n):>4s}: TPOT speedup paper {s:.2f}x, ours "
-                     f"{_f(r and r['tpot_speedup_vs_full'], '.2f', 'x')}"
-                     f" | TTFT overhead paper {c['ttft_overhead_by_context'][n]:+.1%}, ours "
-                     f"{_f(r and r['ttft_overhead_vs_full'], '+.1%')}")
+        lines.append(
+            f"  {context_label(n):>4s}: TPOT speedup paper {s:.2f}x, ours "
+            f"{_f(r and r['tpot_speedup_vs_full'], '.2f', 'x')}"
+            f" | TTFT overhead paper {c['ttft_overhead_by_context'][n]:+.1%}, ours "
+            f"{_f(r and r['ttft_overhead_vs_full'], '+.1%')}"
+        )
     c = p["clusterkv"]
     r = _find(rows, "clusterkv@1024", c["context"])
-    lines.append(f"ClusterKV ({c['source']}):\n  32k B=1024: e2e latency speedup paper {c['e2e_speedup']:.1f}x, ours "
-                 f"{_f(r and r['e2e_speedup_vs_full'], '.2f', 'x')} | decode throughput paper up to "
-                 f"{c['throughput_ratio_max']:.1f}x, ours {_f(r and r['throughput_ratio_vs_full'], '.2f', 'x')} | "
-                 f"clustering share of prefill paper 6-8%, ours {_f(r and r['compress_share_of_prefill'], '.1%')}")
+    lines.append(
+        f"ClusterKV ({c['source']}):\n  32k B=1024: e2e latency speedup paper {c['e2e_speedup']:.1f}x, ours "
+        f"{_f(r and r['e2e_speedup_vs_full'], '.2f', 'x')} | decode throughput paper up to "
+        f"{c['throughput_ratio_max']:.1f}x, ours {_f(r and r['throughput_ratio_vs_full'], '.2f', 'x')} | "
+        f"clustering share of prefill paper 6-8%, ours {_f(r and r['compress_share_of_prefill'], '.1%')}"
+    )
     c = p["chunkkv"]
     lines.append(f"ChunkKV ({c['source']}):")
     for bud in ("0.1", "0.2"):
         ru, rn = _find(rows, f"chunkkv_reuse@{bud}", c["context"]), _find(rows, f"chunkkv@{bud}", c["context"])
         gain = ru["throughput_tok_s"] / rn["throughput_tok_s"] - 1 if ru and rn else None
-        ru_gain, rn_gain = (None if x is None or x.get("throughput_ratio_vs_full") is None
-                            else x["throughput_ratio_vs_full"] - 1 for x in (ru, rn))
-        lines.append(f"  8k @{bud}: throughput reuse vs full paper {c['throughput_gain_reuse_vs_full']:+.1%}, ours "
-                     f"{_f(ru_gain, '+.1%')} | no reuse vs full paper "
-                     f"{c['throughput_gain_noreuse_vs_full']:+.1%}, ours "
-                     f"{_f(rn_gain, '+.1%')} | reuse vs no reuse paper "
-                     f"{c['throughput_gain_reuse_vs_noreuse']:+.1%}, ours {_f(gain, '+.1%')}")
+        ru_gain, rn_gain = (
+            None if x is None or x.get("throughput_ratio_vs_full") is None else x["throughput_ratio_vs_full"] - 1
+            for x in (ru, rn)
+        )
+        lines.append(
+            f"  8k @{bud}: throughput reuse vs full paper {c['throughput_gain_reuse_vs_full']:+.1%}, ours "
+            f"{_f(ru_gain, '+.1%')} | no reuse vs full paper "
+            f"{c['throughput_gain_noreuse_vs_full']:+.1%}, ours "
+            f"{_f(rn_gain, '+.1%')} | reuse vs no reuse paper "
+            f"{c['throughput_gain_reuse_vs_noreuse']:+.1%}, ours {_f(gain, '+.1%')}"
+        )
     c = p["pqcache"]
     lines.append(f"PQCache ({c['source']}):")
     for r in (r for r in rows if r.get("status") == "ok" and r["label"] == "pqcache@0.2"):
-        lines.append(f"  {context_label(r['context']):>4s} batch {r['batch']}: TPOT {1e3 * r['tpot_s']:.1f} ms "
-                     f"({'below' if r['tpot_s'] < c['tpot_below_s'] else 'ABOVE'} the paper's 0.18 s), TPOT speedup "
-                     f"{_f(r['tpot_speedup_vs_full'], '.2f', 'x')}, TTFT overhead "
-                     f"{_f(r['ttft_overhead_vs_full'], '+.1%')}")
+        lines.append(
+            f"  {context_label(r['context']):>4s} batch {r['batch']}: TPOT {1e3 * r['tpot_s']:.1f} ms "
+            f"({'below' if r['tpot_s'] < c['tpot_below_s'] else 'ABOVE'} the paper's 0.18 s), TPOT speedup "
+            f"{_f(r['tpot_speedup_vs_full'], '.2f', 'x')}, TTFT overhead "
+            f"{_f(r['ttft_overhead_vs_full'], '+.1%')}"
+        )
     return "\n".join(lines)
 
 
@@ -445,6 +561,7 @@ def plot(rows, path: Path) -> str:
     """TPOT speedup vs context, one line per method@budget, one panel per batch; returns what was done."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -457,8 +574,9 @@ def plot(rows, path: Path) -> str:
     for ax, b in zip(axes[0], batches):
         ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 29 method@budget lines: 20 colours, then markers differ
         for label in dict.fromkeys(r["label"] for r in ok if r["batch"] == b):
-            pts = sorted((r["context"], r["tpot_speedup_vs_full"]) for r in ok
-                         if r["batch"] == b and r["label"] == label)
+            pts = sorted(
+                (r["context"], r["tpot_speedup_vs_full"]) for r in ok if r["batch"] == b and r["label"] == label
+            )
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="os^v"[len(ax.lines) // 20 % 4], label=label)
         ch = PAPERS["chelsea"]["tpot_speedup_by_context"]
         if b == 1 and max(r["context"] for r in ok) >= min(ch):  # only on the papers' context range
@@ -477,36 +595,73 @@ def plot(rows, path: Path) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
-    ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("8k,16k,32k,64k,128k"),
-                    help="prompt lengths, comma-separated (Nk = N * 1024 tokens)")
+    ap.add_argument(
+        "--contexts",
+        type=parse_contexts,
+        default=parse_contexts("8k,16k,32k,64k,128k"),
+        help="prompt lengths, comma-separated (Nk = N * 1024 tokens)",
+    )
     ap.add_argument("--batch", type=_ints, default=[1, 8], help="batch sizes, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated (1 from prefill + the loop's)")
-    ap.add_argument("--methods", default=",".join(methods.names()),
-                    help="registered methods, comma-separated (default: all; full always runs first)")
+    ap.add_argument(
+        "--methods",
+        default=",".join(methods.names()),
+        help="registered methods, comma-separated (default: all; full always runs first)",
+    )
     ap.add_argument("--budgets", type=_budgets, default=[0.1, 0.2], help="budgets of every method")
-    ap.add_argument("--token-budgets", type=_budgets, default=[1024, 2048],
-                    help="extra token budgets of the recall methods (pqcache, clusterkv, quest); '' for none")
-    ap.add_argument("--chunkkv-reuse", type=_ints, default=[1, 2],
-                    help="ChunkKV reuse values (1: no index reuse, 2: the paper's ChunkKV_reuse)")
-    ap.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
-                    help="stacked layers, one compiled loop body (auto: on for llama-3.1-8b)")
-    ap.add_argument("--layouts", default=None,
-                    help="--compile-only: layouts to compile, 'scan', 'unrolled' or 'scan,unrolled' "
-                         "(default: the --scan-layers one)")
-    ap.add_argument("--unrolled-methods", default=None,
-                    help="--compile-only: compile the unrolled layout only for these labels (e.g. full,snapkv@0.2)")
+    ap.add_argument(
+        "--token-budgets",
+        type=_budgets,
+        default=[1024, 2048],
+        help="extra token budgets of the recall methods (pqcache, clusterkv, quest); '' for none",
+    )
+    ap.add_argument(
+        "--chunkkv-reuse",
+        type=_ints,
+        default=[1, 2],
+        help="ChunkKV reuse values (1: no index reuse, 2: the paper's ChunkKV_reuse)",
+    )
+    ap.add_argument(
+        "--scan-layers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="stacked layers, one compiled loop body (auto: on for llama-3.1-8b)",
+    )
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="--compile-only: layouts to compile, 'scan', 'unrolled' or 'scan,unrolled' "
+        "(default: the --scan-layers one)",
+    )
+    ap.add_argument(
+        "--unrolled-methods",
+        default=None,
+        help="--compile-only: compile the unrolled layout only for these labels (e.g. full,snapkv@0.2)",
+    )
     ap.add_argument("--dtype", default="bfloat16", help="weights and cache dtype (the papers': bfloat16)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs after the warm-up (median)")
-    ap.add_argument("--memory-gb", type=float, default=None, help="device memory for the skip rule (default: "
-                                                                  "memory_stats bytes_limit, else host RAM)")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="lower + compile prefill and decode loop from abstract inputs; nothing allocated or run")
+    ap.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="device memory for the skip rule (default: memory_stats bytes_limit, else host RAM)",
+    )
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="lower + compile prefill and decode loop from abstract inputs; nothing allocated or run",
+    )
     ap.add_argument("--out", default="benchmarks/results/e2e.json")
-    ap.add_argument("--report", default=None, metavar="JSON",
-                    help="only redraw the table (.txt) and plot (.png) of an earlier run's JSON, beside it")
+    ap.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="only redraw the table (.txt) and plot (.png) of an earlier run's JSON, beside it",
+    )
     return ap
 
 
@@ -522,18 +677,30 @@ def main(argv=None) -> int:
     for i_ctx, n_req in enumerate(args.contexts):
         n = min(n_req, run.cfg.max_position_embeddings - args.new_tokens)
         bucket = run.bucket_of(n_req)
-        later_buckets = {run.bucket_of(c) for c in args.contexts[i_ctx + 1:]}
+        later_buckets = {run.bucket_of(c) for c in args.contexts[i_ctx + 1 :]}
         _init_fn.cache_clear()  # executables are not kept longer than needed: XLA:CPU maps each one's code into
         jax.clear_caches()  # memory, and a few dozen 30-layer programs exhaust the process's memory maps
         for b in args.batch:
-            base = {"model": args.model, "context": n_req, "prompt_len": n, "bucket": bucket, "batch": b,
-                    "new_tokens": args.new_tokens}
+            base = {
+                "model": args.model,
+                "context": n_req,
+                "prompt_len": n,
+                "bucket": bucket,
+                "batch": b,
+                "new_tokens": args.new_tokens,
+            }
             run.full_row = run.tokens = None
             for label, method, budget in run.todo:
-                row = {**base, "label": label, "method": method.name, "budget": budget,
-                       "reuse": getattr(method, "reuse", None) if method.name == "chunkkv" else None}
-                reason = cannot_run(types.SimpleNamespace(config=run.cfg, dtype=run.dtype), method, n,
-                                    args.new_tokens - 1)
+                row = {
+                    **base,
+                    "label": label,
+                    "method": method.name,
+                    "budget": budget,
+                    "reuse": getattr(method, "reuse", None) if method.name == "chunkkv" else None,
+                }
+                reason = cannot_run(
+                    types.SimpleNamespace(config=run.cfg, dtype=run.dtype), method, n, args.new_tokens - 1
+                )
                 if args.compile_only:
                     run.compile_only(row, label, method, reason)
                 else:
@@ -561,11 +728,16 @@ class _Run:
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self.head = {**header(args, self.cfg, self.dtype, self.limit, self.limit_from), "scan_layers": self.scan}
         self.rows: list[dict] = []
-        print(f"e2e: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-              f"memory limit {_f(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
-              f"scan_layers={self.scan}", flush=True)
-        self.shapes = {lay: abstract_params(self.cfg, self.dtype, lay == "scan")
-                       for lay in set(self.layouts) | {"scan" if self.scan else "unrolled"}}
+        print(
+            f"e2e: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+            f"memory limit {_f(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
+            f"scan_layers={self.scan}",
+            flush=True,
+        )
+        self.shapes = {
+            lay: abstract_params(self.cfg, self.dtype, lay == "scan")
+            for lay in set(self.layouts) | {"scan" if self.scan else "unrolled"}
+        }
         self.weights = tree_bytes(next(iter(self.shapes.values())))
         self.params = None if args.compile_only else device_params(self.cfg, self.dtype, self.scan)
         self.rng = np.random.default_rng(0)
@@ -592,15 +764,22 @@ class _Run:
                 self.add({**r, "status": "skipped", "skipped": reason})
                 print(f"{where} {lay:8s} skipped: {reason}", flush=True)
                 continue
-            st = abstract_states(self.cfg, method, b, Capacity(row["bucket"], args.new_tokens), self.dtype,
-                                 lay == "scan")
+            st = abstract_states(
+                self.cfg, method, b, Capacity(row["bucket"], args.new_tokens), self.dtype, lay == "scan"
+            )
             comp = compile_pair(self.cfg, method, self.shapes[lay], st, b, row["bucket"], args.new_tokens)
-            r.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")}, status="ok",
-                     estimate_bytes=estimate_bytes(self.cfg, self.weights, st, b, row["bucket"], self.dtype))
+            r.update(
+                {k: v for k, v in comp.items() if k not in ("prefill", "decode")},
+                status="ok",
+                estimate_bytes=estimate_bytes(self.cfg, self.weights, st, b, row["bucket"], self.dtype),
+            )
             self.add(r)
-            print(f"{where} {lay:8s} prefill: lower {r['prefill_lower_s']:6.1f}s compile "
-                  f"{r['prefill_compile_s']:6.1f}s | decode loop: lower {r['decode_lower_s']:6.1f}s compile "
-                  f"{r['decode_compile_s']:6.1f}s", flush=True)
+            print(
+                f"{where} {lay:8s} prefill: lower {r['prefill_lower_s']:6.1f}s compile "
+                f"{r['prefill_compile_s']:6.1f}s | decode loop: lower {r['decode_lower_s']:6.1f}s compile "
+                f"{r['decode_compile_s']:6.1f}s",
+                flush=True,
+            )
 
     def timed(self, row: dict, label: str, method, reason, keep: bool) -> None:
         """Compile (or reuse; ``keep``: keep for a later context of the same bucket) and time one configuration;
@@ -615,15 +794,18 @@ class _Run:
         if reason is None:
             key = (label, b)  # later contexts in the same bucket reuse the executables
             row["compile_reused"] = key in self.compiled
-            comp = self.compiled.pop(key, None) or compile_pair(self.cfg, method, self.params, st, b, bucket,
-                                                                args.new_tokens)
+            comp = self.compiled.pop(key, None) or compile_pair(
+                self.cfg, method, self.params, st, b, bucket, args.new_tokens
+            )
             if keep:
                 self.compiled[key] = comp
             row.update({k: v for k, v in comp.items() if k not in ("prefill", "decode")})
             peak = max((m or {}).get("peak", 0) for m in comp["memory_analysis"].values())
             if self.limit and peak > self.limit:
-                reason = (f"compiled executables need {peak / 2**30:.1f} GiB (memory_analysis) > the "
-                          f"device's {self.limit / 2**30:.1f} GiB ({self.limit_from})")
+                reason = (
+                    f"compiled executables need {peak / 2**30:.1f} GiB (memory_analysis) > the "
+                    f"device's {self.limit / 2**30:.1f} GiB ({self.limit_from})"
+                )
         if reason:
             row.update(status="skipped", skipped=reason)
             self.add(row)
@@ -631,35 +813,57 @@ class _Run:
             print(f"{where} skipped: {reason}", flush=True)
             return
         if self.tokens is None:
-            tokens, lengths = engine.pad_prompts(self.rng.integers(1, self.cfg.vocab_size, (b, row["prompt_len"]))
-                                                 .tolist(), bucket)
+            tokens, lengths = engine.pad_prompts(
+                self.rng.integers(1, self.cfg.vocab_size, (b, row["prompt_len"])).tolist(), bucket
+            )
             self.tokens, self.lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-        row.update(time_run(self.cfg, method, self.params, comp, self.tokens, self.lengths, b, cap, self.dtype,
-                            self.scan, args.repeats), status="ok")
+        row.update(
+            time_run(
+                self.cfg,
+                method,
+                self.params,
+                comp,
+                self.tokens,
+                self.lengths,
+                b,
+                cap,
+                self.dtype,
+                self.scan,
+                args.repeats,
+            ),
+            status="ok",
+        )
         if label == "full":
             self.full_row = row
             row["row_id"] = len(self.rows)
         add_ratios(row, self.full_row)
         self.add(row)
-        print(f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
-              f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  TTFT "
-              f"{_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill {row['prefill_compile_s']:.1f}s loop "
-              f"{row['decode_compile_s']:.1f}s", flush=True)
+        print(
+            f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
+            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  TTFT "
+            f"{_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill {row['prefill_compile_s']:.1f}s loop "
+            f"{row['decode_compile_s']:.1f}s",
+            flush=True,
+        )
 
     def _too_big(self, est: dict):
         if self.limit and est["total"] > self.limit:
-            return (f"estimated memory {est['total'] / 2**30:.1f} GiB (weights {self.weights / 2**30:.1f} + "
-                    f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
-                    f"exceeds the device's {self.limit / 2**30:.1f} GiB ({self.limit_from})")
+            return (
+                f"estimated memory {est['total'] / 2**30:.1f} GiB (weights {self.weights / 2**30:.1f} + "
+                f"states {est['states'] / 2**30:.1f} + activations {est['activations'] / 2**30:.1f}) "
+                f"exceeds the device's {self.limit / 2**30:.1f} GiB ({self.limit_from})"
+            )
         return None
 
 
 def report(data: dict, out_path: Path) -> None:
     """Print the table and the papers' block of a run's JSON, write them as ``.txt`` and the plot as ``.png``."""
     rows = data["rows"]
-    title = (f"e2e: {data['model']} ({data['dtype']}) on {data['device_kind']} ({data['backend']}), jax "
-             f"{data['jax_version']}, commit {(data.get('commit') or '?')[:10]}, {data['new_tokens']} new tokens"
-             + (f". {data['note']}" if data.get("note") else ""))
+    title = (
+        f"e2e: {data['model']} ({data['dtype']}) on {data['device_kind']} ({data['backend']}), jax "
+        f"{data['jax_version']}, commit {(data.get('commit') or '?')[:10]}, {data['new_tokens']} new tokens"
+        + (f". {data['note']}" if data.get("note") else "")
+    )
     text = title + "\n" + table(rows) + "\n" + papers_block(rows)
     print(text, flush=True)
     out_path.with_suffix(".txt").write_text(text + "\n")

@@ -77,6 +77,7 @@ def selection_only(model, method, batch, bucket, key):
         t0 = time.perf_counter()
         jax.block_until_ready(run(states, lengths))
         return time.perf_counter() - t0
+
     return once
 
 
@@ -103,20 +104,35 @@ def main(argv=None):
         "snapkv_nopool": methods.get("snapkv", budget=args.budget, window=w, kernel=1),
         "chunkkv": methods.get("chunkkv", budget=args.budget, window=w, chunk_size=c),
     }
-    result = {"jax": jax.__version__, "device": str(jax.devices()[0]), "platform": platform.platform(),
-              "model": "smollm2-135m-instruct", "essays": names, "lengths": lengths_list, "bucket": bucket,
-              "budget": args.budget, "window": w, "chunk_size": c, "jaccard": {}}
-    print(f"jax {jax.__version__} on {jax.devices()[0]}; essays {names}, lengths {lengths_list}, budget "
-          f"{args.budget}, window {w}, chunk {c}")
+    result = {
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "platform": platform.platform(),
+        "model": "smollm2-135m-instruct",
+        "essays": names,
+        "lengths": lengths_list,
+        "bucket": bucket,
+        "budget": args.budget,
+        "window": w,
+        "chunk_size": c,
+        "jaccard": {},
+    }
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0]}; essays {names}, lengths {lengths_list}, budget "
+        f"{args.budget}, window {w}, chunk {c}"
+    )
     for name, m in tqdm(configs.items(), desc="jaccard"):
         kept = analysis.kept_prompt_positions(model, m, ids, prompt_len=bucket)
         with_win = analysis.adjacent_layer_jaccard(kept)
         no_win = analysis.adjacent_layer_jaccard(kept, exclude_last=w)
-        result["jaccard"][name] = {"method": repr(m), "mean_with_window": float(with_win.mean()),
-                                   "mean_without_window": float(no_win.mean()),
-                                   "per_pair_with_window": with_win.round(4).tolist(),
-                                   "per_pair_without_window": no_win.round(4).tolist(),
-                                   "kept_per_head_mean": float(kept.counts().mean())}
+        result["jaccard"][name] = {
+            "method": repr(m),
+            "mean_with_window": float(with_win.mean()),
+            "mean_without_window": float(no_win.mean()),
+            "per_pair_with_window": with_win.round(4).tolist(),
+            "per_pair_without_window": no_win.round(4).tolist(),
+            "kept_per_head_mean": float(kept.counts().mean()),
+        }
     print("\nadjacent-layer Jaccard (mean over layer pairs, sequences, KV heads):")
     print(f"{'method':16s} {'with window':>12s} {'without':>10s}")
     for name, r in result["jaccard"].items():
@@ -137,8 +153,10 @@ def main(argv=None):
             for key, m in todo:  # interleaved, so machine-load drift hits every config alike
                 runs[key].append(fn(m))
         timing[label] = runs
-    sel = {key: selection_only(model, m, len(ids), bucket, jax.random.PRNGKey(0)) for key, m in
-           (("reuse1", r1), ("reuse2", r2))}
+    sel = {
+        key: selection_only(model, m, len(ids), bucket, jax.random.PRNGKey(0))
+        for key, m in (("reuse1", r1), ("reuse2", r2))
+    }
     runs = {"reuse1": [], "reuse2": []}
     for key in sel:
         sel[key](lengths)
@@ -147,10 +165,15 @@ def main(argv=None):
             runs[key].append(sel[key](lengths))
     timing["selection_only_all_layers"] = runs
     result["timing_seconds"] = {
-        label: {k: {"median": statistics.median(v), "min": min(v), "all": [round(x, 4) for x in v]}
-                for k, v in runs.items()} for label, runs in timing.items()}
-    print(f"\nprefill seconds (batch {len(ids)}, bucket {bucket}, {model.config.num_layers} layers; median / min "
-          f"of {args.repeats}):")
+        label: {
+            k: {"median": statistics.median(v), "min": min(v), "all": [round(x, 4) for x in v]} for k, v in runs.items()
+        }
+        for label, runs in timing.items()
+    }
+    print(
+        f"\nprefill seconds (batch {len(ids)}, bucket {bucket}, {model.config.num_layers} layers; median / min "
+        f"of {args.repeats}):"
+    )
     for label, runs in result["timing_seconds"].items():
         for k, v in runs.items():
             print(f"  {label:28s} {k:7s} {v['median']:.4f} / {v['min']:.4f}")

@@ -57,15 +57,29 @@ def main(argv=None):
     pol = meta["policy"]
     opts = {"recent": pol["recent"]} if pol["policy"] == "h2o" else {"sinks": pol["sinks"]}
     sparse = "h2o" if pol["policy"] == "h2o" else "streaming_llm"
-    ms = {"full": methods.get("full"),
-          "baseline": methods.get(sparse, budget=pol["budget"], **opts),
-          "baseline+": methods.get(sparse, budget=pol["baseline_plus_budget"], **opts),
-          "less": methods.get("less", policy=pol["policy"], budget=pol["budget"], kernels=args.kernels, **opts)}
+    ms = {
+        "full": methods.get("full"),
+        "baseline": methods.get(sparse, budget=pol["budget"], **opts),
+        "baseline+": methods.get(sparse, budget=pol["baseline_plus_budget"], **opts),
+        "less": methods.get("less", policy=pol["policy"], budget=pol["budget"], kernels=args.kernels, **opts),
+    }
     model = kvjax.load_model(args.model)
-    out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]), "platform": platform.platform(),
-           "model": model.name, "kernels": args.kernels, "kernel_config": meta["kernel"], "train": meta["train"],
-           "policy": pol, "prefix": args.prefix, "continuation": args.continuation, "sequences": args.sequences,
-           "methods": {k: repr(m) for k, m in ms.items()}, "perplexity": {}, "seconds": {}}
+    out = {
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "platform": platform.platform(),
+        "model": model.name,
+        "kernels": args.kernels,
+        "kernel_config": meta["kernel"],
+        "train": meta["train"],
+        "policy": pol,
+        "prefix": args.prefix,
+        "continuation": args.continuation,
+        "sequences": args.sequences,
+        "methods": {k: repr(m) for k, m in ms.items()},
+        "perplexity": {},
+        "seconds": {},
+    }
     for which in ("bible", "essays"):
         seqs = heldout_windows(model.tokenizer, which, args.sequences, args.prefix + args.continuation)
         ppl = {}
@@ -73,12 +87,16 @@ def main(argv=None):
             t0 = time.perf_counter()
             ppl[name] = perplexity.perplexity(perplexity.streaming_nll(model, m, seqs, args.prefix))
             out["seconds"][f"{which}/{name}"] = time.perf_counter() - t0
-            print(f"{which:7s} {name:10s} ppl {ppl[name]:8.3f}  ({out['seconds'][f'{which}/{name}']:.0f}s)",
-                  file=sys.stderr)
+            print(
+                f"{which:7s} {name:10s} ppl {ppl[name]:8.3f}  ({out['seconds'][f'{which}/{name}']:.0f}s)",
+                file=sys.stderr,
+            )
         gap = ppl["baseline"] - ppl["full"]
-        out["perplexity"][which] = {**ppl, "gap_closed_by_less": (ppl["baseline"] - ppl["less"]) / gap if gap else None,
-                                    "gap_closed_by_baseline+": (ppl["baseline"] - ppl["baseline+"]) / gap if gap
-                                    else None}
+        out["perplexity"][which] = {
+            **ppl,
+            "gap_closed_by_less": (ppl["baseline"] - ppl["less"]) / gap if gap else None,
+            "gap_closed_by_baseline+": (ppl["baseline"] - ppl["baseline+"]) / gap if gap else None,
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out["perplexity"], indent=1))

@@ -55,9 +55,22 @@ def recall_one(method: PQCache, q, k):
     mass recall: the Oracle's aggregated softmax mass on the PQ selection / its mass on its own top-k."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    state = method.init(kvjax.ModelConfig(model_type="llama", vocab_size=1, hidden_size=hq * d,
-                                          intermediate_size=1, num_layers=1, num_heads=hq, num_kv_heads=hkv,
-                                          head_dim=d), b, Capacity(n, 1), 0, jnp.float32)
+    state = method.init(
+        kvjax.ModelConfig(
+            model_type="llama",
+            vocab_size=1,
+            hidden_size=hq * d,
+            intermediate_size=1,
+            num_layers=1,
+            num_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+        ),
+        b,
+        Capacity(n, 1),
+        0,
+        jnp.float32,
+    )
     lengths = jnp.asarray([n])
     state = jax.jit(lambda s, k: method.prefill(s, 0, jnp.zeros((b, hq, n, d)), k, k, lengths))(state, k)
     idx, ok = (np.asarray(x) for x in jax.jit(method.select)(state, q, lengths))
@@ -67,7 +80,7 @@ def recall_one(method: PQCache, q, k):
     qn, kn = np.asarray(q, np.float64)[0], np.asarray(k, np.float64)[0]
     out, mass = [], []
     for h in range(hkv):
-        s = qn[h * g:(h + 1) * g] @ kn[h, cand].T / np.sqrt(d)
+        s = qn[h * g : (h + 1) * g] @ kn[h, cand].T / np.sqrt(d)
         p = np.exp(s - s.max(-1, keepdims=True))
         agg = (p / p.sum(-1, keepdims=True)).sum(0)
         top = np.argsort(-agg, kind="stable")[:kk]
@@ -87,7 +100,7 @@ def layer_qks(model, ids, nq: int):
     def run(params, tokens):
         def attend(layer, x, q, k, v, out):
             attn = M.causal_attention(q, k, v, jnp.asarray([len(ids)]), None)
-            qs = jnp.moveaxis(q[:, :, n + 1 - nq:n + 1].astype(jnp.float32), 2, 0)
+            qs = jnp.moveaxis(q[:, :, n + 1 - nq : n + 1].astype(jnp.float32), 2, 0)
             return attn, out + ((qs, k[:, :, :n].astype(jnp.float32)),)
 
         return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(len(ids))[None], attend, ())[1]
@@ -101,8 +114,16 @@ def agree_one(method: PQCache, qs, k):
     same prefilled state."""
     _, _, hq, d = qs.shape
     hkv, n = k.shape[1], k.shape[2]
-    cfg = kvjax.ModelConfig(model_type="llama", vocab_size=1, hidden_size=hq * d, intermediate_size=1,
-                            num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    cfg = kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=1,
+        hidden_size=hq * d,
+        intermediate_size=1,
+        num_layers=1,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
     state = method.init(cfg, 1, Capacity(n, 1), 0, jnp.float32)
     lengths = jnp.asarray([n])
     state = jax.jit(lambda s, k: method.prefill(s, 0, jnp.zeros((1, hq, n, d)), k, k, lengths))(state, k)
@@ -110,7 +131,7 @@ def agree_one(method: PQCache, qs, k):
 
     @jax.jit
     def per_slot(state, q):  # the previous decode path: scores per slot and query head, softmax, lax.top_k
-        s_hat = method.scores(state, q, jnp.asarray([n - w]))[..., method.sink:]
+        s_hat = method.scores(state, q, jnp.asarray([n - w]))[..., method.sink :]
         cand = (jnp.arange(method.sink, method.sink + s_hat.shape[-1]) < n - w)[None, None, None, :]
         z = jnp.where(cand, s_hat / jnp.sqrt(jnp.float32(d)), -1e30)
         p = jnp.where(cand, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
@@ -142,8 +163,7 @@ def time_decode(model, ids, method, steps):
         first = jnp.argmax(logits, -1).astype(jnp.int32)
         jax.block_until_ready(states)
         t0 = time.perf_counter()
-        out, _, states = engine.run_loop(loop, "scan", model.params, states, first, lengths,
-                                         jax.random.PRNGKey(0))
+        out, _, states = engine.run_loop(loop, "scan", model.params, states, first, lengths, jax.random.PRNGKey(0))
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
     row = {"step_seconds": times[-1] / steps, "cache_bytes": sum(method.memory_bytes(s) for s in states)}
@@ -159,10 +179,10 @@ def time_decode(model, ids, method, steps):
 def needle_prompt(model, length, depth):
     hay = model.tokenizer.encode(assets.essays_text(), add_special_tokens=False)
     needle = model.tokenizer.encode(" " + NEEDLE + " ", add_special_tokens=False)
-    body = hay[:length - len(needle) - 64]
+    body = hay[: length - len(needle) - 64]
     cut = int(len(body) * depth)
     context = model.tokenizer.decode(body[:cut] + needle + body[cut:])
-    return (f"{context}\n\nAnswer using the text above. {QUESTION}")
+    return f"{context}\n\nAnswer using the text above. {QUESTION}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -176,8 +196,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--bits", type=int, default=6, help="bits per code for the recall measurement")
     p.add_argument("--skip-decode", action="store_true", help="recall (and needle) only")
-    p.add_argument("--agree", type=int, default=0, metavar="N",
-                   help="compare the retrieved sets with the per-slot path for the last N prompt queries")
+    p.add_argument(
+        "--agree",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare the retrieved sets with the per-slot path for the last N prompt queries",
+    )
     p.add_argument("--out", default="benchmarks/results/pqcache.json")
     return p
 
@@ -190,16 +215,25 @@ def main(argv=None):
         sys.path.insert(0, str(Path(__file__).parent))
         from decode import SMOLLM2_135M
         from kvjax.loading import Model, default_dtype
+
         cfg = SMOLLM2_135M
         model = Model(cfg, M.random_params(cfg, jax.random.PRNGKey(0), default_dtype()), None, "random")
         ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.length).tolist()
     else:
         model = kvjax.load_model(args.model)
-        ids = model.tokenizer.encode(assets.essays_text())[:args.length]
-    result = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-              "device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-              "python": platform.python_version(), "model": model.name, "dtype": str(model.dtype),
-              "prompt_len": len(ids), "ratios": ratios, "pqcache": {"m": 2, "bits": args.bits, "sink": 32, "iters": 10}}
+        ids = model.tokenizer.encode(assets.essays_text())[: args.length]
+    result = {
+        "jax_version": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "python": platform.python_version(),
+        "model": model.name,
+        "dtype": str(model.dtype),
+        "prompt_len": len(ids),
+        "ratios": ratios,
+        "pqcache": {"m": 2, "bits": args.bits, "sink": 32, "iters": 10},
+    }
 
     if not args.random_weights:
         _recall(model, ids, args, ratios, result)
@@ -209,15 +243,20 @@ def main(argv=None):
             _needle(model, ids, args, ratios, result)
 
     rows = []
-    timed = [] if args.skip_decode else [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
-                                                                           for r in ratios]
+    timed = (
+        []
+        if args.skip_decode
+        else [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r)) for r in ratios]
+    )
     for name, method in tqdm(timed, desc="decode timing"):
         row = {"method": name, **time_decode(model, ids, method, args.steps)}
         rows.append(row)
     for row in rows:
         row["speedup_vs_full"] = rows[0]["step_seconds"] / row["step_seconds"]
-        print(f"{row['method']:14s} step {row['step_seconds'] * 1e3:8.2f} ms  x{row['speedup_vs_full']:.2f}  "
-              f"cache {row['cache_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"{row['method']:14s} step {row['step_seconds'] * 1e3:8.2f} ms  x{row['speedup_vs_full']:.2f}  "
+            f"cache {row['cache_bytes'] / 2**20:.1f} MiB"
+        )
     result["decode"] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,11 +273,19 @@ def _recall(model, ids, args, ratios, result):
             rec, ms = recall_one(PQCache(budget=r, bits=args.bits), q, k)
             per[r].append(rec)
             mass[r].append(ms)
-    result["recall"] = {str(r): {"mean": float(np.mean(per[r])), "mass_mean": float(np.mean(mass[r])),
-                                 "per_layer": [float(np.mean(x)) for x in per[r]]} for r in ratios}
+    result["recall"] = {
+        str(r): {
+            "mean": float(np.mean(per[r])),
+            "mass_mean": float(np.mean(mass[r])),
+            "per_layer": [float(np.mean(x)) for x in per[r]],
+        }
+        for r in ratios
+    }
     for r in ratios:
-        print(f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
-              f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}")
+        print(
+            f"recall r={r}: {result['recall'][str(r)]['mean']:.3f}  "
+            f"mass recall {result['recall'][str(r)]['mass_mean']:.3f}"
+        )
 
 
 def _agreement(model, ids, args, ratios, result):
@@ -248,8 +295,7 @@ def _agreement(model, ids, args, ratios, result):
         tot = np.zeros(4, np.int64)
         for qs, k in tqdm(layer_qks(model, ids, args.agree), total=model.config.num_layers, desc=f"agree r={r}"):
             tot += agree_one(PQCache(budget=r, bits=args.bits, score_table=True), qs, k)
-        agree[str(r)] = dict(zip(("cases", "cases_differing", "tokens_differing", "tokens_retrieved"),
-                                 tot.tolist()))
+        agree[str(r)] = dict(zip(("cases", "cases_differing", "tokens_differing", "tokens_retrieved"), tot.tolist()))
         print(f"agreement r={r}: {agree[str(r)]}")
     result["agreement_vs_per_slot"] = agree
 
@@ -259,8 +305,7 @@ def _needle(model, ids, args, ratios, result):
     rows = []
     for depth in tqdm([float(x) for x in args.depths.split(",")], desc="needle"):
         prompt = needle_prompt(model, args.length, depth)
-        for name, method in [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r))
-                                                                for r in ratios]:
+        for name, method in [("full", methods.get("full"))] + [(f"pqcache r={r}", PQCache(budget=r)) for r in ratios]:
             ans = engine.generate(model, [prompt], method, max_new_tokens=24, chat=True).text[0]
             found = any(w in ans.lower() for w in ("sandwich", "dolores"))
             rows.append({"depth": depth, "method": name, "found": found, "answer": ans})

@@ -53,10 +53,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MIB = 2 ** 20
+MIB = 2**20
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+
 
 def parse_lengths(text: str) -> list[int]:
     """``"2k,7680"`` -> ``[2048, 7680]``."""
@@ -102,10 +103,12 @@ def _pin(threads: int) -> None:
 
 def commit(root: Path = ROOT) -> str | None:
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvjax"], capture_output=True, text=True,
-                               cwd=root, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "kvjax"], capture_output=True, text=True, cwd=root, check=True
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -122,19 +125,35 @@ def prompt_ids(n: int, vocab: int, bos: int | None) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ weight export
 
+
 def hf_config_dict(cfg) -> dict:
     """A transformers ``LlamaConfig`` (as a dict) for a kvjax ``ModelConfig`` of a plain Llama model."""
     if cfg.model_type != "llama" or cfg.rope.rope_type != "default" or any(cfg.sliding_windows):
-        raise ValueError(f"the comparison builds a plain LlamaForCausalLM; {cfg.model_type} with rope "
-                         f"{cfg.rope.rope_type} is not covered")
-    return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
-                hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                rope_theta=cfg.rope.theta, max_position_embeddings=cfg.max_position_embeddings,
-                tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
-                mlp_bias=cfg.mlp_bias, hidden_act="silu", bos_token_id=cfg.bos_token_id,
-                eos_token_id=list(cfg.eos_token_ids)[:1] or None, torch_dtype="float32")
+        raise ValueError(
+            f"the comparison builds a plain LlamaForCausalLM; {cfg.model_type} with rope "
+            f"{cfg.rope.rope_type} is not covered"
+        )
+    return dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope.theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.attention_bias,
+        mlp_bias=cfg.mlp_bias,
+        hidden_act="silu",
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids)[:1] or None,
+        torch_dtype="float32",
+    )
 
 
 def hf_state_dict(cfg, params) -> dict:
@@ -145,8 +164,15 @@ def hf_state_dict(cfg, params) -> dict:
     out = {"model.embed_tokens.weight": f(params["embed"]), "model.norm.weight": f(params["final_norm"])}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = f(np.asarray(params["lm_head"]).T)
-    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    names = {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
     for i, lp in enumerate(params["layers"]):
         pre = f"model.layers.{i}."
         out[pre + "input_layernorm.weight"] = f(lp["attn_norm"])
@@ -174,8 +200,12 @@ def export(folder: Path, random_context: int | None, layers: int | None = None) 
         import jax
 
         n = layers or cfg.num_layers
-        cfg = dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, random_context),
-                                  num_layers=n, sliding_windows=(None,) * n)
+        cfg = dataclasses.replace(
+            cfg,
+            max_position_embeddings=max(cfg.max_position_embeddings, random_context),
+            num_layers=n,
+            sliding_windows=(None,) * n,
+        )
         params = random_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(hf_state_dict(cfg, params), str(folder / "model.safetensors"))
@@ -184,6 +214,7 @@ def export(folder: Path, random_context: int | None, layers: int | None = None) 
 
 
 # ------------------------------------------------------------------------------------------------------ workers
+
 
 def worker_kvjax(args) -> dict:
     import gc
@@ -231,9 +262,20 @@ def worker_kvjax(args) -> dict:
         del states, logits
         gc.collect()
     np.save(args.logits, last)
-    return dict(side="kvjax", bucket=bucket, load_s=load_s, first_call_s=first, times=times, cpu_times=cpu,
-                rss_loaded=rss_loaded, setup_peak=setup_peak, prefill_peak=max(peaks), jax=jax.__version__,
-                device=str(jax.devices()[0].device_kind), source=source)
+    return dict(
+        side="kvjax",
+        bucket=bucket,
+        load_s=load_s,
+        first_call_s=first,
+        times=times,
+        cpu_times=cpu,
+        rss_loaded=rss_loaded,
+        setup_peak=setup_peak,
+        prefill_peak=max(peaks),
+        jax=jax.__version__,
+        device=str(jax.devices()[0].device_kind),
+        source=source,
+    )
 
 
 def worker_torch(args) -> dict:
@@ -270,10 +312,19 @@ def worker_torch(args) -> dict:
         del cache, logits
         gc.collect()
     np.save(args.logits, last)
-    return dict(side="torch", load_s=load_s, times=times, cpu_times=cpu, rss_loaded=rss_loaded, setup_peak=setup_peak,
-                prefill_peak=max(peaks), torch=torch.__version__, transformers=transformers.__version__,
-                attn_implementation=getattr(cfg, "_attn_implementation", None),
-                torch_threads=torch.get_num_threads())
+    return dict(
+        side="torch",
+        load_s=load_s,
+        times=times,
+        cpu_times=cpu,
+        rss_loaded=rss_loaded,
+        setup_peak=setup_peak,
+        prefill_peak=max(peaks),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        attn_implementation=getattr(cfg, "_attn_implementation", None),
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def worker(args) -> None:
@@ -283,9 +334,15 @@ def worker(args) -> None:
         return
     res = worker_kvjax(args) if args.worker == "kvjax" else worker_torch(args)
     # clear_refs also resets ru_maxrss, so the process peak is the larger of the two phases' peaks
-    res.update(length=args.length, threads=args.threads, reps=args.reps, cpus=sorted(os.sched_getaffinity(0)),
-               process_peak=max(res["setup_peak"], res["prefill_peak"],
-                                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    res.update(
+        length=args.length,
+        threads=args.threads,
+        reps=args.reps,
+        cpus=sorted(os.sched_getaffinity(0)),
+        process_peak=max(
+            res["setup_peak"], res["prefill_peak"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        ),
+    )
     res["median_s"], res["median_cpu_s"] = _median(res["times"]), _median(res["cpu_times"])
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -297,22 +354,27 @@ def _median(xs: list[float]) -> float:
 
 # ------------------------------------------------------------------------------------------------------- driver
 
+
 def _spawn(argv: list[str], timeout: float, root: Path = ROOT) -> dict | None:
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
-                       env=env, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if p.returncode:
         sys.stderr.write(p.stdout[-3000:] + p.stderr[-5000:])
         raise RuntimeError(f"worker {argv} failed with exit code {p.returncode}")
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     return None
 
 
 def ensure_weights(cache: Path, random_context: int | None, layers: int | None = None) -> Path:
-    name = f"random-{random_context}" + (f"-{layers}layers" if layers else "") if random_context else \
-        "smollm2-135m-instruct-f32"
+    name = (
+        f"random-{random_context}" + (f"-{layers}layers" if layers else "")
+        if random_context
+        else "smollm2-135m-instruct-f32"
+    )
     folder = cache / name
     if not (folder / "ok.npy").is_file():
         print(f"exporting weights to {folder} ...", flush=True)
@@ -333,12 +395,15 @@ def table(rows: list[dict], sides: list[str]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         line = f"{r['threads']:>7} {r['length']:>7} " + " ".join(
-            f"{r[s]['median_s']:>9.2f} {r[s]['prefill_peak'] / MIB:>10.0f}" for s in sides)
+            f"{r[s]['median_s']:>9.2f} {r[s]['prefill_peak'] / MIB:>10.0f}" for s in sides
+        )
         if "torch" in sides:
             t = r["torch"]
             line += " | " + " ".join(
                 f"{r[s]['median_s'] / t['median_s']:>14.2f} {r[s]['prefill_peak'] / t['prefill_peak']:>5.2f} "
-                f"{r[s]['max_abs_logit_diff']:>11.2e}" for s in ours)
+                f"{r[s]['max_abs_logit_diff']:>11.2e}"
+                for s in ours
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -347,12 +412,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lengths", type=parse_lengths, default=parse_lengths("2k,4k,6k,7680"))
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts (1: both sides on one core)")
-    ap.add_argument("--sides", default="kvjax,torch",
-                    help="kvjax, torch, and base: kvjax imported from --base-root (before/after in one run)")
+    ap.add_argument(
+        "--sides",
+        default="kvjax,torch",
+        help="kvjax, torch, and base: kvjax imported from --base-root (before/after in one run)",
+    )
     ap.add_argument("--base-root", type=Path, default=None, help="another checkout of kvjax for the 'base' side")
     ap.add_argument("--random", action="store_true", help="random weights, context raised to the longest length")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="with --random: this many layers instead of SmolLM2's 30 (same per-layer shapes)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="with --random: this many layers instead of SmolLM2's 30 (same per-layer shapes)",
+    )
     ap.add_argument("--reps", type=int, default=2, help="timed prefills per side and length (median)")
     ap.add_argument("--max-new", type=int, default=32, help="decode slots in kvjax's cache (as generate)")
     ap.add_argument("--kvjax-source", choices=("folder", "gguf"), default="folder")
@@ -377,19 +449,44 @@ def main(argv=None) -> None:
     random_context = max(args.lengths) + args.max_new if args.random else None
     folder = ensure_weights(args.cache_dir, random_context, args.layers if args.random else None)
     rows, started = [], time.perf_counter()
-    meta = dict(command=" ".join(shlex.quote(a) for a in sys.argv), commit=commit(), machine=platform.machine(),
-                cpu=_cpu_name(), cpus=len(os.sched_getaffinity(0)), python=platform.python_version(),
-                weights=str(folder), random=args.random, layers=args.layers if args.random else None, reps=args.reps,
-                max_new=args.max_new,
-                kvjax_source=args.kvjax_source, base_root=str(args.base_root) if args.base_root else None)
+    meta = dict(
+        command=" ".join(shlex.quote(a) for a in sys.argv),
+        commit=commit(),
+        machine=platform.machine(),
+        cpu=_cpu_name(),
+        cpus=len(os.sched_getaffinity(0)),
+        python=platform.python_version(),
+        weights=str(folder),
+        random=args.random,
+        layers=args.layers if args.random else None,
+        reps=args.reps,
+        max_new=args.max_new,
+        kvjax_source=args.kvjax_source,
+        base_root=str(args.base_root) if args.base_root else None,
+    )
     for th in threads:
         for n in args.lengths:
             row = dict(threads=th, length=n)
             for side in sides:
                 logits = args.cache_dir / f"logits-{side}-{n}-{th}.npy"
-                argv = ["--worker", side, "--weights", str(folder), "--length", str(n), "--threads", str(th),
-                        "--reps", str(args.reps), "--max-new", str(args.max_new), "--logits", str(logits),
-                        "--kvjax-source", args.kvjax_source if not args.random else "folder"]
+                argv = [
+                    "--worker",
+                    side,
+                    "--weights",
+                    str(folder),
+                    "--length",
+                    str(n),
+                    "--threads",
+                    str(th),
+                    "--reps",
+                    str(args.reps),
+                    "--max-new",
+                    str(args.max_new),
+                    "--logits",
+                    str(logits),
+                    "--kvjax-source",
+                    args.kvjax_source if not args.random else "folder",
+                ]
                 if side == "base":
                     if args.base_root is None:
                         raise ValueError("--sides base needs --base-root (a checkout of kvjax to compare against)")
@@ -397,20 +494,25 @@ def main(argv=None) -> None:
                 row[side] = _spawn(argv, args.timeout, args.base_root if side == "base" else ROOT)
                 base = side == "base"
                 row[side]["commit"] = (commit(args.base_root) or str(args.base_root)) if base else meta["commit"]
-                print(f"  {side:5s} threads={th} n={n}: {row[side]['median_s']:.2f} s ({row[side]['median_cpu_s']:.2f} "
-                      f"CPU s), prefill peak "
-                      f"{row[side]['prefill_peak'] / MIB:.0f} MiB, process peak {row[side]['process_peak'] / MIB:.0f}"
-                      " MiB", flush=True)
+                print(
+                    f"  {side:5s} threads={th} n={n}: {row[side]['median_s']:.2f} s ({row[side]['median_cpu_s']:.2f} "
+                    f"CPU s), prefill peak "
+                    f"{row[side]['prefill_peak'] / MIB:.0f} MiB, process peak {row[side]['process_peak'] / MIB:.0f}"
+                    " MiB",
+                    flush=True,
+                )
             if "torch" in sides:
                 b = np.load(args.cache_dir / f"logits-torch-{n}-{th}.npy")
                 for side in sides:
                     if side == "torch":
                         continue
                     a = np.load(args.cache_dir / f"logits-{side}-{n}-{th}.npy")
-                    row[side].update(max_abs_logit_diff=float(np.max(np.abs(a - b))),
-                                     same_argmax=bool(a.argmax() == b.argmax()),
-                                     time_ratio=row[side]["median_s"] / row["torch"]["median_s"],
-                                     memory_ratio=row[side]["prefill_peak"] / row["torch"]["prefill_peak"])
+                    row[side].update(
+                        max_abs_logit_diff=float(np.max(np.abs(a - b))),
+                        same_argmax=bool(a.argmax() == b.argmax()),
+                        time_ratio=row[side]["median_s"] / row["torch"]["median_s"],
+                        memory_ratio=row[side]["prefill_peak"] / row["torch"]["prefill_peak"],
+                    )
             rows.append(row)
             if args.out:
                 _write(args.out, meta, rows, started)
@@ -432,8 +534,9 @@ def _versions(rows) -> dict:
 
 def _write(path: Path, meta: dict, rows: list[dict], started: float) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(meta, **_versions(rows), seconds=time.perf_counter() - started, rows=rows),
-                               indent=1))
+    path.write_text(
+        json.dumps(dict(meta, **_versions(rows), seconds=time.perf_counter() - started, rows=rows), indent=1)
+    )
 
 
 def _cpu_name() -> str:

@@ -27,8 +27,8 @@ attention 76 s, h2o's 76 s, LESS's 72 s) and ~8 s per variant the rest (compiles
 The quadratic parts grow 4x per doubling of the context and with the batch, the rest ~2x; the default grid's 27
 variants run h2o and LESS twice each. Estimated from those: float32, batch 1 ~1 h (8k 2 min, 16k 4 min, 32k 10
 min, 64k 30 min, 128k 12 min with the quadratic prefills skipped), batch 4 ~1.2 h (64k without the quadratic
-prefills, 128k skipped: it does not fit); bfloat16 (XLA:CPU upcasts its dots) is slower: see the 8k run. Run it in pieces
-(``--lengths 8k,16k``, ...) and merge them with ``--report a.json,b.json``.
+prefills, 128k skipped: it does not fit); bfloat16 (XLA:CPU upcasts its dots) is slower: see the 8k run. Run it in
+pieces (``--lengths 8k,16k``, ...) and merge them with ``--report a.json,b.json``.
 
 Timing: the states of a group of variants are built first; then ``--rounds`` rounds each run ``--steps`` steps of
 every variant in a rotated order (compile and the first round excluded) and the step time is the median over rounds,
@@ -114,8 +114,15 @@ PROJECTION_DEVICES = {"H100": 3.35e12, "TPU v5e": 819e9}
 #: ``--tiny``: a 4-layer model with 4 query / 2 KV heads x 32 (so ``--first-layer 2`` exists).
 TINY_ATTENTION = dataclasses.replace(TINY, num_layers=4, sliding_windows=())
 #: ``--quick``: the settings it overrides.
-QUICK = {"lengths": "16k", "batch": "1", "dtypes": "float32", "budgets": "0.2", "token_budgets": "2048",
-         "steps": 4, "rounds": 3}
+QUICK = {
+    "lengths": "16k",
+    "batch": "1",
+    "dtypes": "float32",
+    "budgets": "0.2",
+    "token_budgets": "2048",
+    "steps": 4,
+    "rounds": 3,
+}
 
 
 def attention_config(tiny: bool = False):
@@ -152,8 +159,11 @@ class Run:
 def _prompt(key, batch, n, cfg, dtype):
     kq, kk, kv = jax.random.split(key, 3)
     shape = lambda h: (batch, h, n, cfg.head_dim)  # noqa: E731
-    return (jax.random.normal(kq, shape(cfg.num_heads), dtype), jax.random.normal(kk, shape(cfg.num_kv_heads), dtype),
-            jax.random.normal(kv, shape(cfg.num_kv_heads), dtype))
+    return (
+        jax.random.normal(kq, shape(cfg.num_heads), dtype),
+        jax.random.normal(kk, shape(cfg.num_kv_heads), dtype),
+        jax.random.normal(kv, shape(cfg.num_kv_heads), dtype),
+    )
 
 
 _prompt_jit = jax.jit(_prompt, static_argnums=(1, 2, 3, 4))
@@ -183,9 +193,11 @@ def compile_prefill(method, layer, state, q, k, v, lengths, previous):
     ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed."""
     kw = {"previous": previous} if method.reuses_previous_layer else {}
     if getattr(method, "attends_prompt", False):  # getattr: also an older checkout
+
         def both(state, **a):
             out, st = method.prefill_attend(state, layer=layer, **a)
             return st, out[..., :1, :1]  # keep the attention live (a slice of it, not a copy of T x D)
+
         fn = jax.jit(both, donate_argnums=0)
         return _first(fn.lower(state, q=q, k=k, v=v, lengths=lengths, **kw).compile())
     fn = jax.jit(functools.partial(method.prefill, layer=layer), donate_argnums=0)
@@ -315,10 +327,15 @@ def plan_groups(full: Variant, others: list[Variant], base: int, limit: int | No
 
     for v in others:
         if limit and need([v]) > limit:
-            too_big.append((v, f"estimated memory {need([v]) / 2**30:.1f} GiB (prompt {base / 2**30:.1f} + full's "
-                               f"states {full.state_bytes / 2**30:.1f} + its states {v.state_bytes / 2**30:.1f} + "
-                               f"prefill temporaries {v.prefill_temp / 2**30:.1f}) > --memory-gb "
-                               f"{limit / 2**30:.1f} GiB"))
+            too_big.append(
+                (
+                    v,
+                    f"estimated memory {need([v]) / 2**30:.1f} GiB (prompt {base / 2**30:.1f} + full's "
+                    f"states {full.state_bytes / 2**30:.1f} + its states {v.state_bytes / 2**30:.1f} + "
+                    f"prefill temporaries {v.prefill_temp / 2**30:.1f}) > --memory-gb "
+                    f"{limit / 2**30:.1f} GiB",
+                )
+            )
             continue
         if cur and limit and need(cur + [v]) > limit:
             groups.append(cur)
@@ -331,9 +348,11 @@ def plan_groups(full: Variant, others: list[Variant], base: int, limit: int | No
 
 def decode_inputs(cfg, batch, dtype, seed=7):
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return (jax.random.normal(kq, (batch, cfg.num_heads, cfg.head_dim), dtype),
-            jax.random.normal(kk, (batch, cfg.num_kv_heads, cfg.head_dim), dtype),
-            jax.random.normal(kv, (batch, cfg.num_kv_heads, cfg.head_dim), dtype))
+    return (
+        jax.random.normal(kq, (batch, cfg.num_heads, cfg.head_dim), dtype),
+        jax.random.normal(kk, (batch, cfg.num_kv_heads, cfg.head_dim), dtype),
+        jax.random.normal(kv, (batch, cfg.num_kv_heads, cfg.head_dim), dtype),
+    )
 
 
 def compile_step(run: Run, layers, args, pos) -> None:
@@ -369,7 +388,7 @@ def time_runs(runs: list[Run], args, n, steps: int, rounds: int, progress=print)
     pos0 = jnp.full((args[0].shape[0],), n, jnp.int32)
     used = {r.label: 0 for r in runs}
     for rnd in range(rounds + 1):
-        order = runs[rnd % len(runs):] + runs[: rnd % len(runs)]
+        order = runs[rnd % len(runs) :] + runs[: rnd % len(runs)]
         for r in order:
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -405,6 +424,7 @@ def bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 10) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Ratios, table, projection, plot.
 
+
 def add_ratios(rows: list[dict], full_index: int) -> None:
     """Ratios of ``rows`` (one group of one configuration, full first) to the full row at ``full_index`` of the
     run's row list (``rows[0]``)."""
@@ -428,8 +448,10 @@ def _f(x, fmt, suffix=""):
 
 def table(rows: list[dict]) -> str:
     """One block per (context, batch, dtype): every row of it (skipped rows with their reason)."""
-    head = (f"{'method':22s} {'step ms':>8s} {'MiB/step':>9s} {'XLA MiB':>8s} {'GB/s':>6s} {'time/full':>9s} "
-            f"{'bytes/full':>10s} {'eff':>5s} {'speedup':>7s} {'TTFT s':>8s} {'TTFT x':>6s} {'comp%':>6s}")
+    head = (
+        f"{'method':22s} {'step ms':>8s} {'MiB/step':>9s} {'XLA MiB':>8s} {'GB/s':>6s} {'time/full':>9s} "
+        f"{'bytes/full':>10s} {'eff':>5s} {'speedup':>7s} {'TTFT s':>8s} {'TTFT x':>6s} {'comp%':>6s}"
+    )
     lines = []
     for key in dict.fromkeys((r["context"], r["batch"], r["dtype"]) for r in rows):
         block = [r for r in rows if (r["context"], r["batch"], r["dtype"]) == key]
@@ -444,15 +466,17 @@ def table(rows: list[dict]) -> str:
                 f"{_f(r.get('xla_bytes') and r['xla_bytes'] / 2**20, '8.1f'):>8s} {r['gbs']:6.1f} "
                 f"{r['time_ratio']:9.3f} {r['bytes_ratio']:10.3f} {r['efficiency']:5.2f} {r['speedup']:7.2f} "
                 f"{_f(r.get('ttft_s'), '8.2f'):>8s} {_f(r.get('ttft_ratio'), '6.2f'):>6s} "
-                f"{_f(r.get('compress_share'), '6.1%'):>6s}")
+                f"{_f(r.get('compress_share'), '6.1%'):>6s}"
+            )
         skipped_ttft = next((r.get("ttft_skipped") for r in block if r.get("ttft_skipped")), None)
         if skipped_ttft:
             lines.append(f"(TTFT not measured: {skipped_ttft})")
     return "\n".join(lines)
 
 
-def projection(rows: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int = MODEL_LAYERS,
-               devices: dict | None = None) -> list[dict]:
+def projection(
+    rows: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int = MODEL_LAYERS, devices: dict | None = None
+) -> list[dict]:
     """Projected TPOT of an 8B model per method and context (batch 1), from this run's ratios.
 
     Assumes a decode step reads the weights once and each layer's KV bytes once, at the device's published
@@ -478,11 +502,20 @@ def projection(rows: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int =
             if r["label"] == "full":
                 continue
             kv_m = r["bytes_ratio"] * kv_full
-            p = {"context": n, "label": r["label"], "method": r["method"], "budget": r["budget"],
-                 "measured_dtype": dt, "efficiency": r["efficiency"], "bytes_ratio": r["bytes_ratio"],
-                 "weights_bytes": weights, "kv_full_bytes": kv_full, "kv_bytes": kv_m,
-                 "speedup": (weights + kv_full) / (weights + kv_m * r["efficiency"]),
-                 "ideal_speedup": (weights + kv_full) / (weights + kv_m)}
+            p = {
+                "context": n,
+                "label": r["label"],
+                "method": r["method"],
+                "budget": r["budget"],
+                "measured_dtype": dt,
+                "efficiency": r["efficiency"],
+                "bytes_ratio": r["bytes_ratio"],
+                "weights_bytes": weights,
+                "kv_full_bytes": kv_full,
+                "kv_bytes": kv_m,
+                "speedup": (weights + kv_full) / (weights + kv_m * r["efficiency"]),
+                "ideal_speedup": (weights + kv_full) / (weights + kv_m),
+            }
             for dev, bw in devices.items():
                 p[f"tpot_full_s[{dev}]"] = (weights + kv_full) / bw
                 p[f"tpot_s[{dev}]"] = (weights + kv_m * r["efficiency"]) / bw
@@ -498,21 +531,27 @@ def _paper_figure(p: dict) -> str:
     if p["label"] == f"clusterkv@{ck['budget']}" and p["context"] == ck["context"]:
         return f"ClusterKV Fig. 12: e2e latency {ck['e2e_speedup']:.1f}x (decode + prefill)"
     if p["method"] == "chunkkv" and p["context"] == cu["context"]:
-        return (f"ChunkKV Table 8: throughput +{cu['throughput_gain_reuse_vs_full']:.1%} (reuse; budget not "
-                f"stated), i.e. {1 + cu['throughput_gain_reuse_vs_full']:.3f}x")
+        return (
+            f"ChunkKV Table 8: throughput +{cu['throughput_gain_reuse_vs_full']:.1%} (reuse; budget not "
+            f"stated), i.e. {1 + cu['throughput_gain_reuse_vs_full']:.3f}x"
+        )
     return ""
 
 
 def projection_text(proj: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int = MODEL_LAYERS) -> str:
-    devs = sorted({k[k.index("[") + 1:-1] for p in proj for k in p if k.startswith("tpot_s[")},
-                  key=lambda d: list(PROJECTION_DEVICES).index(d) if d in PROJECTION_DEVICES else 99)
-    lines = ["\n== PROJECTION (not a measurement): Llama-3.1-8B TPOT, batch 1, bfloat16 ==",
-             f"TPOT = (weights {weights / 1e9:.2f} GB + KV bytes read per step over {layers} layers) / bandwidth "
-             f"({', '.join(f'{d} {PROJECTION_DEVICES.get(d, 0) / 1e9:.0f} GB/s' for d in devs)}); a method's KV "
-             "part x its efficiency measured above (its time ratio on this CPU, attention + cache only). Assumes "
-             "the step is bandwidth-bound with no compute, launch or host overhead; the speed-up is then the same "
-             "on every device (the bandwidth cancels). 'ideal' takes efficiency 1. The papers' figures are "
-             "end-to-end on their own stacks."]
+    devs = sorted(
+        {k[k.index("[") + 1 : -1] for p in proj for k in p if k.startswith("tpot_s[")},
+        key=lambda d: list(PROJECTION_DEVICES).index(d) if d in PROJECTION_DEVICES else 99,
+    )
+    lines = [
+        "\n== PROJECTION (not a measurement): Llama-3.1-8B TPOT, batch 1, bfloat16 ==",
+        f"TPOT = (weights {weights / 1e9:.2f} GB + KV bytes read per step over {layers} layers) / bandwidth "
+        f"({', '.join(f'{d} {PROJECTION_DEVICES.get(d, 0) / 1e9:.0f} GB/s' for d in devs)}); a method's KV "
+        "part x its efficiency measured above (its time ratio on this CPU, attention + cache only). Assumes "
+        "the step is bandwidth-bound with no compute, launch or host overhead; the speed-up is then the same "
+        "on every device (the bandwidth cancels). 'ideal' takes efficiency 1. The papers' figures are "
+        "end-to-end on their own stacks.",
+    ]
     if not proj:
         return "\n".join(lines + ["(no batch-1 rows with a full row: nothing to project)"])
     head = f"{'context':>7s} {'method':20s} {'eff':>5s} {'KV GB':>6s}"
@@ -536,6 +575,7 @@ def plot(rows: list[dict], path: Path, title: str = "") -> str:
     panel per (batch, dtype); the legend outside the panels. Returns what was done."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.lines import Line2D
@@ -553,8 +593,11 @@ def plot(rows: list[dict], path: Path, title: str = "") -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
     for ax, (b, dt) in zip(axes[0], panels):
         for lab in labels:
-            pts = sorted((r["context"], r["speedup"], 1 / r["bytes_ratio"]) for r in ok
-                         if (r["batch"], r["dtype"], r["label"]) == (b, dt, lab))
+            pts = sorted(
+                (r["context"], r["speedup"], 1 / r["bytes_ratio"])
+                for r in ok
+                if (r["batch"], r["dtype"], r["label"]) == (b, dt, lab)
+            )
             if not pts:
                 continue
             c, m = style[lab]
@@ -572,8 +615,10 @@ def plot(rows: list[dict], path: Path, title: str = "") -> str:
         ax.set_ylabel("decode-step speed-up vs full")
         ax.set_title(f"batch {b}, {dt}")
     handles = [Line2D([], [], color=style[lab][0], marker=style[lab][1], label=lab) for lab in labels]
-    handles += [Line2D([], [], color="k", label="solid: measured"),
-                Line2D([], [], color="k", ls="--", marker="o", mfc="none", label="dashed: bytes-ratio ideal")]
+    handles += [
+        Line2D([], [], color="k", label="solid: measured"),
+        Line2D([], [], color="k", ls="--", marker="o", mfc="none", label="dashed: bytes-ratio ideal"),
+    ]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle(title or "attention + cache only, Llama-3.1-8B attention shapes", fontsize=9)
     fig.tight_layout()
@@ -586,16 +631,17 @@ def report(data: dict, out_path: Path) -> str:
     """Print the table and the projection of a run's JSON; write them as ``.txt`` and the plot as ``.png`` beside
     it. Returns the text."""
     rows = data["rows"]
-    title = (f"roofline: {data['setting']}; {data.get('device_kind')} ({data.get('backend')}), jax "
-             f"{data.get('jax_version')}, commit {(data.get('commit') or '?')[:10]}"
-             f"{' (dirty)' if data.get('commit_dirty') else ''}; {data.get('layers')} layer(s) from "
-             f"{data.get('first_layer')}; read {_f(data.get('read_gbs'), '.1f')} GB/s, copy "
-             f"{_f(data.get('copy_gbs'), '.1f')} GB/s; load average {_f(data.get('load_average_1min'), '.2f')}")
+    title = (
+        f"roofline: {data['setting']}; {data.get('device_kind')} ({data.get('backend')}), jax "
+        f"{data.get('jax_version')}, commit {(data.get('commit') or '?')[:10]}"
+        f"{' (dirty)' if data.get('commit_dirty') else ''}; {data.get('layers')} layer(s) from "
+        f"{data.get('first_layer')}; read {_f(data.get('read_gbs'), '.1f')} GB/s, copy "
+        f"{_f(data.get('copy_gbs'), '.1f')} GB/s; load average {_f(data.get('load_average_1min'), '.2f')}"
+    )
     text = title + "\n" + table(rows) + "\n" + projection_text(projection(rows))
     print(text, flush=True)
     out_path.with_suffix(".txt").write_text(text + "\n")
-    print(plot(rows, out_path.with_suffix(".png"), title=f"{data.get('device_kind')}: {data['setting']}"),
-          flush=True)
+    print(plot(rows, out_path.with_suffix(".png"), title=f"{data.get('device_kind')}: {data['setting']}"), flush=True)
     return text
 
 
@@ -603,10 +649,21 @@ def merge_runs(datas: list[dict], paths: list[str]) -> dict:
     """Several runs' JSONs as one (``--report a.json,b.json``): the first's header, every row (``full_row``
     re-indexed, ``source`` naming its file; each row's ratios stay those to its own run's full) and ``sources``
     (each run's file, commit, command, bandwidth and load average)."""
-    keep = ("commit", "commit_dirty", "command", "jax_version", "device_kind", "read_gbs", "copy_gbs",
-            "load_average_1min")
-    out = {**datas[0], "rows": [], "sources": [{"file": p, **{k: d.get(k) for k in keep}}
-                                               for d, p in zip(datas, paths)]}
+    keep = (
+        "commit",
+        "commit_dirty",
+        "command",
+        "jax_version",
+        "device_kind",
+        "read_gbs",
+        "copy_gbs",
+        "load_average_1min",
+    )
+    out = {
+        **datas[0],
+        "rows": [],
+        "sources": [{"file": p, **{k: d.get(k) for k in keep}} for d, p in zip(datas, paths)],
+    }
     for d, p in zip(datas, paths):
         off = len(out["rows"])
         for r in d["rows"]:
@@ -618,39 +675,61 @@ def merge_runs(datas: list[dict], paths: list[str]) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _dirty() -> bool | None:
     """Whether kvjax/, kernels_pallas/ or benchmarks/ differ from the commit; None without git."""
     try:
-        return bool(subprocess.run(["git", "status", "--porcelain", "--", "kvjax", "kernels_pallas", "benchmarks"],
-                                   capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                                   check=True).stdout.strip())
+        return bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "kvjax", "kernels_pallas", "benchmarks"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parents[1],
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
 def header(args, cfg, limit) -> dict:
     dev = jax.devices()[0]
-    return {"benchmark": "roofline",
-            "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else 'Llama-3.1-8B'} attention "
-                       f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
-            "jax_version": jax.__version__, "device": str(dev), "device_kind": dev.device_kind,
-            "backend": jax.default_backend(), "commit": commit(), "commit_dirty": _dirty(),
-            "command": shlex.join([sys.executable] + sys.argv), "layers": args.layers,
-            "first_layer": args.first_layer, "steps": args.steps, "rounds": args.rounds,
-            "memory_limit_bytes": limit, "max_prefill_s": args.max_prefill_s,
-            "calibration_len": args.calibration_len, "projection_weights_bytes": WEIGHTS_8B_BF16,
-            "projection_layers": MODEL_LAYERS, "projection_devices_bytes_per_s": PROJECTION_DEVICES,
-            "papers": PAPERS, "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {
+        "benchmark": "roofline",
+        "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else 'Llama-3.1-8B'} attention "
+        f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
+        "jax_version": jax.__version__,
+        "device": str(dev),
+        "device_kind": dev.device_kind,
+        "backend": jax.default_backend(),
+        "commit": commit(),
+        "commit_dirty": _dirty(),
+        "command": shlex.join([sys.executable] + sys.argv),
+        "layers": args.layers,
+        "first_layer": args.first_layer,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "memory_limit_bytes": limit,
+        "max_prefill_s": args.max_prefill_s,
+        "calibration_len": args.calibration_len,
+        "projection_weights_bytes": WEIGHTS_8B_BF16,
+        "projection_layers": MODEL_LAYERS,
+        "projection_devices_bytes_per_s": PROJECTION_DEVICES,
+        "papers": PAPERS,
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 def _budgets(text):
     from e2e import _budgets as parse
+
     return parse(text)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--lengths", default="8k,16k,32k,64k,128k", help="prompt lengths (8k = 8192 tokens)")
     p.add_argument("--batch", default="1,4", help="batch sizes, comma-separated")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
@@ -661,19 +740,32 @@ def parse_args(argv):
     p.add_argument("--first-layer", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--memory-gb", type=float, default=None, help="memory for the skip/group rule (default: 90%% "
-                                                                  "of an accelerator's, 60%% of the host's RAM)")
-    p.add_argument("--max-prefill-s", type=float, default=600.0,
-                   help="skip a prefill whose estimated seconds (all layers) exceed this")
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="memory for the skip/group rule (default: 90%% of an accelerator's, 60%% of the host's RAM)",
+    )
+    p.add_argument(
+        "--max-prefill-s",
+        type=float,
+        default=600.0,
+        help="skip a prefill whose estimated seconds (all layers) exceed this",
+    )
     p.add_argument("--calibration-len", type=int, default=4096, help="prompt of the prefill-time calibration")
-    p.add_argument("--quick", action="store_true", help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in
-                                                                                     QUICK.items()))
+    p.add_argument(
+        "--quick", action="store_true", help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
     p.add_argument("--tiny", action="store_true", help="a 4-head, 32-dim config (smoke tests)")
     p.add_argument("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
     p.add_argument("--out", default="benchmarks/results/roofline_cpu.json")
-    p.add_argument("--report", default=None, metavar="JSON",
-                   help="only redraw the table, plot and projection of an earlier run's JSON, beside it; "
-                        "several (a.json,b.json): merged into --out and drawn beside it")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="only redraw the table, plot and projection of an earlier run's JSON, beside it; "
+        "several (a.json,b.json): merged into --out and drawn beside it",
+    )
     args = p.parse_args(argv)
     if args.quick:
         given = set(a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv if argv is not None else sys.argv))
@@ -727,16 +819,20 @@ def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
             calibrated.add(v.method.name)
             est = clock.estimate(v.method.name, dt, n, batch, len(layers))
         if est is not None and est > args.max_prefill_s:
-            v.skipped = (f"prefill estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
-                         f"(the largest measured, scaled as (n/n_ref)^2 x batch x layers)")
+            v.skipped = (
+                f"prefill estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
+                f"(the largest measured, scaled as (n/n_ref)^2 x batch x layers)"
+            )
     ttft_skip = None
     est = clock.estimate("attention", dt, n, batch, len(layers))
     if est is None and n > args.calibration_len and capped:
         calibrate_attention(cfg, clock, layers[0], dtype, args.calibration_len)
         est = clock.estimate("attention", dt, n, batch, len(layers))
     if est is not None and est > args.max_prefill_s:
-        ttft_skip = (f"causal attention estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
-                     f"(quadratic in the prompt)")
+        ttft_skip = (
+            f"causal attention estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
+            f"(quadratic in the prompt)"
+        )
     return ttft_skip
 
 
@@ -756,11 +852,21 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     for v, reason in too_big:
         v.skipped = reason
     if full.skipped or (limit and pbytes + full.state_bytes + full.prefill_temp > limit):
-        reason = full.skipped or (f"full alone needs {(pbytes + full.state_bytes) / 2**30:.1f} GiB (prompt + "
-                                  f"states) > --memory-gb {limit / 2**30:.1f}")
+        reason = full.skipped or (
+            f"full alone needs {(pbytes + full.state_bytes) / 2**30:.1f} GiB (prompt + "
+            f"states) > --memory-gb {limit / 2**30:.1f}"
+        )
         for v in vars_:
-            rows.append({**base, "label": v.label, "method": v.method.name, "budget": v.budget,
-                         "status": "skipped", "skipped": v.skipped or f"full cannot run: {reason}"})
+            rows.append(
+                {
+                    **base,
+                    "label": v.label,
+                    "method": v.method.name,
+                    "budget": v.budget,
+                    "status": "skipped",
+                    "skipped": v.skipped or f"full cannot run: {reason}",
+                }
+            )
         print(f"  skipped: {reason}", flush=True)
         write()
         return
@@ -783,23 +889,51 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         block = []
         for r, v in zip(runs, [full] + group):
             read = sum(r.method.bytes_read_per_step(st, cfg.num_heads) for st in r.states)
-            ttft = (r.prefill_s if getattr(r.method, "attends_prompt", False)  # prefill_attend: attention included
-                    else None if attention_s is None else attention_s + r.prefill_s)
-            block.append({**base, "label": r.label, "method": r.method.name, "budget": r.budget, "group": gi,
-                          "status": "ok", "step_s": times[r.label], "bytes_read": int(read),
-                          "xla_bytes": r.xla_bytes, "gbs": read / times[r.label] / 1e9, "prefill_s": r.prefill_s,
-                          "attention_s": attention_s, "ttft_s": ttft, "ttft_skipped": ttft_skip,
-                          "state_bytes": int(sum(tree_bytes(st) for st in r.states)),
-                          "estimated_state_bytes": v.state_bytes, "prefill_temp_bytes": v.prefill_temp,
-                          "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})
+            ttft = (
+                r.prefill_s
+                if getattr(r.method, "attends_prompt", False)  # prefill_attend: attention included
+                else None
+                if attention_s is None
+                else attention_s + r.prefill_s
+            )
+            block.append(
+                {
+                    **base,
+                    "label": r.label,
+                    "method": r.method.name,
+                    "budget": r.budget,
+                    "group": gi,
+                    "status": "ok",
+                    "step_s": times[r.label],
+                    "bytes_read": int(read),
+                    "xla_bytes": r.xla_bytes,
+                    "gbs": read / times[r.label] / 1e9,
+                    "prefill_s": r.prefill_s,
+                    "attention_s": attention_s,
+                    "ttft_s": ttft,
+                    "ttft_skipped": ttft_skip,
+                    "state_bytes": int(sum(tree_bytes(st) for st in r.states)),
+                    "estimated_state_bytes": v.state_bytes,
+                    "prefill_temp_bytes": v.prefill_temp,
+                    "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                }
+            )
         add_ratios(block, len(rows))
         rows.extend(block)
         del runs
         write()
     for v in vars_:
         if v.skipped:
-            rows.append({**base, "label": v.label, "method": v.method.name, "budget": v.budget,
-                         "status": "skipped", "skipped": v.skipped})
+            rows.append(
+                {
+                    **base,
+                    "label": v.label,
+                    "method": v.method.name,
+                    "budget": v.budget,
+                    "status": "skipped",
+                    "skipped": v.skipped,
+                }
+            )
     write()
     print(table([r for r in rows if (r["context"], r["batch"], r["dtype"]) == (n, batch, dt)]), flush=True)
 
@@ -817,14 +951,19 @@ def main(argv=None) -> int:
         return 0
     cfg = attention_config(args.tiny)
     if args.first_layer + args.layers > cfg.num_layers:
-        raise ValueError(f"--first-layer {args.first_layer} + --layers {args.layers} exceeds the model's "
-                         f"{cfg.num_layers} layers; lower either")
+        raise ValueError(
+            f"--first-layer {args.first_layer} + --layers {args.layers} exceeds the model's "
+            f"{cfg.num_layers} layers; lower either"
+        )
     layers = list(range(args.first_layer, args.first_layer + args.layers))
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     limit = memory_limit(args.memory_gb)
     data = {**header(args, cfg, limit), **bandwidth_gbs(args.bandwidth_mib << 20), "rows": []}
-    print(f"read {data['read_gbs']:.1f} GB/s, copy {data['copy_gbs']:.1f} GB/s; memory limit "
-          f"{_f(limit and limit / 2**30, '.1f')} GiB", flush=True)
+    print(
+        f"read {data['read_gbs']:.1f} GB/s, copy {data['copy_gbs']:.1f} GB/s; memory limit "
+        f"{_f(limit and limit / 2**30, '.1f')} GiB",
+        flush=True,
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

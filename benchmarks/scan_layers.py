@@ -47,15 +47,19 @@ from kvjax.methods.base import Capacity
 from kvjax.sampling import Greedy
 
 #: Options that make the windowed methods compress at short prompts (as the tests use).
-SMALL = {"chelsea": dict(n_sink=4, n_recent=16, chunk=16, interval=16),
-         "clusterkv": dict(sink=4, tokens_per_cluster=16, window=16, window_clusters=2),
-         "quest": dict(page_size=16), "less": dict(hidden=64)}
+SMALL = {
+    "chelsea": dict(n_sink=4, n_recent=16, chunk=16, interval=16),
+    "clusterkv": dict(sink=4, tokens_per_cluster=16, window=16, window_clusters=2),
+    "quest": dict(page_size=16),
+    "less": dict(hidden=64),
+}
 
 
 def commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -68,16 +72,22 @@ def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 
     for layer in range(cfg.num_layers):
         kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed * 1000 + layer), 3)
         shape = lambda h: (1, h, t, cfg.head_dim)  # noqa: E731
-        q, k, v = (jax.random.normal(kq, shape(cfg.num_heads)), jax.random.normal(kk, shape(cfg.num_kv_heads)),
-                   jax.random.normal(kv, shape(cfg.num_kv_heads)))
+        q, k, v = (
+            jax.random.normal(kq, shape(cfg.num_heads)),
+            jax.random.normal(kk, shape(cfg.num_kv_heads)),
+            jax.random.normal(kv, shape(cfg.num_kv_heads)),
+        )
         st = method.init(cfg, 1, cap, layer, jnp.float32)
         kw = {"previous": prev} if method.reuses_previous_layer else {}
         prev = jax.jit(functools.partial(method.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
         per.append(prev)
     plan = engine.layer_plan(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]
-    return tuple(per[r.start] if len(r) == 1 else
-                 engine.Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per[r.start:r.stop]), r.start, r.stop)
-                 for r in plan)
+    return tuple(
+        per[r.start]
+        if len(r) == 1
+        else engine.Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per[r.start : r.stop]), r.start, r.stop)
+        for r in plan
+    )
 
 
 def one(cfg, params, method, prompt, steps, scan: bool, repeats: int = 3, prefill: str = "model") -> dict:
@@ -111,9 +121,13 @@ def one(cfg, params, method, prompt, steps, scan: bool, repeats: int = 3, prefil
         out, _, states = compiled(p, states, first, lengths, jax.random.PRNGKey(0))  # static args are baked in
         out.block_until_ready()
         best = min(best, time.perf_counter() - t3)
-    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "step_ms": 1e3 * best / max(steps - 1, 1),
-            "tokens": np.asarray(out)[0].tolist(),
-            "segments": [s.stop - s.start if isinstance(s, engine.Stacked) else 1 for s in states]}
+    return {
+        "lower_s": t1 - t0,
+        "compile_s": t2 - t1,
+        "step_ms": 1e3 * best / max(steps - 1, 1),
+        "tokens": np.asarray(out)[0].tolist(),
+        "segments": [s.stop - s.start if isinstance(s, engine.Stacked) else 1 for s in states],
+    }
 
 
 def main(argv=None) -> int:
@@ -128,36 +142,63 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--prompt", type=int, default=200, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=16, help="decode steps of the loop")
-    ap.add_argument("--prefill", choices=("model", "random"), default="model",
-                    help="model: the engine's prefill; random: each layer's method.prefill on random q, k, v")
+    ap.add_argument(
+        "--prefill",
+        choices=("model", "random"),
+        default="model",
+        help="model: the engine's prefill; random: each layer's method.prefill on random q, k, v",
+    )
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
 
     rows = []
     for depth in [int(x) for x in args.layers.split(",")]:
-        cfg = ModelConfig("llama", args.vocab, args.hidden, 2 * args.hidden, depth, args.heads, args.kv_heads,
-                          args.head_dim, max_position_embeddings=max(8192, 2 * (args.prompt + args.steps)))
+        cfg = ModelConfig(
+            "llama",
+            args.vocab,
+            args.hidden,
+            2 * args.hidden,
+            depth,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            max_position_embeddings=max(8192, 2 * (args.prompt + args.steps)),
+        )
         params = M.random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
         for name in args.methods.split(","):
             opts = dict(SMALL.get(name, {}))
             if name != "full":
                 opts["budget"] = args.budget
             method = methods.get(name, **opts)
-            res = {layout: one(cfg, params, method, args.prompt, args.steps, layout == "scan", prefill=args.prefill)
-                   for layout in ("unrolled", "scan")}
+            res = {
+                layout: one(cfg, params, method, args.prompt, args.steps, layout == "scan", prefill=args.prefill)
+                for layout in ("unrolled", "scan")
+            }
             u, s = res["unrolled"], res["scan"]
-            row = {"layers": depth, "method": name, "same_tokens": u["tokens"] == s["tokens"],
-                   "scan_segments": s["segments"],
-                   **{f"{k}_{lay}": res[lay][k] for lay in res for k in ("lower_s", "compile_s", "step_ms")}}
+            row = {
+                "layers": depth,
+                "method": name,
+                "same_tokens": u["tokens"] == s["tokens"],
+                "scan_segments": s["segments"],
+                **{f"{k}_{lay}": res[lay][k] for lay in res for k in ("lower_s", "compile_s", "step_ms")},
+            }
             row["load_average_1min"] = os.getloadavg()[0]  # other work on the machine skews the timings
             rows.append(row)
-            print(f"L={depth:3d} {name:14s} lower {u['lower_s']:6.1f}s -> {s['lower_s']:5.1f}s | compile "
-                  f"{u['compile_s']:6.1f}s -> {s['compile_s']:5.1f}s | step {u['step_ms']:7.2f} -> "
-                  f"{s['step_ms']:7.2f} ms | segments {s['segments']} | same tokens {row['same_tokens']}",
-                  flush=True)
+            print(
+                f"L={depth:3d} {name:14s} lower {u['lower_s']:6.1f}s -> {s['lower_s']:5.1f}s | compile "
+                f"{u['compile_s']:6.1f}s -> {s['compile_s']:5.1f}s | step {u['step_ms']:7.2f} -> "
+                f"{s['step_ms']:7.2f} ms | segments {s['segments']} | same tokens {row['same_tokens']}",
+                flush=True,
+            )
     if args.out:
-        out = {"jax_version": jax.__version__, "device": str(jax.devices()[0].device_kind),
-               "platform": platform.platform(), "commit": commit(), "args": vars(args), "rows": rows}
+        out = {
+            "jax_version": jax.__version__,
+            "device": str(jax.devices()[0].device_kind),
+            "platform": platform.platform(),
+            "commit": commit(),
+            "args": vars(args),
+            "rows": rows,
+        }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.out}")

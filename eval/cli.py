@@ -1,15 +1,15 @@
 """``kvjax-eval``: compare KV-cache methods on a model; write JSON, a markdown table and PNG plots.
 
-    kvjax-eval main                                   # the README's main job on the embedded SmolLM2
-    kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
-    kvjax-eval perplexity --prefix 1024 --continuation 256
-    kvjax-eval ruler --lengths 1024
-    kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
-    kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
-    kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
-    kvjax-eval main --mesh data=2,model=4            # sharded over 8 devices: batch over data, heads over model
-    kvjax-eval needle --methods snapkv,chunkkv --option window=16 --option chunkkv.chunk_size=4   # method options
-    kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
+kvjax-eval main                                   # the README's main job on the embedded SmolLM2
+kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
+kvjax-eval perplexity --prefix 1024 --continuation 256
+kvjax-eval ruler --lengths 1024
+kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
+kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
+kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
+kvjax-eval main --mesh data=2,model=4            # sharded over 8 devices: batch over data, heads over model
+kvjax-eval needle --methods snapkv,chunkkv --option window=16 --option chunkkv.chunk_size=4   # method options
+kvjax-eval plot runs/eval/results.json            # redraw the table and plots from a results file
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ MAIN_NOTES = (
     "LESS runs with the kernels shipped in `kvjax/data/less-smollm2` (trained by `kvjax-train-less` with H2O at "
     "103 tokens, 0.2 of 512; used here at 0.2 of each prompt; command and validation loss in its README); the "
     "recall methods (PQCache, ClusterKV, Quest) hold every token and read a "
-    "fraction of it per step, so they have no equal-bytes row.")
+    "fraction of it per step, so they have no equal-bytes row."
+)
 
 
 #: needle: 2 lengths x 5 depths = 10 trials per cell, in 2 batches of 5 (one per length: a batch of 256-token prompts
@@ -88,14 +89,20 @@ def method_options(names, options) -> dict[str, dict]:
         if field == "budget":
             raise ValueError(f"{shown}: set budgets with --budgets (e.g. --budgets 0.2,256)")
         if method and method not in out:
-            raise ValueError(f"{shown}: {method!r} is not one of --methods ({', '.join(names)}); add it or drop the "
-                             "option")
+            raise ValueError(
+                f"{shown}: {method!r} is not one of --methods ({', '.join(names)}); add it or drop the option"
+            )
         targets = [method] if method else [n for n in names if field in fields[n]]
         if not targets or field not in fields[targets[0]]:
             has = sorted(fields[method] - {"budget"}) if method else []
-            raise ValueError(f"{shown}: " + (f"method {method!r} has no option {field!r}; its options are {has}"
-                                             if method else f"no method of --methods ({', '.join(names)}) has an "
-                                             f"option {field!r}"))
+            raise ValueError(
+                f"{shown}: "
+                + (
+                    f"method {method!r} has no option {field!r}; its options are {has}"
+                    if method
+                    else f"no method of --methods ({', '.join(names)}) has an option {field!r}"
+                )
+            )
         for n in targets:
             out[n][field] = value
     return {n: kw for n, kw in out.items() if kw}
@@ -106,8 +113,11 @@ def _tasks(args):
 
     tasks = []
     if args.command in ("main", "needle"):
-        tasks.append(runner.NeedleTask(tuple(args.lengths), tuple(args.depths), args.batch, args.max_new_tokens,
-                                       args.seed, args.trials))
+        tasks.append(
+            runner.NeedleTask(
+                tuple(args.lengths), tuple(args.depths), args.batch, args.max_new_tokens, args.seed, args.trials
+            )
+        )
     if args.command in ("main", "perplexity"):
         tasks.append(runner.PerplexityTask(args.sequences, args.prefix, args.continuation, args.book))
     if args.command == "fidelity":
@@ -117,14 +127,28 @@ def _tasks(args):
     if args.command == "longbench":
         from eval import longbench
 
-        tasks.append(longbench.LongBenchTask(args.data, tuple(longbench.check_dataset(d.strip()) for d in
-                                                              args.datasets.split(",") if d.strip()),
-                                             args.samples, args.max_length, args.batch))
+        tasks.append(
+            longbench.LongBenchTask(
+                args.data,
+                tuple(longbench.check_dataset(d.strip()) for d in args.datasets.split(",") if d.strip()),
+                args.samples,
+                args.max_length,
+                args.batch,
+            )
+        )
     if args.command == "ruler":
         from eval import ruler
 
-        tasks.append(ruler.RulerTask(tuple(args.lengths), tuple(args.ruler_tasks.split(",")), args.samples,
-                                     args.batch, args.max_new_tokens, args.seed))
+        tasks.append(
+            ruler.RulerTask(
+                tuple(args.lengths),
+                tuple(args.ruler_tasks.split(",")),
+                args.samples,
+                args.batch,
+                args.max_new_tokens,
+                args.seed,
+            )
+        )
     return tasks
 
 
@@ -164,8 +188,11 @@ def cmd_run(args) -> int:
         # the kernels shipped for the embedded model, trained with H2O at 103 tokens (0.2 of 512); the main job
         # uses them at 0.2 of each prompt and says so once (MAIN_NOTES) instead of warning per prompt length
         options["less"] = {**options.get("less", {}), "kernels": str(assets.LESS_SMOLLM2_KERNELS)}
-        warnings.filterwarnings("ignore", message=r"kernels=.* were trained for another sparse policy setting: budget: "
-                                r"trained \d+( tokens)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels")
+        warnings.filterwarnings(
+            "ignore",
+            message=r"kernels=.* were trained for another sparse policy setting: budget: "
+            r"trained \d+( tokens)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels",
+        )
     for name, b in grid:
         try:
             harness.make_method(name, b, options.get(name))  # bad option values fail here too
@@ -174,17 +201,28 @@ def cmd_run(args) -> int:
     also_equal_bytes = _also_equal_bytes(args, names)
     runner.check_equal_bytes_refs(grid, {"--equal-bytes": args.equal_bytes, "--also-equal-bytes": also_equal_bytes})
     model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
-    print(f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
-          file=sys.stderr)
+    print(
+        f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
+        file=sys.stderr,
+    )
     if model.mesh is not None:
         _check_mesh_batches(model, args)
         print(f"[kvjax-eval] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     if args.command == "main":
         config["notes"] = MAIN_NOTES
-    results = runner.run(model, _tasks(args), names, args.budgets, config, progress=not args.no_progress,
-                         equal_bytes=args.equal_bytes, options=options,
-                         also_equal_bytes=also_equal_bytes, share_prefill=args.share_prefill)
+    results = runner.run(
+        model,
+        _tasks(args),
+        names,
+        args.budgets,
+        config,
+        progress=not args.no_progress,
+        equal_bytes=args.equal_bytes,
+        options=options,
+        also_equal_bytes=also_equal_bytes,
+        share_prefill=args.share_prefill,
+    )
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
         return 0
@@ -204,24 +242,37 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True,
-            scan=False):
+def _common(
+    sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None, seed=False, equal_bytes=True, scan=False
+):
     """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
     subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
     sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
     sp.add_argument("--methods", default=methods, help=names_help("comma-separated methods"))
-    sp.add_argument("--budgets", type=budget_type("--budgets", many=True), default=budgets,
-                    help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token "
-                         "counts (256)")
-    sp.add_argument("--option", type=parse_qualified_option, action="append", default=[],
-                    metavar="[METHOD.]KEY=VALUE",
-                    help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
-                         "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)")
+    sp.add_argument(
+        "--budgets",
+        type=budget_type("--budgets", many=True),
+        default=budgets,
+        help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token counts (256)",
+    )
+    sp.add_argument(
+        "--option",
+        type=parse_qualified_option,
+        action="append",
+        default=[],
+        metavar="[METHOD.]KEY=VALUE",
+        help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
+        "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)",
+    )
     if equal_bytes:
-        sp.add_argument("--equal-bytes", default=None, metavar="REF",
-                        help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
-                             "the token budget whose cache bytes per sequence are closest to, not above, REF's "
-                             "at each nominal budget (chosen budgets are recorded in results.json)")
+        sp.add_argument(
+            "--equal-bytes",
+            default=None,
+            metavar="REF",
+            help="a method of --methods (e.g. less, snapkv): every other compressed method runs at "
+            "the token budget whose cache bytes per sequence are closest to, not above, REF's "
+            "at each nominal budget (chosen budgets are recorded in results.json)",
+        )
     if lengths is not None:
         sp.add_argument("--lengths", type=_ints, default=lengths, help="context lengths in tokens")
     if batch is not None:
@@ -230,23 +281,36 @@ def _common(sp, methods, budgets, out, *, lengths=None, batch=None, max_new=None
         sp.add_argument("--max-new-tokens", type=int, default=max_new, help="tokens generated per answer")
     if seed:
         sp.add_argument("--seed", type=int, default=0, help="seed of the generated needles / tasks")
-    sp.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                    help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
-                         "'model'; --batch / --sequences must be multiples of the 'data' size")
-    sp.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan,
-                    help="stack the layers and run them as one compiled loop body (faster compiles of deep "
-                         "models; same results)")
-    sp.add_argument("--share-prefill", action=argparse.BooleanOptionalAction, default=True,
-                    help="needle and perplexity: run the model's prefill of each batch once and let every "
-                         "method compress it (kvjax.prefilled; same results up to float rounding; "
-                         "--no-share-prefill prefills per method)")
+    sp.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=N,model=M",
+        help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over "
+        "'model'; --batch / --sequences must be multiples of the 'data' size",
+    )
+    sp.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=scan,
+        help="stack the layers and run them as one compiled loop body (faster compiles of deep models; same results)",
+    )
+    sp.add_argument(
+        "--share-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="needle and perplexity: run the model's prefill of each batch once and let every "
+        "method compress it (kvjax.prefilled; same results up to float rounding; "
+        "--no-share-prefill prefills per method)",
+    )
     sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.set_defaults(func=cmd_run, equal_bytes=None)
 
+
 def _needle_options(sp, depths, trials=1):
     sp.add_argument("--depths", type=_floats, default=depths, help="needle depths in [0, 1]")
     sp.add_argument("--trials", type=int, default=trials, help="passkeys per (length, depth) cell")
+
 
 def _perplexity_options(sp, sequences, prefix, continuation):
     sp.add_argument("--sequences", type=int, default=sequences, help="held-out sequences scored")
@@ -256,27 +320,55 @@ def _perplexity_options(sp, sequences, prefix, continuation):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvjax-eval", description=__doc__.split("\n\n")[0].replace("``", ""),
-                                formatter_class=HelpFormatter, epilog="examples:\n" + __doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="kvjax-eval",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
+        formatter_class=HelpFormatter,
+        epilog="examples:\n" + __doc__.split("\n\n", 1)[1],
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, help):  # every subcommand: defaults in its --help, its help line as its description
-        return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
-                              formatter_class=HelpFormatter)
+        return sub.add_parser(
+            name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=HelpFormatter
+        )
 
-    m = add("main", help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and "
-                       "perplexity (embedded model)")
-    _common(m, MAIN_METHODS, [0.2], "runs/eval-main", lengths=[256, 512], batch=MAIN_BATCH, max_new=MAIN_NEW,
-           seed=True, scan=True)
+    m = add(
+        "main",
+        help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and perplexity (embedded model)",
+    )
+    _common(
+        m,
+        MAIN_METHODS,
+        [0.2],
+        "runs/eval-main",
+        lengths=[256, 512],
+        batch=MAIN_BATCH,
+        max_new=MAIN_NEW,
+        seed=True,
+        scan=True,
+    )
     _needle_options(m, [0.0, 0.25, 0.5, 0.75, 1.0], trials=MAIN_TRIALS)
     _perplexity_options(m, MAIN_SEQUENCES, 512, MAIN_NEW)
-    m.add_argument("--also-equal-bytes", default=None, metavar="REF",
-                   help="after the nominal runs, run every other compressed method again at the token budget whose "
-                        "bytes match REF's (default: h2o when it runs; '' for none)")
+    m.add_argument(
+        "--also-equal-bytes",
+        default=None,
+        metavar="REF",
+        help="after the nominal runs, run every other compressed method again at the token budget whose "
+        "bytes match REF's (default: h2o when it runs; '' for none)",
+    )
 
     n = add("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
-    _common(n, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-needle", lengths=[1024, 2048],
-           batch=4, max_new=8, seed=True)
+    _common(
+        n,
+        "full,streaming_llm,h2o,snapkv,pyramidkv",
+        [0.1, 0.2, 0.5],
+        "runs/eval-needle",
+        lengths=[1024, 2048],
+        batch=4,
+        max_new=8,
+        seed=True,
+    )
     _needle_options(n, [0.0, 0.25, 0.5, 0.75, 1.0])
 
     pp = add("perplexity", help="streaming perplexity of held-out text under a compressed cache")
@@ -284,15 +376,32 @@ def build_parser() -> argparse.ArgumentParser:
     _perplexity_options(pp, 4, 1024, 256)
 
     r = add("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
-    _common(r, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.2, 0.5], "runs/eval-ruler", lengths=[1024], batch=4,
-           max_new=32, seed=True)
+    _common(
+        r,
+        "full,streaming_llm,h2o,snapkv,pyramidkv",
+        [0.2, 0.5],
+        "runs/eval-ruler",
+        lengths=[1024],
+        batch=4,
+        max_new=32,
+        seed=True,
+    )
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words", help="comma-separated tasks")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
 
-    f = add("fidelity", help="per-layer attention error, top-k recall (kept after prefill), "
-                       "top-B recall (recall methods) and layer Jaccard vs full")
-    _common(f, "streaming_llm,h2o,snapkv,pyramidkv,chunkkv", [0.1, 0.2], "runs/eval-fidelity", lengths=[1024],
-           equal_bytes=False)
+    f = add(
+        "fidelity",
+        help="per-layer attention error, top-k recall (kept after prefill), "
+        "top-B recall (recall methods) and layer Jaccard vs full",
+    )
+    _common(
+        f,
+        "streaming_llm,h2o,snapkv,pyramidkv,chunkkv",
+        [0.1, 0.2],
+        "runs/eval-fidelity",
+        lengths=[1024],
+        equal_bytes=False,
+    )
     f.add_argument("--probes", type=int, default=8, help="decode tokens whose attention is compared")
 
     lb = add("longbench", help="LongBench (official jsonl, prompts, truncation and metrics)")
@@ -300,8 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--data", required=True, help="folder of LongBench jsonl files, or the hub id THUDM/LongBench")
     lb.add_argument("--datasets", default="qasper,hotpotqa,triviaqa", help="comma-separated LongBench datasets")
     lb.add_argument("--samples", type=int, default=8, help="examples per dataset")
-    lb.add_argument("--max-length", type=int, default=None,
-                    help="prompt tokens before middle truncation (default: context - longest generation)")
+    lb.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="prompt tokens before middle truncation (default: context - longest generation)",
+    )
 
     pl = add("plot", help="redraw the markdown table and plots from a results.json")
     pl.add_argument("results", help="a results.json written by kvjax-eval")

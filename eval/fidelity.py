@@ -97,8 +97,10 @@ def topb_recall(selected, q, k, n) -> jnp.ndarray:
     b, hq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     if selected.shape[-1] < t:
-        raise ValueError(f"selected has {selected.shape[-1]} positions, fewer than the {t} keys; pass the mask "
-                         "over at least the prompt positions")
+        raise ValueError(
+            f"selected has {selected.shape[-1]} positions, fewer than the {t} keys; pass the mask "
+            "over at least the prompt positions"
+        )
     qg = q.reshape(b, hkv, hq // hkv, d)
     logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=jax.lax.Precision.HIGHEST).reshape(b, hq, t)
     prompt = (jnp.arange(t)[None, :] < jnp.broadcast_to(jnp.asarray(n), (b,))[:, None])[:, None, :]  # [B, 1, T]
@@ -182,9 +184,15 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
     held = float(engine.tokens_held(method, states)[0])
     cache = engine.memory_bytes(method, states)
-    return {"rel_error": errors, "recall": recalls if has_pos else None, "jaccard": jac,
-            "topb_recall": topb if method.recalls else None,
-            "tokens_held": held, "cache_bytes": cache, "kib_per_seq": cache / 1024}
+    return {
+        "rel_error": errors,
+        "recall": recalls if has_pos else None,
+        "jaccard": jac,
+        "topb_recall": topb if method.recalls else None,
+        "tokens_held": held,
+        "cache_bytes": cache,
+        "kib_per_seq": cache / 1024,
+    }
 
 
 def essay_prompt(model, length: int, offset: int = 0) -> list[int]:
@@ -194,7 +202,7 @@ def essay_prompt(model, length: int, offset: int = 0) -> list[int]:
     ids = model.tokenizer.encode(assets.essays_text())
     if offset + length > len(ids):
         raise ValueError(f"length={length} (+ offset {offset}) exceeds the essays' {len(ids)} tokens")
-    return list(ids[offset: offset + length])
+    return list(ids[offset : offset + length])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,10 +222,16 @@ class FidelityTask:
         rows = []
         for ids in batch:
             res = probe(model, ids, method, self.probes)
-            rows.append({**meta, "length": len(ids), "probes": self.probes, **res,
-                         "recall_mean": None if res["recall"] is None else float(np.mean(res["recall"])),
-                         "jaccard_mean": None if res["jaccard"] is None else float(np.mean(res["jaccard"])),
-                         "topb_recall_mean": None if res["topb_recall"] is None
-                         else float(np.mean(res["topb_recall"])),
-                         "score": float(np.mean(res["rel_error"]))})
+            rows.append(
+                {
+                    **meta,
+                    "length": len(ids),
+                    "probes": self.probes,
+                    **res,
+                    "recall_mean": None if res["recall"] is None else float(np.mean(res["recall"])),
+                    "jaccard_mean": None if res["jaccard"] is None else float(np.mean(res["jaccard"])),
+                    "topb_recall_mean": None if res["topb_recall"] is None else float(np.mean(res["topb_recall"])),
+                    "score": float(np.mean(res["rel_error"])),
+                }
+            )
         return rows

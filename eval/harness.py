@@ -81,23 +81,37 @@ def memory_rows(method, states, batch: int | None = None, num_heads: int | None 
     b = len(held)
     per_seq = engine.memory_bytes(method, states) // b
     read = None if num_heads is None else engine.bytes_read_per_step(method, states, num_heads) // b
-    return [{"tokens_held": float(h), "held_bytes": int(hb), "cache_bytes": per_seq, "kib_per_seq": per_seq / 1024,
-             "bytes_read_per_step": read} for h, hb in zip(held[: batch or b], held_b)]
+    return [
+        {
+            "tokens_held": float(h),
+            "held_bytes": int(hb),
+            "cache_bytes": per_seq,
+            "kib_per_seq": per_seq / 1024,
+            "bytes_read_per_step": read,
+        }
+        for h, hb in zip(held[: batch or b], held_b)
+    ]
 
 
 def memory_from_stats(stats: dict) -> dict:
     """The same fields from one ``engine.generate`` stats dict."""
-    return {"tokens_held": float(stats["tokens_held"]), "held_bytes": stats.get("held_bytes"),
-            "cache_bytes": int(stats["cache_bytes"]), "kib_per_seq": stats["cache_bytes"] / 1024,
-            "bytes_read_per_step": stats.get("bytes_read_per_step")}
+    return {
+        "tokens_held": float(stats["tokens_held"]),
+        "held_bytes": stats.get("held_bytes"),
+        "cache_bytes": int(stats["cache_bytes"]),
+        "kib_per_seq": stats["cache_bytes"] / 1024,
+        "bytes_read_per_step": stats.get("bytes_read_per_step"),
+    }
 
 
 def check_context(model, length: int, extra: int, what: str = "lengths"):
     """A context of ``length`` tokens plus ``extra`` decode tokens must fit the model's context."""
     limit = model.config.max_position_embeddings
     if length + extra > limit:
-        raise ValueError(f"{what}: a context of {length} tokens (+{extra} question/answer tokens) is longer than "
-                         f"the model's context of {limit} tokens; use shorter {what}")
+        raise ValueError(
+            f"{what}: a context of {length} tokens (+{extra} question/answer tokens) is longer than "
+            f"the model's context of {limit} tokens; use shorter {what}"
+        )
 
 
 def pad_batch(items: list, batch: int) -> tuple[list, int]:
@@ -114,8 +128,7 @@ def _eos(model) -> set[int]:
     return ids
 
 
-def generate_answers(model, method, prompts: list[list[int]], bucket: int, max_new_tokens: int,
-                     memory: bool = False):
+def generate_answers(model, method, prompts: list[list[int]], bucket: int, max_new_tokens: int, memory: bool = False):
     """Greedy answers to whole prompts (token ids), each compressed by ``method`` at prefill. With
     ``memory=True``: ``(answers, memory rows)`` (:func:`memory_from_stats` per prompt)."""
     out = engine.generate(model, prompts, method, max_new_tokens, driver="python", prompt_len=bucket)
@@ -123,8 +136,16 @@ def generate_answers(model, method, prompts: list[list[int]], bucket: int, max_n
     return (answers, [memory_from_stats(st) for st in out.stats]) if memory else answers
 
 
-def answer_after_context(model, method, contexts: list[list[int]], questions: list[list[int]], bucket: int,
-                         max_new_tokens: int, capacity_new: int | None = None, memory: bool = False):
+def answer_after_context(
+    model,
+    method,
+    contexts: list[list[int]],
+    questions: list[list[int]],
+    bucket: int,
+    max_new_tokens: int,
+    capacity_new: int | None = None,
+    memory: bool = False,
+):
     """kvpress protocol: compress ``contexts`` at prefill, then feed ``questions`` uncompressed, then answer.
 
     contexts, questions: token ids per sequence (same count). ``capacity_new`` (default: longest question +
@@ -138,8 +159,10 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
     longest_q = max(len(q) for q in questions)
     cap_new = capacity_new or longest_q + max_new_tokens
     if longest_q + max_new_tokens > cap_new:
-        raise ValueError(f"capacity_new={cap_new} is smaller than the longest question ({longest_q}) + "
-                         f"max_new_tokens ({max_new_tokens})")
+        raise ValueError(
+            f"capacity_new={cap_new} is smaller than the longest question ({longest_q}) + "
+            f"max_new_tokens ({max_new_tokens})"
+        )
     lengths = [len(c) for c in contexts]
     if max(lengths) > bucket:
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
@@ -147,10 +170,12 @@ def answer_after_context(model, method, contexts: list[list[int]], questions: li
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
     mesh = model.mesh
     put = lambda x: S.put_batch(jnp.asarray(x), mesh)
-    states = engine.init_states(cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh,
-                                scan_layers=M.is_stacked(model.params))
-    states, logits = engine.prefill(cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)),
-                                    states, mesh=mesh)
+    states = engine.init_states(
+        cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
+    )
+    states, logits = engine.prefill(
+        cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)), states, mesh=mesh
+    )
     eos = _eos(model)
     answers: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
@@ -215,13 +240,23 @@ def same_footprint(model_cfg, a, b, capacity: Capacity, dtype, ends: Sequence[tu
     if bytes_per_seq(model_cfg, a, capacity, dtype) != bytes_per_seq(model_cfg, b, capacity, dtype):
         return False
     ends = sorted(set(ends))
-    return bool(np.array_equal(_held_per_end(model_cfg, a, capacity, dtype, ends),
-                               _held_per_end(model_cfg, b, capacity, dtype, ends)))
+    return bool(
+        np.array_equal(
+            _held_per_end(model_cfg, a, capacity, dtype, ends), _held_per_end(model_cfg, b, capacity, dtype, ends)
+        )
+    )
 
 
-def equal_bytes_budget(model_cfg, name: str, ref_bytes: float, capacity: Capacity, dtype,
-                       ends: Sequence[tuple[int, int]], fraction: bool = False,
-                       options: dict | None = None) -> tuple[float | int, float]:
+def equal_bytes_budget(
+    model_cfg,
+    name: str,
+    ref_bytes: float,
+    capacity: Capacity,
+    dtype,
+    ends: Sequence[tuple[int, int]],
+    fraction: bool = False,
+    options: dict | None = None,
+) -> tuple[float | int, float]:
     """The largest budget of method ``name`` whose sequences hold at most ``ref_bytes`` at the end of generation,
     on average over ``ends`` (:func:`held_at_end`): ``(budget, its mean bytes)``. A token count, or with
     ``fraction=True`` a fraction of each prompt on a grid of ``1 / FRACTION_STEPS`` (a fraction keeps the
@@ -248,9 +283,11 @@ def equal_bytes_budget(model_cfg, name: str, ref_bytes: float, capacity: Capacit
             a, b = (a, mid) if size(mid) is not None else (mid, b)
         lo = b
     if size(lo) > ref_bytes:
-        raise ValueError(f"--equal-bytes: method {name} holds {size(lo):.0f} bytes per sequence at the end of "
-                         f"generation at its smallest budget ({budget(lo)}), more than the reference's "
-                         f"{ref_bytes:.0f}")
+        raise ValueError(
+            f"--equal-bytes: method {name} holds {size(lo):.0f} bytes per sequence at the end of "
+            f"generation at its smallest budget ({budget(lo)}), more than the reference's "
+            f"{ref_bytes:.0f}"
+        )
     if size(hi) <= ref_bytes:
         return budget(hi), size(hi)
     a, b = lo, hi  # size(a) <= ref < size(b)

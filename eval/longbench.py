@@ -33,71 +33,114 @@ from typing import Any, Sequence
 from eval import harness, metrics
 from kvjax.engine import bucket_length
 
-_QA_PASSAGES = ("Answer the question based on the given passages. Only give me the answer and do not output any "
-                "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
-                "given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\n"
-                "Answer:")
-_QASPER_RULE = ("Answer the question as concisely as you can, using a single phrase or sentence if possible. If the "
-                "question cannot be answered based on the information in the article, write \"unanswerable\". If the "
-                "question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any "
-                "explanation.")
+_QA_PASSAGES = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any "
+    "other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the "
+    "given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\n"
+    "Answer:"
+)
+_QASPER_RULE = (
+    "Answer the question as concisely as you can, using a single phrase or sentence if possible. If the "
+    'question cannot be answered based on the information in the article, write "unanswerable". If the '
+    'question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any '
+    "explanation."
+)
 
 #: The official prompt templates (config/dataset2prompt.json).
 PROMPTS: dict[str, str] = {
-    "narrativeqa": ("You are given a story, which can be either a novel or a movie script, and a question. Answer the "
-                    "question asconcisely as you can, using a single phrase if possible. Do not provide any "
-                    "explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as "
-                    "you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: "
-                    "{input}\n\nAnswer:"),
-    "qasper": ("You are given a scientific article and a question. " + _QASPER_RULE + "\n\nArticle: {context}\n\n "
-               "Answer the question based on the above article as concisely as you can, using a single phrase or "
-               "sentence if possible. If the question cannot be answered based on the information in the article, "
-               "write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or "
-               "\"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:"),
-    "multifieldqa_en": ("Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question "
-                        "based on the above text, only give me the answer and do not output any other words.\n\n"
-                        "Question: {input}\nAnswer:"),
-    "multifieldqa_zh": ("阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。"
-                        "\n\n问题：{input}\n回答："),
+    "narrativeqa": (
+        "You are given a story, which can be either a novel or a movie script, and a question. Answer the "
+        "question asconcisely as you can, using a single phrase if possible. Do not provide any "
+        "explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as "
+        "you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: "
+        "{input}\n\nAnswer:"
+    ),
+    "qasper": (
+        "You are given a scientific article and a question. " + _QASPER_RULE + "\n\nArticle: {context}\n\n "
+        "Answer the question based on the above article as concisely as you can, using a single phrase or "
+        "sentence if possible. If the question cannot be answered based on the information in the article, "
+        'write "unanswerable". If the question is a yes/no question, answer "yes", "no", or '
+        '"unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:'
+    ),
+    "multifieldqa_en": (
+        "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question "
+        "based on the above text, only give me the answer and do not output any other words.\n\n"
+        "Question: {input}\nAnswer:"
+    ),
+    "multifieldqa_zh": (
+        "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。"
+        "\n\n问题：{input}\n回答："
+    ),
     "hotpotqa": _QA_PASSAGES,
     "2wikimqa": _QA_PASSAGES,
     "musique": _QA_PASSAGES,
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
-    "gov_report": ("You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n"
-                   "{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"),
-    "qmsum": ("You are given a meeting transcript and a query containing a question or instruction. Answer the query in "
-              "one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting "
-              "transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"),
-    "multi_news": ("You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
-                   "Now, write a one-page summary of all the news.\n\nSummary:"),
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",  # noqa: E501 (the official prompt)
+    "gov_report": (
+        "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n"
+        "{context}\n\nNow, write a one-page summary of the report.\n\nSummary:"
+    ),
+    "qmsum": (
+        "You are given a meeting transcript and a query containing a question or instruction. Answer the query in "
+        "one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting "
+        "transcript in one or more sentences.\n\nQuery: {input}\nAnswer:"
+    ),
+    "multi_news": (
+        "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
+        "Now, write a one-page summary of all the news.\n\nSummary:"
+    ),
     "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
-    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
-    "triviaqa": ("Answer the question based on the given passage. Only give me the answer and do not output any other "
-                 "words. The following are some examples.\n\n{context}\n\n{input}"),
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",  # noqa: E501 (the official prompt)
+    "triviaqa": (
+        "Answer the question based on the given passage. Only give me the answer and do not output any other "
+        "words. The following are some examples.\n\n{context}\n\n{input}"
+    ),
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501 (the official prompt)
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
-    "passage_count": ("There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please "
-                      "carefully read these paragraphs and determine how many unique paragraphs there are after "
-                      "removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n"
-                      "{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The "
-                      "output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer "
-                      "is: "),
-    "passage_retrieval_en": ("Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which "
-                             "paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\n"
-                             "Please enter the number of the paragraph that the abstract is from. The answer format "
-                             "must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: "),
-    "passage_retrieval_zh": ("以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n"
-                             "请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是："),
+    "passage_count": (
+        "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please "
+        "carefully read these paragraphs and determine how many unique paragraphs there are after "
+        "removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n"
+        "{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The "
+        "output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer "
+        "is: "
+    ),
+    "passage_retrieval_en": (
+        "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which "
+        "paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\n"
+        "Please enter the number of the paragraph that the abstract is from. The answer format "
+        'must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: '
+    ),
+    "passage_retrieval_zh": (
+        "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n"
+        '请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：'
+    ),
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
 
 #: Maximum generated tokens per dataset (config/dataset2maxlen.json).
 MAX_NEW_TOKENS: dict[str, int] = {
-    "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32,
-    "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512,
-    "vcsum": 512, "trec": 64, "triviaqa": 32, "samsum": 128, "lsht": 64, "passage_count": 32,
-    "passage_retrieval_en": 32, "passage_retrieval_zh": 32, "lcc": 64, "repobench-p": 64,
+    "narrativeqa": 128,
+    "qasper": 128,
+    "multifieldqa_en": 64,
+    "multifieldqa_zh": 64,
+    "hotpotqa": 32,
+    "2wikimqa": 32,
+    "musique": 32,
+    "dureader": 128,
+    "gov_report": 512,
+    "qmsum": 512,
+    "multi_news": 512,
+    "vcsum": 512,
+    "trec": 64,
+    "triviaqa": 32,
+    "samsum": 128,
+    "lsht": 64,
+    "passage_count": 32,
+    "passage_retrieval_en": 32,
+    "passage_retrieval_zh": 32,
+    "lcc": 64,
+    "repobench-p": 64,
 }
 
 #: Datasets prompted without the chat template (pred.py: few-shot and code completion).
@@ -115,7 +158,9 @@ def _jieba():
     return jieba
 
 
-_ZH_PUNCT = set("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
+_ZH_PUNCT = set(
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
 
 
 def _normalize_zh(text: str) -> str:
@@ -149,8 +194,10 @@ def retrieval_zh(prediction: str, truth: str) -> float:
 
 #: dataset -> metric(prediction, truth, all_classes) (eval.py's dataset2metric).
 METRICS: dict[str, Any] = {
-    **{d: lambda p, t, c: metrics.qa_f1(p, t) for d in ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa",
-                                                        "2wikimqa", "musique", "triviaqa")},
+    **{
+        d: lambda p, t, c: metrics.qa_f1(p, t)
+        for d in ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa")
+    },
     **{d: lambda p, t, c: qa_f1_zh(p, t) for d in ("multifieldqa_zh",)},
     **{d: lambda p, t, c: metrics.rouge_l(p, t) for d in ("gov_report", "qmsum", "multi_news", "samsum")},
     **{d: lambda p, t, c: rouge_zh(p, t) for d in ("dureader", "vcsum")},
@@ -190,13 +237,16 @@ def load(data: str | Path, dataset: str, limit: int | None = None) -> list[dict]
                 records = [json.loads(line) for line in lines if line.strip()]
                 break
         else:
-            raise FileNotFoundError(f"data={str(data)!r} has neither {dataset}.jsonl nor data/{dataset}.jsonl; "
-                                    "unzip LongBench's data.zip there or pass the hub id THUDM/LongBench")
+            raise FileNotFoundError(
+                f"data={str(data)!r} has neither {dataset}.jsonl nor data/{dataset}.jsonl; "
+                "unzip LongBench's data.zip there or pass the hub id THUDM/LongBench"
+            )
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(data)) and not path.exists():  # a hub id: owner/name
         records = _load_hub(str(data), dataset)
     else:
-        raise FileNotFoundError(f"data={str(data)!r} is not a folder; pass a folder of LongBench jsonl files or "
-                                "the hub id THUDM/LongBench")
+        raise FileNotFoundError(
+            f"data={str(data)!r} is not a folder; pass a folder of LongBench jsonl files or the hub id THUDM/LongBench"
+        )
     for i, r in enumerate(records):
         missing = [f for f in FIELDS if f not in r]
         if missing:
@@ -214,8 +264,10 @@ def _load_hub(repo: str, dataset: str) -> list[dict]:
 
         archive = hf_hub_download(repo, "data.zip", repo_type="dataset")
     except Exception as e:  # offline, no such repo, ...
-        raise FileNotFoundError(f"could not download data.zip of the hub dataset {repo!r} ({e}); download it where "
-                                "the hub is reachable and pass the unzipped folder as --data") from e
+        raise FileNotFoundError(
+            f"could not download data.zip of the hub dataset {repo!r} ({e}); download it where "
+            "the hub is reachable and pass the unzipped folder as --data"
+        ) from e
     with zipfile.ZipFile(archive) as z:
         name = f"data/{dataset}.jsonl"
         if name not in z.namelist():
@@ -265,7 +317,7 @@ class LongBenchTask:
                 harness.check_context(model, len(ids), MAX_NEW_TOKENS[d], "max_length")
                 items.append((d, r, ids, cut, n))
         bucket = bucket_length(max(len(it[2]) for it in items)) if items else 1
-        return bucket, [items[i: i + self.batch] for i in range(0, len(items), self.batch)]
+        return bucket, [items[i : i + self.batch] for i in range(0, len(items), self.batch)]
 
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket = prepared[0]
@@ -274,7 +326,17 @@ class LongBenchTask:
         answers, mem = harness.generate_answers(model, method, padded, bucket, new, memory=True)
         rows = []
         for (d, r, ids, cut, n), text, m in zip(batch, answers[:real], mem[:real]):
-            rows.append({**meta, "dataset": d, "_id": r["_id"], "prompt_tokens": len(ids), "truncated": cut,
-                         "original_tokens": n, "answer": text,
-                         "score": score(d, text, r["answers"], r.get("all_classes")), **m})
+            rows.append(
+                {
+                    **meta,
+                    "dataset": d,
+                    "_id": r["_id"],
+                    "prompt_tokens": len(ids),
+                    "truncated": cut,
+                    "original_tokens": n,
+                    "answer": text,
+                    "score": score(d, text, r["answers"], r.get("all_classes")),
+                    **m,
+                }
+            )
         return rows

@@ -4,8 +4,9 @@ of Mohtashami & Jaggi, 2023, §4.2), scored as exact retrieval of the number.
 A prompt of about ``length`` tokens (chat template included) is the essays' text cut to fit, with the needle
 sentence inserted at ``depth`` (0 = start, 1 = end of the haystack, moved back to the previous sentence end)
 as its own paragraph, and the question after the haystack; the assistant's turn starts with
-``ANSWER_PREFIX`` (SmolLM2-135M retrieves reliably only with the paragraph breaks and the prefix). The whole prompt, question included, is compressed at prefill (the
-SnapKV/PyramidKV needle protocol). Score: 1 if the passkey's digits appear in the answer, else 0.
+``ANSWER_PREFIX`` (SmolLM2-135M retrieves reliably only with the paragraph breaks and the prefix). The whole prompt,
+question included, is compressed at prefill (the SnapKV/PyramidKV needle protocol). Score: 1 if the passkey's digits
+appear in the answer, else 0.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _haystack_ids(tokenizer) -> tuple[int, ...]:
 
 
 def _prompt(tok, text: str) -> list[int]:
-    return (tok.encode_chat([{"role": "user", "content": INSTRUCTION + text + "\n\n" + QUESTION}])
-            + tok.encode(ANSWER_PREFIX))
+    return tok.encode_chat([{"role": "user", "content": INSTRUCTION + text + "\n\n" + QUESTION}]) + tok.encode(
+        ANSWER_PREFIX
+    )
 
 
 def _sentence_start(ids: Sequence[int], at: int, period_ids: set[int]) -> int:
@@ -61,8 +63,10 @@ def build_example(model, length: int, depth: float, key: str) -> NeedleExample:
     frame = _prompt(tok, needle)
     room = length - len(frame) - 8  # a few tokens of slack for merges at the seams
     if room < 16:
-        raise ValueError(f"length={length} leaves no room for a haystack (template, needle and question take "
-                         f"{len(frame)} tokens); use lengths >= {len(frame) + 32}")
+        raise ValueError(
+            f"length={length} leaves no room for a haystack (template, needle and question take "
+            f"{len(frame)} tokens); use lengths >= {len(frame) + 32}"
+        )
     hay = _haystack_ids(tok)
     if room > len(hay):
         raise ValueError(f"length={length} needs {room} haystack tokens but the essays have {len(hay)}")
@@ -73,12 +77,17 @@ def build_example(model, length: int, depth: float, key: str) -> NeedleExample:
     return NeedleExample(length, float(depth), key, tuple(prompt))
 
 
-def build(model, lengths: Sequence[int], depths: Sequence[float], seed: int = 0,
-          trials: int = 1) -> list[NeedleExample]:
+def build(
+    model, lengths: Sequence[int], depths: Sequence[float], seed: int = 0, trials: int = 1
+) -> list[NeedleExample]:
     """The (length x depth) grid, ``trials`` random 5-digit passkeys per cell (seeded), length-major."""
     rng = np.random.RandomState(seed)
-    return [build_example(model, int(n), float(d), str(rng.randint(10000, 100000)))
-            for n in lengths for d in depths for _ in range(trials)]
+    return [
+        build_example(model, int(n), float(d), str(rng.randint(10000, 100000)))
+        for n in lengths
+        for d in depths
+        for _ in range(trials)
+    ]
 
 
 def score(answer: str, key: str) -> float:

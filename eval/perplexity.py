@@ -42,8 +42,10 @@ def build(model, num_sequences: int, prefix: int, continuation: int, book: str =
     ids = _bible_ids(model.tokenizer, book)
     n = prefix + continuation
     if num_sequences * n > len(ids):
-        raise ValueError(f"{num_sequences} sequences of {n} tokens need {num_sequences * n} tokens but book={book!r} "
-                         f"has {len(ids)}; use fewer/shorter sequences or a longer book (e.g. 'Genesis')")
+        raise ValueError(
+            f"{num_sequences} sequences of {n} tokens need {num_sequences * n} tokens but book={book!r} "
+            f"has {len(ids)}; use fewer/shorter sequences or a longer book (e.g. 'Genesis')"
+        )
     return np.asarray(ids[: num_sequences * n], np.int32).reshape(num_sequences, n)
 
 
@@ -68,15 +70,20 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     if n < 1:
         raise ValueError(f"sequences of {t} tokens have no continuation after prefix={prefix}")
     if t > cfg.max_position_embeddings:
-        raise ValueError(f"prefix + continuation = {t} tokens is longer than the model's context of "
-                         f"{cfg.max_position_embeddings}; use a shorter prefix/continuation")
+        raise ValueError(
+            f"prefix + continuation = {t} tokens is longer than the model's context of "
+            f"{cfg.max_position_embeddings}; use a shorter prefix/continuation"
+        )
     mesh = model.mesh
     if prefilled is not None and not same_batch(prefilled, np.asarray(seqs)[:, :prefix], np.full((b,), prefix)):
-        raise ValueError(f"prefilled= is not the prefill of these sequences' {prefix}-token prefixes; pass "
-                         "kvjax.prefilled.prefill_once(model, seqs[:, :prefix], lengths)")
+        raise ValueError(
+            f"prefilled= is not the prefill of these sequences' {prefix}-token prefixes; pass "
+            "kvjax.prefilled.prefill_once(model, seqs[:, :prefix], lengths)"
+        )
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
-    states = engine.init_states(cfg, method, b, Capacity(prefix, n), model.dtype, mesh,
-                                scan_layers=M.is_stacked(model.params))
+    states = engine.init_states(
+        cfg, method, b, Capacity(prefix, n), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
+    )
     lengths = S.put_batch(jnp.full((b,), prefix, jnp.int32), mesh)
     if prefilled is None:
         states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
@@ -84,8 +91,9 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         states, logits = compress(cfg, method, prefilled, states), prefilled.logits
     out = [_logprob(logits, seqs[:, prefix])]
     for i in range(1, n):
-        logits, states = engine.decode_step(cfg, method, model.params, states, seqs[:, prefix + i - 1],
-                                            lengths + i - 1, mesh=mesh)
+        logits, states = engine.decode_step(
+            cfg, method, model.params, states, seqs[:, prefix + i - 1], lengths + i - 1, mesh=mesh
+        )
         out.append(_logprob(logits, seqs[:, prefix + i]))
     nll = -S.to_host(jnp.stack(out, axis=1))
     if not memory:

@@ -31,8 +31,11 @@ TASKS: dict[str, tuple[str, str, bool]] = {
 
 #: task -> extra columns (title, row field) averaged over the rows that have the field (None = not measured)
 EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "fidelity": (("top-k recall", "recall_mean"), ("top-B recall", "topb_recall_mean"),
-                 ("layer Jaccard", "jaccard_mean")),
+    "fidelity": (
+        ("top-k recall", "recall_mean"),
+        ("top-B recall", "topb_recall_mean"),
+        ("layer Jaccard", "jaccard_mean"),
+    ),
 }
 
 
@@ -46,11 +49,21 @@ def environment() -> dict[str, Any]:
 
     devices = jax.devices()
     return {
-        "versions": {"kvjax": kvjax.__version__, "jax": jax.__version__,
-                     "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
-                     "flax": flax.__version__, "numpy": np.__version__, "python": platform.python_version()},
-        "device": {"backend": jax.default_backend(), "devices": [str(d) for d in devices],
-                   "kind": devices[0].device_kind, "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "versions": {
+            "kvjax": kvjax.__version__,
+            "jax": jax.__version__,
+            "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
+            "flax": flax.__version__,
+            "numpy": np.__version__,
+            "python": platform.python_version(),
+        },
+        "device": {
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in devices],
+            "kind": devices[0].device_kind,
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+        },
     }
 
 
@@ -69,12 +82,17 @@ def _commit() -> str | None:
 
     root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
@@ -85,8 +103,16 @@ def new_results(config: dict[str, Any]) -> dict[str, Any]:
     import sys
 
     command = " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name] + sys.argv[1:])
-    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, **environment(),
-            "commit": _commit(), "command": command, "timings": {"runs": []}, "rows": []}
+    return {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": config,
+        **environment(),
+        "commit": _commit(),
+        "command": command,
+        "timings": {"runs": []},
+        "rows": [],
+    }
 
 
 def header(results: dict[str, Any]) -> str:
@@ -96,36 +122,45 @@ def header(results: dict[str, Any]) -> str:
     tasks = cfg.get("tasks", {})
     n = collections.Counter(_key(r) for r in results["rows"])
     per_task = {t: sorted({c for k, c in n.items() if k[0] == t}) for t in _tasks(results)}
-    lines = [f"# kvjax-eval results ({results.get('created', '')})", "",
-             f"- model: `{cfg.get('model', '?')}`, dtype {cfg.get('dtype', '?')}; methods "
-             f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(f'{b:g}' for b in cfg.get('budgets', []))}"
-             + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
-             + (f"; budgets matched to the bytes `{cfg['equal_bytes']}` holds" if cfg.get("equal_bytes") else "")]
+    lines = [
+        f"# kvjax-eval results ({results.get('created', '')})",
+        "",
+        f"- model: `{cfg.get('model', '?')}`, dtype {cfg.get('dtype', '?')}; methods "
+        f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(f'{b:g}' for b in cfg.get('budgets', []))}"
+        + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
+        + (f"; budgets matched to the bytes `{cfg['equal_bytes']}` holds" if cfg.get("equal_bytes") else ""),
+    ]
     for t, spec in tasks.items():
         size = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name",))
         lines.append(f"- {t}: {size}; n per cell {'/'.join(map(str, per_task.get(t, []))) or '-'}")
     v, d = results.get("versions", {}), results.get("device", {})
-    lines += [f"- jax {v.get('jax')}, kvjax {v.get('kvjax')}, {d.get('backend')} ({d.get('kind')}, "
-              f"{d.get('cpu_count')} cores); commit `{results.get('commit')}`; "
-              f"wall {results.get('timings', {}).get('wall_seconds', float('nan')):.0f} s",
-              f"- command: `{results.get('command', '')}`", "", "How to read this: " + HOW_TO_READ]
+    lines += [
+        f"- jax {v.get('jax')}, kvjax {v.get('kvjax')}, {d.get('backend')} ({d.get('kind')}, "
+        f"{d.get('cpu_count')} cores); commit `{results.get('commit')}`; "
+        f"wall {results.get('timings', {}).get('wall_seconds', float('nan')):.0f} s",
+        f"- command: `{results.get('command', '')}`",
+        "",
+        "How to read this: " + HOW_TO_READ,
+    ]
     if cfg.get("notes"):
         lines += ["", cfg["notes"]]
     return "\n".join(lines)
 
 
-HOW_TO_READ = ("each cell is the mean over n trials with a 95% interval (Wilson for accuracies, Student's t over "
-               "sequences for perplexity): cells whose intervals overlap are not shown to differ. Perplexity varies "
-               "more between texts than between methods, so its table also gives the paired difference of mean NLL "
-               "to full on the same sequences (an interval excluding 0 is a real difference). `budget` is the "
-               "nominal one, a fraction of each prompt (or a token count); `held KiB/seq` is what a sequence's KV "
-               "cache holds at the end of generation (measured from the state: tokens held x bytes per slot, plus "
-               "codes, centroids and low-rank states), `allocated KiB/seq` the buffer the fixed-shape state reserves "
-               "for the bucket and max new tokens, `read KiB/step` the bytes one decode step reads. Methods that keep "
-               "generated tokens (SnapKV, PyramidKV, ChunkKV, Chelsea) end holding more than their nominal budget; "
-               "the recall methods (PQCache, ClusterKV, Quest) hold every token and save reads, not memory. Rows "
-               "`= bytes of REF` rerun a method at the budget (after the arrow) whose bytes held at the end of "
-               "generation match REF's at that nominal budget, on average over the task's prompts.")
+HOW_TO_READ = (
+    "each cell is the mean over n trials with a 95% interval (Wilson for accuracies, Student's t over "
+    "sequences for perplexity): cells whose intervals overlap are not shown to differ. Perplexity varies "
+    "more between texts than between methods, so its table also gives the paired difference of mean NLL "
+    "to full on the same sequences (an interval excluding 0 is a real difference). `budget` is the "
+    "nominal one, a fraction of each prompt (or a token count); `held KiB/seq` is what a sequence's KV "
+    "cache holds at the end of generation (measured from the state: tokens held x bytes per slot, plus "
+    "codes, centroids and low-rank states), `allocated KiB/seq` the buffer the fixed-shape state reserves "
+    "for the bucket and max new tokens, `read KiB/step` the bytes one decode step reads. Methods that keep "
+    "generated tokens (SnapKV, PyramidKV, ChunkKV, Chelsea) end holding more than their nominal budget; "
+    "the recall methods (PQCache, ClusterKV, Quest) hold every token and save reads, not memory. Rows "
+    "`= bytes of REF` rerun a method at the budget (after the arrow) whose bytes held at the end of "
+    "generation match REF's at that nominal budget, on average over the task's prompts."
+)
 
 
 def save(results: dict[str, Any], path: str | Path) -> Path:
@@ -234,8 +269,12 @@ def summarise_intervals(results: dict[str, Any]) -> dict[tuple, dict[str, float]
 
 
 #: memory summary field -> (row field, scale): bytes fields shown in KiB
-_MEMORY_FIELDS = {"tokens_held": ("tokens_held", 1.0), "held_kib": ("held_bytes", 1 / 1024),
-                  "kib_per_seq": ("kib_per_seq", 1.0), "read_kib": ("bytes_read_per_step", 1 / 1024)}
+_MEMORY_FIELDS = {
+    "tokens_held": ("tokens_held", 1.0),
+    "held_kib": ("held_bytes", 1 / 1024),
+    "kib_per_seq": ("kib_per_seq", 1.0),
+    "read_kib": ("bytes_read_per_step", 1 / 1024),
+}
 
 
 def _memory_value(row, field) -> float | None:
@@ -266,8 +305,12 @@ def _tasks(results) -> list[str]:
     return list(dict.fromkeys(row["task"] for row in results["rows"]))
 
 
-MEMORY_COLUMNS = (("tokens held", "tokens_held"), ("held KiB/seq", "held_kib"), ("allocated KiB/seq", "kib_per_seq"),
-                  ("read KiB/step", "read_kib"))
+MEMORY_COLUMNS = (
+    ("tokens held", "tokens_held"),
+    ("held KiB/seq", "held_kib"),
+    ("allocated KiB/seq", "kib_per_seq"),
+    ("read KiB/step", "read_kib"),
+)
 
 
 def _budget_cell(results, groups, task, method, budget) -> str:
@@ -275,8 +318,13 @@ def _budget_cell(results, groups, task, method, budget) -> str:
     ``groups``: :func:`_groups` of ``results``."""
     if budget is None:
         return "-"
-    ran = sorted({r["budget"] for r in groups.get((task, method, budget), ())
-                  if r["budget"] is not None and r["budget"] != budget})
+    ran = sorted(
+        {
+            r["budget"]
+            for r in groups.get((task, method, budget), ())
+            if r["budget"] is not None and r["budget"] != budget
+        }
+    )
     text = f"{budget:g}" + (" → " + ", ".join(f"{b:.4g}" for b in ran) if ran else "")
     ref = results.get("config", {}).get("equal_bytes")
     return f"{text} (bytes of {ref})" if ref and method not in ("full", ref) else text
@@ -300,8 +348,9 @@ def paired_vs_full(results: dict[str, Any], task: str = "perplexity") -> dict[tu
     full = {r.get("sequence"): r["nll"] for r in groups.get((task, "full", None), ()) if r.get("sequence") is not None}
     out = {}
     for (t, m, b), rows in groups.items():
-        diffs = [r["nll"] - full[r["sequence"]] for r in rows if t == task and m != "full"
-                 and r.get("sequence") in full]
+        diffs = [
+            r["nll"] - full[r["sequence"]] for r in rows if t == task and m != "full" and r.get("sequence") in full
+        ]
         if diffs:
             lo, hi = _t_interval(diffs)
             out[(m, b)] = {"value": sum(diffs) / len(diffs), "lo": lo, "hi": hi, "n": len(diffs)}
@@ -412,14 +461,20 @@ def scores_figure(results: dict[str, Any]):
             x = memory.get((task, m, b), {}).get("held_kib", memory.get((task, m, b), {}).get("kib_per_seq"))
             if x is not None:
                 pts.setdefault(m, []).append((b, x, ci))
-        notes = _identical_note({m: [(round(x, 3), round(ci["value"], 6)) for _, x, ci in sorted(
-            p, key=lambda p: str(p[0]))] for m, p in pts.items()})
+        notes = _identical_note(
+            {
+                m: [(round(x, 3), round(ci["value"], 6)) for _, x, ci in sorted(p, key=lambda p: str(p[0]))]
+                for m, p in pts.items()
+            }
+        )
         for m, p in pts.items():
             st = styles[m]
             xs = [x for _, x, _ in p]
             ys = [ci["value"] for _, _, ci in p]
-            err = [[max(0.0, ci["value"] - ci["lo"]) if not math.isnan(ci["lo"]) else 0.0 for _, _, ci in p],
-                   [max(0.0, ci["hi"] - ci["value"]) if not math.isnan(ci["hi"]) else 0.0 for _, _, ci in p]]
+            err = [
+                [max(0.0, ci["value"] - ci["lo"]) if not math.isnan(ci["lo"]) else 0.0 for _, _, ci in p],
+                [max(0.0, ci["hi"] - ci["value"]) if not math.isnan(ci["hi"]) else 0.0 for _, _, ci in p],
+            ]
             handles.setdefault(m, kax.errorbar(xs, ys, yerr=err, ls="", capsize=2, elinewidth=0.8, ms=6, **st))
             if m in notes:
                 notes_all[m].append((notes[m], task))
@@ -454,8 +509,7 @@ def scores_figure(results: dict[str, Any]):
             labels.append(m + "".join(f"{note[:-1]} on {', '.join(ts)})" for note, ts in same.items()))
         refs = sorted({m.split(" = bytes of ")[1] for m in handles if " = bytes of " in m})
         title = "method (error bars: 95% CI)" + (f"\nhollow: at the bytes of {', '.join(refs)}" if refs else "")
-        fig.legend(list(handles.values()), labels, loc="outside right upper", fontsize=8, title=title,
-                   title_fontsize=8)
+        fig.legend(list(handles.values()), labels, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
     return fig
 
 
@@ -495,7 +549,7 @@ def needle_figure(results: dict[str, Any]):
     nrows = -(-len(configs) // cols)
     fig = Figure(figsize=(3.3 * cols + 1.2, 2.6 * nrows + 0.6), layout="constrained")
     axes = fig.subplots(nrows, cols, squeeze=False)
-    for ax in axes.flat[len(configs):]:
+    for ax in axes.flat[len(configs) :]:
         ax.axis("off")
     for i, (ax, (m, b)) in enumerate(zip(axes.flat, configs)):
         grid = np.full((len(depths), len(lengths)), np.nan)

@@ -58,7 +58,7 @@ def _split_chat(tok, context: str, question: str, answer_prefix: str) -> tuple[l
 
 def _fill(tok, pieces: list[str], room: int, rng) -> str:
     """Essay text of about ``room`` tokens with ``pieces`` inserted at random sentence boundaries, in order."""
-    hay = tok.decode(list(_essay_ids(tok)[:max(room, 1)]))
+    hay = tok.decode(list(_essay_ids(tok)[: max(room, 1)]))
     sentences = re.split(r"(?<=[.!?])\s+", hay)
     at = sorted(rng.choice(np.arange(len(sentences) + 1), size=len(pieces), replace=len(pieces) > len(sentences)))
     for offset, (i, piece) in enumerate(zip(at, pieces)):
@@ -69,8 +69,10 @@ def _fill(tok, pieces: list[str], room: int, rng) -> str:
 def _room(tok, length: int, frame_tokens: int) -> int:
     room = length - frame_tokens - 16
     if room < 32:
-        raise ValueError(f"length={length} leaves no room for the haystack (the task's text takes {frame_tokens} "
-                         f"tokens); use lengths >= {frame_tokens + 64}")
+        raise ValueError(
+            f"length={length} leaves no room for the haystack (the task's text takes {frame_tokens} "
+            f"tokens); use lengths >= {frame_tokens + 64}"
+        )
     return room
 
 
@@ -79,8 +81,10 @@ def multikey(tok, length: int, rng, keys: int = 4) -> RulerExample:
     values = [str(rng.randint(1000000, 10000000)) for _ in range(keys)]
     needles = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)]
     target = int(rng.randint(keys))
-    intro = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-             "I will quiz you about the numbers afterwards.\n")
+    intro = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the numbers afterwards.\n"
+    )
     question = f"\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
     prefix = f"The special magic number for {words[target]} mentioned in the provided text is"
     frame = len(tok.encode(intro + " ".join(needles) + question + prefix)) + 20
@@ -95,8 +99,10 @@ def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
     intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
     question = f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
-              "variables are assigned the value {value}, they are:").replace("{value}", value)
+    prefix = (
+        f" Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
+        "variables are assigned the value {value}, they are:"
+    ).replace("{value}", value)
     frame = len(tok.encode(intro + " ".join(chain) + question + prefix)) + 20
     text = intro + _fill(tok, chain, _room(tok, length, frame), rng)
     ctx, q = _split_chat(tok, text, question, prefix)
@@ -104,8 +110,10 @@ def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
 
 
 def common_words(tok, length: int, rng, top: int = 5, freq_common: int = 6, freq_rare: int = 1) -> RulerExample:
-    intro = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
-             "ones that appear most often.\n")
+    intro = (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+        "ones that appear most often.\n"
+    )
     question = f"\nQuestion: What are the {top} most common words in the above list?"
     prefix = f" Answer: The top {top} words that appear most often in the list are:"
     frame = len(tok.encode(intro + question + prefix)) + 20
@@ -151,7 +159,7 @@ class RulerTask:
         for e in examples:
             harness.check_context(model, len(e.context), longest_q + self.max_new_tokens)
         bucket = bucket_length(max(len(e.context) for e in examples))
-        batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
+        batches = [examples[i : i + self.batch] for i in range(0, len(examples), self.batch)]
         return (bucket, longest_q + self.max_new_tokens), batches
 
     def capacity(self, prepared):
@@ -166,9 +174,26 @@ class RulerTask:
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, cap_new = prepared[0]
         padded, real = harness.pad_batch(list(batch), self.batch)
-        answers, mem = harness.answer_after_context(model, method, [list(e.context) for e in padded],
-                                                    [list(e.question) for e in padded], bucket,
-                                                    self.max_new_tokens, capacity_new=cap_new, memory=True)
-        return [{**meta, "subtask": e.task, "length": e.length, "context_tokens": len(e.context),
-                 "expected": list(e.answers), "answer": a, "score": metrics.string_match_all(a, e.answers), **m}
-                for e, a, m in zip(batch, answers[:real], mem[:real])]
+        answers, mem = harness.answer_after_context(
+            model,
+            method,
+            [list(e.context) for e in padded],
+            [list(e.question) for e in padded],
+            bucket,
+            self.max_new_tokens,
+            capacity_new=cap_new,
+            memory=True,
+        )
+        return [
+            {
+                **meta,
+                "subtask": e.task,
+                "length": e.length,
+                "context_tokens": len(e.context),
+                "expected": list(e.answers),
+                "answer": a,
+                "score": metrics.string_match_all(a, e.answers),
+                **m,
+            }
+            for e, a, m in zip(batch, answers[:real], mem[:real])
+        ]

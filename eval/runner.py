@@ -38,7 +38,7 @@ class NeedleTask:
             harness.check_context(model, n, self.max_new_tokens, "lengths")
         examples = needle.build(model, self.lengths, self.depths, self.seed, self.trials)
         bucket = bucket_length(max(len(e.prompt) for e in examples))
-        batches = [examples[i: i + self.batch] for i in range(0, len(examples), self.batch)]
+        batches = [examples[i : i + self.batch] for i in range(0, len(examples), self.batch)]
         return bucket, batches
 
     def capacity(self, prepared) -> Capacity:
@@ -61,16 +61,33 @@ class NeedleTask:
 
         # every sequence decodes max_new_tokens, so the bytes held at the end are the same for every batch (the ones
         # --equal-bytes matches); the answer is cut at its first end-of-sequence token, as generate would
-        out = engine.generate(model, padded, method, self.max_new_tokens, driver="python", prompt_len=bucket,
-                              stop_at_eos=False, prefilled=prefilled)
+        out = engine.generate(
+            model,
+            padded,
+            method,
+            self.max_new_tokens,
+            driver="python",
+            prompt_len=bucket,
+            stop_at_eos=False,
+            prefilled=prefilled,
+        )
         eos = set(engine.eos_ids(model))
         rows = []
         for e, tokens, stats in zip(batch, out.tokens[:real], out.stats[:real]):
             answer = engine.until_eos(tokens, eos)
             text = model.tokenizer.decode(answer) if model.tokenizer is not None else ""
-            rows.append({**meta, "length": e.length, "depth": e.depth, "prompt_tokens": len(e.prompt),
-                         "key": e.key, "answer": text, "score": needle.score(text, e.key),
-                         **harness.memory_from_stats(stats)})
+            rows.append(
+                {
+                    **meta,
+                    "length": e.length,
+                    "depth": e.depth,
+                    "prompt_tokens": len(e.prompt),
+                    "key": e.key,
+                    "answer": text,
+                    "score": needle.score(text, e.key),
+                    **harness.memory_from_stats(stats),
+                }
+            )
         return rows
 
 
@@ -100,8 +117,10 @@ class PerplexityTask:
 
     def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
         nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True, prefilled=prefilled)
-        return [{**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size),
-                 "score": float(row.mean()), **m} for i, (row, m) in enumerate(zip(nll, mem))]
+        return [
+            {**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size), "score": float(row.mean()), **m}
+            for i, (row, m) in enumerate(zip(nll, mem))
+        ]
 
 
 #: the most bytes of shared prefills (:class:`Shared`) a run keeps; batches beyond it prefill once per method
@@ -138,8 +157,10 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
     sequences hold at most ``ref``'s bytes at ``b`` at the end of generation, on average over the task's examples
     (:func:`harness.equal_bytes_budget`). Returns (configs ``(name, budget, nominal budget)``, records)."""
     if not hasattr(task, "ends"):
-        raise ValueError(f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
-                         "per example); run it without --equal-bytes")
+        raise ValueError(
+            f"--equal-bytes is not supported by the {task.name} task (its cache capacity varies "
+            "per example); run it without --equal-bytes"
+        )
     cap, ends = task.capacity(prepared), task.ends(prepared)
     options = options or {}
     configs, records = [], []
@@ -147,23 +168,58 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
         if name in ("full", ref):
             configs.append((name, b, b))
             continue
-        ref_bytes = harness.held_at_end(model.config, harness.make_method(ref, b, options.get(ref)), cap,
-                                        model.dtype, ends)
+        ref_bytes = harness.held_at_end(
+            model.config, harness.make_method(ref, b, options.get(ref)), cap, model.dtype, ends
+        )
         try:
-            t, got = harness.equal_bytes_budget(model.config, name, ref_bytes, cap, model.dtype, ends,
-                                                fraction=isinstance(b, float), options=options.get(name))
+            t, got = harness.equal_bytes_budget(
+                model.config,
+                name,
+                ref_bytes,
+                cap,
+                model.dtype,
+                ends,
+                fraction=isinstance(b, float),
+                options=options.get(name),
+            )
         except ValueError as e:
             print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
-            records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": None,
-                            "ref": ref, "ref_bytes": ref_bytes, "skipped": str(e)})
+            records.append(
+                {
+                    "task": task.name,
+                    "method": name,
+                    "nominal_budget": b,
+                    "budget": None,
+                    "ref": ref,
+                    "ref_bytes": ref_bytes,
+                    "skipped": str(e),
+                }
+            )
             continue
-        if t != b and harness.same_footprint(model.config, harness.make_method(name, t, options.get(name)),
-                                             harness.make_method(name, b, options.get(name)), cap, model.dtype, ends):
+        if t != b and harness.same_footprint(
+            model.config,
+            harness.make_method(name, t, options.get(name)),
+            harness.make_method(name, b, options.get(name)),
+            cap,
+            model.dtype,
+            ends,
+        ):
             t = b  # the same token counts as the nominal budget: the nominal run stands for it (run() reuses it)
         configs.append((name, t, b))
-        records.append({"task": task.name, "method": name, "nominal_budget": b, "budget": t, "bytes": got,
-                        "ref": ref, "ref_bytes": ref_bytes, "measure": "mean bytes held at the end of generation",
-                        "prompt_len": cap.prompt_len, "max_new_tokens": cap.max_new_tokens})
+        records.append(
+            {
+                "task": task.name,
+                "method": name,
+                "nominal_budget": b,
+                "budget": t,
+                "bytes": got,
+                "ref": ref,
+                "ref_bytes": ref_bytes,
+                "measure": "mean bytes held at the end of generation",
+                "prompt_len": cap.prompt_len,
+                "max_new_tokens": cap.max_new_tokens,
+            }
+        )
     return configs, records
 
 
@@ -173,8 +229,10 @@ def check_equal_bytes_refs(grid, refs: dict[str, str | None]) -> None:
     compressed = list(dict.fromkeys(n for n, _ in grid if n != "full"))
     for option, ref in refs.items():
         if ref is not None and ref not in compressed:
-            raise ValueError(f"{option} {ref!r} must be one of the compressed methods of --methods "
-                             f"({', '.join(compressed) or 'none'})")
+            raise ValueError(
+                f"{option} {ref!r} must be one of the compressed methods of --methods "
+                f"({', '.join(compressed) or 'none'})"
+            )
 
 
 def _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, results) -> list[tuple]:
@@ -193,17 +251,26 @@ def _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, 
         if also_equal_bytes is not None:
             configs, records = equal_bytes_grid(model, task, prepared[task.name], grid, also_equal_bytes, options)
             results.setdefault("equal_bytes", []).extend(records)
-            plan.extend((task, n, b, nb, also_equal_bytes) for n, b, nb in configs
-                        if n not in ("full", also_equal_bytes))
+            plan.extend(
+                (task, n, b, nb, also_equal_bytes) for n, b, nb in configs if n not in ("full", also_equal_bytes)
+            )
     order = {n: i for i, n in enumerate(dict.fromkeys(n for n, _ in grid))}
     plan.sort(key=lambda p: (p[4] is not None, order[p[1]], repr(p[2]), p[4] or ""))
     return plan
 
 
-def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Sequence,
-        config: dict[str, Any] | None = None, progress: bool = True, equal_bytes: str | None = None,
-        options: dict[str, dict] | None = None, also_equal_bytes: str | None = None,
-        share_prefill: bool = True) -> dict[str, Any]:
+def run(
+    model,
+    tasks: Sequence[Any],
+    method_names: Sequence[str],
+    budgets: Sequence,
+    config: dict[str, Any] | None = None,
+    progress: bool = True,
+    equal_bytes: str | None = None,
+    options: dict[str, dict] | None = None,
+    also_equal_bytes: str | None = None,
+    share_prefill: bool = True,
+) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
     ``equal_bytes`` (a method name in ``method_names``): the other compressed methods run at the budget whose
@@ -223,11 +290,19 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
     for name, b in grid:
         harness.make_method(name, b, options.get(name))  # option errors surface here
     prepared = {t.name: t.prepare(model) for t in tasks}
-    results = report.new_results({**(config or {}), "model": model.name, "dtype": str(model.dtype),
-                                  "methods": list(method_names), "options": options,
-                                  "budgets": list(budgets), "equal_bytes": equal_bytes,
-                                  "equal_bytes_also": also_equal_bytes,
-                                  "tasks": {t.name: dataclasses.asdict(t) for t in tasks}})
+    results = report.new_results(
+        {
+            **(config or {}),
+            "model": model.name,
+            "dtype": str(model.dtype),
+            "methods": list(method_names),
+            "options": options,
+            "budgets": list(budgets),
+            "equal_bytes": equal_bytes,
+            "equal_bytes_also": also_equal_bytes,
+            "tasks": {t.name: dataclasses.asdict(t) for t in tasks},
+        }
+    )
     results["timings"]["load_seconds"] = model.load_seconds
     plan = _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, results)
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
@@ -247,26 +322,43 @@ def run(model, tasks: Sequence[Any], method_names: Sequence[str], budgets: Seque
                 if same is not None:  # the budget matching the reference's bytes is the nominal one: same run
                     results["rows"].extend({**r, **meta, "reused": "the nominal run's rows"} for r in same)
                     bar.update(len(prepared[task.name][1]))
-                    results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
-                                                       "seconds": 0.0, "setting": f"bytes of {second}",
-                                                       "note": "the nominal run's rows, reused"})
+                    results["timings"]["runs"].append(
+                        {
+                            "task": task.name,
+                            "method": name,
+                            "budget": budget,
+                            "seconds": 0.0,
+                            "setting": f"bytes of {second}",
+                            "note": "the nominal run's rows, reused",
+                        }
+                    )
                     continue
             first = len(results["rows"])
             for i, batch in enumerate(prepared[task.name][1]):
-                bar.set_postfix_str(f"{task.name} {name}" + ("" if budget is None else f"@{budget:g}")
-                                    + ("" if second is None else f" (bytes of {second})"))
+                bar.set_postfix_str(
+                    f"{task.name} {name}"
+                    + ("" if budget is None else f"@{budget:g}")
+                    + ("" if second is None else f" (bytes of {second})")
+                )
                 tb = time.perf_counter()
                 pre = shared.get(task, prepared[task.name], i, batch) if shared else None
-                rows = task.run_batch(model, method, prepared[task.name], batch, meta,
-                                      **({} if pre is None else {"prefilled": pre}))
+                rows = task.run_batch(
+                    model, method, prepared[task.name], batch, meta, **({} if pre is None else {"prefilled": pre})
+                )
                 for r in rows:
                     r["batch_seconds"] = time.perf_counter() - tb
                 results["rows"].extend(rows)
                 bar.update(1)
-            results["timings"]["runs"].append({"task": task.name, "method": name, "budget": budget,
-                                               "seconds": time.perf_counter() - t0,
-                                               "setting": second and f"bytes of {second}",
-                                               "note": "a configuration's first batch includes compilation"})
+            results["timings"]["runs"].append(
+                {
+                    "task": task.name,
+                    "method": name,
+                    "budget": budget,
+                    "seconds": time.perf_counter() - t0,
+                    "setting": second and f"bytes of {second}",
+                    "note": "a configuration's first batch includes compilation",
+                }
+            )
             if second is None:
                 done[(task.name, name, budget)] = results["rows"][first:]
             if k + 1 == len(plan) or plan[k + 1][1:3] != (name, budget):

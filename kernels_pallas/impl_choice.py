@@ -95,14 +95,24 @@ def choose(kernel: str, impls: tuple[str, ...], fallback: str) -> str:
         return platform
     if (kernel, on) not in _warned:
         _warned.add((kernel, on))
-        log.warning("kvjax: the %s kernel %r has not been verified on %s (kernels_pallas/verified.py); using %r. "
-                    "Opt in with %s=%s (or %s=1 for every kernel); bash scripts/accelerator.sh tests verifies and "
-                    "records it.", kernel, platform, on, fallback, ENV_VARS[kernel], platform, ALL_ENV)
+        log.warning(
+            "kvjax: the %s kernel %r has not been verified on %s (kernels_pallas/verified.py); using %r. "
+            "Opt in with %s=%s (or %s=1 for every kernel); bash scripts/accelerator.sh tests verifies and "
+            "records it.",
+            kernel,
+            platform,
+            on,
+            fallback,
+            ENV_VARS[kernel],
+            platform,
+            ALL_ENV,
+        )
     return fallback
 
 
-def record_from_junit(junit_xml, path: Path | None = None, device_kind: str | None = None,
-                      on: str | None = None) -> dict:
+def record_from_junit(
+    junit_xml, path: Path | None = None, device_kind: str | None = None, on: str | None = None
+) -> dict:
     """Update the record (``path``, default :data:`VERIFIED_FILE`) from a ``tests/accelerator`` junit file.
 
     On this backend (``on``), a kernel whose verifying tests (:data:`VERIFYING_TESTS`) all passed (at least one
@@ -114,8 +124,10 @@ def record_from_junit(junit_xml, path: Path | None = None, device_kind: str | No
     path = Path(path or VERIFIED_FILE)
     on = on or backend()
     if on not in ("gpu", "tpu"):
-        raise ValueError(f"record_from_junit: the backend is {on!r}; only a GPU or TPU run verifies a kernel "
-                         "(run bash scripts/accelerator.sh tests on the device)")
+        raise ValueError(
+            f"record_from_junit: the backend is {on!r}; only a GPU or TPU run verifies a kernel "
+            "(run bash scripts/accelerator.sh tests on the device)"
+        )
     device_kind = device_kind or jax.devices()[0].device_kind
     outcomes: dict[str, list[str]] = {k: [] for k in PLATFORM_IMPLS}
     for case in ET.parse(junit_xml).getroot().iter("testcase"):
@@ -129,13 +141,21 @@ def record_from_junit(junit_xml, path: Path | None = None, device_kind: str | No
         if not statuses:
             continue
         ok = all(s == "passed" for s in statuses)
-        record.setdefault(kernel, {})[on] = {
-            "impl": PLATFORM_IMPLS[kernel][on], "device_kind": device_kind, "jax": jax.__version__,
-            "date": datetime.date.today().isoformat(), "tests": f"{statuses.count('passed')}/{len(statuses)} passed",
-        } if ok else None
+        record.setdefault(kernel, {})[on] = (
+            {
+                "impl": PLATFORM_IMPLS[kernel][on],
+                "device_kind": device_kind,
+                "jax": jax.__version__,
+                "date": datetime.date.today().isoformat(),
+                "tests": f"{statuses.count('passed')}/{len(statuses)} passed",
+            }
+            if ok
+            else None
+        )
     text = path.read_text()
-    path.write_text(text[:text.index("VERIFIED = ")] + "VERIFIED = " + pprint.pformat(record, width=116,
-                                                                                   sort_dicts=False) + "\n")
+    path.write_text(
+        text[: text.index("VERIFIED = ")] + "VERIFIED = " + pprint.pformat(record, width=116, sort_dicts=False) + "\n"
+    )
     return record
 
 
@@ -144,7 +164,7 @@ def _read(path: Path) -> dict:
     import ast
 
     text = path.read_text()
-    return ast.literal_eval(text[text.index("VERIFIED = ") + len("VERIFIED = "):])
+    return ast.literal_eval(text[text.index("VERIFIED = ") + len("VERIFIED = ") :])
 
 
 def table(record: dict | None = None) -> str:
@@ -155,8 +175,10 @@ def table(record: dict | None = None) -> str:
         cells = []
         for on in ("gpu", "tpu"):
             e = record.get(kernel, {}).get(on)
-            cells.append(f"`{by[on]}`: " + (f"verified {e['date']} on {e['device_kind']}, jax {e['jax']}" if e
-                                            else "not verified (XLA path)"))
+            cells.append(
+                f"`{by[on]}`: "
+                + (f"verified {e['date']} on {e['device_kind']}, jax {e['jax']}" if e else "not verified (XLA path)")
+            )
         rows.append(f"| {kernel} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -6,33 +6,55 @@ kernel and backend: None (never verified there) or the implementation, the devic
 and how many of its tests passed. Commit the file the device run writes.
 """
 
-VERIFIED = {'decode_attention': {'gpu': {'impl': 'pallas_gpu',
-                              'device_kind': 'NVIDIA H200',
-                              'jax': '0.11.2',
-                              'date': '2026-11-26',
-                              'tests': '13/13 passed'},
-                      'tpu': None},
- 'pq_lookup': {'gpu': {'impl': 'pallas_gpu',
-                       'device_kind': 'NVIDIA H200',
-                       'jax': '0.11.2',
-                       'date': '2026-11-26',
-                       'tests': '9/9 passed'},
-               'tpu': None},
- 'cosine_kmeans': {'gpu': {'impl': 'pallas_gpu',
-                           'device_kind': 'NVIDIA H200',
-                           'jax': '0.11.2',
-                           'date': '2026-11-26',
-                           'tests': '4/4 passed'},
-                   'tpu': None},
- 'chunked_similarity': {'gpu': {'impl': 'pallas_gpu',
-                                'device_kind': 'NVIDIA H200',
-                                'jax': '0.11.2',
-                                'date': '2026-11-26',
-                                'tests': '8/8 passed'},
-                        'tpu': None},
- 'prefill_attention': {'gpu': {'impl': 'cudnn',
-                               'device_kind': 'NVIDIA H200',
-                               'jax': '0.11.2',
-                               'date': '2026-11-26',
-                               'tests': '4/4 passed'},
-                       'tpu': None}}
+VERIFIED = {
+    "decode_attention": {
+        "gpu": {
+            "impl": "pallas_gpu",
+            "device_kind": "NVIDIA H200",
+            "jax": "0.11.2",
+            "date": "2026-11-26",
+            "tests": "13/13 passed",
+        },
+        "tpu": None,
+    },
+    "pq_lookup": {
+        "gpu": {
+            "impl": "pallas_gpu",
+            "device_kind": "NVIDIA H200",
+            "jax": "0.11.2",
+            "date": "2026-11-26",
+            "tests": "9/9 passed",
+        },
+        "tpu": None,
+    },
+    "cosine_kmeans": {
+        "gpu": {
+            "impl": "pallas_gpu",
+            "device_kind": "NVIDIA H200",
+            "jax": "0.11.2",
+            "date": "2026-11-26",
+            "tests": "4/4 passed",
+        },
+        "tpu": None,
+    },
+    "chunked_similarity": {
+        "gpu": {
+            "impl": "pallas_gpu",
+            "device_kind": "NVIDIA H200",
+            "jax": "0.11.2",
+            "date": "2026-11-26",
+            "tests": "8/8 passed",
+        },
+        "tpu": None,
+    },
+    "prefill_attention": {
+        "gpu": {
+            "impl": "cudnn",
+            "device_kind": "NVIDIA H200",
+            "jax": "0.11.2",
+            "date": "2026-11-26",
+            "tests": "4/4 passed",
+        },
+        "tpu": None,
+    },
+}

@@ -13,6 +13,17 @@ from kvjax.engine import generate
 from kvjax.loading import Model, load_model
 from kvjax.sharding import shard
 
-__all__ = ["Model", "ModelConfig", "RopeConfig", "budget", "engine", "generate", "load_model", "methods", "model",
-           "shard", "sharding"]
+__all__ = [
+    "Model",
+    "ModelConfig",
+    "RopeConfig",
+    "budget",
+    "engine",
+    "generate",
+    "load_model",
+    "methods",
+    "model",
+    "shard",
+    "sharding",
+]
 __version__ = "0.1.0"

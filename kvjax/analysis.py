@@ -60,8 +60,10 @@ def mask_from_states(states: Sequence, lengths, prompt_len: int) -> KeptPosition
     masks = []
     for layer, st in enumerate(states):
         if not hasattr(st, "pos"):
-            raise ValueError(f"the layer-{layer} state ({type(st).__name__}) has no `pos` leaf of kept token "
-                             "positions; kept_prompt_positions works for slot-cache methods (SlotCache states)")
+            raise ValueError(
+                f"the layer-{layer} state ({type(st).__name__}) has no `pos` leaf of kept token "
+                "positions; kept_prompt_positions works for slot-cache methods (SlotCache states)"
+            )
         pos = np.asarray(st.pos)  # [B, Hkv, S]
         b, h, _ = pos.shape
         m = np.zeros((b, h, prompt_len), bool)
@@ -72,8 +74,9 @@ def mask_from_states(states: Sequence, lengths, prompt_len: int) -> KeptPosition
     return KeptPositions(np.stack(masks), lengths)
 
 
-def kept_prompt_positions(model, method, prompts, *, prompt_len: int | None = None,
-                          max_new_tokens: int = 1) -> KeptPositions:
+def kept_prompt_positions(
+    model, method, prompts, *, prompt_len: int | None = None, max_new_tokens: int = 1
+) -> KeptPositions:
     """Run the engine's (jitted) prefill of ``model`` with ``method`` and read each layer's kept positions.
 
     model: a :class:`kvjax.Model` (``.config``, ``.params``, ``.dtype``); method: a method config
@@ -94,8 +97,10 @@ def kept_prompt_positions(model, method, prompts, *, prompt_len: int | None = No
     lengths_list = [len(p) for p in ids]
     bucket = prompt_len or engine.bucket_length(max(lengths_list))
     if max(lengths_list) > bucket:
-        raise ValueError(f"prompt of {max(lengths_list)} tokens is longer than prompt_len={bucket}; raise "
-                         "prompt_len (prompts are never truncated)")
+        raise ValueError(
+            f"prompt of {max(lengths_list)} tokens is longer than prompt_len={bucket}; raise "
+            "prompt_len (prompts are never truncated)"
+        )
     cfg = model.config
     tokens, lengths = engine.pad_prompts(ids, bucket)
     states = engine.init_states(cfg, method, len(ids), Capacity(bucket, max_new_tokens), model.dtype)

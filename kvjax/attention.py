@@ -20,13 +20,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.decode_attention import (NEG_INF, decode_attention, decode_attention_runs,  # NEG_INF = -1e30
-                                             merge, normalise)
+from kernels_pallas.decode_attention import (
+    NEG_INF,  # -1e30
+    decode_attention,
+    decode_attention_runs,
+    merge,
+    normalise,
+)
 from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
-__all__ = ["NEG_INF", "attend", "attend_runs", "attend_with_scores", "attend_with_weights", "merge", "normalise",
-           "scores", "token_partial"]
+__all__ = [
+    "NEG_INF",
+    "attend",
+    "attend_runs",
+    "attend_with_scores",
+    "attend_with_weights",
+    "merge",
+    "normalise",
+    "scores",
+    "token_partial",
+]
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -37,18 +51,19 @@ def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
 
 
-def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block_size: int | None = None,
-           impl=None):
+def attend(q, k, v, valid, bias=None, *, lengths=None, block_indices=None, block_size: int | None = None, impl=None):
     """Partials ``(o_unnormalised [B,Hq,D], m [B,Hq], l [B,Hq])`` of attention over the valid slots.
 
     ``lengths [B]``: only slots ``[0, lengths[b])`` can take part, and the Pallas kernels read no block past it
     (every method passes its fill count, so decode never reads bucket padding or unwritten decode slots);
     ``block_indices``: the slot blocks of ``block_size`` slots to visit (block_size None: 128 with a block list,
-    else the kernel's tuned tile, ``kernels_pallas.decode_attention.tuning``). A row with no valid slot returns ``o = 0, l = 0, m = NEG_INF``
-    (it merges as an empty set). Routed through ``kernels_pallas.decode_attention.decode_attention``: ``impl``
+    else the kernel's tuned tile, ``kernels_pallas.decode_attention.tuning``). A row with no valid slot returns ``o = 0,
+    l = 0, m = NEG_INF`` (it merges as an empty set). Routed through
+    ``kernels_pallas.decode_attention.decode_attention``: ``impl``
     is ``"xla" | "pallas_tpu" | "pallas_gpu"`` or None (by backend: the Pallas kernel on TPU/GPU, the pure-JAX
     reference on CPU). On a mesh (:mod:`kvjax.sharding`) the kernel runs per device on its sequences and heads.
     """
+
     def run(q, k, v, valid, lengths, bias, block_indices):  # one device's sequences and heads on a mesh
         return decode_attention(q, k, v, valid, lengths, bias, block_indices, block_size=block_size, impl=impl)
 
@@ -164,10 +179,17 @@ def attend_with_scores(q, k, v, valid, lengths, *, start=None, chunk: int | None
         return part, sc, taken, free
 
     if start is None:
-        start = (jnp.zeros((b, hq, d), jnp.float32), jnp.full((b, hq), NEG_INF, jnp.float32),
-                 jnp.zeros((b, hq), jnp.float32))
+        start = (
+            jnp.zeros((b, hq, d), jnp.float32),
+            jnp.full((b, hq), NEG_INF, jnp.float32),
+            jnp.zeros((b, hq), jnp.float32),
+        )
     start = tuple(x.astype(jnp.float32).reshape((b, hkv, g) + x.shape[2:]) for x in start)
-    init = (start, jnp.zeros((b, hkv, g, s), jnp.float32),
-            jnp.zeros((b, hkv), jnp.int32), jnp.broadcast_to(lengths[:, None], (b, hkv)))
+    init = (
+        start,
+        jnp.zeros((b, hkv, g, s), jnp.float32),
+        jnp.zeros((b, hkv), jnp.int32),
+        jnp.broadcast_to(lengths[:, None], (b, hkv)),
+    )
     (o, m, l), sc, taken, free = jax.lax.fori_loop(0, live_trips(lengths, c), body, init)
     return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), sc, taken, free

@@ -40,18 +40,23 @@ def check_budget(budget, name: str = "budget", max_tokens: int | None = None) ->
     given, e.g. the model context). Bools, NaN, 0, negatives and floats above 1 are refused.
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"{name}={budget!r} must be a fraction in (0, 1] (a float, e.g. 0.2) or a token count "
-                         ">= 1 (an int, e.g. 256)")
+        raise ValueError(
+            f"{name}={budget!r} must be a fraction in (0, 1] (a float, e.g. 0.2) or a token count "
+            ">= 1 (an int, e.g. 256)"
+        )
     if isinstance(budget, float):
         if math.isnan(budget) or not 0.0 < budget <= 1.0:
-            raise ValueError(f"{name}={budget} as a fraction must be in (0, 1], e.g. 0.2; pass an int (e.g. 256) "
-                             "for a token count")
+            raise ValueError(
+                f"{name}={budget} as a fraction must be in (0, 1], e.g. 0.2; pass an int (e.g. 256) for a token count"
+            )
         return budget
     if budget < 1:
         raise ValueError(f"{name}={budget} tokens must be >= 1; pass e.g. 256, or a float in (0, 1] for a fraction")
     if max_tokens is not None and budget > max_tokens:
-        raise ValueError(f"{name}={budget} tokens exceeds the model context of {max_tokens} tokens; pass at most "
-                         f"{max_tokens}, or a fraction in (0, 1]")
+        raise ValueError(
+            f"{name}={budget} tokens exceeds the model context of {max_tokens} tokens; pass at most "
+            f"{max_tokens}, or a fraction in (0, 1]"
+        )
     return int(budget)
 
 
@@ -66,8 +71,9 @@ def parse_budget(text: str) -> Budget:
         try:
             value = float(s)
         except ValueError:
-            raise ValueError(f"--budget {text!r} is not a number; use a fraction like 0.2 or a token count like "
-                             "256") from None
+            raise ValueError(
+                f"--budget {text!r} is not a number; use a fraction like 0.2 or a token count like 256"
+            ) from None
     return check_budget(value, name="--budget")
 
 
@@ -150,14 +156,34 @@ def warn_small_budget(method, lengths, max_new_tokens: int = 0, model_cfg=None) 
     _warned.add(key)
     kept, n = min(short)
     kind = "a fraction" if isinstance(budget, float) else "an int: a token count"
-    fix = (f"Use a budget of at least {need} tokens (a fraction >= {math.ceil(100 * need / n) / 100:g} of this "
-           "prompt), or 1.0 to keep the whole prompt" if need <= n else
-           "The prompt is shorter than that: use 1.0 to keep the whole prompt, or a longer prompt")
-    warnings.warn(f"{method.name}: budget={budget} ({kind}) keeps {kept} token{'s' * (kept != 1)} of a {n}-token "
-                  f"prompt, fewer than the {need} {method.name} can use sensibly ({why}); the answer may be "
-                  f"nonsense. {fix}", BudgetWarning, stacklevel=3)
+    fix = (
+        f"Use a budget of at least {need} tokens (a fraction >= {math.ceil(100 * need / n) / 100:g} of this "
+        "prompt), or 1.0 to keep the whole prompt"
+        if need <= n
+        else "The prompt is shorter than that: use 1.0 to keep the whole prompt, or a longer prompt"
+    )
+    warnings.warn(
+        f"{method.name}: budget={budget} ({kind}) keeps {kept} token{'s' * (kept != 1)} of a {n}-token "
+        f"prompt, fewer than the {need} {method.name} can use sensibly ({why}); the answer may be "
+        f"nonsense. {fix}",
+        BudgetWarning,
+        stacklevel=3,
+    )
     return True
 
 
-__all__ = ["Budget", "BudgetWarning", "MAX_DENOMINATOR", "MIN_TOKENS", "as_fraction", "budget_tokens", "ceil_mul",
-           "check_budget", "floor_fraction", "floor_mul", "parse_budget", "parse_budgets", "warn_small_budget"]
+__all__ = [
+    "Budget",
+    "BudgetWarning",
+    "MAX_DENOMINATOR",
+    "MIN_TOKENS",
+    "as_fraction",
+    "budget_tokens",
+    "ceil_mul",
+    "check_budget",
+    "floor_fraction",
+    "floor_mul",
+    "parse_budget",
+    "parse_budgets",
+    "warn_small_budget",
+]

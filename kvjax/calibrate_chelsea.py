@@ -65,8 +65,15 @@ def _window_fractions(cfg, probe: _Probe, params, tokens):
     lengths = jnp.full((b,), t, jnp.int32)
 
     def attend(layer, x, q, k, v, out):
-        frac = no_edge_fraction(k, lengths, n_sink=probe.n_sink, n_recent=probe.n_recent, chunk=probe.chunk,
-                                threshold=probe.threshold, impl=probe.impl)
+        frac = no_edge_fraction(
+            k,
+            lengths,
+            n_sink=probe.n_sink,
+            n_recent=probe.n_recent,
+            chunk=probe.chunk,
+            threshold=probe.threshold,
+            impl=probe.impl,
+        )
         return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), out + (frac,)
 
     _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
@@ -79,9 +86,22 @@ def default_text() -> str:
     return "\n\n".join(p.read_text(errors="replace") for p in sorted(assets.essays_dir().glob("*.txt")))
 
 
-def calibrate(model, out, *, text_path=None, token_ids=None, window: int = 4096, windows: int = 32,
-              ratio: float = 0.04, threshold: float = 0.8, n_sink: int = 16, n_recent: int = 64, chunk: int = 256,
-              keep_layers: tuple[int, ...] = (), impl: str | None = None) -> dict:
+def calibrate(
+    model,
+    out,
+    *,
+    text_path=None,
+    token_ids=None,
+    window: int = 4096,
+    windows: int = 32,
+    ratio: float = 0.04,
+    threshold: float = 0.8,
+    n_sink: int = 16,
+    n_recent: int = 64,
+    chunk: int = 256,
+    keep_layers: tuple[int, ...] = (),
+    impl: str | None = None,
+) -> dict:
     """Find the outlier heads of ``model`` and write them to ``out`` (JSON). Returns the written dict.
 
     Calibration windows are consecutive, non-overlapping ``window``-token slices of the tokenised text
@@ -113,30 +133,43 @@ def calibrate(model, out, *, text_path=None, token_ids=None, window: int = 4096,
     ids = np.asarray(token_ids, np.int32)
     count = min(windows, len(ids) // window)
     if count < 1:
-        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than one window of {window}; give a "
-                         "longer text or a smaller --window")
+        raise ValueError(
+            f"the calibration text has {len(ids)} tokens, fewer than one window of {window}; give a "
+            "longer text or a smaller --window"
+        )
     probe = _Probe(n_sink, n_recent, chunk, float(threshold), impl)
     total = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float64)
     for i in tqdm(range(count), desc="calibrate-chelsea", unit="window"):
-        toks = jnp.asarray(ids[None, i * window:(i + 1) * window])
+        toks = jnp.asarray(ids[None, i * window : (i + 1) * window])
         total += np.asarray(_window_fractions(cfg, probe, model.params, toks))[:, 0]
     frac = total / count
     n_out = math.ceil(ratio * cfg.num_layers * cfg.num_kv_heads - 1e-9)
     chosen = [(layer, h) for layer in sorted(set(keep_layers)) for h in range(cfg.num_kv_heads)]
-    order = sorted(((layer, h) for layer in range(cfg.num_layers) for h in range(cfg.num_kv_heads)),
-                   key=lambda lh: (-frac[lh], lh))
+    order = sorted(
+        ((layer, h) for layer in range(cfg.num_layers) for h in range(cfg.num_kv_heads)), key=lambda lh: (-frac[lh], lh)
+    )
     for lh in order:
         if len(chosen) >= n_out:
             break
         if lh not in chosen:
             chosen.append(lh)
     result = {
-        "model": getattr(model, "name", ""), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+        "model": getattr(model, "name", ""),
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
         "outlier_heads": sorted([list(x) for x in chosen]),
         "no_edge_fraction": [[round(float(x), 6) for x in row] for row in frac],
-        "config": {"threshold": threshold, "ratio": ratio, "chunk": chunk, "n_sink": n_sink, "n_recent": n_recent,
-                   "window": window, "windows": count, "keep_layers": sorted(set(keep_layers)),
-                   "text": source},
+        "config": {
+            "threshold": threshold,
+            "ratio": ratio,
+            "chunk": chunk,
+            "n_sink": n_sink,
+            "n_recent": n_recent,
+            "window": window,
+            "windows": count,
+            "keep_layers": sorted(set(keep_layers)),
+            "text": source,
+        },
         "jax_version": jax.__version__,
     }
     out = Path(out)

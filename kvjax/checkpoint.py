@@ -66,14 +66,16 @@ def _shard_files(folder: Path) -> dict[str, Path]:
         if missing:
             raise FileNotFoundError(
                 f"checkpoint {folder} is missing shard file(s) {missing} named in {index.name}; "
-                "download the complete checkpoint")
+                "download the complete checkpoint"
+            )
         return files
     if single.is_file():
         with safe_open(single, framework="numpy") as f:
             return {name: single for name in f.keys()}
     raise FileNotFoundError(
         f"no safetensors weights in {folder}: expected model.safetensors or model.safetensors.index.json "
-        "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)")
+        "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
+    )
 
 
 def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.float32) -> Params:
@@ -84,13 +86,20 @@ def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.floa
     wanted = {hf for hf, _ in expected.values()}
     missing = sorted(wanted - files.keys())
     if missing:
-        raise ValueError(f"checkpoint {folder} lacks {len(missing)} tensor(s) the {cfg.model_type} config "
-                         f"needs, e.g. {missing[:5]}; the config and weights do not match")
-    extra = sorted(n for n in files.keys() - wanted if not n.endswith(_IGNORED_SUFFIXES)
-                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        raise ValueError(
+            f"checkpoint {folder} lacks {len(missing)} tensor(s) the {cfg.model_type} config "
+            f"needs, e.g. {missing[:5]}; the config and weights do not match"
+        )
+    extra = sorted(
+        n
+        for n in files.keys() - wanted
+        if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
     if extra:
-        raise ValueError(f"checkpoint {folder} has {len(extra)} tensor(s) kvjax does not use, e.g. {extra[:5]}; "
-                         "the architecture has options kvjax does not implement")
+        raise ValueError(
+            f"checkpoint {folder} has {len(extra)} tensor(s) kvjax does not use, e.g. {extra[:5]}; "
+            "the architecture has options kvjax does not implement"
+        )
     # Group by file so each shard is opened once.
     by_file: dict[Path, list[tuple[tuple, str, bool]]] = {}
     for path, (hf, transpose) in expected.items():
@@ -119,15 +128,28 @@ def check_shapes(cfg: ModelConfig, params: Params) -> None:
     """Raise a ValueError when a tensor's shape disagrees with the config."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     want = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "lm_head": (h, cfg.vocab_size)}
-    lw = {"attn_norm": (h,), "mlp_norm": (h,), "wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d),
-          "wv": (h, cfg.num_kv_heads * d), "wo": (cfg.num_heads * d, h), "w_gate": (h, f), "w_up": (h, f),
-          "w_down": (f, h), "bq": (cfg.num_heads * d,), "bk": (cfg.num_kv_heads * d,),
-          "bv": (cfg.num_kv_heads * d,), "bo": (h,), "b_gate": (f,), "b_up": (f,), "b_down": (h,)}
-    problems = [f"{k}: {tuple(v.shape)} != {want[k]}" for k, v in params.items()
-                if k != "layers" and tuple(v.shape) != want[k]]
+    lw = {
+        "attn_norm": (h,),
+        "mlp_norm": (h,),
+        "wq": (h, cfg.num_heads * d),
+        "wk": (h, cfg.num_kv_heads * d),
+        "wv": (h, cfg.num_kv_heads * d),
+        "wo": (cfg.num_heads * d, h),
+        "w_gate": (h, f),
+        "w_up": (h, f),
+        "w_down": (f, h),
+        "bq": (cfg.num_heads * d,),
+        "bk": (cfg.num_kv_heads * d,),
+        "bv": (cfg.num_kv_heads * d,),
+        "bo": (h,),
+        "b_gate": (f,),
+        "b_up": (f,),
+        "b_down": (h,),
+    }
+    problems = [
+        f"{k}: {tuple(v.shape)} != {want[k]}" for k, v in params.items() if k != "layers" and tuple(v.shape) != want[k]
+    ]
     for i, lp in enumerate(params["layers"]):
-        problems += [f"layers.{i}.{k}: {tuple(v.shape)} != {lw[k]}" for k, v in lp.items()
-                     if tuple(v.shape) != lw[k]]
+        problems += [f"layers.{i}.{k}: {tuple(v.shape)} != {lw[k]}" for k, v in lp.items() if tuple(v.shape) != lw[k]]
     if problems:
         raise ValueError(f"weights do not match the config: {problems[:5]}")
-

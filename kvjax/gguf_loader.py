@@ -18,8 +18,15 @@ from kvjax.config import ModelConfig, RopeConfig
 from kvjax.model import Params
 
 _LAYER_NAMES = {
-    "attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
-    "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+    "attn_norm": "attn_norm",
+    "ffn_norm": "mlp_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
 }
 
 
@@ -41,12 +48,16 @@ def field(reader, key: str, default=None):
 def config_from_gguf(reader) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; kvjax loads 'llama' GGUF files "
-                         "(use the Hugging Face safetensors checkpoint for other architectures)")
+        raise ValueError(
+            f"GGUF general.architecture={arch!r} is not supported; kvjax loads 'llama' GGUF files "
+            "(use the Hugging Face safetensors checkpoint for other architectures)"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError("this GGUF stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style), which "
-                         "kvjax's GGUF loader does not implement; load the Hugging Face checkpoint instead")
+        raise ValueError(
+            "this GGUF stores per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style), which "
+            "kvjax's GGUF loader does not implement; load the Hugging Face checkpoint instead"
+        )
     scaling = field(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"GGUF llama.rope.scaling.type={scaling!r} is not supported (supported: none, linear)")
@@ -67,9 +78,11 @@ def config_from_gguf(reader) -> ModelConfig:
         num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope=RopeConfig(theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
-                        rope_type="linear" if scaling == "linear" else "default",
-                        factor=float(field(reader, "llama.rope.scaling.factor", 1.0))),
+        rope=RopeConfig(
+            theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
+            rope_type="linear" if scaling == "linear" else "default",
+            factor=float(field(reader, "llama.rope.scaling.factor", 1.0)),
+        ),
         max_position_embeddings=int(field(reader, "llama.context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),

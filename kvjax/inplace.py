@@ -88,8 +88,9 @@ def run_on_layer(fn: Callable, stacks, i, *args):
         new, aux = fn(jax.tree.unflatten(tree, one_leaves), *args)
         new_leaves, new_tree = jax.tree.flatten(new)
         if new_tree != tree:
-            raise ValueError(f"a scanned layer's new state must have the structure of its old state: got {new_tree}, "
-                             f"expected {tree}")
+            raise ValueError(
+                f"a scanned layer's new state must have the structure of its old state: got {new_tree}, expected {tree}"
+            )
         aux_leaves, t = jax.tree.flatten(aux)
         aux_tree.append(t)
         return new_leaves, aux_leaves
@@ -103,7 +104,7 @@ def run_on_layer(fn: Callable, stacks, i, *args):
         ctx = _Ctx(i)
         outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *[_slice_at(a, i) for a in leaves], *flat_args)
         new = [_write_back(a, x, ctx, j) for j, (a, x) in enumerate(zip(leaves, outs))]
-        aux = outs[len(leaves):]
+        aux = outs[len(leaves) :]
     return jax.tree.unflatten(tree, new), jax.tree.unflatten(aux_tree[0], aux)
 
 
@@ -116,9 +117,13 @@ def _warn_fallback(e: Exception):
     if not _WARNED:
         _WARNED.append(e)
         import warnings
-        warnings.warn(f"kvjax.inplace: scanned layers fall back to slice-and-write-back ({type(e).__name__}: {e}); "
-                      f"the results are the same, the step copies each layer's changed state", RuntimeWarning,
-                      stacklevel=3)
+
+        warnings.warn(
+            f"kvjax.inplace: scanned layers fall back to slice-and-write-back ({type(e).__name__}: {e}); "
+            f"the results are the same, the step copies each layer's changed state",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _run(closed, leaves, args, ctx: _Ctx, slices: set):
@@ -132,7 +137,7 @@ def _run(closed, leaves, args, ctx: _Ctx, slices: set):
             new.append(x.stack)  # written in place, or untouched
         else:
             new.append(_write_back(a, ctx.value(x), ctx, j))
-    return new, [ctx.value(x) for x in outs[len(leaves):]]
+    return new, [ctx.value(x) for x in outs[len(leaves) :]]
 
 
 def _write_back(stack, x, ctx: _Ctx, leaf: int):
@@ -147,6 +152,7 @@ def _slice_at(stack, i):
 
 # ---------------------------------------------------------------------------------------------------------------
 # The evaluator: jax.core.eval_jaxpr, with rules for the primitives a view passes through.
+
 
 def _eval(jaxpr, consts, args, ctx: _Ctx):
     env = {}
@@ -164,8 +170,10 @@ def _eval(jaxpr, consts, args, ctx: _Ctx):
         outs = None
         if any(isinstance(x, _View) for x in ins):
             # a view may be written in place only where this equation is its last use, and it is passed once
-            ins = [x.read_only() if isinstance(x, _View) and x.writable and not _dies(eqn, k, n, last) else x
-                   for k, x in enumerate(ins)]
+            ins = [
+                x.read_only() if isinstance(x, _View) and x.writable and not _dies(eqn, k, n, last) else x
+                for k, x in enumerate(ins)
+            ]
             rule = _RULES.get(eqn.primitive)
             outs = rule(eqn, ins, ctx) if rule is not None else None
             if outs is None:
@@ -245,9 +253,14 @@ def _gather(eqn, ins, ctx):
         collapsed_slice_dims=(0, *_shift(dn.collapsed_slice_dims)),
         start_index_map=(0, *_shift(dn.start_index_map)),
         operand_batching_dims=_shift(dn.operand_batching_dims),
-        start_indices_batching_dims=dn.start_indices_batching_dims)
-    return _bind(eqn, [x.stack, _with_layer(ctx.value(indices), ctx.i)], dimension_numbers=dn,
-                 slice_sizes=(1, *eqn.params["slice_sizes"]))
+        start_indices_batching_dims=dn.start_indices_batching_dims,
+    )
+    return _bind(
+        eqn,
+        [x.stack, _with_layer(ctx.value(indices), ctx.i)],
+        dimension_numbers=dn,
+        slice_sizes=(1, *eqn.params["slice_sizes"]),
+    )
 
 
 def _dynamic_update_slice(eqn, ins, ctx):
@@ -269,19 +282,22 @@ def _scatter(eqn, ins, ctx):
         inserted_window_dims=(0, *_shift(dn.inserted_window_dims)),
         scatter_dims_to_operand_dims=(0, *_shift(dn.scatter_dims_to_operand_dims)),
         operand_batching_dims=_shift(dn.operand_batching_dims),
-        scatter_indices_batching_dims=dn.scatter_indices_batching_dims)
+        scatter_indices_batching_dims=dn.scatter_indices_batching_dims,
+    )
     indices, upd = _with_layer(ctx.value(indices), ctx.i), ctx.value(upd)
-    stack, = _bind(eqn, [x.stack, indices, upd], dimension_numbers=dn)
+    (stack,) = _bind(eqn, [x.stack, indices, upd], dimension_numbers=dn)
     return [dataclasses.replace(x, stack=stack)]
 
 
 def _inline(key):
     """A call (nested ``jit``, custom derivative rules: only the primal is run): evaluate its program here."""
+
     def rule(eqn, ins, ctx):
         closed = eqn.params[key]
         if isinstance(closed, jcore.Jaxpr):
             return _eval(closed, [], ins, ctx)
         return _eval(closed.jaxpr, closed.consts, ins, ctx)
+
     return rule
 
 
@@ -318,8 +334,8 @@ def _while(eqn, ins, ctx):
     """``lax.while_loop`` (a ``fori_loop`` with traced bounds)."""
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts = _loop_consts(ins[:nc], ctx), _loop_consts(ins[nc:nc + nb], ctx)
-    kinds, init = _loop_carry(ins[nc + nb:], ctx)
+    cconsts, bconsts = _loop_consts(ins[:nc], ctx), _loop_consts(ins[nc : nc + nb], ctx)
+    kinds, init = _loop_carry(ins[nc + nb :], ctx)
     cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
 
     def cond(carry):
@@ -336,8 +352,8 @@ def _scan(eqn, ins, ctx):
     p = eqn.params
     nc, ncarry = p["num_consts"], p["num_carry"]
     consts = _loop_consts(ins[:nc], ctx)
-    kinds, init = _loop_carry(ins[nc:nc + ncarry], ctx)
-    xs, sj = [ctx.value(x) for x in ins[nc + ncarry:]], p["jaxpr"]
+    kinds, init = _loop_carry(ins[nc : nc + ncarry], ctx)
+    xs, sj = [ctx.value(x) for x in ins[nc + ncarry :]], p["jaxpr"]
 
     def body(carry, x):
         outs = _eval(sj.jaxpr, sj.consts, consts + _views(carry, kinds) + list(x), ctx)
@@ -356,8 +372,9 @@ def _cond(eqn, ins, ctx):
     branches = eqn.params["branches"]
     same = []
     for p in range(len(eqn.outvars)):
-        srcs = {b.jaxpr.invars.index(b.jaxpr.outvars[p]) if b.jaxpr.outvars[p] in b.jaxpr.invars else None
-                for b in branches}
+        srcs = {
+            b.jaxpr.invars.index(b.jaxpr.outvars[p]) if b.jaxpr.outvars[p] in b.jaxpr.invars else None for b in branches
+        }
         same.append(srcs.pop() if len(srcs) == 1 else None)
     changed = [p for p, k in enumerate(same) if k is None]
     if not changed:
@@ -368,6 +385,7 @@ def _cond(eqn, ins, ctx):
         def run():
             outs = _eval(b.jaxpr, b.consts, ops, ctx)
             return [ctx.value(outs[p]) for p in changed]
+
         return run
 
     outs = iter(jax.lax.switch(ctx.value(index), [branch(b) for b in branches]))
@@ -382,11 +400,20 @@ def _pass_view(eqn, ins, ctx):
 def _rules() -> dict:
     """The rules by primitive, for the primitives this jax has (a name missing in another jax version: that
     primitive is evaluated on the slice, which is correct, only not in place)."""
-    table = {"slice_p": _slice, "dynamic_slice_p": _dynamic_slice, "gather_p": _gather,
-             "dynamic_update_slice_p": _dynamic_update_slice, "while_p": _while, "scan_p": _scan, "cond_p": _cond,
-             "jit_p": _inline("jaxpr"), "closed_call_p": _inline("call_jaxpr"),
-             "custom_jvp_call_p": _inline("call_jaxpr"), "custom_vjp_call_p": _inline("call_jaxpr"),
-             "sharding_constraint_p": _pass_view}
+    table = {
+        "slice_p": _slice,
+        "dynamic_slice_p": _dynamic_slice,
+        "gather_p": _gather,
+        "dynamic_update_slice_p": _dynamic_update_slice,
+        "while_p": _while,
+        "scan_p": _scan,
+        "cond_p": _cond,
+        "jit_p": _inline("jaxpr"),
+        "closed_call_p": _inline("call_jaxpr"),
+        "custom_jvp_call_p": _inline("call_jaxpr"),
+        "custom_vjp_call_p": _inline("call_jaxpr"),
+        "sharding_constraint_p": _pass_view,
+    }
     for name in ("scatter_p", "scatter_add_p", "scatter_mul_p", "scatter_min_p", "scatter_max_p"):
         table[name] = _scatter
     return {getattr(P, name): rule for name, rule in table.items() if hasattr(P, name)}

@@ -56,8 +56,10 @@ def _resolve(name_or_path: str | Path) -> tuple[str, Path]:
     path = Path(name_or_path).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"name_or_path={str(name_or_path)!r} is a file but not a .gguf; pass the folder of "
-                             "a Hugging Face checkpoint or a GGUF file")
+            raise ValueError(
+                f"name_or_path={str(name_or_path)!r} is a file but not a .gguf; pass the folder of "
+                "a Hugging Face checkpoint or a GGUF file"
+            )
         return "gguf", path
     if path.is_dir():
         return "hf", path
@@ -66,7 +68,8 @@ def _resolve(name_or_path: str | Path) -> tuple[str, Path]:
         return "hf", _download(text)
     raise FileNotFoundError(
         f"name_or_path={text!r} is neither {assets.SMOLLM2_NAME!r}, an existing folder or .gguf file, nor a "
-        "hub id of the form 'org/name'")
+        "hub id of the form 'org/name'"
+    )
 
 
 def _download(repo_id: str) -> Path:
@@ -77,11 +80,13 @@ def _download(repo_id: str) -> Path:
     except Exception as e:  # network errors, gated repos, unknown ids: one clear message, with the cause
         raise FileNotFoundError(
             f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); download it "
-            "where the hub is reachable and pass the local folder") from e
+            "where the hub is reachable and pass the local folder"
+        ) from e
 
 
-def load_model(name_or_path: str | Path, dtype=None, tokenizer: bool = True, mesh=None,
-               scan_layers: bool = False) -> Model:
+def load_model(
+    name_or_path: str | Path, dtype=None, tokenizer: bool = True, mesh=None, scan_layers: bool = False
+) -> Model:
     """Load a Llama-family model into kvjax.
 
     name_or_path: ``"smollm2-135m-instruct"`` (embedded default), a local HF folder, a ``.gguf`` file or a
@@ -144,5 +149,13 @@ def _check(mesh, cfg: ModelConfig) -> None:
 def info(model: Model) -> dict[str, Any]:
     c = model.config
     n = sum(x.size for x in jax.tree.leaves(model.params))
-    return {"name": model.name, "model_type": c.model_type, "layers": c.num_layers, "heads": c.num_heads,
-            "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "params": int(n), "dtype": str(model.dtype)}
+    return {
+        "name": model.name,
+        "model_type": c.model_type,
+        "layers": c.num_layers,
+        "heads": c.num_heads,
+        "kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "params": int(n),
+        "dtype": str(model.dtype),
+    }

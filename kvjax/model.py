@@ -28,7 +28,6 @@ from kvjax.prefill_attention import ATTENTION_CHUNK, prefill_attention
 from kvjax.rope import apply_rope, cos_sin
 
 Params = dict[str, Any]
-from kvjax.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -81,9 +80,16 @@ def logits(cfg: ModelConfig, params: Params, x: jnp.ndarray) -> jnp.ndarray:
     return (h @ w).astype(jnp.float32)
 
 
-def causal_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray | None = None,
-                     sliding_window: int | None = None, chunk: int = ATTENTION_CHUNK, *,
-                     impl: str | None = None) -> jnp.ndarray:
+def causal_attention(
+    q: jnp.ndarray,
+    k: jnp.ndarray,
+    v: jnp.ndarray,
+    lengths: jnp.ndarray | None = None,
+    sliding_window: int | None = None,
+    chunk: int = ATTENTION_CHUNK,
+    *,
+    impl: str | None = None,
+) -> jnp.ndarray:
     """Causal attention with GQA (no repeated KV), softmax in float32: the prefill attention.
 
     q: ``[B, Hq, T, D]``; k, v: ``[B, Hkv, T, D]``; lengths: ``[B]`` valid (right-padded) prompt lengths or
@@ -175,8 +181,7 @@ def layer_finish_blocks(cfg: ModelConfig, lp: Params, x: jnp.ndarray, attn: jnp.
     return jax.lax.fori_loop(0, _live_blocks(live, c, t), body, x)
 
 
-def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, layer, carry,
-               live=None):
+def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, layer, carry, live=None):
     """One decoder layer: ``q, k, v = layer_qkv(...)``, ``attn, carry = attend(layer, x, q, k, v, carry)``,
     ``x = layer_finish(..., attn)``. Returns ``(x, carry)``. The body of both layer loops below.
 
@@ -194,8 +199,16 @@ def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndar
     return layer_finish_blocks(cfg, lp, x, attn, live, c), carry
 
 
-def run_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry=None,
-               layers: range | None = None, live=None):
+def run_layers(
+    cfg: ModelConfig,
+    params: Params,
+    x: jnp.ndarray,
+    positions: jnp.ndarray,
+    attend,
+    carry=None,
+    layers: range | None = None,
+    live=None,
+):
     """The layer loop, unrolled: for each layer ``q, k, v = layer_qkv(...)``, then
     ``attn, carry = attend(layer, x, q, k, v, carry)``, then ``x = layer_finish(..., attn)``.
 
@@ -205,13 +218,14 @@ def run_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.
     runs a subset (default all). ``live``: see :func:`layer_step`. Either parameter layout (:func:`is_stacked`).
     Returns ``(x, carry)``.
     """
-    for layer in (range(cfg.num_layers) if layers is None else layers):
+    for layer in range(cfg.num_layers) if layers is None else layers:
         x, carry = layer_step(cfg, layer_params(params, layer), x, positions, attend, layer, carry, live)
     return x, carry
 
 
-def scan_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry,
-                layers: range, live=None):
+def scan_layers(
+    cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp.ndarray, attend, carry, layers: range, live=None
+):
     """The layer loop as one compiled body: layers ``[start, stop)`` run by ``lax.fori_loop`` over stacked
     parameters (:func:`stack_layers`; a per-layer tuple is stacked here, which copies the weights on every call),
     so a deep model traces and compiles one layer instead of ``L``. ``attend`` is as in :func:`run_layers`, but
@@ -225,8 +239,13 @@ def scan_layers(cfg: ModelConfig, params: Params, x: jnp.ndarray, positions: jnp
     return jax.lax.fori_loop(layers.start, layers.stop, body, (x, carry))
 
 
-def forward(cfg: ModelConfig, params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray | None = None,
-            positions: jnp.ndarray | None = None) -> jnp.ndarray:
+def forward(
+    cfg: ModelConfig,
+    params: Params,
+    tokens: jnp.ndarray,
+    lengths: jnp.ndarray | None = None,
+    positions: jnp.ndarray | None = None,
+) -> jnp.ndarray:
     """Full forward pass with dense causal attention: ``tokens [B, T]`` -> float32 logits ``[B, T, V]``.
 
     The uncompressed reference: the engine with the ``full`` method must reproduce it.
@@ -246,8 +265,15 @@ def random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: fl
     """Random weights in the layout above (normal with std ``scale``; norms 1, biases 0): a dummy model for
     benchmarks and tests whose cost, not output, matters."""
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"wq": (h, cfg.num_heads * d), "wk": (h, cfg.num_kv_heads * d), "wv": (h, cfg.num_kv_heads * d),
-              "wo": (cfg.num_heads * d, h), "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+    shapes = {
+        "wq": (h, cfg.num_heads * d),
+        "wk": (h, cfg.num_kv_heads * d),
+        "wv": (h, cfg.num_kv_heads * d),
+        "wo": (cfg.num_heads * d, h),
+        "w_gate": (h, f),
+        "w_up": (h, f),
+        "w_down": (f, h),
+    }
     biases = {}
     if cfg.attention_bias:
         biases.update(bq=cfg.num_heads * d, bk=cfg.num_kv_heads * d, bv=cfg.num_kv_heads * d)

@@ -91,8 +91,10 @@ def cudnn_ineligible(q, k, v) -> str | None:
     """Why cuDNN's fused attention cannot take these inputs (None: it can)."""
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        return (f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; cuDNN needs all float16 or all bfloat16 "
-                "(cast them, or use impl='chunked')")
+        return (
+            f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; cuDNN needs all float16 or all bfloat16 "
+            "(cast them, or use impl='chunked')"
+        )
     d, limit = q.shape[-1], _cudnn_max_head_dim()
     if d % 8 or d > limit:
         return f"head_dim {d} must be a multiple of 8 and at most {limit} for cuDNN (use impl='chunked')"
@@ -121,8 +123,18 @@ def check_inputs(q, k, v, lengths, sliding_window) -> None:
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive integer or None")
 
 
-def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, *, impl: str | None = None,
-                      chunk: int = ATTENTION_CHUNK, block_size: int = SPLASH_BLOCK, interpret: bool = False):
+def prefill_attention(
+    q,
+    k,
+    v,
+    lengths=None,
+    sliding_window: int | None = None,
+    *,
+    impl: str | None = None,
+    chunk: int = ATTENTION_CHUNK,
+    block_size: int = SPLASH_BLOCK,
+    interpret: bool = False,
+):
     """Causal GQA attention over a right-padded prompt: ``[B, Hq, T, D]`` in ``q.dtype`` (module docstring).
 
     chunk: ``chunked``'s query/key chunk; block_size: ``splash``'s block (a multiple of 128); interpret: run
@@ -145,8 +157,9 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
         if impl == "cudnn":
             kernel = functools.partial(cudnn_attention, sliding_window=sliding_window)
         else:
-            kernel = functools.partial(splash_attention, sliding_window=sliding_window, block_size=block_size,
-                                       interpret=interpret)
+            kernel = functools.partial(
+                splash_attention, sliding_window=sliding_window, block_size=block_size, interpret=interpret
+            )
         return per_head(kernel, q, k, v, n, batch_only=(3,))
     if q.shape[2] <= chunk:
         return dense_attention(q, k, v, lengths, sliding_window)
@@ -155,6 +168,7 @@ def prefill_attention(q, k, v, lengths=None, sliding_window: int | None = None, 
 
 # ----------------------------------------------------------------------------------------- chunked (reference)
 # Einsum axes: b batch, h KV head, g query head within its group, t query position, s key position, d head dim.
+
 
 def _causal_mask(qpos, kpos, lengths, sliding_window):
     """``[B, Tq, Tk]`` bool: causal, inside the window, and keys inside each sequence's length."""
@@ -170,8 +184,7 @@ def dense_attention(q, k, v, lengths=None, sliding_window=None):
     hkv = k.shape[1]
     lengths = jnp.full((b,), t) if lengths is None else lengths
     qg = q.reshape(b, hkv, hq // hkv, t, d)
-    scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(d))
+    scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
     pos = jnp.arange(t)
     mask = _causal_mask(pos, pos, lengths, sliding_window)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
@@ -253,6 +266,7 @@ def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = A
 
 # ----------------------------------------------------------------------------------------------------- cuDNN
 
+
 def _cudnn_call(q, k, v, lengths, sliding_window, implementation: str):
     """``jax.nn.dot_product_attention`` with kvjax's arguments mapped onto it. q ``[B, Hq, T, D]``, k, v
     ``[B, Hkv, T, D]`` -> ``[B, Hq, T, D]``. ``implementation="cudnn"`` on a GPU; ``"xla"`` runs the very same
@@ -262,9 +276,15 @@ def _cudnn_call(q, k, v, lengths, sliding_window, implementation: str):
     # a zero-length sequence has no real query; attending its first (padding) key keeps the rows finite
     kv_len = None if lengths is None else jnp.maximum(jnp.asarray(lengths, jnp.int32), 1)
     window = None if sliding_window is None else (int(sliding_window) - 1, 0)  # (left, right): keys t-w+1 .. t
-    out = jax.nn.dot_product_attention(to_btnh(q), to_btnh(k), to_btnh(v), is_causal=True,
-                                       key_value_seq_lengths=kv_len, local_window_size=window,
-                                       implementation=implementation)
+    out = jax.nn.dot_product_attention(
+        to_btnh(q),
+        to_btnh(k),
+        to_btnh(v),
+        is_causal=True,
+        key_value_seq_lengths=kv_len,
+        local_window_size=window,
+        implementation=implementation,
+    )
     return to_btnh(out).astype(q.dtype)
 
 
@@ -277,6 +297,7 @@ def cudnn_attention(q, k, v, lengths=None, sliding_window=None):
 
 
 # ---------------------------------------------------------------------------------------------------- splash
+
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
@@ -295,12 +316,14 @@ def _splash_kernel(heads: int, t: int, block: int, sliding_window: int | None, i
         mask = sa.LocalMask(shape, window_size=(sliding_window - 1, 0), offset=0)
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
     with jax.ensure_compile_time_eval():  # concrete mask-info arrays even when first built inside a jit trace
-        return sa.make_splash_mha(sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+        return sa.make_splash_mha(
+            sa.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
 
 
-def splash_attention(q, k, v, lengths=None, sliding_window=None, *, block_size: int = SPLASH_BLOCK,
-                     interpret: bool = False):
+def splash_attention(
+    q, k, v, lengths=None, sliding_window=None, *, block_size: int = SPLASH_BLOCK, interpret: bool = False
+):
     """jax's Pallas splash-attention kernel (TPU; ``interpret=True`` anywhere). Shapes as ``prefill_attention``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
@@ -319,6 +342,19 @@ def splash_attention(q, k, v, lengths=None, sliding_window=None, *, block_size: 
     return out[:, :, :t].astype(q.dtype)
 
 
-__all__ = ["ATTENTION_CHUNK", "ENV_IMPL", "IMPLS", "SPLASH_BLOCK", "check_inputs", "chunked_attention",
-           "cudnn_attention", "cudnn_eligible", "cudnn_ineligible", "default_impl", "dense_attention", "live_chunks",
-           "prefill_attention", "splash_attention"]
+__all__ = [
+    "ATTENTION_CHUNK",
+    "ENV_IMPL",
+    "IMPLS",
+    "SPLASH_BLOCK",
+    "check_inputs",
+    "chunked_attention",
+    "cudnn_attention",
+    "cudnn_eligible",
+    "cudnn_ineligible",
+    "default_impl",
+    "dense_attention",
+    "live_chunks",
+    "prefill_attention",
+    "splash_attention",
+]

@@ -75,8 +75,10 @@ _capture_jit = jax.jit(_capture, static_argnums=0)
 def prefill_once(model, tokens, lengths) -> Prefilled:
     """The model's prefill of ``tokens [B, T]`` (right-padded, ``lengths [B]``), for :func:`compress`."""
     if model.mesh is not None:
-        raise ValueError("prefill_once keeps every layer's q, k, v on one device; it does not take a model "
-                         "loaded with a mesh (use engine.prefill per method)")
+        raise ValueError(
+            "prefill_once keeps every layer's q, k, v on one device; it does not take a model "
+            "loaded with a mesh (use engine.prefill per method)"
+        )
     return _capture_jit(model.config, model.params, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
@@ -103,8 +105,11 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
             return (out if reuse else None), out
 
         span = slice(st.start, st.stop)
-        prev, stack = jax.lax.scan(body, segment_previous(st, prev, reuse),
-                                   (jnp.arange(st.start, st.stop), st.state, pre.q[span], pre.k[span], pre.v[span]))
+        prev, stack = jax.lax.scan(
+            body,
+            segment_previous(st, prev, reuse),
+            (jnp.arange(st.start, st.stop), st.state, pre.q[span], pre.k[span], pre.v[span]),
+        )
         new.append(st.replace(state=stack))
         layer = st.stop
     return tuple(new)
@@ -122,5 +127,8 @@ def compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
 
 def same_batch(pre: Prefilled, tokens: np.ndarray, lengths: np.ndarray) -> bool:
     """Whether ``pre`` is the prefill of exactly this padded batch."""
-    return (tuple(pre.tokens.shape) == tuple(tokens.shape) and np.array_equal(np.asarray(pre.lengths), lengths)
-            and np.array_equal(np.asarray(pre.tokens), tokens))
+    return (
+        tuple(pre.tokens.shape) == tuple(tokens.shape)
+        and np.array_equal(np.asarray(pre.lengths), lengths)
+        and np.array_equal(np.asarray(pre.tokens), tokens)
+    )

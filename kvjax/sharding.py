@@ -81,8 +81,10 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
     sizes = dict(parse_mesh(spec) if isinstance(spec, str) else (spec or {DATA: -1}))
     unknown = sorted(set(sizes) - set(AXES))
     if unknown:
-        raise ValueError(f"mesh axis {unknown[0]!r} is unknown; kvjax meshes have the axes {AXES!r} (batch over "
-                         f"'data', heads over 'model'), e.g. 'data=2,model=4'")
+        raise ValueError(
+            f"mesh axis {unknown[0]!r} is unknown; kvjax meshes have the axes {AXES!r} (batch over "
+            f"'data', heads over 'model'), e.g. 'data=2,model=4'"
+        )
     free = [a for a in AXES if sizes.get(a, -1) == -1]
     for a, n in sizes.items():
         if n != -1 and n < 1:
@@ -92,17 +94,23 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence | N
         sizes = {DATA: len(devices), MODEL: 1}
     elif free:
         if fixed > len(devices):
-            raise ValueError(f"mesh {spec!r} needs at least {fixed} devices but {len(devices)} exist "
-                             f"({devices[0].platform}); use fewer")
+            raise ValueError(
+                f"mesh {spec!r} needs at least {fixed} devices but {len(devices)} exist "
+                f"({devices[0].platform}); use fewer"
+            )
         if len(devices) % fixed:
-            raise ValueError(f"mesh {spec!r}: the {len(devices)} devices do not split into axis {free[0]!r} with "
-                             f"the other axis of size {fixed}; give both sizes")
+            raise ValueError(
+                f"mesh {spec!r}: the {len(devices)} devices do not split into axis {free[0]!r} with "
+                f"the other axis of size {fixed}; give both sizes"
+            )
         sizes[free[0]] = len(devices) // fixed
     need = sizes[DATA] * sizes[MODEL]
     if need > len(devices):
-        raise ValueError(f"mesh data={sizes[DATA]},model={sizes[MODEL]} needs {need} devices but "
-                         f"{len(devices)} exist ({devices[0].platform}); use fewer (on CPU, more fake devices come "
-                         "from XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax starts)")
+        raise ValueError(
+            f"mesh data={sizes[DATA]},model={sizes[MODEL]} needs {need} devices but "
+            f"{len(devices)} exist ({devices[0].platform}); use fewer (on CPU, more fake devices come "
+            "from XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax starts)"
+        )
     grid = np.asarray(devices[:need], dtype=object).reshape(sizes[DATA], sizes[MODEL])
     return Mesh(grid, AXES)
 
@@ -115,18 +123,24 @@ def check_mesh(mesh: Mesh, cfg: ModelConfig, batch: int | None = None) -> None:
     """ValueErrors for a mesh this model (and batch) cannot be split over, naming the axis and the fix."""
     unknown = sorted(set(mesh.axis_names) - set(AXES))
     if unknown:
-        raise ValueError(f"mesh axis {unknown[0]!r} is unknown; kvjax meshes have the axes {AXES!r}; build one with "
-                         "kvjax.sharding.make_mesh('data=..,model=..')")
+        raise ValueError(
+            f"mesh axis {unknown[0]!r} is unknown; kvjax meshes have the axes {AXES!r}; build one with "
+            "kvjax.sharding.make_mesh('data=..,model=..')"
+        )
     tp = axis_size(mesh, MODEL)
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
-        raise ValueError(f"mesh axis 'model' has size {tp} but the model has {cfg.num_heads} attention heads, which "
-                         f"do not split {tp} ways; use a 'model' size in {divisors} and put the other devices on "
-                         "'data'")
+        raise ValueError(
+            f"mesh axis 'model' has size {tp} but the model has {cfg.num_heads} attention heads, which "
+            f"do not split {tp} ways; use a 'model' size in {divisors} and put the other devices on "
+            "'data'"
+        )
     dp = axis_size(mesh, DATA)
     if batch is not None and batch % dp:
-        raise ValueError(f"mesh axis 'data' has size {dp} but the batch has {batch} sequences; pass a multiple of "
-                         f"{dp} prompts (or a mesh whose 'data' size divides {batch})")
+        raise ValueError(
+            f"mesh axis 'data' has size {dp} but the batch has {batch} sequences; pass a multiple of "
+            f"{dp} prompts (or a mesh whose 'data' size divides {batch})"
+        )
 
 
 def kv_heads_split(mesh: Mesh | None, cfg: ModelConfig) -> bool:
@@ -136,13 +150,17 @@ def kv_heads_split(mesh: Mesh | None, cfg: ModelConfig) -> bool:
 
 def describe(mesh: Mesh, cfg: ModelConfig) -> str:
     dp, tp = axis_size(mesh, DATA), axis_size(mesh, MODEL)
-    heads = (f"{cfg.num_kv_heads // tp} KV heads per device" if kv_heads_split(mesh, cfg) else
-             f"KV heads replicated over 'model' ({cfg.num_kv_heads} KV heads do not split {tp} ways)")
+    heads = (
+        f"{cfg.num_kv_heads // tp} KV heads per device"
+        if kv_heads_split(mesh, cfg)
+        else f"KV heads replicated over 'model' ({cfg.num_kv_heads} KV heads do not split {tp} ways)"
+    )
     return f"mesh data={dp} x model={tp}: {cfg.num_heads // tp} query heads and {heads}, batch / {dp}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parameters
+
 
 def _layer_spec(name: str, shape: tuple, cfg: ModelConfig, tp: int) -> tuple:
     """The per-layer spec (without a stacked layer axis) of parameter ``name``."""
@@ -172,6 +190,7 @@ def param_specs(cfg: ModelConfig, params, mesh: Mesh) -> Any:
         elif key == "lm_head":  # [H, V]
             out[key] = P(None, MODEL) if vocab else P(MODEL, None) if hidden else P()
         elif key == "layers":
+
             def layer(lp):
                 specs = {}
                 for name, w in lp.items():
@@ -189,8 +208,9 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh):
     """``params`` placed on ``mesh`` by :func:`param_specs` (a new pytree; the input is not modified)."""
     check_mesh(mesh, cfg)
     specs = param_specs(cfg, params, mesh)
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs, is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def shard(model, mesh: Mesh | str | Mapping[str, int]):
@@ -203,6 +223,7 @@ def shard(model, mesh: Mesh | str | Mapping[str, int]):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cache states and activations
+
 
 def state_specs(method, state, mesh: Mesh) -> Any:
     """A pytree of ``PartitionSpec`` like ``state`` (one layer's method state, concrete or abstract) from the
@@ -220,8 +241,10 @@ def state_specs(method, state, mesh: Mesh) -> Any:
             elif dim % sizes[axis] == 0 and dim > 0:
                 entries.append(axis)
             elif name == BATCH:
-                raise ValueError(f"mesh axis 'data' has size {sizes[DATA]} but the batch has {dim} sequences; pass "
-                                 f"a multiple of {sizes[DATA]} prompts")
+                raise ValueError(
+                    f"mesh axis 'data' has size {sizes[DATA]} but the batch has {dim} sequences; pass "
+                    f"a multiple of {sizes[DATA]} prompts"
+                )
             else:
                 entries.append(None)  # KV heads that do not split: replicated over 'model' (module docstring)
         return P(*entries)
@@ -230,8 +253,9 @@ def state_specs(method, state, mesh: Mesh) -> Any:
 
 
 def state_shardings(method, state, mesh: Mesh) -> Any:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(method, state, mesh),
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), state_specs(method, state, mesh), is_leaf=lambda x: isinstance(x, P)
+    )
 
 
 def constrain_state(method, state, mesh: Mesh | None):
@@ -268,6 +292,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 # ---------------------------------------------------------------------------------------------------------------
 # Several processes (jax.distributed)
 
+
 def to_host(x) -> np.ndarray:
     """The whole value of ``x`` as numpy, also when it spans processes (a batch split over a ``data`` axis that
     crosses hosts): then every process gets it through ``multihost_utils.process_allgather``, a collective that
@@ -285,8 +310,9 @@ def host_state(state):
     (:func:`to_host`, collective); unchanged when this process holds every leaf whole. For host-side statistics
     that read values (``Method.bytes_read_per_step``, ``tokens_held``): one layer's state at a time, once per
     call, never inside a decode step."""
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated
-           for x in jax.tree.leaves(state)):
+    if all(
+        not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated for x in jax.tree.leaves(state)
+    ):
         return state
     return jax.tree.map(lambda x: to_host(x) if isinstance(x, jax.Array) else x, state)
 
@@ -298,6 +324,7 @@ def is_primary() -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Per-head operations the partitioner does not split by itself
+
 
 def tracing(mesh: Mesh | None):
     """Context for tracing a sharded program: makes ``mesh`` the abstract mesh :func:`per_head` splits over (a

@@ -64,8 +64,15 @@ class Tokenizer(abc.ABC):
     ``chat_template``: jinja source, or None.
     """
 
-    def __init__(self, *, vocab_size: int, bos_token_id: int | None, eos_token_ids: Sequence[int],
-                 pad_token_id: int, chat_template: str | None):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        chat_template: str | None,
+    ):
         self._vocab_size = int(vocab_size)
         self._bos_token_id = None if bos_token_id is None else int(bos_token_id)
         self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
@@ -109,8 +116,10 @@ class Tokenizer(abc.ABC):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template rendered for ``messages`` (``[{"role": ..., "content": ...}, ...]``), as text."""
         if self._chat_template is None:
-            raise ValueError("chat=True, but this tokenizer has no chat template; pass chat=False (plain text "
-                             "prompts) or use a checkpoint that ships one")
+            raise ValueError(
+                "chat=True, but this tokenizer has no chat template; pass chat=False (plain text "
+                "prompts) or use a checkpoint that ships one"
+            )
         return self._render(messages, add_generation_prompt)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -163,12 +172,26 @@ def _open_reader(path_or_reader):
 class GGUFTokenizer(Tokenizer):
     """A byte-level BPE tokenizer built from a GGUF file's metadata (see the module docstring)."""
 
-    def __init__(self, backend, *, bos_token_id: int | None, eos_token_ids: Sequence[int], pad_token_id: int,
-                 unk_token_id: int | None = None, add_bos: bool = False, add_eos: bool = False,
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        unk_token_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+    ):
         """backend: a ``tokenizers.Tokenizer``; the ids index its vocabulary."""
-        super().__init__(vocab_size=backend.get_vocab_size(with_added_tokens=True), bos_token_id=bos_token_id,
-                         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, chat_template=chat_template)
+        super().__init__(
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            chat_template=chat_template,
+        )
         self._backend = backend
         self._unk_token_id = unk_token_id
         self._add_bos = add_bos and bos_token_id is not None
@@ -194,14 +217,18 @@ class GGUFTokenizer(Tokenizer):
 
         kind = get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model={kind!r} is not supported: kvjax builds only 'gpt2' "
-                             "(byte-level BPE) tokenizers from GGUF files; load the Hugging Face checkpoint "
-                             "(with its tokenizer.json) instead")
+            raise ValueError(
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported: kvjax builds only 'gpt2' "
+                "(byte-level BPE) tokenizers from GGUF files; load the Hugging Face checkpoint "
+                "(with its tokenizer.json) instead"
+            )
         tokens = get("tokenizer.ggml.tokens")
         merges = get("tokenizer.ggml.merges")
         if not tokens or merges is None:
-            raise ValueError("GGUF tokenizer.ggml.model='gpt2' but tokenizer.ggml.tokens or tokenizer.ggml.merges "
-                             "is missing; the file has no usable vocabulary")
+            raise ValueError(
+                "GGUF tokenizer.ggml.model='gpt2' but tokenizer.ggml.tokens or tokenizer.ggml.merges "
+                "is missing; the file has no usable vocabulary"
+            )
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
         # Normal tokens are spelled in GPT-2's byte alphabet; respell any that are not (as transformers does).
@@ -223,23 +250,31 @@ class GGUFTokenizer(Tokenizer):
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
 
         eos = get("tokenizer.ggml.eos_token_id")
-        eos_ids = [i for i in (eos, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
-                   if i is not None]
+        eos_ids = [
+            i for i in (eos, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id")) if i is not None
+        ]
         pad = get("tokenizer.ggml.padding_token_id")
-        return cls(backend, bos_token_id=get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos_ids,
-                   pad_token_id=pad if pad is not None else (eos if eos is not None else 0),
-                   unk_token_id=get("tokenizer.ggml.unknown_token_id"),
-                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-                   add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=get("tokenizer.chat_template"))
+        return cls(
+            backend,
+            bos_token_id=get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=pad if pad is not None else (eos if eos is not None else 0),
+            unk_token_id=get("tokenizer.ggml.unknown_token_id"),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=get("tokenizer.chat_template"),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=False).ids
@@ -259,10 +294,14 @@ class GGUFTokenizer(Tokenizer):
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._token(self.bos_token_id), eos_token=self._token(eos),
-                                     unk_token=self._token(self._unk_token_id),
-                                     pad_token=self._token(self.pad_token_id))
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token(self.bos_token_id),
+            eos_token=self._token(eos),
+            unk_token=self._token(self._unk_token_id),
+            pad_token=self._token(self.pad_token_id),
+        )
 
 
 class HFTokenizer(Tokenizer):
@@ -272,9 +311,11 @@ class HFTokenizer(Tokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
-            raise ValueError(f"loading the tokenizer of {folder} needs transformers, which is not installed: "
-                             "pip install transformers (or load a GGUF file, whose tokenizer needs only the "
-                             "tokenizers package)") from e
+            raise ValueError(
+                f"loading the tokenizer of {folder} needs transformers, which is not installed: "
+                "pip install transformers (or load a GGUF file, whose tokenizer needs only the "
+                "tokenizers package)"
+            ) from e
         folder = Path(folder)
         tok = AutoTokenizer.from_pretrained(str(folder))
         eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
@@ -284,8 +325,13 @@ class HFTokenizer(Tokenizer):
             eos += [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
         template = getattr(tok, "chat_template", None)
-        super().__init__(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_ids=eos, pad_token_id=pad,
-                         chat_template=template or None)
+        super().__init__(
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            chat_template=template or None,
+        )
         self._tok = tok
 
     @property

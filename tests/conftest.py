@@ -32,8 +32,10 @@ def pytest_collection_modifyitems(config, items):
     accelerator = [item for item in items if item.get_closest_marker("accelerator")]
     dry_run = os.environ.get("KVJAX_ACCELERATOR_DRY_RUN") == "1"
     if accelerator and jax.default_backend() not in ("gpu", "tpu") and not dry_run:
-        skip = pytest.mark.skip(reason=f"accelerator: needs a GPU or TPU backend, not {jax.default_backend()}; run "
-                                "JAX_PLATFORMS=cuda (or tpu) python3 -m pytest tests/accelerator -m accelerator")
+        skip = pytest.mark.skip(
+            reason=f"accelerator: needs a GPU or TPU backend, not {jax.default_backend()}; run "
+            "JAX_PLATFORMS=cuda (or tpu) python3 -m pytest tests/accelerator -m accelerator"
+        )
         for item in accelerator:
             item.add_marker(skip)
     if config.getoption("--runslow") or os.environ.get("KVJAX_SLOW") == "1":

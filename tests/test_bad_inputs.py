@@ -26,14 +26,18 @@ from typing import Callable
 if __name__ == "__main__":  # the same environment as the tests (tests/conftest.py): CPU, 8 host devices
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # not tests/, whose kvjax/ folder would shadow kvjax
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
-ENTRY_POINTS = {"python": "Python API", "kvjax": "`kvjax`", "kvjax-eval": "`kvjax-eval`",
-                "kvjax-train-less": "`kvjax-train-less`"}
+ENTRY_POINTS = {
+    "python": "Python API",
+    "kvjax": "`kvjax`",
+    "kvjax-eval": "`kvjax-eval`",
+    "kvjax-train-less": "`kvjax-train-less`",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +63,11 @@ def _load(path_key=None, **kw):
 def _generate(prompt=(5, 6, 7), **kw):
     from kvjax import engine
 
-    return lambda ctx: engine.generate(ctx["model"], [list(prompt)] if not isinstance(prompt, str) else [prompt],
-                                       **{"method": "full", "max_new_tokens": 4, **kw})
+    return lambda ctx: engine.generate(
+        ctx["model"],
+        [list(prompt)] if not isinstance(prompt, str) else [prompt],
+        **{"method": "full", "max_new_tokens": 4, **kw},
+    )
 
 
 def _generate_with(name, **options):
@@ -85,10 +92,16 @@ def _cli(main_path: str, *argv):
 def _proc(module: str, *argv):
     """Run ``python -m module argv`` as a subprocess (this checkout first on PYTHONPATH): its exit code, its
     stderr copied to ours (where :func:`failure` reads it)."""
+
     def run(ctx):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, "-m", module, *(a.format(**ctx) for a in argv)], env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *(a.format(**ctx) for a in argv)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         sys.stderr.write(proc.stderr)
         return proc.returncode
 
@@ -137,113 +150,245 @@ CASES = [
     Case("python", 'methods.get("nope")', _methods(name="nope"), "not registered"),
     Case("python", 'methods.get("snapkv", budget=0)', _methods(name="snapkv", budget=0), "budget=0"),
     Case("python", 'methods.get("snapkv", budget=1.5)', _methods(name="snapkv", budget=1.5), "budget=1.5"),
-    Case("python", 'methods.get("snapkv", budget=float("nan"))', _methods(name="snapkv", budget=float("nan")),
-         "budget"),
+    Case(
+        "python", 'methods.get("snapkv", budget=float("nan"))', _methods(name="snapkv", budget=float("nan")), "budget"
+    ),
     Case("python", 'methods.get("h2o", budget=True)', _methods(name="h2o", budget=True), "budget"),
     Case("python", 'methods.get("snapkv", window=0)', _methods(name="snapkv", window=0), "window=0"),
     Case("python", 'methods.get("chunkkv", chunk_size=0)', _methods(name="chunkkv", chunk_size=0), "chunk_size"),
     Case("python", 'methods.get("chunkkv", reuse=0)', _methods(name="chunkkv", reuse=0), "reuse"),
     Case("python", 'methods.get("pqcache", bits=0)', _methods(name="pqcache", bits=0), "bits"),
     Case("python", 'methods.get("quest", page_size=0)', _methods(name="quest", page_size=0), "page_size"),
-    Case("python", 'methods.get("chelsea", outlier_heads="missing.json")',
-         _methods(name="chelsea", outlier_heads="missing.json"), "outlier_heads"),
+    Case(
+        "python",
+        'methods.get("chelsea", outlier_heads="missing.json")',
+        _methods(name="chelsea", outlier_heads="missing.json"),
+        "outlier_heads",
+    ),
     Case("python", 'methods.get("less", policy="lru")', _methods(name="less", policy="lru"), "policy"),
-    Case("python", 'methods.get("less", kernels="/no/such/folder")',
-         _methods(name="less", kernels="/no/such/folder"), "kernels"),
+    Case(
+        "python",
+        'methods.get("less", kernels="/no/such/folder")',
+        _methods(name="less", kernels="/no/such/folder"),
+        "kernels",
+    ),
     Case("python", 'kvjax.load_model("/no/such/model")', _load(), "no/such/model"),
     Case("python", 'kvjax.load_model({tiny}, mesh="tensor=2")', _load("tiny", mesh="tensor=2"), "tensor"),
-    Case("python", 'kvjax.load_model({tiny}, mesh="data=2,model=3")', _load("tiny", mesh="data=2,model=3"),
-         "model"),
+    Case("python", 'kvjax.load_model({tiny}, mesh="data=2,model=3")', _load("tiny", mesh="data=2,model=3"), "model"),
     Case("python", 'kvjax.load_model({tiny}, mesh="data=16")', _load("tiny", mesh="data=16"), "devices"),
     Case("python", "generate(model, ids, max_new_tokens=0)", _generate(max_new_tokens=0), "max_new_tokens"),
-    Case("python", "generate(model, ids, max_new_tokens=10**6)", _generate(max_new_tokens=10 ** 6), "context"),
+    Case("python", "generate(model, ids, max_new_tokens=10**6)", _generate(max_new_tokens=10**6), "context"),
     Case("python", "generate(model, [[]])", _generate(prompt=()), "empty prompt"),
-    Case("python", "generate(model, [])", lambda ctx: __import__("kvjax").engine.generate(ctx["model"], []),
-         "prompts=\\[\\]"),
-    Case("python", "list(stream(model, ids, max_new_tokens=0)) (raised in its worker thread)",
-         _stream(max_new_tokens=0), "max_new_tokens"),
-    Case("python", "generate(model, 40 ids, prompt_len=32)", _generate(prompt=range(1, 41), prompt_len=32),
-         "prompt_len"),
+    Case(
+        "python",
+        "generate(model, [])",
+        lambda ctx: __import__("kvjax").engine.generate(ctx["model"], []),
+        "prompts=\\[\\]",
+    ),
+    Case(
+        "python",
+        "list(stream(model, ids, max_new_tokens=0)) (raised in its worker thread)",
+        _stream(max_new_tokens=0),
+        "max_new_tokens",
+    ),
+    Case(
+        "python", "generate(model, 40 ids, prompt_len=32)", _generate(prompt=range(1, 41), prompt_len=32), "prompt_len"
+    ),
     Case("python", 'generate(model, "text") on a model without tokenizer', _generate(prompt="text"), "tokenizer"),
     Case("python", 'generate(model, ids, driver="loop")', _generate(driver="loop"), "driver"),
-    Case("python", 'generate(model, ids, methods.get("snapkv", budget=10**9))', _generate_with("snapkv", budget=10 ** 9),
-         "budget"),
-    Case("python", "engine.init_states(..., scan_layers=True) with a method without traced_layer",
-         _scan_without_traced_layer, "traced_layer"),
+    Case(
+        "python",
+        'generate(model, ids, methods.get("snapkv", budget=10**9))',
+        _generate_with("snapkv", budget=10**9),
+        "budget",
+    ),
+    Case(
+        "python",
+        "engine.init_states(..., scan_layers=True) with a method without traced_layer",
+        _scan_without_traced_layer,
+        "traced_layer",
+    ),
     Case("python", 'kvjax.budget.parse_budget("abc")', _parse_budget("abc"), "abc"),
     Case("python", "TrainConfig(budget=600, seq_len=512)", _train_config(budget=600, seq_len=512), "budget=600"),
     Case("python", "TrainConfig(val_frac=1.0)", _train_config(val_frac=1.0), "val_frac"),
     # kvjax
-    Case("kvjax", "kvjax generate --budget 0 --prompt hi", _cli(KVJAX, "generate", "--budget", "0", "--prompt", "hi"),
-         "--budget"),
-    Case("kvjax", "kvjax generate --budget 1.5 --prompt hi",
-         _cli(KVJAX, "generate", "--budget", "1.5", "--prompt", "hi"), "--budget"),
-    Case("kvjax", "kvjax generate --method nope --prompt hi",
-         _cli(KVJAX, "generate", "--method", "nope", "--prompt", "hi"), "--method: 'nope'"),
-    Case("kvjax", "kvjax generate --max-new-tokens 0 --prompt hi",
-         _cli(KVJAX, "generate", "--max-new-tokens", "0", "--prompt", "hi"), "--max-new-tokens 0"),
-    Case("kvjax", "kvjax generate --max-new-tokens -5 --prompt hi",
-         _cli(KVJAX, "generate", "--max-new-tokens", "-5", "--prompt", "hi"), "--max-new-tokens -5"),
-    Case("kvjax", "kvjax generate --method snapkv --option windw=4 --prompt hi",
-         _cli(KVJAX, "generate", "--method", "snapkv", "--option", "windw=4", "--prompt", "hi"), "windw"),
-    Case("kvjax", "kvjax generate --model {tiny_tok} --prompt '<300 words>' (a real process; raised in the "
-         "streaming thread)", _proc("kvjax.cli", "generate", "--model", "{tiny_tok}", "--prompt", LONG),
-         "exceeds the model context"),
-    Case("kvjax", "kvjax generate --model {tiny} --option window --prompt hi",
-         _cli(KVJAX, "generate", "--model", "{tiny}", "--option", "window", "--prompt", "hi"), "--option"),
-    Case("kvjax", "kvjax generate --model {tiny} --mesh tensor=2 --prompt hi",
-         _cli(KVJAX, "generate", "--model", "{tiny}", "--mesh", "tensor=2", "--prompt", "hi"), "tensor"),
-    Case("kvjax", "kvjax generate --model /no/such/model --prompt hi",
-         _cli(KVJAX, "generate", "--model", "/no/such/model", "--prompt", "hi"), "no/such/model"),
+    Case(
+        "kvjax",
+        "kvjax generate --budget 0 --prompt hi",
+        _cli(KVJAX, "generate", "--budget", "0", "--prompt", "hi"),
+        "--budget",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --budget 1.5 --prompt hi",
+        _cli(KVJAX, "generate", "--budget", "1.5", "--prompt", "hi"),
+        "--budget",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --method nope --prompt hi",
+        _cli(KVJAX, "generate", "--method", "nope", "--prompt", "hi"),
+        "--method: 'nope'",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --max-new-tokens 0 --prompt hi",
+        _cli(KVJAX, "generate", "--max-new-tokens", "0", "--prompt", "hi"),
+        "--max-new-tokens 0",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --max-new-tokens -5 --prompt hi",
+        _cli(KVJAX, "generate", "--max-new-tokens", "-5", "--prompt", "hi"),
+        "--max-new-tokens -5",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --method snapkv --option windw=4 --prompt hi",
+        _cli(KVJAX, "generate", "--method", "snapkv", "--option", "windw=4", "--prompt", "hi"),
+        "windw",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --model {tiny_tok} --prompt '<300 words>' (a real process; raised in the streaming thread)",
+        _proc("kvjax.cli", "generate", "--model", "{tiny_tok}", "--prompt", LONG),
+        "exceeds the model context",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --model {tiny} --option window --prompt hi",
+        _cli(KVJAX, "generate", "--model", "{tiny}", "--option", "window", "--prompt", "hi"),
+        "--option",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --model {tiny} --mesh tensor=2 --prompt hi",
+        _cli(KVJAX, "generate", "--model", "{tiny}", "--mesh", "tensor=2", "--prompt", "hi"),
+        "tensor",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --model /no/such/model --prompt hi",
+        _cli(KVJAX, "generate", "--model", "/no/such/model", "--prompt", "hi"),
+        "no/such/model",
+    ),
     Case("kvjax", "kvjax demo --methods full,nope", _cli(KVJAX, "demo", "--methods", "full,nope"), "nope"),
-    Case("kvjax", "kvjax demo --max-new-tokens 0", _cli(KVJAX, "demo", "--max-new-tokens", "0"),
-         "--max-new-tokens"),
-    Case("kvjax", "kvjax calibrate-chelsea --out heads.json --text /no/such.txt",
-         _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--text", "/no/such.txt"), "--text"),
-    Case("kvjax", "kvjax calibrate-chelsea --out heads.json --keep-layers first",
-         _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--keep-layers", "first"), "--keep-layers"),
+    Case("kvjax", "kvjax demo --max-new-tokens 0", _cli(KVJAX, "demo", "--max-new-tokens", "0"), "--max-new-tokens"),
+    Case(
+        "kvjax",
+        "kvjax calibrate-chelsea --out heads.json --text /no/such.txt",
+        _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--text", "/no/such.txt"),
+        "--text",
+    ),
+    Case(
+        "kvjax",
+        "kvjax calibrate-chelsea --out heads.json --keep-layers first",
+        _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--keep-layers", "first"),
+        "--keep-layers",
+    ),
     # kvjax-eval
     Case("kvjax-eval", "kvjax-eval main --budgets 0.2,1.5", _cli(EVAL, "main", "--budgets", "0.2,1.5"), "--budgets"),
     Case("kvjax-eval", "kvjax-eval main --methods full,nope", _cli(EVAL, "main", "--methods", "full,nope"), "nope"),
-    Case("kvjax-eval", "kvjax-eval main --methods full,snapkv --equal-bytes h2o",
-         _cli(EVAL, "main", "--methods", "full,snapkv", "--equal-bytes", "h2o"), "--equal-bytes"),
-    Case("kvjax-eval", "kvjax-eval perplexity --lengths 512", _cli(EVAL, "perplexity", "--lengths", "512"),
-         "--lengths"),
-    Case("kvjax-eval", "kvjax-eval main --mesh data=2,model=1 --batch 3",
-         _cli(EVAL, "main", "--mesh", "data=2,model=1", "--batch", "3"), "--batch"),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval main --methods full,snapkv --equal-bytes h2o",
+        _cli(EVAL, "main", "--methods", "full,snapkv", "--equal-bytes", "h2o"),
+        "--equal-bytes",
+    ),
+    Case(
+        "kvjax-eval", "kvjax-eval perplexity --lengths 512", _cli(EVAL, "perplexity", "--lengths", "512"), "--lengths"
+    ),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval main --mesh data=2,model=1 --batch 3",
+        _cli(EVAL, "main", "--mesh", "data=2,model=1", "--batch", "3"),
+        "--batch",
+    ),
     Case("kvjax-eval", "kvjax-eval main --option windw=4", _cli(EVAL, "main", "--option", "windw=4"), "windw"),
-    Case("kvjax-eval", "kvjax-eval main --option h2o.window=4", _cli(EVAL, "main", "--option", "h2o.window=4"),
-         "h2o"),
-    Case("kvjax-eval", "kvjax-eval needle --methods full,snapkv --option chunkkv.chunk_size=4",
-         _cli(EVAL, "needle", "--methods", "full,snapkv", "--option", "chunkkv.chunk_size=4"), "chunkkv"),
-    Case("kvjax-eval", "kvjax-eval main --option snapkv.window=0", _cli(EVAL, "main", "--option", "snapkv.window=0"),
-         "--option snapkv: window=0"),
-    Case("kvjax-eval", "kvjax-eval main --option budget=0.1", _cli(EVAL, "main", "--option", "budget=0.1"),
-         "--budgets"),
+    Case("kvjax-eval", "kvjax-eval main --option h2o.window=4", _cli(EVAL, "main", "--option", "h2o.window=4"), "h2o"),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval needle --methods full,snapkv --option chunkkv.chunk_size=4",
+        _cli(EVAL, "needle", "--methods", "full,snapkv", "--option", "chunkkv.chunk_size=4"),
+        "chunkkv",
+    ),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval main --option snapkv.window=0",
+        _cli(EVAL, "main", "--option", "snapkv.window=0"),
+        "--option snapkv: window=0",
+    ),
+    Case(
+        "kvjax-eval", "kvjax-eval main --option budget=0.1", _cli(EVAL, "main", "--option", "budget=0.1"), "--budgets"
+    ),
     Case("kvjax-eval", "kvjax-eval main --option window", _cli(EVAL, "main", "--option", "window"), "--option"),
-    Case("kvjax-eval", "kvjax-eval plot /no/such/results.json (a real process)",
-         _proc("eval.cli", "plot", "/no/such/results.json"), "results"),
-    Case("kvjax-eval", "kvjax-eval main --model {tiny} --lengths 100000",
-         _cli(EVAL, "main", "--model", "{tiny}", "--methods", "full", "--lengths", "100000"), "lengths"),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval plot /no/such/results.json (a real process)",
+        _proc("eval.cli", "plot", "/no/such/results.json"),
+        "results",
+    ),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval main --model {tiny} --lengths 100000",
+        _cli(EVAL, "main", "--model", "{tiny}", "--methods", "full", "--lengths", "100000"),
+        "lengths",
+    ),
     # kvjax-train-less
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --batch 0", _cli(TRAIN, "--out", "{tmp}/x", "--batch", "0"),
-         "batch"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --budget 600 --seq-len 512",
-         _cli(TRAIN, "--out", "{tmp}/x", "--budget", "600", "--seq-len", "512"), "budget=600"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --batch 3 --mesh data=2",
-         _cli(TRAIN, "--out", "{tmp}/x", "--batch", "3", "--mesh", "data=2"), "--batch 3"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --mesh data=2,model=4",
-         _cli(TRAIN, "--out", "{tmp}/x", "--mesh", "data=2,model=4", "--batch", "2"), "model"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --shard-mb 0",
-         _cli(TRAIN, "--out", "{tmp}/x", "--shard-mb", "0"), "--shard-mb"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --checkpoint-every 0",
-         _cli(TRAIN, "--out", "{tmp}/x", "--checkpoint-every", "0"), "--checkpoint-every"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --mask h2o",
-         _cli(TRAIN, "--out", "{tmp}/x", "--mask", "h2o"), "--mask"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --policy lru",
-         _cli(TRAIN, "--out", "{tmp}/x", "--policy", "lru"), "--policy"),
-    Case("kvjax-train-less", "kvjax-train-less --out runs/x --data /no/such/folder (a real process)",
-         _proc("train_less.cli", "--out", "{tmp}/x", "--data", "/no/such/folder"), "--data"),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --batch 0",
+        _cli(TRAIN, "--out", "{tmp}/x", "--batch", "0"),
+        "batch",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --budget 600 --seq-len 512",
+        _cli(TRAIN, "--out", "{tmp}/x", "--budget", "600", "--seq-len", "512"),
+        "budget=600",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --batch 3 --mesh data=2",
+        _cli(TRAIN, "--out", "{tmp}/x", "--batch", "3", "--mesh", "data=2"),
+        "--batch 3",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --mesh data=2,model=4",
+        _cli(TRAIN, "--out", "{tmp}/x", "--mesh", "data=2,model=4", "--batch", "2"),
+        "model",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --shard-mb 0",
+        _cli(TRAIN, "--out", "{tmp}/x", "--shard-mb", "0"),
+        "--shard-mb",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --checkpoint-every 0",
+        _cli(TRAIN, "--out", "{tmp}/x", "--checkpoint-every", "0"),
+        "--checkpoint-every",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --mask h2o",
+        _cli(TRAIN, "--out", "{tmp}/x", "--mask", "h2o"),
+        "--mask",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --policy lru",
+        _cli(TRAIN, "--out", "{tmp}/x", "--policy", "lru"),
+        "--policy",
+    ),
+    Case(
+        "kvjax-train-less",
+        "kvjax-train-less --out runs/x --data /no/such/folder (a real process)",
+        _proc("train_less.cli", "--out", "{tmp}/x", "--data", "/no/such/folder"),
+        "--data",
+    ),
 ]
 
 
@@ -277,16 +422,28 @@ def context(tmp: Path) -> dict:
     tiny, tiny_tok = tmp / "tiny", tmp / "tiny-tok"
     if not (tiny / "config.json").is_file():
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-                         ).save_pretrained(tiny)
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+            )
+        ).save_pretrained(tiny)
     if not (tiny_tok / "tokenizer.json").is_file():
         shutil.copytree(tiny, tiny_tok, dirs_exist_ok=True)
         words = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2, "word": 3}, unk_token="<unk>"))
         words.pre_tokenizer = pre_tokenizers.Whitespace()
         PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>").save_pretrained(tiny_tok)
-    return {"tiny": str(tiny), "tiny_tok": str(tiny_tok), "tmp": str(tmp),
-            "model": kvjax.load_model(tiny, dtype="float32")}
+    return {
+        "tiny": str(tiny),
+        "tiny_tok": str(tiny_tok),
+        "tmp": str(tmp),
+        "model": kvjax.load_model(tiny, dtype="float32"),
+    }
 
 
 def render(rows: list[tuple[Case, str, str]], tmp: str) -> str:
@@ -294,14 +451,18 @@ def render(rows: list[tuple[Case, str, str]], tmp: str) -> str:
         text = text.replace(tmp, "<tmp>").replace("|", "\\|")
         return re.sub(r"\s+", " ", text).strip()
 
-    out = ["# Bad inputs and the errors they give", "",
-           "Every entry point checks its input before it does any work and names the argument and the fix. The "
-           "rows below are generated by `tests/test_bad_inputs.py` (`python3 tests/test_bad_inputs.py --write "
-           "docs/bad-inputs.md`), which runs each bad input and checks the message; the Python API raises "
-           "`ValueError` (or `FileNotFoundError` for missing files), the command lines exit with code 2 and print "
-           "one `error:` line. `{tiny}` is a small local Hugging Face checkpoint (`{tiny_tok}`: the same with a "
-           "word-level tokenizer). A budget too small for its method is not an error: it runs and warns once "
-           "(`kvjax.budget.BudgetWarning`, printed by the command lines as one `warning:` line).", ""]
+    out = [
+        "# Bad inputs and the errors they give",
+        "",
+        "Every entry point checks its input before it does any work and names the argument and the fix. The "
+        "rows below are generated by `tests/test_bad_inputs.py` (`python3 tests/test_bad_inputs.py --write "
+        "docs/bad-inputs.md`), which runs each bad input and checks the message; the Python API raises "
+        "`ValueError` (or `FileNotFoundError` for missing files), the command lines exit with code 2 and print "
+        "one `error:` line. `{tiny}` is a small local Hugging Face checkpoint (`{tiny_tok}`: the same with a "
+        "word-level tokenizer). A budget too small for its method is not an error: it runs and warns once "
+        "(`kvjax.budget.BudgetWarning`, printed by the command lines as one `warning:` line).",
+        "",
+    ]
     for entry, title in ENTRY_POINTS.items():
         out += [f"## {title}", "", "| input | error |", "|---|---|"]
         for case, how, msg in rows:
@@ -345,8 +506,10 @@ def test_a_failed_subprocess_is_one_error_line(capsys):
 def test_table_is_current(results, ctx):
     want = render(results, ctx["tmp"])
     have = DOC.read_text() if DOC.is_file() else ""
-    assert have == want + "\n", ("docs/bad-inputs.md is out of date; regenerate it with "
-                                 "`python3 tests/test_bad_inputs.py --write docs/bad-inputs.md`")
+    assert have == want + "\n", (
+        "docs/bad-inputs.md is out of date; regenerate it with "
+        "`python3 tests/test_bad_inputs.py --write docs/bad-inputs.md`"
+    )
 
 
 if __name__ == "__main__":

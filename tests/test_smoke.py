@@ -35,8 +35,14 @@ OPTIONS = {"clusterkv": {"n_full": 0}, "quest": {"n_full": 0, "page_size": 4}}
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     """A tiny random Llama (1 layer, GQA 4/2) with the embedded SmolLM2 tokenizer, as a local HF folder."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-smoke"), hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-smoke"),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,11 @@ def _parsers():
     from train_less import cli as train_cli
 
     yield "kvjax", kvjax_cli.build_parser, [[], ["generate"], ["demo"], ["calibrate-chelsea"], ["install-assets"]]
-    yield "kvjax-eval", eval_cli.build_parser, [[], ["main"], ["needle"], ["perplexity"], ["ruler"], ["fidelity"],
-                                                ["longbench"], ["plot"]]
+    yield (
+        "kvjax-eval",
+        eval_cli.build_parser,
+        [[], ["main"], ["needle"], ["perplexity"], ["ruler"], ["fidelity"], ["longbench"], ["plot"]],
+    )
     yield "kvjax-train-less", train_cli.build_parser, [[]]
 
 
@@ -102,8 +111,21 @@ def test_every_method_generates(tiny, name):
 def test_generate_cli(tiny_path, capsys):
     from kvjax import cli
 
-    code = cli.main(["generate", "--model", str(tiny_path), "--method", "snapkv", "--budget", "0.5", "--prompt",
-                     "Where is the Eiffel Tower? " * 4, "--max-new-tokens", "4"])
+    code = cli.main(
+        [
+            "generate",
+            "--model",
+            str(tiny_path),
+            "--method",
+            "snapkv",
+            "--budget",
+            "0.5",
+            "--prompt",
+            "Where is the Eiffel Tower? " * 4,
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err
     assert "error:" not in err and "snapkv:" in err
@@ -121,9 +143,30 @@ def test_eval_cell_with_a_method_option(tiny_path, tmp_path, monkeypatch):
 
     monkeypatch.setattr(harness, "make_method", spy)
     out = tmp_path / "eval"
-    code = cli.main(["needle", "--model", str(tiny_path), "--methods", "snapkv", "--budgets", "0.5", "--lengths",
-                     "128", "--depths", "0.5", "--batch", "1", "--max-new-tokens", "4", "--option",
-                     "snapkv.window=4", "--no-progress", "--out", str(out)])
+    code = cli.main(
+        [
+            "needle",
+            "--model",
+            str(tiny_path),
+            "--methods",
+            "snapkv",
+            "--budgets",
+            "0.5",
+            "--lengths",
+            "128",
+            "--depths",
+            "0.5",
+            "--batch",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--option",
+            "snapkv.window=4",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["method"] == "snapkv" and rows[0]["budget"] == 0.5

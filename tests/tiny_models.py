@@ -14,14 +14,24 @@ def save_tiny_llama(path, **config) -> Path:
     from kvjax.tokenizer import GGUFTokenizer
 
     ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend, bos_token="<|im_start|>",
-                                               eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                               unk_token="<|endoftext|>")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=ours.backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
     tok.chat_template = ours.chat_template
     tok.save_pretrained(path)
     torch.manual_seed(0)
-    sizes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=512)
+    sizes = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=len(tok), **{**sizes, **config})).eval()
     with torch.no_grad():
         for p in hf.parameters():

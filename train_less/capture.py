@@ -105,9 +105,21 @@ def _identity(cfg, tokens, policies, layers, mask, store_dtype, model_name) -> s
     return h.hexdigest()
 
 
-def capture(cfg, params, tokens: np.ndarray, policies: tuple, folder, layers=None, mask: str = "decode",
-            batch: int = 4, store_dtype="float32", shard_mb: float = 1024, progress: bool = True, mesh=None,
-            model_name: str | None = None) -> CaptureStore:
+def capture(
+    cfg,
+    params,
+    tokens: np.ndarray,
+    policies: tuple,
+    folder,
+    layers=None,
+    mask: str = "decode",
+    batch: int = 4,
+    store_dtype="float32",
+    shard_mb: float = 1024,
+    progress: bool = True,
+    mesh=None,
+    model_name: str | None = None,
+) -> CaptureStore:
     """Run the frozen model over ``tokens [N, S]`` and write the capture to ``folder`` (module docstring).
 
     policies: :class:`~kvjax.methods.less.Less` configs whose eviction times to record (with ``mask``, see
@@ -117,8 +129,10 @@ def capture(cfg, params, tokens: np.ndarray, policies: tuple, folder, layers=Non
     over ``data`` (a batch that does not divide, e.g. the last one, runs replicated).
     """
     if any(w is not None for w in cfg.sliding_windows):
-        raise ValueError("LESS training does not support sliding-window attention layers (model has "
-                         f"sliding_windows={cfg.sliding_windows}); use a model with full attention")
+        raise ValueError(
+            "LESS training does not support sliding-window attention layers (model has "
+            f"sliding_windows={cfg.sliding_windows}); use a model with full attention"
+        )
     if shard_mb <= 0:
         raise ValueError(f"shard_mb={shard_mb} must be > 0 (MiB per capture shard; --shard-mb)")
     layers = tuple(range(cfg.num_layers) if layers is None else layers)
@@ -127,9 +141,17 @@ def capture(cfg, params, tokens: np.ndarray, policies: tuple, folder, layers=Non
     folder = Path(folder)
     per_seq = seq_bytes(cfg, len(layers), s, store_dtype, len(policies))
     per_shard = max(1, int(shard_mb * 2**20 // per_seq))
-    manifest = {"format": FORMAT, "id": _identity(cfg, tokens, policies, layers, mask, store_dtype, model_name),
-                "n": n, "seq_len": s, "layers": list(layers), "store_dtype": str(store_dtype), "per_shard": per_shard,
-                "shards": -(-n // per_shard), "seq_bytes": per_seq}
+    manifest = {
+        "format": FORMAT,
+        "id": _identity(cfg, tokens, policies, layers, mask, store_dtype, model_name),
+        "n": n,
+        "seq_len": s,
+        "layers": list(layers),
+        "store_dtype": str(store_dtype),
+        "per_shard": per_shard,
+        "shards": -(-n // per_shard),
+        "seq_bytes": per_seq,
+    }
     mpath = folder / "manifest.json"
     if mpath.is_file() and json.loads(mpath.read_text()) != manifest:
         shutil.rmtree(folder)  # a capture of other data or settings: ours to replace
@@ -138,17 +160,19 @@ def capture(cfg, params, tokens: np.ndarray, policies: tuple, folder, layers=Non
         mpath.write_text(json.dumps(manifest, indent=1))
     store = CaptureStore(folder)
     todo = [k for k in range(manifest["shards"]) if not store.shard(k, "evict").is_file()]
-    bar = tqdm(total=sum(min(per_shard, n - k * per_shard) for k in todo), desc="capture", disable=not progress,
-               unit="seq")
+    bar = tqdm(
+        total=sum(min(per_shard, n - k * per_shard) for k in todo), desc="capture", disable=not progress, unit="seq"
+    )
     for k in todo:
         lo, hi = k * per_shard, min(n, (k + 1) * per_shard)
         xs = np.empty((hi - lo, len(layers), s, cfg.hidden_size), store_dtype)
         ev = np.empty((hi - lo, len(layers), len(policies), cfg.num_kv_heads, s), np.int32)
         for i in range(lo, hi, batch):
-            x, e = _capture_batch(cfg, tuple(policies), layers, mask, store_dtype, params,
-                                  put_batch(tokens[i:min(i + batch, hi)], mesh))
-            xs[i - lo:i - lo + x.shape[0]] = S.to_host(x)
-            ev[i - lo:i - lo + x.shape[0]] = S.to_host(e)
+            x, e = _capture_batch(
+                cfg, tuple(policies), layers, mask, store_dtype, params, put_batch(tokens[i : min(i + batch, hi)], mesh)
+            )
+            xs[i - lo : i - lo + x.shape[0]] = S.to_host(x)
+            ev[i - lo : i - lo + x.shape[0]] = S.to_host(e)
             bar.update(x.shape[0])
         for kind, arr in (("x", xs), ("evict", ev)):  # evict last: its presence marks the shard complete
             tmp = store.shard(k, kind).with_suffix(".tmp")

@@ -49,15 +49,22 @@ class Checkpoints:
         self.dir, self.mesh, self.config, self.ident = run_dir / "checkpoints", mesh, config, model_identity
         held = self.dir.exists() and any(self.dir.iterdir())
         if held and not resume:
-            raise ValueError(f"{str(run_dir)!r} already holds checkpoints; pass resume=True (--resume) to continue "
-                             "that run, or choose a new folder")
+            raise ValueError(
+                f"{str(run_dir)!r} already holds checkpoints; pass resume=True (--resume) to continue "
+                "that run, or choose a new folder"
+            )
         if resume and not held:
             raise ValueError(f"resume=True but {str(run_dir)!r} has no checkpoint to resume from")
         self.mngr = None
 
     def _tree(self, kernels, opt, rec: Record):
-        tree = {"params": kernels, "best": rec.best, "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(opt))},
-                "best_val": np.asarray(rec.best_val), "best_epoch": np.asarray(rec.best_epoch)}
+        tree = {
+            "params": kernels,
+            "best": rec.best,
+            "opt": {f"{i:04d}": x for i, x in enumerate(jax.tree.leaves(opt))},
+            "best_val": np.asarray(rec.best_val),
+            "best_epoch": np.asarray(rec.best_epoch),
+        }
         return jax.tree.map(jnp.asarray, tree) if self.mesh is None else jax.device_put(tree, S.replicated(self.mesh))
 
     def _check(self, meta: dict) -> None:
@@ -65,9 +72,11 @@ class Checkpoints:
         now = {k: v for k, v in self.config.items() if k != "epochs"}
         if saved != now or meta["model"] != self.ident:
             diff = sorted(k for k in now if saved.get(k) != now[k])
-            raise ValueError(f"resume: the checkpoint in {str(self.dir.parent)!r} was written with a different "
-                             f"config (differs in {diff or 'the model'}); resume with the same settings or use a new "
-                             "folder")
+            raise ValueError(
+                f"resume: the checkpoint in {str(self.dir.parent)!r} was written with a different "
+                f"config (differs in {diff or 'the model'}); resume with the same settings or use a new "
+                "folder"
+            )
 
     def start(self) -> None:
         self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
@@ -79,15 +88,36 @@ class Checkpoints:
         leaves, treedef = jax.tree.flatten(opt)
         opt = jax.tree.unflatten(treedef, [st["opt"][f"{i:04d}"] for i in range(len(leaves))])
         run = None if meta.get("run") is None else np.asarray(meta["run"], np.float64)
-        return st["params"], opt, Record(st["best"], np.asarray(st["best_val"]), np.asarray(st["best_epoch"]),
-                                         meta["history"], meta["epoch"], meta.get("step", 0), run)
+        return (
+            st["params"],
+            opt,
+            Record(
+                st["best"],
+                np.asarray(st["best_val"]),
+                np.asarray(st["best_epoch"]),
+                meta["history"],
+                meta["epoch"],
+                meta.get("step", 0),
+                run,
+            ),
+        )
 
     def save(self, step: int, kernels, opt, rec: Record, epoch: int, in_epoch: int, run) -> None:
         """Checkpoint ``step`` (global steps done): the run stands at step ``in_epoch`` of ``epoch``."""
-        meta = {"epoch": epoch, "step": in_epoch, "run": run, "history": rec.history, "config": self.config,
-                "model": self.ident}
-        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(self._tree(kernels, opt, rec)),
-                                                     meta=ocp.args.JsonSave(meta)))
+        meta = {
+            "epoch": epoch,
+            "step": in_epoch,
+            "run": run,
+            "history": rec.history,
+            "config": self.config,
+            "model": self.ident,
+        }
+        self.mngr.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(self._tree(kernels, opt, rec)), meta=ocp.args.JsonSave(meta)
+            ),
+        )
         self.mngr.wait_until_finished()
 
     def close(self) -> None:
@@ -118,13 +148,17 @@ def restore_newest(ckpt_dir: Path, abstract, check):
             aside = ckpt_dir.parent / "checkpoints-corrupt"
             aside.mkdir(exist_ok=True)
             for b, e in bad:
-                warnings.warn(f"checkpoint {ckpt_dir / str(b)} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-                              f"moved to {aside / str(b)}, resuming from the previous one, {ckpt_dir / str(step)}",
-                              stacklevel=4)
+                warnings.warn(
+                    f"checkpoint {ckpt_dir / str(b)} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+                    f"moved to {aside / str(b)}, resuming from the previous one, {ckpt_dir / str(step)}",
+                    stacklevel=4,
+                )
                 shutil.move(str(ckpt_dir / str(b)), str(aside / str(b)))
             mngr = ocp.CheckpointManager(ckpt_dir, options=opts)
         return mngr, meta, state
     mngr.close()
-    raise ValueError(f"no readable checkpoint in {ckpt_dir}: " + "; ".join(
-        f"{ckpt_dir / str(b)}: {type(e).__name__}: {str(e)[:200]}" for b, e in bad)
-        + ". Start a new run in a new folder")
+    raise ValueError(
+        f"no readable checkpoint in {ckpt_dir}: "
+        + "; ".join(f"{ckpt_dir / str(b)}: {type(e).__name__}: {str(e)[:200]}" for b, e in bad)
+        + ". Start a new run in a new folder"
+    )

@@ -26,21 +26,37 @@ def _number(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvjax-train-less", description=__doc__.replace("``", ""),
-                                formatter_class=HelpFormatter)
-    p.add_argument("--out", required=True, help="output folder: kernels.npz, less_config.json, checkpoints/ "
-                   "(with --layers: the run in OUT/layers-A-B/, merged into OUT)")
-    p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="kvjax.load_model name/path (HF folder, .gguf, hub id, or the embedded SmolLM2)")
-    p.add_argument("--data", nargs="*", default=None,
-                   help="text files, jsonl files ('text' per line) or folders; default: embedded essays + Bible "
-                        "(minus the held-out essays and Gospel of John)")
+    p = argparse.ArgumentParser(
+        prog="kvjax-train-less", description=__doc__.replace("``", ""), formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder: kernels.npz, less_config.json, checkpoints/ "
+        "(with --layers: the run in OUT/layers-A-B/, merged into OUT)",
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="kvjax.load_model name/path (HF folder, .gguf, hub id, or the embedded SmolLM2)",
+    )
+    p.add_argument(
+        "--data",
+        nargs="*",
+        default=None,
+        help="text files, jsonl files ('text' per line) or folders; default: embedded essays + Bible "
+        "(minus the held-out essays and Gospel of John)",
+    )
     p.add_argument("--hf-dataset", default=None, help="a Hugging Face dataset name (e.g. allenai/c4), streamed")
     p.add_argument("--hf-split", default="train", help="split of --hf-dataset")
     p.add_argument("--hf-field", default="text", help="text field of --hf-dataset")
     p.add_argument("--policy", choices=("h2o", "lambda"), default="h2o", help="the sparse policy LESS wraps")
-    p.add_argument("--budget", type=budget_type("--budget"), default=None,
-                   help="sparse cache tokens (256), or a fraction of --seq-len (0.1) (default: 10%% of --seq-len)")
+    p.add_argument(
+        "--budget",
+        type=budget_type("--budget"),
+        default=None,
+        help="sparse cache tokens (256), or a fraction of --seq-len (0.1) (default: 10%% of --seq-len)",
+    )
     p.add_argument("--recent", type=_number, default=0.5, help="H2O recent window: fraction of budget or tokens")
     p.add_argument("--sinks", type=int, default=4, help="lambda policy: attention-sink tokens")
     p.add_argument("--rank", type=int, default=8, help="rank R of the low-rank state")
@@ -53,29 +69,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-frac", type=float, default=0.1, help="share of the sequences held out for validation")
     p.add_argument("--lr", type=float, default=1e-3, help="initial learning rate")
     p.add_argument("--halve-every", type=int, default=10, help="epochs between learning-rate halvings")
-    p.add_argument("--layers-per-step", type=int, default=None,
-                   help="layers vmapped together (default: all; lower it when memory is short)")
+    p.add_argument(
+        "--layers-per-step",
+        type=int,
+        default=None,
+        help="layers vmapped together (default: all; lower it when memory is short)",
+    )
     p.add_argument("--store-dtype", default="float32", help="dtype of the captured activations (float32, bfloat16)")
-    p.add_argument("--layers", default=None, metavar="A-B",
-                   help="train only these layers ('0-7', '0,2,5-9'); runs of one --out merge into one kernels folder")
-    p.add_argument("--mask", choices=("decode", "paper"), default="decode",
-                   help="parallel H2O mask: kvjax's decode semantics or the paper's (full-attention scores)")
-    p.add_argument("--query-chunk", type=int, default=512,
-                   help="query rows per attention block in the loss (memory linear in --seq-len); 0: unchunked")
-    p.add_argument("--shard-mb", type=float, default=1024,
-                   help="MiB per capture shard on disk: the capture's host-memory bound besides one batch")
-    p.add_argument("--capture-batch", type=int, default=None,
-                   help="sequences per capture forward pass (default max(--batch, 4)); host memory holds one batch")
-    p.add_argument("--capture-dir", default=None,
-                   help="where the activation capture goes (default OUT[/layers-A-B]/capture; a fast, large disk)")
+    p.add_argument(
+        "--layers",
+        default=None,
+        metavar="A-B",
+        help="train only these layers ('0-7', '0,2,5-9'); runs of one --out merge into one kernels folder",
+    )
+    p.add_argument(
+        "--mask",
+        choices=("decode", "paper"),
+        default="decode",
+        help="parallel H2O mask: kvjax's decode semantics or the paper's (full-attention scores)",
+    )
+    p.add_argument(
+        "--query-chunk",
+        type=int,
+        default=512,
+        help="query rows per attention block in the loss (memory linear in --seq-len); 0: unchunked",
+    )
+    p.add_argument(
+        "--shard-mb",
+        type=float,
+        default=1024,
+        help="MiB per capture shard on disk: the capture's host-memory bound besides one batch",
+    )
+    p.add_argument(
+        "--capture-batch",
+        type=int,
+        default=None,
+        help="sequences per capture forward pass (default max(--batch, 4)); host memory holds one batch",
+    )
+    p.add_argument(
+        "--capture-dir",
+        default=None,
+        help="where the activation capture goes (default OUT[/layers-A-B]/capture; a fast, large disk)",
+    )
     p.add_argument("--keep-capture", action="store_true", help="keep the capture when training ends")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
-                   help="also checkpoint every STEPS steps within an epoch (long epochs)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="also checkpoint every STEPS steps within an epoch (long epochs)",
+    )
     p.add_argument("--merge", action="store_true", help="only merge OUT/layers-*/ runs into OUT, then exit")
     p.add_argument("--seed", type=int, default=0, help="seed of the sequence split, initialisation and dropout")
-    p.add_argument("--mesh", default=None, metavar="data=N",
-                   help="data parallel over a device mesh (kvjax.sharding): each batch split over 'data' (--batch a "
-                        "multiple of N), kernels and optimizer state replicated")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=N",
+        help="data parallel over a device mesh (kvjax.sharding): each batch split over 'data' (--batch a "
+        "multiple of N), kernels and optimizer state replicated",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -103,12 +155,27 @@ def run(args) -> int:
         from kvjax.budget import budget_tokens
 
         args.budget = budget_tokens(args.budget, args.seq_len)
-    tc = TrainConfig(policy=args.policy, budget=args.budget, recent=args.recent, sinks=args.sinks,
-                     rank=args.rank, hidden=args.hidden, dropout=args.dropout, epochs=args.epochs,
-                     batch=args.batch, seq_len=args.seq_len, num_seqs=args.num_seqs, val_frac=args.val_frac,
-                     lr=args.lr, halve_every=args.halve_every, layers_per_step=args.layers_per_step,
-                     seed=args.seed, store_dtype=args.store_dtype, mask=args.mask,
-                     query_chunk=args.query_chunk or None)
+    tc = TrainConfig(
+        policy=args.policy,
+        budget=args.budget,
+        recent=args.recent,
+        sinks=args.sinks,
+        rank=args.rank,
+        hidden=args.hidden,
+        dropout=args.dropout,
+        epochs=args.epochs,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        num_seqs=args.num_seqs,
+        val_frac=args.val_frac,
+        lr=args.lr,
+        halve_every=args.halve_every,
+        layers_per_step=args.layers_per_step,
+        seed=args.seed,
+        store_dtype=args.store_dtype,
+        mask=args.mask,
+        query_chunk=args.query_chunk or None,
+    )
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} must be >= 1 step")
     if args.capture_batch is not None and args.capture_batch < 1:
@@ -117,8 +184,10 @@ def run(args) -> int:
         raise ValueError(f"--shard-mb {args.shard_mb} must be > 0 MiB")
     for path in args.data or ():
         if not Path(path).exists():
-            raise FileNotFoundError(f"--data {path}: no such file or folder; pass text files, jsonl files ('text' "
-                                    "per line) or folders of them, or leave --data out for the embedded corpus")
+            raise FileNotFoundError(
+                f"--data {path}: no such file or folder; pass text files, jsonl files ('text' "
+                "per line) or folders of them, or leave --data out for the embedded corpus"
+            )
     mesh = None if args.mesh is None else make_mesh(args.mesh)
     if mesh is not None:
         check_mesh(mesh, tc.batch)
@@ -137,22 +206,47 @@ def run(args) -> int:
         layers = L.parse_layers(args.layers, model.config.num_layers)
     except ValueError as e:
         raise ValueError(f"--layers: {e}") from None
-    print(f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
-          f"budget {tc.budget_tokens}, R={tc.rank}, layers {L.format_layers(layers)} of "
-          f"{model.config.num_layers}", file=sys.stderr)
-    meta = train(model.config, model.params, tokens, tc, args.out, model_name=model.name, resume=args.resume,
-                 progress=not args.no_progress, mesh=mesh, layers=layers, shard_mb=args.shard_mb,
-                 capture_dir=args.capture_dir, keep_capture=args.keep_capture, checkpoint_every=args.checkpoint_every,
-                 capture_batch=args.capture_batch)
+    print(
+        f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
+        f"budget {tc.budget_tokens}, R={tc.rank}, layers {L.format_layers(layers)} of "
+        f"{model.config.num_layers}",
+        file=sys.stderr,
+    )
+    meta = train(
+        model.config,
+        model.params,
+        tokens,
+        tc,
+        args.out,
+        model_name=model.name,
+        resume=args.resume,
+        progress=not args.no_progress,
+        mesh=mesh,
+        layers=layers,
+        shard_mb=args.shard_mb,
+        capture_dir=args.capture_dir,
+        keep_capture=args.keep_capture,
+        checkpoint_every=args.checkpoint_every,
+        capture_batch=args.capture_batch,
+    )
 
     def mean(key):
         vals = [v for v in meta[key] if v is not None]
         return sum(vals) / len(vals)
 
-    print(json.dumps({"out": args.out, "epochs_done": meta["epochs_done"], "wall_seconds": time.perf_counter() - t0,
-                      "layers_trained": meta["layers_trained"], "val_loss_mean": mean("val_loss"),
-                      "val_loss_sparse_mean": mean("val_loss_sparse"),
-                      "val_loss_baseline_plus_mean": mean("val_loss_baseline_plus")}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "epochs_done": meta["epochs_done"],
+                "wall_seconds": time.perf_counter() - t0,
+                "layers_trained": meta["layers_trained"],
+                "val_loss_mean": mean("val_loss"),
+                "val_loss_sparse_mean": mean("val_loss_sparse"),
+                "val_loss_baseline_plus_mean": mean("val_loss_baseline_plus"),
+            }
+        )
+    )
     return 0
 
 

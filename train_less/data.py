@@ -77,14 +77,18 @@ def hf_source(name: str, split: str = "train", field: str = "text", limit: int =
     try:
         import datasets  # noqa: PLC0415
     except ImportError as e:
-        raise ValueError(f"hf_dataset={name!r} needs the 'datasets' package (pip install datasets); or pass "
-                         "--data with local text/jsonl files") from e
+        raise ValueError(
+            f"hf_dataset={name!r} needs the 'datasets' package (pip install datasets); or pass "
+            "--data with local text/jsonl files"
+        ) from e
     try:
         ds = datasets.load_dataset(name, split=split, streaming=True)
         return [rec[field] for _, rec in zip(range(limit), ds)]
     except Exception as e:  # network, unknown name, missing field
-        raise ValueError(f"could not read hf_dataset={name!r} split={split!r} field={field!r} "
-                         f"({type(e).__name__}: {e}); pass --data with local files where the hub is unreachable") from e
+        raise ValueError(
+            f"could not read hf_dataset={name!r} split={split!r} field={field!r} "
+            f"({type(e).__name__}: {e}); pass --data with local files where the hub is unreachable"
+        ) from e
 
 
 def windows(tokenizer, docs: Iterable[str], seq_len: int, limit: int | None = None) -> np.ndarray:

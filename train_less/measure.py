@@ -43,8 +43,9 @@ def teacher_forced_nll(model, method, seqs: np.ndarray):
         target = jnp.asarray(seqs[:, t])
         nll.append(-np.asarray(_logprob(logits, target)))
         if t < s - 1:
-            logits, states = engine.decode_step(model.config, method, model.params, states, target,
-                                                jnp.full((n,), t, jnp.int32))
+            logits, states = engine.decode_step(
+                model.config, method, model.params, states, target, jnp.full((n,), t, jnp.int32)
+            )
     return np.stack(nll, 1).mean(1), cache_bytes
 
 
@@ -59,8 +60,19 @@ def main(argv=None):
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more kvjax-train-less arguments")
     a = p.parse_args(argv)
-    train_args = ["--out", a.out, "--seq-len", str(a.seq_len), "--budget", str(a.budget), "--num-seqs",
-                  str(a.num_seqs), "--epochs", str(a.epochs), *a.extra]
+    train_args = [
+        "--out",
+        a.out,
+        "--seq-len",
+        str(a.seq_len),
+        "--budget",
+        str(a.budget),
+        "--num-seqs",
+        str(a.num_seqs),
+        "--epochs",
+        str(a.epochs),
+        *a.extra,
+    ]
     t0 = time.perf_counter()
     if not a.skip_train:
         cli.main(train_args)
@@ -69,24 +81,38 @@ def main(argv=None):
     rank = meta["kernel"]["rank"]
     model = kvjax.load_model("smollm2-135m-instruct")
     seqs = data.sequences(model.tokenizer, data.heldout_sources(), a.seq_len, a.eval_seqs)
-    runs = {"full": methods.get("full"),
-            f"h2o (Baseline, {a.budget} tokens)": methods.get("h2o", budget=a.budget),
-            f"h2o (Baseline+, {a.budget + rank // 2} tokens)": methods.get("h2o", budget=a.budget + rank // 2),
-            f"less (h2o {a.budget} tokens + H, R={rank})": methods.get("less", policy="h2o", budget=a.budget,
-                                                                       kernels=a.out)}
-    result = {"train_command": "kvjax-train-less " + " ".join(train_args), "train_wall_seconds": train_wall,
-              "epochs_done": meta["epochs_done"], "eval_sequences": int(seqs.shape[0]), "seq_len": a.seq_len,
-              "val_loss_mean": float(np.mean(meta["val_loss"])),
-              "val_loss_sparse_mean": float(np.mean(meta["val_loss_sparse"])),
-              "val_loss_baseline_plus_mean": float(np.mean(meta["val_loss_baseline_plus"])),
-              "jax": jax.__version__, "device": str(jax.devices()[0]), "ppl": {}}
+    runs = {
+        "full": methods.get("full"),
+        f"h2o (Baseline, {a.budget} tokens)": methods.get("h2o", budget=a.budget),
+        f"h2o (Baseline+, {a.budget + rank // 2} tokens)": methods.get("h2o", budget=a.budget + rank // 2),
+        f"less (h2o {a.budget} tokens + H, R={rank})": methods.get(
+            "less", policy="h2o", budget=a.budget, kernels=a.out
+        ),
+    }
+    result = {
+        "train_command": "kvjax-train-less " + " ".join(train_args),
+        "train_wall_seconds": train_wall,
+        "epochs_done": meta["epochs_done"],
+        "eval_sequences": int(seqs.shape[0]),
+        "seq_len": a.seq_len,
+        "val_loss_mean": float(np.mean(meta["val_loss"])),
+        "val_loss_sparse_mean": float(np.mean(meta["val_loss_sparse"])),
+        "val_loss_baseline_plus_mean": float(np.mean(meta["val_loss_baseline_plus"])),
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0]),
+        "ppl": {},
+    }
     for name, m in runs.items():
         t = time.perf_counter()
         nll, nbytes = teacher_forced_nll(model, m, seqs)
         # sequences alternate essays / John (round-robin)
-        result["ppl"][name] = {"ppl": math.exp(float(nll.mean())), "ppl_essays": math.exp(float(nll[0::2].mean())),
-                               "ppl_bible": math.exp(float(nll[1::2].mean())), "cache_bytes_per_seq": int(nbytes),
-                               "seconds": time.perf_counter() - t}
+        result["ppl"][name] = {
+            "ppl": math.exp(float(nll.mean())),
+            "ppl_essays": math.exp(float(nll[0::2].mean())),
+            "ppl_bible": math.exp(float(nll[1::2].mean())),
+            "cache_bytes_per_seq": int(nbytes),
+            "seconds": time.perf_counter() - t,
+        }
         print(name, result["ppl"][name], flush=True)
     full = result["ppl"]["full"]["ppl"]
     names = list(runs)

@@ -29,9 +29,12 @@ def _status(key: str) -> int:
 
 def project(num_layers, hidden, kv_heads, seq_len, n, itemsize, shard_mb, batch):
     per_seq = num_layers * seq_len * (hidden * itemsize + 2 * kv_heads * 4)
-    return {"bytes_per_seq": per_seq, "disk_bytes": per_seq * n,
-            "host_bound_bytes": max(shard_mb * 2**20, per_seq) + batch * per_seq,
-            "old_in_ram_bytes": n * num_layers * seq_len * (hidden * 4 + 2 * kv_heads * (seq_len // 8))}
+    return {
+        "bytes_per_seq": per_seq,
+        "disk_bytes": per_seq * n,
+        "host_bound_bytes": max(shard_mb * 2**20, per_seq) + batch * per_seq,
+        "old_in_ram_bytes": n * num_layers * seq_len * (hidden * 4 + 2 * kv_heads * (seq_len // 8)),
+    }
 
 
 def main(argv=None):
@@ -61,23 +64,47 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(a.dir or tmp) / "capture"
         t0 = time.perf_counter()
-        store = C.capture(cfg, model.params, tokens, (tc.less, tc.baseline_plus), folder, layers=layers,
-                          batch=a.batch, store_dtype=a.store_dtype, shard_mb=a.shard_mb, model_name=model.name)
+        store = C.capture(
+            cfg,
+            model.params,
+            tokens,
+            (tc.less, tc.baseline_plus),
+            folder,
+            layers=layers,
+            batch=a.batch,
+            store_dtype=a.store_dtype,
+            shard_mb=a.shard_mb,
+            model_name=model.name,
+        )
         wall = time.perf_counter() - t0
         disk = sum(f.stat().st_size for f in folder.glob("*.npy"))
         x, _ = store.read(range(min(2, tokens.shape[0])))  # a training batch read back
     itemsize = np.dtype(a.store_dtype).itemsize
-    res = {"model": model.name, "num_layers": len(layers), "hidden": cfg.hidden_size, "kv_heads": cfg.num_kv_heads,
-           "num_seqs": int(tokens.shape[0]), "seq_len": a.seq_len, "store_dtype": a.store_dtype,
-           "shard_mb": a.shard_mb, "capture_batch": a.batch, "shards": store.manifest["shards"],
-           "seqs_per_shard": store.per_shard, "bytes_per_seq_measured": disk / tokens.shape[0],
-           "bytes_per_seq_formula": C.seq_bytes(cfg, len(layers), a.seq_len, a.store_dtype),
-           "rss_after_model_load": rss_model, "peak_rss": _status("VmHWM"), "capture_seconds": wall,
-           "projections": {
-               "smollm2_512x4096": project(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, 4096, 512, itemsize,
-                                           a.shard_mb, a.batch),
-               "llama2_7b_512x4096_bf16_all_layers": project(32, 4096, 32, 4096, 512, 2, a.shard_mb, 4),
-               "llama2_7b_512x4096_bf16_8_layers": project(8, 4096, 32, 4096, 512, 2, a.shard_mb, 4)}}
+    res = {
+        "model": model.name,
+        "num_layers": len(layers),
+        "hidden": cfg.hidden_size,
+        "kv_heads": cfg.num_kv_heads,
+        "num_seqs": int(tokens.shape[0]),
+        "seq_len": a.seq_len,
+        "store_dtype": a.store_dtype,
+        "shard_mb": a.shard_mb,
+        "capture_batch": a.batch,
+        "shards": store.manifest["shards"],
+        "seqs_per_shard": store.per_shard,
+        "bytes_per_seq_measured": disk / tokens.shape[0],
+        "bytes_per_seq_formula": C.seq_bytes(cfg, len(layers), a.seq_len, a.store_dtype),
+        "rss_after_model_load": rss_model,
+        "peak_rss": _status("VmHWM"),
+        "capture_seconds": wall,
+        "projections": {
+            "smollm2_512x4096": project(
+                cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, 4096, 512, itemsize, a.shard_mb, a.batch
+            ),
+            "llama2_7b_512x4096_bf16_all_layers": project(32, 4096, 32, 4096, 512, 2, a.shard_mb, 4),
+            "llama2_7b_512x4096_bf16_8_layers": project(8, 4096, 32, 4096, 512, 2, a.shard_mb, 4),
+        },
+    }
     print(json.dumps(res, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

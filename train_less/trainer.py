@@ -96,13 +96,17 @@ class TrainConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.budget is not None and not 1 <= self.budget < self.seq_len:
-            raise ValueError(f"budget={self.budget} tokens must be in [1, seq_len={self.seq_len}); the sparse "
-                             "policy must evict something to train on")
+            raise ValueError(
+                f"budget={self.budget} tokens must be in [1, seq_len={self.seq_len}); the sparse "
+                "policy must evict something to train on"
+            )
         if self.layers_per_step is not None and self.layers_per_step < 1:
             raise ValueError(f"layers_per_step={self.layers_per_step} must be >= 1 (or None for all layers)")
         if self.mask not in L.MASKS:
-            raise ValueError(f"mask={self.mask!r} (--mask): choose 'decode' (kvjax's decode semantics, the "
-                             "default) or 'paper' (the paper's parallel H2O mask)")
+            raise ValueError(
+                f"mask={self.mask!r} (--mask): choose 'decode' (kvjax's decode semantics, the "
+                "default) or 'paper' (the paper's parallel H2O mask)"
+            )
         if self.query_chunk is not None and self.query_chunk < 1:
             raise ValueError(f"query_chunk={self.query_chunk} (--query-chunk) must be >= 1, or None for no chunking")
         self.less  # validates policy / recent / sinks
@@ -113,8 +117,14 @@ class TrainConfig:
 
     @property
     def less(self) -> L.Less:
-        return L.Less(policy=self.policy, budget=self.budget_tokens, recent=self.recent, sinks=self.sinks,
-                      rank=self.rank, hidden=self.hidden)
+        return L.Less(
+            policy=self.policy,
+            budget=self.budget_tokens,
+            recent=self.recent,
+            sinks=self.sinks,
+            rank=self.rank,
+            hidden=self.hidden,
+        )
 
     @property
     def baseline_plus(self) -> L.Less:
@@ -130,8 +140,7 @@ def _o_proj(lp, attn):
 
 
 def _module(cfg, tc: TrainConfig) -> L.LessKernels:
-    return L.LessKernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tc.rank, tc.hidden, tc.dropout,
-                         tc.scale_init)
+    return L.LessKernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tc.rank, tc.hidden, tc.dropout, tc.scale_init)
 
 
 def _layer_losses(cfg, tc: TrainConfig, lp, kp, x, evicts, key, train: bool):
@@ -179,6 +188,7 @@ def _train_step(cfg, tc: TrainConfig, steps_per_epoch: int, lp, kp, opt, x, evic
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _evaluate(cfg, tc: TrainConfig, lp, kp, x, evict, evict_plus):
     """Validation losses ``(LESS, sparse alone, Baseline+)`` per layer of the chunk, dropout off."""
+
     def one(lp, kp, x, evict, evict_plus):
         return _layer_losses(cfg, tc, lp, kp, x, (evict, evict_plus), jax.random.PRNGKey(0), False)
 
@@ -211,12 +221,16 @@ def check_mesh(mesh, batch: int) -> None:
     is not a multiple of the ``data`` size (``--mesh``)."""
     dp, tp = S.axis_size(mesh, S.DATA), S.axis_size(mesh, S.MODEL)
     if tp > 1:
-        raise ValueError(f"--mesh: LESS training splits only the batch, over 'data'; mesh axis 'model' has size {tp}. "
-                         f"Use --mesh data={dp * tp} (model=1)")
+        raise ValueError(
+            f"--mesh: LESS training splits only the batch, over 'data'; mesh axis 'model' has size {tp}. "
+            f"Use --mesh data={dp * tp} (model=1)"
+        )
     if batch % dp:
-        raise ValueError(f"--batch {batch} is not a multiple of the mesh's 'data' size {dp} (--mesh data={dp}): each "
-                         f"device takes batch / {dp} sequences; use --batch {-(-batch // dp) * dp} or a smaller "
-                         "'data' size")
+        raise ValueError(
+            f"--batch {batch} is not a multiple of the mesh's 'data' size {dp} (--mesh data={dp}): each "
+            f"device takes batch / {dp} sequences; use --batch {-(-batch // dp) * dp} or a smaller "
+            "'data' size"
+        )
 
 
 def _config_dict(tc: TrainConfig) -> dict:
@@ -256,12 +270,29 @@ def _write_output(out: Path, tc, cfg, model_name, best, layers, meta_extra):
         for i, l in enumerate(layers):
             full[l] = meta_extra[key][i]
         meta_extra = {**meta_extra, key: full}
-    meta = {"format": L.FORMAT, "model": L.model_identity(cfg, model_name),
-            "kernel": {"rank": tc.rank, "hidden": tc.hidden, "dropout": tc.dropout, "scale_init": tc.scale_init,
-                       "psi_form": "code", "gelu": "exact"},
-            "policy": {"policy": tc.policy, "budget": tc.budget_tokens, "recent": tc.recent, "sinks": tc.sinks,
-                       "baseline_plus_budget": tc.budget_tokens + tc.rank // 2, "mask": tc.mask},
-            "train": _config_dict(tc), "layers_trained": list(layers), **meta_extra}
+    meta = {
+        "format": L.FORMAT,
+        "model": L.model_identity(cfg, model_name),
+        "kernel": {
+            "rank": tc.rank,
+            "hidden": tc.hidden,
+            "dropout": tc.dropout,
+            "scale_init": tc.scale_init,
+            "psi_form": "code",
+            "gelu": "exact",
+        },
+        "policy": {
+            "policy": tc.policy,
+            "budget": tc.budget_tokens,
+            "recent": tc.recent,
+            "sinks": tc.sinks,
+            "baseline_plus_budget": tc.budget_tokens + tc.rank // 2,
+            "mask": tc.mask,
+        },
+        "train": _config_dict(tc),
+        "layers_trained": list(layers),
+        **meta_extra,
+    }
     _atomic_write(out / L.CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     return meta
 
@@ -275,8 +306,9 @@ def merge_parts(out_dir) -> dict:
     out = Path(out_dir)
     parts = sorted(p for p in out.glob("layers-*") if (p / L.CONFIG_FILE).is_file() and (p / L.KERNELS_FILE).is_file())
     if not parts:
-        raise ValueError(f"{str(out)!r} has no layers-*/ folders with kernels to merge (kvjax-train-less --layers runs "
-                         "write them)")
+        raise ValueError(
+            f"{str(out)!r} has no layers-*/ folders with kernels to merge (kvjax-train-less --layers runs write them)"
+        )
     with open(out / ".merge.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         metas = [json.loads((p / L.CONFIG_FILE).read_text()) for p in parts]
@@ -286,8 +318,10 @@ def merge_parts(out_dir) -> dict:
         for p, m in zip(parts, metas):
             if fixed(m) != fixed(base):
                 diff = [n for n, a, b in zip(("model", "kernel", "policy", "train"), fixed(m), fixed(base)) if a != b]
-                raise ValueError(f"cannot merge {p.name} with {parts[0].name}: they differ in {diff}; every "
-                                 "--layers run of one folder needs the same model and settings")
+                raise ValueError(
+                    f"cannot merge {p.name} with {parts[0].name}: they differ in {diff}; every "
+                    "--layers run of one folder needs the same model and settings"
+                )
             for l in m["layers_trained"]:
                 if l in owner:
                     raise ValueError(f"layer {l} is trained by both {owner[l]} and {p.name}; remove one of them")
@@ -302,20 +336,37 @@ def merge_parts(out_dir) -> dict:
         meta = {k: base[k] for k in ("format", "model", "kernel", "policy", "train")}
         meta["layers_trained"] = sorted(owner)
         for key in PER_LAYER:
-            meta[key] = [next((m[key][l] for m in metas if l in m["layers_trained"]), None)
-                         for l in range(len(base[key]))]
+            meta[key] = [
+                next((m[key][l] for m in metas if l in m["layers_trained"]), None) for l in range(len(base[key]))
+            ]
         meta["epochs_done"] = min(m["epochs_done"] for m in metas)
-        meta["parts"] = {p.name: {"layers": m["layers_trained"], "epochs_done": m["epochs_done"]}
-                         for p, m in zip(parts, metas)}
+        meta["parts"] = {
+            p.name: {"layers": m["layers_trained"], "epochs_done": m["epochs_done"]} for p, m in zip(parts, metas)
+        }
         _write_npz(out / L.KERNELS_FILE, merged)
         _atomic_write(out / L.CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     return meta
 
 
-def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name: str | None = None,
-          resume: bool = False, progress: bool = True, stop_after: int | None = None, mesh=None, layers=None,
-          shard_mb: float = 1024, capture_dir=None, keep_capture: bool = False, checkpoint_every: int | None = None,
-          stop_after_steps: int | None = None, capture_batch: int | None = None) -> dict:
+def train(
+    cfg,
+    params,
+    tokens: np.ndarray,
+    tc: TrainConfig,
+    out_dir,
+    model_name: str | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+    mesh=None,
+    layers=None,
+    shard_mb: float = 1024,
+    capture_dir=None,
+    keep_capture: bool = False,
+    checkpoint_every: int | None = None,
+    stop_after_steps: int | None = None,
+    capture_batch: int | None = None,
+) -> dict:
     """Train the kernels of the frozen model ``(cfg, params)`` on ``tokens [N, S]``.
 
     Writes ``out_dir`` (see the module docstring) and returns the JSON written there. ``resume``: continue
@@ -354,32 +405,62 @@ def train(cfg, params, tokens: np.ndarray, tc: TrainConfig, out_dir, model_name:
     if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
         cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
     dp = S.axis_size(mesh, S.DATA)
-    store = capture(cfg, params, tokens, (tc.less, tc.baseline_plus), cap_dir, layers=sel, mask=tc.mask,
-                    batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp, store_dtype=tc.store_dtype,
-                    shard_mb=shard_mb, progress=progress, mesh=mesh, model_name=model_name)
+    store = capture(
+        cfg,
+        params,
+        tokens,
+        (tc.less, tc.baseline_plus),
+        cap_dir,
+        layers=sel,
+        mask=tc.mask,
+        batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp,
+        store_dtype=tc.store_dtype,
+        shard_mb=shard_mb,
+        progress=progress,
+        mesh=mesh,
+        model_name=model_name,
+    )
     lay = _Layers(cfg, tc, sel, params, kparams, opt, store, mesh, steps_per_epoch)
     if mesh is not None:  # replicated, as the kernels (_Layers)
         rec.best = jax.device_put(rec.best, S.replicated(mesh))
-    bar = tqdm(total=(end - rec.epoch) * steps_per_epoch - rec.step, desc="train LESS", disable=not progress,
-               unit="step")
+    bar = tqdm(
+        total=(end - rec.epoch) * steps_per_epoch - rec.step, desc="train LESS", disable=not progress, unit="step"
+    )
     resumed_at, stopped = (rec.epoch, rec.step, rec.run), False
     for epoch in range(rec.epoch, end):
         first, run = (resumed_at[1], resumed_at[2]) if epoch == resumed_at[0] else (0, None)
-        run, stopped = _train_epoch(lay, ckpt, rec, epoch, first, run, train_idx, bar, checkpoint_every,
-                                    stop_after_steps)
+        run, stopped = _train_epoch(
+            lay, ckpt, rec, epoch, first, run, train_idx, bar, checkpoint_every, stop_after_steps
+        )
         if stopped:
             break
         val = lay.validate(val_idx)
         _end_epoch(lay, rec, epoch, run / steps_per_epoch, val)
-        bar.write(f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
-                  f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0]))
+        bar.write(
+            f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
+            f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0])
+        )
         ckpt.save((epoch + 1) * steps_per_epoch, lay.kernels(), lay.opt(), rec, epoch + 1, 0, None)
         if S.is_primary():  # several processes: orbax saved collectively above; process 0 writes the rest
-            _write_output(run_dir, tc, cfg, model_name, rec.best, sel, {
-                "epochs_done": epoch + 1, "val_loss": rec.best_val.tolist(), "best_epoch": rec.best_epoch.tolist(),
-                "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist(),
-                "num_train_seqs": int(len(train_idx)), "num_val_seqs": int(len(val_idx)), "history": rec.history,
-                "wall_seconds": time.perf_counter() - t0})
+            _write_output(
+                run_dir,
+                tc,
+                cfg,
+                model_name,
+                rec.best,
+                sel,
+                {
+                    "epochs_done": epoch + 1,
+                    "val_loss": rec.best_val.tolist(),
+                    "best_epoch": rec.best_epoch.tolist(),
+                    "val_loss_sparse": val[1].tolist(),
+                    "val_loss_baseline_plus": val[2].tolist(),
+                    "num_train_seqs": int(len(train_idx)),
+                    "num_val_seqs": int(len(val_idx)),
+                    "history": rec.history,
+                    "wall_seconds": time.perf_counter() - t0,
+                },
+            )
             if run_dir != out:
                 merge_parts(out)
     bar.close()
@@ -407,8 +488,10 @@ def _split(tokens, tc: TrainConfig):
     n = tokens.shape[0]
     n_val = max(1, int(round(tc.val_frac * n)))
     if n - n_val < tc.batch:
-        raise ValueError(f"{n} sequences leave {n - n_val} for training, fewer than batch={tc.batch}; add data "
-                         "(--num-seqs, --data) or lower --batch")
+        raise ValueError(
+            f"{n} sequences leave {n - n_val} for training, fewer than batch={tc.batch}; add data "
+            "(--num-seqs, --data) or lower --batch"
+        )
     perm = np.random.default_rng(tc.seed).permutation(n)
     return tokens, perm[n_val:], np.sort(perm[:n_val])
 
@@ -418,8 +501,11 @@ def _init_kernels(cfg, tc: TrainConfig, sel, steps_per_epoch: int):
     keys = jax.random.split(jax.random.PRNGKey(tc.seed), cfg.num_layers)[jnp.asarray(sel)]
     kparams = jax.vmap(lambda k: L.init_kernels(cfg, k, tc.rank, tc.hidden))(keys)
     if tc.scale_init != 1e-4:
-        kparams = {**kparams, "k_s1": jnp.full_like(kparams["k_s1"], tc.scale_init),
-                   "k_s2": jnp.full_like(kparams["k_s2"], tc.scale_init)}
+        kparams = {
+            **kparams,
+            "k_s1": jnp.full_like(kparams["k_s1"], tc.scale_init),
+            "k_s2": jnp.full_like(kparams["k_s2"], tc.scale_init),
+        }
     return kparams, jax.vmap(_optimizer(tc, steps_per_epoch).init)(kparams)
 
 
@@ -456,8 +542,9 @@ class _Layers:
         keys = jax.vmap(lambda l: jax.random.fold_in(jax.random.fold_in(self.key, gstep), l))(self.ids)
         losses = []
         for j, c in enumerate(self.chunks):
-            self.kp[j], self.op[j], loss = _train_step(self.cfg, self.tc, self.steps_per_epoch, self.ly[j],
-                                                       self.kp[j], self.op[j], x[c], ev[c, :, 0], keys[c])
+            self.kp[j], self.op[j], loss = _train_step(
+                self.cfg, self.tc, self.steps_per_epoch, self.ly[j], self.kp[j], self.op[j], x[c], ev[c, :, 0], keys[c]
+            )
             losses.append(loss)
         return S.to_host(jnp.concatenate(losses))
 
@@ -465,16 +552,28 @@ class _Layers:
         """``[3, L]`` validation losses (LESS, the sparse policy alone, Baseline+), means over ``val_idx``."""
         val = np.zeros((3, len(self.ids)))
         for i in range(0, len(val_idx), self.tc.batch):
-            idx = val_idx[i:i + self.tc.batch]
+            idx = val_idx[i : i + self.tc.batch]
             x, ev = self.batch(idx)
-            parts = [_evaluate(self.cfg, self.tc, self.ly[j], self.kp[j], x[c], ev[c, :, 0], ev[c, :, 1])
-                     for j, c in enumerate(self.chunks)]
+            parts = [
+                _evaluate(self.cfg, self.tc, self.ly[j], self.kp[j], x[c], ev[c, :, 0], ev[c, :, 1])
+                for j, c in enumerate(self.chunks)
+            ]
             val += np.stack([np.concatenate([S.to_host(p[t]) for p in parts]) for t in range(3)]) * len(idx)
         return val / len(val_idx)
 
 
-def _train_epoch(lay: _Layers, ckpt: Checkpoints, rec: Record, epoch: int, first: int, run, train_idx, bar,
-                 checkpoint_every, stop_after_steps):
+def _train_epoch(
+    lay: _Layers,
+    ckpt: Checkpoints,
+    rec: Record,
+    epoch: int,
+    first: int,
+    run,
+    train_idx,
+    bar,
+    checkpoint_every,
+    stop_after_steps,
+):
     """The steps ``first..`` of ``epoch`` (the order depends only on the seed and the epoch): ``(running loss
     sum [L], stopped)``; ``run``: the sum a mid-epoch checkpoint saved (None: zeros)."""
     tc, spe = lay.tc, lay.steps_per_epoch
@@ -482,7 +581,7 @@ def _train_epoch(lay: _Layers, ckpt: Checkpoints, rec: Record, epoch: int, first
     run = np.zeros((len(lay.ids),)) if run is None or not first else run
     for i in range(first, spe):
         gstep = epoch * spe + i
-        run += lay.step(np.sort(order[i * tc.batch:(i + 1) * tc.batch]), gstep)
+        run += lay.step(np.sort(order[i * tc.batch : (i + 1) * tc.batch]), gstep)
         bar.update(1)
         bar.set_postfix_str("loss/layer " + " ".join(f"{v:.2e}" for v in run / (i + 1)))
         if checkpoint_every and (gstep + 1) % checkpoint_every == 0 and i + 1 < spe:
@@ -496,12 +595,20 @@ def _end_epoch(lay: _Layers, rec: Record, epoch: int, train_loss, val) -> None:
     """Keep each layer's kernels where its validation loss improved; add the epoch to the history."""
     kparams = lay.kernels()
     better = val[0] < rec.best_val
-    rec.best = jax.tree.map(lambda b, k: jnp.where(better.reshape((-1,) + (1,) * (k.ndim - 1)), k, b),
-                            rec.best, kparams)
+    rec.best = jax.tree.map(
+        lambda b, k: jnp.where(better.reshape((-1,) + (1,) * (k.ndim - 1)), k, b), rec.best, kparams
+    )
     rec.best_val = np.where(better, val[0], rec.best_val)
     rec.best_epoch = np.where(better, epoch, rec.best_epoch)
-    rec.history.append({"epoch": epoch, "train_loss": train_loss.tolist(), "val_loss": val[0].tolist(),
-                        "val_loss_sparse": val[1].tolist(), "val_loss_baseline_plus": val[2].tolist()})
+    rec.history.append(
+        {
+            "epoch": epoch,
+            "train_loss": train_loss.tolist(),
+            "val_loss": val[0].tolist(),
+            "val_loss_sparse": val[1].tolist(),
+            "val_loss_baseline_plus": val[2].tolist(),
+        }
+    )
 
 
 def _finish(run_dir: Path, cap_dir: Path, drop_capture: bool) -> dict:

@@ -47,9 +47,11 @@ def chunk_best_match(k, valid, chunk: int, impl: str | None = None, interpret: b
         return chunk_best_match_reference(k, valid, chunk)
     if impl == "pallas_tpu":
         from kernels_pallas.chunked_similarity.pallas_tpu import chunk_best_match_tpu
+
         return chunk_best_match_tpu(k, valid, chunk, interpret=interpret)
     if impl == "pallas_gpu":
         from kernels_pallas.chunked_similarity.pallas_gpu import chunk_best_match_gpu
+
         return chunk_best_match_gpu(k, valid, chunk, interpret=interpret)
     raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
 

@@ -39,8 +39,9 @@ def block_body(a, bb, va, vb):
     bb = bb.astype(jnp.float32)
     a = a * jax.lax.rsqrt(jnp.maximum(jnp.sum(a * a, axis=-1, keepdims=True), 1e-24))
     bb = bb * jax.lax.rsqrt(jnp.maximum(jnp.sum(bb * bb, axis=-1, keepdims=True), 1e-24))
-    st = jax.lax.dot_general(bb, a, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
-                             preferred_element_type=jnp.float32)  # [c/2 (j), c/2 (i)]
+    st = jax.lax.dot_general(
+        bb, a, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )  # [c/2 (j), c/2 (i)]
     ok = (vb > 0.5) & (va > 0.5)
     st = jnp.where(ok, st, -jnp.inf)
     best = jnp.max(st, axis=0, keepdims=True)  # [1, c/2]

@@ -32,24 +32,30 @@ def _pow2(x: int) -> bool:
 def chunk_best_match_gpu(k, valid, chunk: int, interpret: bool = False, num_warps: int = 4):
     b, h, m, d = k.shape
     if not (_pow2(chunk // 2) and _pow2(d)):
-        raise ValueError(f"pallas_gpu needs chunk/2 and head_dim to be powers of two, got chunk={chunk}, "
-                         f"head_dim={d}; use impl='xla' or a power-of-two chunk")
+        raise ValueError(
+            f"pallas_gpu needs chunk/2 and head_dim to be powers of two, got chunk={chunk}, "
+            f"head_dim={d}; use impl='xla' or a power-of-two chunk"
+        )
     kp, va, vb = _common.pack(k, valid, chunk)
     bh, p, half, _ = kp.shape
-    out_shape = (jax.ShapeDtypeStruct((bh, p, 1, half), jnp.float32),
-                 jax.ShapeDtypeStruct((bh, p, 1, half), jnp.int32))
+    out_shape = (jax.ShapeDtypeStruct((bh, p, 1, half), jnp.float32), jax.ShapeDtypeStruct((bh, p, 1, half), jnp.int32))
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
+
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     best, idx = pl.pallas_call(
         functools.partial(_kernel, d=d),
         grid=(bh, p),
-        in_specs=[pl.BlockSpec((1, 1, half, 2 * d), lambda i, j: (i, j, 0, 0)),
-                  pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
-                  pl.BlockSpec((1, 1, half, 1), lambda i, j: (i, j, 0, 0))],
-        out_specs=[pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
-                   pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0))],
+        in_specs=[
+            pl.BlockSpec((1, 1, half, 2 * d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, half, 1), lambda i, j: (i, j, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+        ],
         out_shape=out_shape,
         interpret=interpret,
         name="chunk_best_match_gpu",

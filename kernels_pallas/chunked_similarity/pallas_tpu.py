@@ -29,16 +29,19 @@ def chunk_best_match_tpu(k, valid, chunk: int, interpret: bool = False):
     b, h, m, d = k.shape
     kp, va, vb = _common.pack(k, valid, chunk)
     bh, p, half, _ = kp.shape
-    out_shape = (jax.ShapeDtypeStruct((bh, p, 1, half), jnp.float32),
-                 jax.ShapeDtypeStruct((bh, p, 1, half), jnp.int32))
+    out_shape = (jax.ShapeDtypeStruct((bh, p, 1, half), jnp.float32), jax.ShapeDtypeStruct((bh, p, 1, half), jnp.int32))
     best, idx = pl.pallas_call(
         functools.partial(_kernel, d=d),
         grid=(bh, p),
-        in_specs=[pl.BlockSpec((1, 1, half, 2 * d), lambda i, j: (i, j, 0, 0)),
-                  pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
-                  pl.BlockSpec((1, 1, half, 1), lambda i, j: (i, j, 0, 0))],
-        out_specs=[pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
-                   pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0))],
+        in_specs=[
+            pl.BlockSpec((1, 1, half, 2 * d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, half, 1), lambda i, j: (i, j, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+        ],
         out_shape=out_shape,
         interpret=interpret,
         name="chunk_best_match_tpu",

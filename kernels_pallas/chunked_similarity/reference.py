@@ -39,8 +39,13 @@ def split_chunks(k: jnp.ndarray, valid: jnp.ndarray, chunk: int):
 def chunk_best_match_reference(k: jnp.ndarray, valid: jnp.ndarray, chunk: int):
     """Best in-chunk B match per A token: ``(best [B,H,P,c/2] f32, idx [B,H,P,c/2] int32)``."""
     ka, kb, va, vb = split_chunks(k, valid, chunk)
-    s = jnp.einsum("bhpid,bhpjd->bhpij", l2_normalise(ka), l2_normalise(kb),
-                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    s = jnp.einsum(
+        "bhpid,bhpjd->bhpij",
+        l2_normalise(ka),
+        l2_normalise(kb),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
     s = jnp.where(va[..., :, None] & vb[..., None, :], s, -jnp.inf)
     best = jnp.max(s, axis=-1)
     idx = jnp.argmax(s, axis=-1).astype(jnp.int32)  # first maximum: lowest j on ties

@@ -42,8 +42,12 @@ import numpy as np
 from kernels_pallas.impl_choice import choose
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans._common import ROW_ALIGN
-from kernels_pallas.cosine_kmeans.reference import (centroid_update_reference, cosine_assign_reference,
-                                                    new_centroids, normalise_centroids)
+from kernels_pallas.cosine_kmeans.reference import (
+    centroid_update_reference,
+    cosine_assign_reference,
+    new_centroids,
+    normalise_centroids,
+)
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 ENV_IMPL = "KVJAX_COSINE_KMEANS_IMPL"
@@ -71,10 +75,11 @@ def _check_x(x) -> None:
 
 
 def _check_block_l(block_l) -> None:
-    if block_l is not None and (isinstance(block_l, bool) or not isinstance(block_l, (int, np.integer))
-                                or block_l < 1):
-        raise ValueError(f"block_l={block_l!r} must be a positive int (pallas_tpu: a multiple of 128 or >= L; "
-                         "pallas_gpu: a power of two >= 16) or None for the default")
+    if block_l is not None and (isinstance(block_l, bool) or not isinstance(block_l, (int, np.integer)) or block_l < 1):
+        raise ValueError(
+            f"block_l={block_l!r} must be a positive int (pallas_tpu: a multiple of 128 or >= L; "
+            "pallas_gpu: a power of two >= 16) or None for the default"
+        )
 
 
 def _check_mask(name: str, m, shape) -> None:
@@ -91,8 +96,9 @@ def check_assign_inputs(x, centroids, valid, cvalid, block_l) -> None:
     _check_x(x)
     n, l, d = x.shape
     if centroids.ndim != 3 or centroids.shape[0] != n or centroids.shape[2] != d:
-        raise ValueError(f"centroids has shape {tuple(centroids.shape)}; expected [N={n}, C, D={d}] to match x "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"centroids has shape {tuple(centroids.shape)}; expected [N={n}, C, D={d}] to match x {tuple(x.shape)}"
+        )
     if centroids.shape[1] < 1:
         raise ValueError("centroids has C=0 centroids; expected C >= 1")
     if not jnp.issubdtype(centroids.dtype, jnp.floating):
@@ -114,8 +120,16 @@ def check_update_inputs(x, labels, num_clusters, block_l) -> None:
     _check_block_l(block_l)
 
 
-def cosine_assign(x, centroids, valid=None, cvalid=None, *, impl: str | None = None, interpret: bool = False,
-                  block_l: int | None = None):
+def cosine_assign(
+    x,
+    centroids,
+    valid=None,
+    cvalid=None,
+    *,
+    impl: str | None = None,
+    interpret: bool = False,
+    block_l: int | None = None,
+):
     """Labels ``[N, L]`` int32; see the module docstring (``reference.cosine_assign_reference`` is the spec)."""
     impl = _check_impl(impl)
     check_assign_inputs(x, centroids, valid, cvalid, block_l)
@@ -125,11 +139,15 @@ def cosine_assign(x, centroids, valid=None, cvalid=None, *, impl: str | None = N
         return _assign_xla(x, centroids, valid, cvalid, int(block_l or _common.XLA_BLOCK_L))
     if impl == "pallas_tpu":
         from kernels_pallas.cosine_kmeans.pallas_tpu import cosine_assign_tpu
-        return cosine_assign_tpu(x, centroids, valid, cvalid, block_l=int(block_l or _common.TPU_BLOCK_L),
-                                 interpret=interpret)
+
+        return cosine_assign_tpu(
+            x, centroids, valid, cvalid, block_l=int(block_l or _common.TPU_BLOCK_L), interpret=interpret
+        )
     from kernels_pallas.cosine_kmeans.pallas_gpu import cosine_assign_gpu
-    return cosine_assign_gpu(x, centroids, valid, cvalid, block_l=int(block_l or _common.GPU_BLOCK_L),
-                             interpret=interpret)
+
+    return cosine_assign_gpu(
+        x, centroids, valid, cvalid, block_l=int(block_l or _common.GPU_BLOCK_L), interpret=interpret
+    )
 
 
 def _assign_xla(x, centroids, valid, cvalid, block_l: int):
@@ -140,15 +158,23 @@ def _assign_xla(x, centroids, valid, cvalid, block_l: int):
     if l <= block_l:
         return cosine_assign_reference(x, centroids, valid, cvalid)
     nb = -(-l // block_l)
-    rows = lambda a: jnp.moveaxis(jnp.pad(a, ((0, 0), (0, nb * block_l - l)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
-                                  .reshape(n, nb, block_l, *a.shape[2:]), 1, 0)
+    rows = (
+        lambda a: jnp.moveaxis(
+            jnp.pad(a, ((0, 0), (0, nb * block_l - l)) + ((0, 0),) * (a.ndim - 2)).reshape(  # noqa: E731
+                n, nb, block_l, *a.shape[2:]
+            ),
+            1,
+            0,
+        )
+    )
     valid = jnp.ones((n, l), bool) if valid is None else valid
     out = jax.lax.map(lambda xv: cosine_assign_reference(xv[0], centroids, xv[1], cvalid), (rows(x), rows(valid)))
     return jnp.moveaxis(out, 0, 1).reshape(n, nb * block_l)[:, :l]
 
 
-def centroid_update(x, labels, num_clusters: int, *, impl: str | None = None, interpret: bool = False,
-                    block_l: int | None = None):
+def centroid_update(
+    x, labels, num_clusters: int, *, impl: str | None = None, interpret: bool = False, block_l: int | None = None
+):
     """``(sums [N, C, D] float32, counts [N, C] int32)``; see the module docstring."""
     impl = _check_impl(impl)
     check_update_inputs(x, labels, num_clusters, block_l)
@@ -157,15 +183,27 @@ def centroid_update(x, labels, num_clusters: int, *, impl: str | None = None, in
         return centroid_update_reference(x, labels, num_clusters)
     if impl == "pallas_tpu":
         from kernels_pallas.cosine_kmeans.pallas_tpu import centroid_update_tpu
-        return centroid_update_tpu(x, labels, num_clusters, block_l=int(block_l or _common.TPU_BLOCK_L),
-                                   interpret=interpret)
+
+        return centroid_update_tpu(
+            x, labels, num_clusters, block_l=int(block_l or _common.TPU_BLOCK_L), interpret=interpret
+        )
     from kernels_pallas.cosine_kmeans.pallas_gpu import centroid_update_gpu
-    return centroid_update_gpu(x, labels, num_clusters, block_l=int(block_l or _common.GPU_BLOCK_L),
-                               interpret=interpret)
+
+    return centroid_update_gpu(
+        x, labels, num_clusters, block_l=int(block_l or _common.GPU_BLOCK_L), interpret=interpret
+    )
 
 
-def lloyd_step(x, centroids, valid=None, cvalid=None, *, impl: str | None = None, interpret: bool = False,
-               block_l: int | None = None):
+def lloyd_step(
+    x,
+    centroids,
+    valid=None,
+    cvalid=None,
+    *,
+    impl: str | None = None,
+    interpret: bool = False,
+    block_l: int | None = None,
+):
     """One Lloyd iteration: ``(new_centroids [N, C, D] float32, labels [N, L] int32)``; labels are the assignment
     against the old ``centroids``, an empty or invalid cluster keeps its old centroid (method note §2.3)."""
     labels = cosine_assign(x, centroids, valid, cvalid, impl=impl, interpret=interpret, block_l=block_l)
@@ -173,5 +211,15 @@ def lloyd_step(x, centroids, valid=None, cvalid=None, *, impl: str | None = None
     return new_centroids(centroids, sums, counts), labels
 
 
-__all__ = ["IMPLS", "ROW_ALIGN", "centroid_update", "centroid_update_reference", "cosine_assign",
-           "cosine_assign_reference", "default_impl", "lloyd_step", "new_centroids", "normalise_centroids"]
+__all__ = [
+    "IMPLS",
+    "ROW_ALIGN",
+    "centroid_update",
+    "centroid_update_reference",
+    "cosine_assign",
+    "cosine_assign_reference",
+    "default_impl",
+    "lloyd_step",
+    "new_centroids",
+    "normalise_centroids",
+]

@@ -39,8 +39,10 @@ from kernels_pallas.cosine_kmeans.reference import HIGHEST
 
 def _check_block_l(block_l: int) -> None:
     if not (_common.is_pow2(block_l) and block_l >= _common.GPU_MIN_DIM):
-        raise ValueError(f"block_l={block_l} must be a power of two >= {_common.GPU_MIN_DIM} for pallas_gpu "
-                         f"(Triton tiles); e.g. {_common.GPU_BLOCK_L}, or use impl='xla'")
+        raise ValueError(
+            f"block_l={block_l} must be a power of two >= {_common.GPU_MIN_DIM} for pallas_gpu "
+            f"(Triton tiles); e.g. {_common.GPU_BLOCK_L}, or use impl='xla'"
+        )
 
 
 def _pads(c: int, d: int):
@@ -57,8 +59,9 @@ def _assign_kernel(x_ref, c_ref, cv_ref, v_ref, lab_ref, *, c: int, c_pad: int, 
         best, idx = carry
         c0 = pl.multiple_of(t * tc, tc)
         ct = c_ref[pl.ds(c0, tc), :]  # [tC, D_pad] f32, normalised
-        s = jax.lax.dot_general(x, ct, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                preferred_element_type=jnp.float32)  # [tL, tC]
+        s = jax.lax.dot_general(
+            x, ct, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+        )  # [tL, tC]
         s = jnp.where(cv_ref[pl.ds(c0, tc)][None, :] > 0.5, s, -jnp.inf)
         tb = jnp.max(s, axis=1)  # [tL]
         cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (tl, tc), 1)
@@ -73,8 +76,17 @@ def _assign_kernel(x_ref, c_ref, cv_ref, v_ref, lab_ref, *, c: int, c_pad: int, 
 
 
 @functools.partial(jax.jit, static_argnames=("block_l", "interpret", "num_warps", "num_stages"))
-def cosine_assign_gpu(x, centroids, valid=None, cvalid=None, *, block_l: int = _common.GPU_BLOCK_L,
-                      interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+def cosine_assign_gpu(
+    x,
+    centroids,
+    valid=None,
+    cvalid=None,
+    *,
+    block_l: int = _common.GPU_BLOCK_L,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
     """Labels ``[N, L]`` int32 (contract of ``reference.cosine_assign_reference``)."""
     _check_block_l(block_l)
     n, l, d = x.shape
@@ -86,10 +98,12 @@ def cosine_assign_gpu(x, centroids, valid=None, cvalid=None, *, block_l: int = _
     lab = pl.pallas_call(
         functools.partial(_assign_kernel, c=c, c_pad=c_pad, tc=tc),
         grid=(n, l_pad // tl),
-        in_specs=[pl.BlockSpec((None, tl, d_pad), lambda i, j: (i, j, 0)),
-                  pl.BlockSpec((None, c_pad, d_pad), lambda i, j: (i, 0, 0)),
-                  pl.BlockSpec((None, c_pad), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, tl), lambda i, j: (i, j))],
+        in_specs=[
+            pl.BlockSpec((None, tl, d_pad), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, c_pad, d_pad), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, c_pad), lambda i, j: (i, 0)),
+            pl.BlockSpec((None, tl), lambda i, j: (i, j)),
+        ],
         out_specs=pl.BlockSpec((None, tl), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((n, l_pad), jnp.int32),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -110,8 +124,9 @@ def _update_kernel(x_ref, lab_ref, sum_ref, cnt_ref, *, tl: int, tc: int, n_tile
         x = x_ref[pl.ds(l0, tl), :].astype(jnp.float32)  # [tL, D_pad]
         lab = lab_ref[pl.ds(l0, tl)]  # [tL] int32
         oh = jnp.where(rows == lab[None, :], 1.0, 0.0).astype(jnp.float32)  # [tC, tL] transposed one-hot
-        acc = acc + jax.lax.dot_general(oh, x, (((1,), (0,)), ((), ())), precision=HIGHEST,
-                                        preferred_element_type=jnp.float32)  # [tC, D_pad]
+        acc = acc + jax.lax.dot_general(
+            oh, x, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+        )  # [tC, D_pad]
         return acc, cnt + jnp.sum(oh, axis=1)
 
     init = (jnp.zeros((tc, d_pad), jnp.float32), jnp.zeros((tc,), jnp.float32))
@@ -121,8 +136,16 @@ def _update_kernel(x_ref, lab_ref, sum_ref, cnt_ref, *, tl: int, tc: int, n_tile
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "block_l", "interpret", "num_warps", "num_stages"))
-def centroid_update_gpu(x, labels, num_clusters: int, *, block_l: int = _common.GPU_BLOCK_L,
-                        interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+def centroid_update_gpu(
+    x,
+    labels,
+    num_clusters: int,
+    *,
+    block_l: int = _common.GPU_BLOCK_L,
+    interpret: bool = False,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
     """``(sums [N, C, D] float32, counts [N, C] int32)`` (contract of ``reference.centroid_update_reference``)."""
     _check_block_l(block_l)
     n, l, d = x.shape
@@ -136,12 +159,15 @@ def centroid_update_gpu(x, labels, num_clusters: int, *, block_l: int = _common.
     sums, counts = pl.pallas_call(
         functools.partial(_update_kernel, tl=tl, tc=tc, n_tiles=l_pad // tl),
         grid=(n, c_pad // tc),
-        in_specs=[pl.BlockSpec((None, l_pad, d_pad), lambda i, j: (i, 0, 0)),
-                  pl.BlockSpec((None, l_pad), lambda i, j: (i, 0))],
-        out_specs=[pl.BlockSpec((None, tc, d_pad), lambda i, j: (i, j, 0)),
-                   pl.BlockSpec((None, tc), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((n, c_pad, d_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((n, c_pad), jnp.int32)],
+        in_specs=[
+            pl.BlockSpec((None, l_pad, d_pad), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, l_pad), lambda i, j: (i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, tc, d_pad), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, tc), lambda i, j: (i, j)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((n, c_pad, d_pad), jnp.float32), jax.ShapeDtypeStruct((n, c_pad), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="centroid_update_gpu",

@@ -45,15 +45,18 @@ def _check_blocks(specs, block_l: int, l: int) -> None:
         try:
             check_block_shape(name, shape, block)
         except ValueError as e:
-            raise ValueError(f"block_l={block_l} gives a TPU-illegal row tile for L={l}: use a multiple of 128, "
-                             f"or block_l >= L (one tile). {e}") from None
+            raise ValueError(
+                f"block_l={block_l} gives a TPU-illegal row tile for L={l}: use a multiple of 128, "
+                f"or block_l >= L (one tile). {e}"
+            ) from None
 
 
 def _assign_kernel(x_ref, c_ref, cv_ref, v_ref, lab_ref, *, c: int):
     x = x_ref[...].astype(jnp.float32)  # [tL, D]
     cn = c_ref[...]  # [C_pad, D] f32, normalised
-    st = jax.lax.dot_general(cn, x, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                             preferred_element_type=jnp.float32)  # [C_pad, tL]
+    st = jax.lax.dot_general(
+        cn, x, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )  # [C_pad, tL]
     st = jnp.where(cv_ref[...] > 0.5, st, -jnp.inf)  # cv [C_pad, 1]
     best = jnp.max(st, axis=0, keepdims=True)  # [1, tL]
     rows = jax.lax.broadcasted_iota(jnp.int32, st.shape, 0)
@@ -63,8 +66,9 @@ def _assign_kernel(x_ref, c_ref, cv_ref, v_ref, lab_ref, *, c: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_l", "interpret"))
-def cosine_assign_tpu(x, centroids, valid=None, cvalid=None, *, block_l: int = _common.TPU_BLOCK_L,
-                      interpret: bool = False):
+def cosine_assign_tpu(
+    x, centroids, valid=None, cvalid=None, *, block_l: int = _common.TPU_BLOCK_L, interpret: bool = False
+):
     """Labels ``[N, L]`` int32 (contract of ``reference.cosine_assign_reference``)."""
     n, l, d = x.shape
     c = centroids.shape[1]
@@ -77,8 +81,12 @@ def cosine_assign_tpu(x, centroids, valid=None, cvalid=None, *, block_l: int = _
     row_map = lambda i, j: (i, j, 0)  # noqa: E731
     lane_map = lambda i, j: (i, 0, j)  # noqa: E731
     head_map = lambda i, j: (i, 0, 0)  # noqa: E731
-    specs = [("x", xp.shape, (None, tl, d), row_map), ("centroids", cn.shape, (None, c_pad, d), head_map),
-             ("cvalid", cv.shape, (None, c_pad, 1), head_map), ("valid", v.shape, (None, 1, tl), lane_map)]
+    specs = [
+        ("x", xp.shape, (None, tl, d), row_map),
+        ("centroids", cn.shape, (None, c_pad, d), head_map),
+        ("cvalid", cv.shape, (None, c_pad, 1), head_map),
+        ("valid", v.shape, (None, 1, tl), lane_map),
+    ]
     out_spec = ("labels", (n, 1, l_pad), (None, 1, tl), lane_map)
     _check_blocks([s[:3] for s in specs + [out_spec]], block_l, l)
     lab = pl.pallas_call(
@@ -105,17 +113,18 @@ def _update_kernel(x_ref, lab_ref, sum_ref, cnt_ref):
     c_pad, tl = sum_ref.shape[0], x.shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (c_pad, tl), 0)
     oh = jnp.where(rows == lab, 1.0, 0.0).astype(jnp.float32)  # [C_pad, tL] transposed one-hot
-    sum_ref[...] += jax.lax.dot_general(oh, x, (((1,), (0,)), ((), ())), precision=HIGHEST,
-                                        preferred_element_type=jnp.float32)  # [C_pad, D]
+    sum_ref[...] += jax.lax.dot_general(
+        oh, x, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )  # [C_pad, D]
     ones = jnp.ones((8, tl), jnp.float32)  # 8 rows: one full sublane tile for the MXU
-    cnt = jax.lax.dot_general(ones, oh, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                              preferred_element_type=jnp.float32)  # [8, C_pad], exact (0/1, f32 sum)
+    cnt = jax.lax.dot_general(
+        ones, oh, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32
+    )  # [8, C_pad], exact (0/1, f32 sum)
     cnt_ref[...] += cnt[0:1].astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "block_l", "interpret"))
-def centroid_update_tpu(x, labels, num_clusters: int, *, block_l: int = _common.TPU_BLOCK_L,
-                        interpret: bool = False):
+def centroid_update_tpu(x, labels, num_clusters: int, *, block_l: int = _common.TPU_BLOCK_L, interpret: bool = False):
     """``(sums [N, C, D] float32, counts [N, C] int32)`` (contract of ``reference.centroid_update_reference``)."""
     n, l, d = x.shape
     c = num_clusters
@@ -128,16 +137,17 @@ def centroid_update_tpu(x, labels, num_clusters: int, *, block_l: int = _common.
     lane_map = lambda i, j: (i, 0, j)  # noqa: E731
     head_map = lambda i, j: (i, 0, 0)  # noqa: E731
     specs = [("x", xp.shape, (None, tl, d), row_map), ("labels", lab.shape, (None, 1, tl), lane_map)]
-    out_specs = [("sums", (n, c_pad, d), (None, c_pad, d), head_map),
-                 ("counts", (n, 1, c_pad), (None, 1, c_pad), head_map)]
+    out_specs = [
+        ("sums", (n, c_pad, d), (None, c_pad, d), head_map),
+        ("counts", (n, 1, c_pad), (None, 1, c_pad), head_map),
+    ]
     _check_blocks([s[:3] for s in specs + out_specs], block_l, l)
     sums, counts = pl.pallas_call(
         _update_kernel,
         grid=(n, l_pad // tl),
         in_specs=[pl.BlockSpec(block, imap) for _, _, block, imap in specs],
         out_specs=[pl.BlockSpec(block, imap) for _, _, block, imap in out_specs],
-        out_shape=[jax.ShapeDtypeStruct((n, c_pad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((n, 1, c_pad), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct((n, c_pad, d), jnp.float32), jax.ShapeDtypeStruct((n, 1, c_pad), jnp.int32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="centroid_update_tpu",

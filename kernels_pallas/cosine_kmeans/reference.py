@@ -36,8 +36,13 @@ def cosine_assign_reference(x, centroids, valid=None, cvalid=None) -> jnp.ndarra
     """Labels ``[N, L]`` int32: ``argmax_c`` over valid centroids of ``x · c_hat`` (lowest ``c`` on ties);
     ``C`` for an invalid row and for every row when no centroid is valid."""
     c = centroids.shape[1]
-    sim = jnp.einsum("nld,ncd->nlc", x.astype(jnp.float32), normalise_centroids(centroids),
-                     precision=HIGHEST, preferred_element_type=jnp.float32)  # [N, L, C]
+    sim = jnp.einsum(
+        "nld,ncd->nlc",
+        x.astype(jnp.float32),
+        normalise_centroids(centroids),
+        precision=HIGHEST,
+        preferred_element_type=jnp.float32,
+    )  # [N, L, C]
     if cvalid is not None:
         sim = jnp.where(cvalid[:, None, :], sim, -jnp.inf)
     best = jnp.max(sim, axis=-1)

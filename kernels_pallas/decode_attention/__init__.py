@@ -23,8 +23,9 @@ impl: ``"xla"`` (pure JAX that reads only the live chunks, the listed blocks or 
 never replaced by the reference silently. ``interpret=True`` runs a Pallas kernel in interpret mode (CPU tests).
 
 block_size: slots per block; default 128 with ``block_indices`` (what the listed indices mean), else the tuning
-table's (``tuning.TABLE``; only the tile size then, which slots take part does not depend on it). When ``S`` is smaller, the Pallas kernels use one block covering
-every slot (the listed-block semantics do not change: every slot is in block 0). pallas_tpu needs it a multiple
+table's (``tuning.TABLE``; only the tile size then, which slots take part does not depend on it). When ``S`` is smaller,
+the Pallas kernels use one block covering every slot (the listed-block semantics do not change: every slot is in block
+0). pallas_tpu needs it a multiple
 of 128 (or ``>= S``) when a valid mask or bias is given, else a multiple of 8 (``tiling.check_block_shape``);
 pallas_gpu a power of two.
 """
@@ -35,9 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.decode_attention.reference import (NEG_INF, decode_attention_reference,
-                                                       decode_attention_runs_reference, merge, normalise, runs_mask,
-                                                       slot_mask)
+from kernels_pallas.decode_attention.reference import (
+    NEG_INF,
+    decode_attention_reference,
+    decode_attention_runs_reference,
+    merge,
+    normalise,
+    runs_mask,
+    slot_mask,
+)
 from kernels_pallas.decode_attention import tuning
 from kernels_pallas.decode_attention.tiling import check_block_shape
 from kernels_pallas.impl_choice import choose
@@ -95,12 +102,25 @@ def check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size) -> No
         nb = -(-s // block_size)
         c = _concrete(block_indices)
         if c is not None and c.size and (c.min() < -1 or c.max() >= nb):
-            raise ValueError(f"block_indices range [{c.min()}, {c.max()}] leaves [-1, {nb - 1}]: S={s} slots in "
-                             f"blocks of block_size={block_size} give {nb} blocks; use -1 for padding")
+            raise ValueError(
+                f"block_indices range [{c.min()}, {c.max()}] leaves [-1, {nb - 1}]: S={s} slots in "
+                f"blocks of block_size={block_size} give {nb} blocks; use -1 for padding"
+            )
 
 
-def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *, impl: str | None = None,
-                     block_size: int | None = None, interpret: bool = False):
+def decode_attention(
+    q,
+    k,
+    v,
+    valid=None,
+    lengths=None,
+    bias=None,
+    block_indices=None,
+    *,
+    impl: str | None = None,
+    block_size: int | None = None,
+    interpret: bool = False,
+):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 of attention over the taking-part slots.
 
     See the module docstring; ``reference.decode_attention_reference`` is the exact contract.
@@ -114,16 +134,21 @@ def decode_attention(q, k, v, valid=None, lengths=None, bias=None, block_indices
     s = k.shape[2]
     if impl == "xla":
         from kernels_pallas.decode_attention.xla import decode_attention_xla
+
         return decode_attention_xla(q, k, v, valid, lengths, bias, block_indices, block_size)
     if block_indices is not None and np.shape(block_indices)[-1] == 0:  # nothing listed: the empty partial
         return decode_attention_reference(q, k, v, valid, lengths, bias, block_indices, block_size)
     if impl == "pallas_tpu":
         from kernels_pallas.decode_attention.pallas_tpu import decode_attention_tpu
-        return decode_attention_tpu(q, k, v, valid, lengths, bias, block_indices,
-                                    block_size=int(min(block_size, s)), interpret=interpret)
+
+        return decode_attention_tpu(
+            q, k, v, valid, lengths, bias, block_indices, block_size=int(min(block_size, s)), interpret=interpret
+        )
     from kernels_pallas.decode_attention.pallas_gpu import _pow2, decode_attention_gpu
-    return decode_attention_gpu(q, k, v, valid, lengths, bias, block_indices,
-                                block_size=int(min(block_size, _pow2(s))), interpret=interpret)
+
+    return decode_attention_gpu(
+        q, k, v, valid, lengths, bias, block_indices, block_size=int(min(block_size, _pow2(s))), interpret=interpret
+    )
 
 
 def check_runs(q, k, starts, lens, max_rows, block_size) -> None:
@@ -134,8 +159,10 @@ def check_runs(q, k, starts, lens, max_rows, block_size) -> None:
         raise ValueError(f"starts has shape {tuple(starts.shape)}; expected [B, Hkv, R] = ({b}, {hkv}, R)")
     r = starts.shape[-1]
     if tuple(lens.shape) not in ((b, hkv, r), (b, hkv, g, r)):
-        raise ValueError(f"lens has shape {tuple(lens.shape)}; expected [B, Hkv, R] = {(b, hkv, r)} or per query "
-                         f"head [B, Hkv, G, R] = {(b, hkv, g, r)}")
+        raise ValueError(
+            f"lens has shape {tuple(lens.shape)}; expected [B, Hkv, R] = {(b, hkv, r)} or per query "
+            f"head [B, Hkv, G, R] = {(b, hkv, g, r)}"
+        )
     for name, x in (("starts", starts), ("lens", lens)):
         if not np.issubdtype(np.dtype(x.dtype), np.integer):
             raise ValueError(f"{name} has dtype {x.dtype}; expected an integer dtype")
@@ -147,15 +174,19 @@ def check_runs(q, k, starts, lens, max_rows, block_size) -> None:
     if cs is not None and cl is not None and cs.size:
         ln = cl if cl.ndim == 3 else cl.max(axis=2)
         if cl.min() < 0 or np.any((ln > 0) & ((cs < 0) | (cs + ln > s))):
-            raise ValueError(f"runs leave the buffer: every run [starts, starts + lens) must lie in [0, S={s}) and "
-                             f"lens be >= 0")
+            raise ValueError(
+                f"runs leave the buffer: every run [starts, starts + lens) must lie in [0, S={s}) and lens be >= 0"
+            )
         if ln.sum(axis=-1).max() > max_rows:
-            raise ValueError(f"max_rows={max_rows} is below the {int(ln.sum(axis=-1).max())} rows a (b, h) lists; "
-                             f"pass a bound that holds")
+            raise ValueError(
+                f"max_rows={max_rows} is below the {int(ln.sum(axis=-1).max())} rows a (b, h) lists; "
+                f"pass a bound that holds"
+            )
 
 
-def decode_attention_runs(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, impl: str | None = None,
-                          interpret: bool = False):
+def decode_attention_runs(
+    q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, impl: str | None = None, interpret: bool = False
+):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 of attention over *runs* of slots.
 
     Query head ``g`` of KV head ``h`` attends the slots ``[starts[b,h,r], starts[b,h,r] + lens[b,h,r])`` of every
@@ -177,8 +208,8 @@ def decode_attention_runs(q, k, v, starts, lens, *, max_rows: int, block_size: i
     check_runs(q, k, starts, lens, max_rows, block_size)
     if impl == "xla":
         from kernels_pallas.decode_attention import xla
-        return xla.decode_attention_runs_xla(q, k, v, starts, lens, max_rows=int(max_rows),
-                                             block_size=int(block_size))
+
+        return xla.decode_attention_runs_xla(q, k, v, starts, lens, max_rows=int(max_rows), block_size=int(block_size))
     kk, vv, valid = gather_runs(k, v, starts, lens, max_rows=int(max_rows), block_size=int(block_size))
     return decode_attention(q, kk, vv, valid, impl=impl, interpret=interpret)
 
@@ -189,6 +220,7 @@ def gather_runs(k, v, starts, lens, *, max_rows: int, block_size: int = 16):
     ceil(max_rows / bs) + R`` windows and ``H' = Hkv`` for shared ``lens [B, Hkv, R]``, ``H' = Hq`` (the buffer
     repeated for each query head of a group, valid per head) for ``lens [B, Hkv, G, R]``."""
     from kernels_pallas.decode_attention import xla
+
     b, hkv, s, _ = k.shape
     bs = int(min(block_size, s))
     first, stop, count = xla.run_windows(starts, lens, bs, -(-int(max_rows) // bs) + starts.shape[-1])
@@ -219,8 +251,9 @@ def runs_plan_bytes(k, starts, lens, *, block_size: int = 16, num_heads: int | N
     return int(rows * 2 * d * item + b * hq * d * item + b * hq * (d + 2) * 4)
 
 
-def block_plan_bytes(k, lengths=None, block_indices=None, *, block_size: int = 128, num_heads: int | None = None,
-                     with_mask: bool = False) -> int:
+def block_plan_bytes(
+    k, lengths=None, block_indices=None, *, block_size: int = 128, num_heads: int | None = None, with_mask: bool = False
+) -> int:
     """Bytes one ``decode_attention`` call reads under the kernels' block plan (``_common.plan_blocks``): for
     every ``(b, h)`` the K and V rows of each visited block (blocks listed in ``block_indices`` and starting
     below ``lengths[b]``; a partial last block counts its real rows), the float32 additive mask of those slots
@@ -243,6 +276,20 @@ def block_plan_bytes(k, lengths=None, block_indices=None, *, block_size: int = 1
     return int(total + b * hq * d * item + b * hq * (d + 2) * 4)
 
 
-__all__ = ["IMPLS", "NEG_INF", "block_plan_bytes", "check_block_shape", "decode_attention", "decode_attention_reference",
-           "decode_attention_runs", "decode_attention_runs_reference", "default_impl", "gather_runs", "merge", "normalise",
-           "runs_mask", "runs_plan_bytes", "slot_mask"]
+__all__ = [
+    "IMPLS",
+    "NEG_INF",
+    "block_plan_bytes",
+    "check_block_shape",
+    "decode_attention",
+    "decode_attention_reference",
+    "decode_attention_runs",
+    "decode_attention_runs_reference",
+    "default_impl",
+    "gather_runs",
+    "merge",
+    "normalise",
+    "runs_mask",
+    "runs_plan_bytes",
+    "slot_mask",
+]

@@ -84,19 +84,29 @@ def _kernel(q_ref, k_ref, v_ref, *rest, bs: int, per: int, s_total: int, has_mas
         pv = jax.lax.dot_general(p.astype(v.dtype), v, _NN, precision=prec, preferred_element_type=jnp.float32)
         return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), NEG_INF, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
     o, m, l = jax.lax.fori_loop(0, nh_ref[0], body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "interpret", "num_warps", "num_stages",
-                                             "target_programs"))
-def decode_attention_gpu(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *,
-                         block_size: int = 128, interpret: bool = False, num_warps: int | None = None,
-                         num_stages: int | None = None, target_programs: int | None = None):
+@functools.partial(jax.jit, static_argnames=("block_size", "interpret", "num_warps", "num_stages", "target_programs"))
+def decode_attention_gpu(
+    q,
+    k,
+    v,
+    valid=None,
+    lengths=None,
+    bias=None,
+    block_indices=None,
+    *,
+    block_size: int = 128,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    target_programs: int | None = None,
+):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32; contract of ``reference.decode_attention_reference``.
     ``num_warps``, ``num_stages``, ``target_programs``: None takes ``tuning.TABLE["pallas_gpu"]``'s."""
     row = tuning.get("pallas_gpu")
@@ -106,8 +116,10 @@ def decode_attention_gpu(q, k, v, valid=None, lengths=None, bias=None, block_ind
     g = hq // hkv
     bs = block_size
     if bs != _pow2(bs) or d != _pow2(d) or d < 16:
-        raise ValueError(f"pallas_gpu needs power-of-two tiles: block_size={bs} and head_dim={d} (>= 16); "
-                         "use impl='xla' or a power-of-two block_size")
+        raise ValueError(
+            f"pallas_gpu needs power-of-two tiles: block_size={bs} and head_dim={d} (>= 16); "
+            "use impl='xla' or a power-of-two block_size"
+        )
     idx, count = _common.plan_blocks(block_indices, lengths, b, hkv, s, bs)
     n = idx.shape[-1]
     splits, per = num_splits(b, hkv, n, target_programs)
@@ -120,28 +132,36 @@ def decode_attention_gpu(q, k, v, valid=None, lengths=None, bias=None, block_ind
     gp = max(16, _pow2(g))
     q4 = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
 
-    in_specs = [pl.BlockSpec((None, None, gp, d), lambda bi, hi, j: (bi, hi, 0, 0)),
-                pl.BlockSpec((None, None, s, d), lambda bi, hi, j: (bi, hi, 0, 0)),
-                pl.BlockSpec((None, None, s, d), lambda bi, hi, j: (bi, hi, 0, 0))]
+    in_specs = [
+        pl.BlockSpec((None, None, gp, d), lambda bi, hi, j: (bi, hi, 0, 0)),
+        pl.BlockSpec((None, None, s, d), lambda bi, hi, j: (bi, hi, 0, 0)),
+        pl.BlockSpec((None, None, s, d), lambda bi, hi, j: (bi, hi, 0, 0)),
+    ]
     args = [q4, k, v]
     if add is not None:
         in_specs.append(pl.BlockSpec((None, None, s), lambda bi, hi, j: (bi, hi, 0)))
         args.append(add)
-    in_specs += [pl.BlockSpec((None, None, None, per), lambda bi, hi, j: (bi, hi, j, 0)),
-                 pl.BlockSpec((1,), lambda bi, hi, j: ((bi * hkv + hi) * splits + j,)),
-                 pl.BlockSpec((1,), lambda bi, hi, j: (bi,))]
+    in_specs += [
+        pl.BlockSpec((None, None, None, per), lambda bi, hi, j: (bi, hi, j, 0)),
+        pl.BlockSpec((1,), lambda bi, hi, j: ((bi * hkv + hi) * splits + j,)),
+        pl.BlockSpec((1,), lambda bi, hi, j: (bi,)),
+    ]
     args += [idx, n_here, lens]
     kernel = functools.partial(_kernel, bs=bs, per=per, s_total=s, has_mask=add is not None)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda bi, hi, j: (bi, hi, j, 0, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda bi, hi, j: (bi, hi, j, 0)),
-                   pl.BlockSpec((None, None, None, gp), lambda bi, hi, j: (bi, hi, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, gp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32)],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, d), lambda bi, hi, j: (bi, hi, j, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, hi, j: (bi, hi, j, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda bi, hi, j: (bi, hi, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, splits, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, gp), jnp.float32),
+        ],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_attention_gpu",

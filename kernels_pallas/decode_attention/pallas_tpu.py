@@ -31,8 +31,9 @@ from kernels_pallas.decode_attention.reference import NEG_INF
 from kernels_pallas.decode_attention.tiling import check_block_shape
 
 
-def _kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, *rest, hkv: int, n: int, s_total: int, bs: int,
-            has_mask: bool):
+def _kernel(
+    idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, *rest, hkv: int, n: int, s_total: int, bs: int, has_mask: bool
+):
     if has_mask:
         add_ref, o_ref, m_ref, l_ref = rest
     else:
@@ -53,8 +54,9 @@ def _kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, *rest, hkv: int, n: 
         q = q_ref[...]  # [G, D]
         k = k_ref[...]  # [bs, D]
         prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                                preferred_element_type=jnp.float32)  # [G, bs]
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+        )  # [G, bs]
         s = s / np.float32(math.sqrt(q.shape[-1]))
         slot = blk * bs + jax.lax.broadcasted_iota(jnp.int32, (1, bs), 1)
         ok = slot < jnp.minimum(len_ref[b], s_total)
@@ -72,15 +74,17 @@ def _kernel(idx_ref, cnt_ref, len_ref, q_ref, k_ref, v_ref, *rest, hkv: int, n: 
         if s_total % bs:  # the edge block's rows past S are padding: keep NaN/inf out of p @ v
             col = blk * bs + jax.lax.broadcasted_iota(jnp.int32, (bs, 1), 0)
             v = jnp.where(col < s_total, v, jnp.zeros_like(v))
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                                 preferred_element_type=jnp.float32)  # [G, D]
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32
+        )  # [G, D]
         o_ref[...] = alpha * o_ref[...] + pv
         m_ref[...] = m_new
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "interpret"))
-def decode_attention_tpu(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *,
-                         block_size: int = 128, interpret: bool = False):
+def decode_attention_tpu(
+    q, k, v, valid=None, lengths=None, bias=None, block_indices=None, *, block_size: int = 128, interpret: bool = False
+):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32; contract of ``reference.decode_attention_reference``."""
     b, hq, d = q.shape
     _, hkv, s, _ = k.shape
@@ -101,17 +105,21 @@ def decode_attention_tpu(q, k, v, valid=None, lengths=None, bias=None, block_ind
     def head_map(bi, hi, ii, *_):
         return bi, hi, 0, 0
 
-    specs = [("q", q4.shape, (None, None, g, d), head_map),
-             ("k", k.shape, (None, None, bs, d), kv_map),
-             ("v", v.shape, (None, None, bs, d), kv_map)]
+    specs = [
+        ("q", q4.shape, (None, None, g, d), head_map),
+        ("k", k.shape, (None, None, bs, d), kv_map),
+        ("v", v.shape, (None, None, bs, d), kv_map),
+    ]
     args = [q4, k, v]
     if add is not None:
         add = add.reshape(b, hkv, 1, s)
         specs.append(("valid/bias", add.shape, (None, None, 1, bs), add_map))
         args.append(add)
-    out_specs = [("o", (b, hkv, g, d), (None, None, g, d), head_map),
-                 ("m", (b, hkv, g, 1), (None, None, g, 1), head_map),
-                 ("l", (b, hkv, g, 1), (None, None, g, 1), head_map)]
+    out_specs = [
+        ("o", (b, hkv, g, d), (None, None, g, d), head_map),
+        ("m", (b, hkv, g, 1), (None, None, g, 1), head_map),
+        ("l", (b, hkv, g, 1), (None, None, g, 1), head_map),
+    ]
     for name, shape, block, _ in specs + out_specs:
         check_block_shape(name, shape, block)
 
@@ -122,7 +130,8 @@ def decode_attention_tpu(q, k, v, valid=None, lengths=None, bias=None, block_ind
             num_scalar_prefetch=3,
             grid=(b, hkv, n),
             in_specs=[pl.BlockSpec(block, imap) for _, _, block, imap in specs],
-            out_specs=[pl.BlockSpec(block, imap) for _, _, block, imap in out_specs]),
+            out_specs=[pl.BlockSpec(block, imap) for _, _, block, imap in out_specs],
+        ),
         out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32) for _, shape, _, _ in out_specs],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def slot_mask(b: int, hkv: int, s: int, valid=None, lengths=None, block_indices=None,
-              block_size: int = 128) -> jnp.ndarray:
+def slot_mask(
+    b: int, hkv: int, s: int, valid=None, lengths=None, block_indices=None, block_size: int = 128
+) -> jnp.ndarray:
     """Bool ``[B, Hkv, S]``: which slots take part (see the module docstring)."""
     mask = jnp.ones((b, hkv, s), bool)
     if valid is not None:
@@ -44,8 +45,7 @@ def slot_mask(b: int, hkv: int, s: int, valid=None, lengths=None, block_indices=
     return mask
 
 
-def decode_attention_reference(q, k, v, valid=None, lengths=None, bias=None, block_indices=None,
-                               block_size: int = 128):
+def decode_attention_reference(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, block_size: int = 128):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 (see the module docstring)."""
     b, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]

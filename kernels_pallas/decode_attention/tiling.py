@@ -19,8 +19,10 @@ def check_block_shape(name: str, array_shape, block_shape) -> None:
     array_shape = tuple(int(x) for x in array_shape)
     block = tuple(1 if x is None else int(x) for x in block_shape)
     if len(block) != len(array_shape):
-        raise ValueError(f"block shape {block_shape} of {name} has rank {len(block)}, array shape {array_shape} "
-                         f"has rank {len(array_shape)}")
+        raise ValueError(
+            f"block shape {block_shape} of {name} has rank {len(block)}, array shape {array_shape} "
+            f"has rank {len(array_shape)}"
+        )
     if len(block) == 0:
         return
     bs0, as0 = block[-1], array_shape[-1]
@@ -34,4 +36,5 @@ def check_block_shape(name: str, array_shape, block_shape) -> None:
             "The Pallas TPU lowering currently requires that the last two dimensions of your block shape are "
             "divisible by 8 and 128 respectively, or be equal to the respective dimensions of the overall array. "
             f"Block spec for {name} has block shape {block}, array shape {array_shape}. "
-            "(kernels_pallas.decode_attention: choose block_size a multiple of 128 or equal to the slot count)")
+            "(kernels_pallas.decode_attention: choose block_size a multiple of 128 or equal to the slot count)"
+        )

@@ -31,17 +31,23 @@ class Tuning:
 
 #: The values the kernels use. ``measured``: where they come from.
 TABLE = {
-    "pallas_gpu": Tuning(block_size=128, num_warps=4, num_stages=2, target_programs=264,
-                         measured="not measured on a GPU yet: Triton's defaults for a [16, 128] x [128, 128] tile "
-                                  "and two waves of 132 SMs"),
+    "pallas_gpu": Tuning(
+        block_size=128,
+        num_warps=4,
+        num_stages=2,
+        target_programs=264,
+        measured="not measured on a GPU yet: Triton's defaults for a [16, 128] x [128, 128] tile "
+        "and two waves of 132 SMs",
+    ),
     "pallas_tpu": Tuning(block_size=128, measured="not measured on a TPU yet: one (8, 128) tile row per step"),
     "xla": Tuning(block_size=128, measured="the reference reads every slot; block_size only shapes block lists"),
 }
 
 #: What ``benchmarks/decode_attention.py --sweep`` tries.
 CANDIDATES = {
-    "pallas_gpu": [Tuning(bs, w, st, tp) for bs, w, st, tp in
-                   itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (132, 264, 528))],
+    "pallas_gpu": [
+        Tuning(bs, w, st, tp) for bs, w, st, tp in itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (132, 264, 528))
+    ],
     "pallas_tpu": [Tuning(bs) for bs in (128, 256, 512, 1024)],
     "xla": [Tuning(128)],
 }

@@ -75,8 +75,11 @@ def _merge(a, b):
 
 
 def _init(b, hkv, g, d):
-    return (jnp.zeros((b, hkv, g, d), jnp.float32), jnp.full((b, hkv, g), NEG_INF, jnp.float32),
-            jnp.zeros((b, hkv, g), jnp.float32))
+    return (
+        jnp.zeros((b, hkv, g, d), jnp.float32),
+        jnp.full((b, hkv, g), NEG_INF, jnp.float32),
+        jnp.zeros((b, hkv, g), jnp.float32),
+    )
 
 
 def _out(part, b, hq, d):
@@ -84,8 +87,9 @@ def _out(part, b, hq, d):
     return o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)
 
 
-def decode_attention_xla(q, k, v, valid=None, lengths=None, bias=None, block_indices=None, block_size: int = 128,
-                         chunk: int | None = None):
+def decode_attention_xla(
+    q, k, v, valid=None, lengths=None, bias=None, block_indices=None, block_size: int = 128, chunk: int | None = None
+):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 over the taking-part slots (see the module
     docstring); ``chunk``: rows per loop step (default :func:`chunk_rows`)."""
     b, hq, d = q.shape
@@ -107,8 +111,7 @@ def decode_attention_xla(q, k, v, valid=None, lengths=None, bias=None, block_ind
     return _out(_window_loop(qg, k, v, valid, bias, first, stop, count, bs, chunk, scale), b, hq, d)
 
 
-def decode_attention_runs_xla(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16,
-                              chunk: int | None = None):
+def decode_attention_runs_xla(q, k, v, starts, lens, *, max_rows: int, block_size: int = 16, chunk: int | None = None):
     """Partials ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` float32 over runs of slots: query head ``g`` of KV head ``h``
     attends the rows ``[starts[b,h,r], starts[b,h,r] + lens[b,h,(g,)r])`` of every run ``r`` (runs of one ``(b, h)``
     must not overlap; a length of 0 lists nothing). ``max_rows`` (static) bounds ``Σ_r max_g lens`` for every
@@ -146,8 +149,9 @@ def run_windows(starts, lens, bs: int, max_windows: int):
     if lens.ndim == 3:
         stop = first + jnp.clip(at(span) - off, 0, bs)
         return first, jnp.where(real, stop, first), count
-    take = jnp.take_along_axis(lens.astype(jnp.int32), jnp.broadcast_to(r[:, :, None], lens.shape[:3] + r.shape[-1:]),
-                               axis=-1)  # [B, Hkv, G, W]
+    take = jnp.take_along_axis(
+        lens.astype(jnp.int32), jnp.broadcast_to(r[:, :, None], lens.shape[:3] + r.shape[-1:]), axis=-1
+    )  # [B, Hkv, G, W]
     stop = first[:, :, None] + jnp.clip(take - off[:, :, None], 0, bs)
     return first, jnp.where(real[:, :, None], stop, first[:, :, None]), count
 

@@ -43,8 +43,10 @@ def check_inputs(lut, codes, block_t, lengths=None):
         raise ValueError(f"codes has shape {codes.shape}; expected [B, Hkv, m, S] (sub-space-major)")
     b, h, _, m, _ = lut.shape
     if codes.shape[:3] != (b, h, m):
-        raise ValueError(f"codes has shape {codes.shape}, inconsistent with lut {lut.shape}; expected "
-                         f"[{b}, {h}, {m}, S] (sub-space-major)")
+        raise ValueError(
+            f"codes has shape {codes.shape}, inconsistent with lut {lut.shape}; expected "
+            f"[{b}, {h}, {m}, S] (sub-space-major)"
+        )
     if lengths is not None and jnp.shape(lengths) != (b,):
         raise ValueError(f"lengths has shape {jnp.shape(lengths)}; expected [{b}]")
     if not jnp.issubdtype(codes.dtype, jnp.integer):
@@ -53,8 +55,7 @@ def check_inputs(lut, codes, block_t, lengths=None):
         raise ValueError(f"block_t={block_t!r} must be a positive int (TPU: a multiple of 128)")
 
 
-def pq_lookup(lut, codes, lengths=None, impl: str | None = None, interpret: bool = False,
-              block_t: int | None = None):
+def pq_lookup(lut, codes, lengths=None, impl: str | None = None, interpret: bool = False, block_t: int | None = None):
     """See the module docstring. Returns scores ``[B, Hkv, G, S]`` float32."""
     check_inputs(lut, codes, block_t, lengths)
     impl = impl or default_impl()
@@ -62,9 +63,11 @@ def pq_lookup(lut, codes, lengths=None, impl: str | None = None, interpret: bool
         return pq_lookup_reference(lut, codes, lengths)
     if impl == "pallas_tpu":
         from kernels_pallas.pq_lookup.pallas_tpu import pq_lookup_tpu
+
         return pq_lookup_tpu(lut, codes, lengths, block_t=block_t or 512, interpret=interpret)
     if impl == "pallas_gpu":
         from kernels_pallas.pq_lookup.pallas_gpu import pq_lookup_gpu
+
         return pq_lookup_gpu(lut, codes, lengths, block_t=block_t or 128, interpret=interpret)
     raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
 

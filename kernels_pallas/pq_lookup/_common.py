@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas.decode_attention.reference import NEG_INF  # noqa: E402  (defined once)
+from kernels_pallas.decode_attention.reference import NEG_INF  # noqa: E402, F401  (defined once; read as _common.NEG_INF)
+
 #: Allocate code buffers with ``S`` a multiple of this (the default tiles 128 on GPU and 512 on TPU divide it).
 CODE_ALIGN = 512
 

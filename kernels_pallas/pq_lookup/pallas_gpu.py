@@ -56,8 +56,10 @@ def pq_lookup_gpu(lut, codes, lengths=None, block_t: int = 128, interpret: bool 
     b, h, g, m, k = lut.shape
     s = codes.shape[-1]
     if not (_pow2(block_t) and _pow2(k) and _pow2(m)):
-        raise ValueError(f"pallas_gpu needs block_t, K=2^bits and m to be powers of two, got block_t={block_t}, "
-                         f"K={k}, m={m}; use a power-of-two block_t or impl='xla'")
+        raise ValueError(
+            f"pallas_gpu needs block_t, K=2^bits and m to be powers of two, got block_t={block_t}, "
+            f"K={k}, m={m}; use a power-of-two block_t or impl='xla'"
+        )
     lut2, c, lens, s_pad = _common.pack(lut, codes, lengths, block_t)
     gp = 1 << (g - 1).bit_length()  # Triton blocks are powers of two: pad the query heads with zero rows
     if gp != g:
@@ -65,13 +67,16 @@ def pq_lookup_gpu(lut, codes, lengths=None, block_t: int = 128, interpret: bool 
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
+
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     out = pl.pallas_call(
         functools.partial(_kernel, g=gp, m=m, k=k, tt=block_t),
         grid=(b * h, s_pad // block_t),
-        in_specs=[pl.BlockSpec((1,), lambda i, j: (i // h,)),
-                  pl.BlockSpec((1, gp, m * k), lambda i, j: (i, 0, 0)),
-                  pl.BlockSpec((1, m, block_t), lambda i, j: (i, 0, j))],
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i // h,)),
+            pl.BlockSpec((1, gp, m * k), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((1, m, block_t), lambda i, j: (i, 0, j)),
+        ],
         out_specs=pl.BlockSpec((1, gp, block_t), lambda i, j: (i, 0, j)),
         out_shape=jax.ShapeDtypeStruct((b * h, gp, s_pad), jnp.float32),
         interpret=interpret,

@@ -35,9 +35,14 @@ def _kernel(len_ref, lut_ref, codes_ref, out_ref, *, h: int, m: int, k: int, tt:
         rows = jax.lax.broadcasted_iota(jnp.int32, (m * k, tt), 0)
         hot = rows == codes[0:1, :]
         for i in range(1, m):
-            hot = hot | (rows == codes[i:i + 1, :] + i * k)
-        s = jax.lax.dot_general(lut, jnp.where(hot, 1.0, 0.0).astype(jnp.float32), (((1,), (0,)), ((), ())),
-                                precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            hot = hot | (rows == codes[i : i + 1, :] + i * k)
+        s = jax.lax.dot_general(
+            lut,
+            jnp.where(hot, 1.0, 0.0).astype(jnp.float32),
+            (((1,), (0,)), ((), ())),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
         slot = start + jax.lax.broadcasted_iota(jnp.int32, (1, tt), 1)
         out_ref[0] = jnp.where(slot < length, s, _common.NEG_INF)
 
@@ -63,9 +68,12 @@ def pq_lookup_tpu(lut, codes, lengths=None, block_t: int = 512, interpret: bool 
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b * h, s_pad // block_t),
-            in_specs=[pl.BlockSpec((1, g, m * k), lambda i, j, len_ref: (i, 0, 0)),
-                      pl.BlockSpec((1, m, block_t), codes_map)],
-            out_specs=pl.BlockSpec((1, g, block_t), lambda i, j, len_ref: (i, 0, j))),
+            in_specs=[
+                pl.BlockSpec((1, g, m * k), lambda i, j, len_ref: (i, 0, 0)),
+                pl.BlockSpec((1, m, block_t), codes_map),
+            ],
+            out_specs=pl.BlockSpec((1, g, block_t), lambda i, j, len_ref: (i, 0, j)),
+        ),
         out_shape=jax.ShapeDtypeStruct((b * h, g, s_pad), jnp.float32),
         interpret=interpret,
         name="pq_lookup_tpu",

@@ -21,8 +21,10 @@ from kvjax.methods.quest import Quest
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
-REGISTRY: dict[str, type] = {cls.name: cls for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, ChunkKV, Chelsea,
-                                                         PQCache, ClusterKV, Quest, Less)}
+REGISTRY: dict[str, type] = {
+    cls.name: cls
+    for cls in (Full, StreamingLLM, H2O, SnapKV, PyramidKV, ChunkKV, Chelsea, PQCache, ClusterKV, Quest, Less)
+}
 
 
 def names() -> list[str]:
@@ -49,5 +51,25 @@ def small(name: str, **options):
     return get(name, **{**REGISTRY[name].small_options(), **options})
 
 
-__all__ = ["Capacity", "Chelsea", "ChunkKV", "ClusterKV", "Full", "H2O", "LayerContext", "Less", "Method", "PQCache",
-           "PyramidKV", "Quest", "REGISTRY", "SlotCache", "SlotMethod", "SnapKV", "StreamingLLM", "get", "names", "small"]
+__all__ = [
+    "Capacity",
+    "Chelsea",
+    "ChunkKV",
+    "ClusterKV",
+    "Full",
+    "H2O",
+    "LayerContext",
+    "Less",
+    "Method",
+    "PQCache",
+    "PyramidKV",
+    "Quest",
+    "REGISTRY",
+    "SlotCache",
+    "SlotMethod",
+    "SnapKV",
+    "StreamingLLM",
+    "get",
+    "names",
+    "small",
+]

@@ -132,16 +132,13 @@ class Method(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any:
-        ...
+    def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any: ...
 
     @abc.abstractmethod
-    def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
-        ...
+    def prefill(self, state, layer: int, q, k, v, lengths, previous=None): ...
 
     @abc.abstractmethod
-    def decode(self, state, layer: int, q, k, v, pos):
-        ...
+    def decode(self, state, layer: int, q, k, v, pos): ...
 
     def memory_bytes(self, state) -> int:
         """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
@@ -160,14 +157,18 @@ class Method(abc.ABC):
         raise NotImplementedError(f"method {self.name!r} does not declare attends_prompt")
 
     def decode_partial(self, state, layer: int, q, k, v, pos):
-        raise NotImplementedError(f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
-                                  "a policy that does (h2o, streaming_llm)")
+        raise NotImplementedError(
+            f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
+            "a policy that does (h2o, streaming_llm)"
+        )
 
     def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
         """``[B, Hq, S]`` bool: the token positions the next decode step would attend for ``q [B, Hq, D]`` (the
         new token excluded). Only for methods that declare ``recalls``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recalls; selected_positions is for the "
-                                  "recall methods (pqcache, clusterkv, quest)")
+        raise NotImplementedError(
+            f"method {self.name!r} does not declare recalls; selected_positions is for the "
+            "recall methods (pqcache, clusterkv, quest)"
+        )
 
     def state_axes(self, state) -> Any:
         """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
@@ -177,8 +178,7 @@ class Method(abc.ABC):
         return jax.tree.map(lambda x: default_axes(x.ndim), state)
 
     @abc.abstractmethod
-    def bytes_read_per_step(self, state, num_heads: int) -> int:
-        ...
+    def bytes_read_per_step(self, state, num_heads: int) -> int: ...
 
     def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
         """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
@@ -186,8 +186,7 @@ class Method(abc.ABC):
         return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
 
     @abc.abstractmethod
-    def tokens_held(self, state) -> jnp.ndarray:
-        ...
+    def tokens_held(self, state) -> jnp.ndarray: ...
 
     def min_budget(self) -> tuple[int, str]:
         """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
@@ -202,12 +201,12 @@ class Method(abc.ABC):
         return int(budget_tokens(self.budget, n))
 
     @abc.abstractmethod
-    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
-        ...
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The slot cache shared by full, streaming_llm, h2o, snapkv, pyramidkv, chunkkv (and LESS's sparse part).
+
 
 class SlotMethod(Method):
     """A method whose state is a :class:`SlotCache` (kept prompt tokens, then the generated ones after them): its
@@ -252,16 +251,21 @@ class SlotCache:
         return self.pos >= 0
 
 
-def empty_slots(model_cfg: ModelConfig, batch: int, slots: int, dtype, prompt_slots: int,
-                with_score: bool = False) -> SlotCache:
+def empty_slots(
+    model_cfg: ModelConfig, batch: int, slots: int, dtype, prompt_slots: int, with_score: bool = False
+) -> SlotCache:
     """An empty cache of ``slots`` slots whose first ``prompt_slots`` can hold the prompt."""
     h, d = model_cfg.num_kv_heads, model_cfg.head_dim
     return SlotCache(
-        k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
+        k=jnp.zeros((batch, h, slots, d), dtype),
+        v=jnp.zeros((batch, h, slots, d), dtype),
         pos=jnp.full((batch, h, slots), -1, jnp.int32),
         score=jnp.zeros((batch, h, slots if with_score else 0), jnp.float32),
-        length=jnp.zeros((batch,), jnp.int32), limit=jnp.zeros((batch,), jnp.int32),
-        prompt_slots=prompt_slots, num_layers=model_cfg.num_layers)
+        length=jnp.zeros((batch,), jnp.int32),
+        limit=jnp.zeros((batch,), jnp.int32),
+        prompt_slots=prompt_slots,
+        num_layers=model_cfg.num_layers,
+    )
 
 
 def store_prompt(state: SlotCache, k, v, idx, ok, score=None, limit=None) -> SlotCache:
@@ -273,9 +277,13 @@ def store_prompt(state: SlotCache, k, v, idx, ok, score=None, limit=None) -> Slo
     vv = jnp.take_along_axis(v, safe[..., None], axis=2).astype(state.v.dtype)
     pos = jnp.where(ok, idx, -1).astype(jnp.int32)
     filled = jnp.max(jnp.where(ok, jnp.arange(p) + 1, 0), axis=(1, 2)).astype(jnp.int32)  # [B]
-    new = state.replace(k=state.k.at[:, :, :p].set(kk), v=state.v.at[:, :, :p].set(vv),
-                        pos=state.pos.at[:, :, :p].set(pos), length=filled,
-                        limit=filled if limit is None else limit.astype(jnp.int32))
+    new = state.replace(
+        k=state.k.at[:, :, :p].set(kk),
+        v=state.v.at[:, :, :p].set(vv),
+        pos=state.pos.at[:, :, :p].set(pos),
+        length=filled,
+        limit=filled if limit is None else limit.astype(jnp.int32),
+    )
     if score is not None and state.score.shape[-1]:
         sc = jnp.where(ok, jnp.take_along_axis(score, safe, axis=2), 0.0)
         new = new.replace(score=new.score.at[:, :, :p].set(sc))
@@ -286,8 +294,11 @@ def write_token(state: SlotCache, slot: jnp.ndarray, k, v, pos) -> SlotCache:
     """Write the new token ``k, v [B,Hkv,D]`` at position ``pos [B]`` into ``slot [B,Hkv]`` (in place); the fill
     count grows to cover it."""
     return state.replace(
-        k=rows_at(state.k, slot, k), v=rows_at(state.v, slot, v), pos=rows_at(state.pos, slot, pos[:, None]),
-        length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
+        k=rows_at(state.k, slot, k),
+        v=rows_at(state.v, slot, v),
+        pos=rows_at(state.pos, slot, pos[:, None]),
+        length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32),
+    )
 
 
 def rows_at(buf: jnp.ndarray, idx: jnp.ndarray, x, op: str = "set") -> jnp.ndarray:

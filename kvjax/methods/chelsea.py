@@ -105,8 +105,10 @@ def load_outlier_file(path: str) -> dict:
     within the same second and at the same size (an mtime/size key could miss that)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"outlier_heads={path!r}: no such file; run `kvjax calibrate-chelsea --model ... "
-                                "--out PATH` first, or pass a tuple of (layer, kv_head) pairs")
+        raise FileNotFoundError(
+            f"outlier_heads={path!r}: no such file; run `kvjax calibrate-chelsea --model ... "
+            "--out PATH` first, or pass a tuple of (layer, kv_head) pairs"
+        )
     return _parse_outlier_file(p.read_text(), path)
 
 
@@ -150,15 +152,19 @@ class Chelsea(Method):
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval={self.interval!r} (g) must be an integer >= 1")
         if isinstance(self.schedule, str) and self.schedule not in PRESETS:
-            raise ValueError(f"schedule={self.schedule!r} is not a preset; choose one of {sorted(PRESETS)} or pass "
-                             "(r_init, alpha, m)")
+            raise ValueError(
+                f"schedule={self.schedule!r} is not a preset; choose one of {sorted(PRESETS)} or pass "
+                "(r_init, alpha, m)"
+            )
         if not isinstance(self.schedule, str):
             if not (isinstance(self.schedule, tuple) and len(self.schedule) == 3):
                 raise ValueError(f"schedule={self.schedule!r} must be a preset name or a tuple (r_init, alpha, m)")
             r_init, alpha, m = self.schedule
             if not 0.0 < r_init <= 0.5:
-                raise ValueError(f"schedule r_init={r_init} must be in (0, 0.5]: one CSM round removes at most "
-                                 "half of the middle (§5.1)")
+                raise ValueError(
+                    f"schedule r_init={r_init} must be in (0, 0.5]: one CSM round removes at most "
+                    "half of the middle (§5.1)"
+                )
             if alpha < 0 or not isinstance(m, int) or m < 0:
                 raise ValueError(f"schedule alpha={alpha}, m={m!r} must be alpha >= 0 and an integer m >= 0")
         if not 0.0 < self.r_floor <= 0.5:
@@ -166,8 +172,9 @@ class Chelsea(Method):
         if self.impl not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"impl={self.impl!r} must be 'xla', 'pallas_tpu', 'pallas_gpu' or None")
         if not isinstance(self.outlier_heads, (str, tuple)):
-            raise ValueError(f"outlier_heads={self.outlier_heads!r} must be a JSON path (str) or a tuple of "
-                             "(layer, kv_head) pairs")
+            raise ValueError(
+                f"outlier_heads={self.outlier_heads!r} must be a JSON path (str) or a tuple of (layer, kv_head) pairs"
+            )
         if isinstance(self.outlier_heads, str) and self.outlier_heads:
             load_outlier_file(self.outlier_heads)  # a missing or foreign file fails here, not at the first prefill
 
@@ -184,8 +191,10 @@ class Chelsea(Method):
             data = load_outlier_file(self.outlier_heads)
             for key, want in (("num_layers", model_cfg.num_layers), ("num_kv_heads", model_cfg.num_kv_heads)):
                 if key in data and data[key] != want:
-                    raise ValueError(f"outlier_heads={self.outlier_heads!r} was calibrated for {key}={data[key]} "
-                                     f"but the model has {want}; recalibrate for this model")
+                    raise ValueError(
+                        f"outlier_heads={self.outlier_heads!r} was calibrated for {key}={data[key]} "
+                        f"but the model has {want}; recalibrate for this model"
+                    )
             pairs = data["outlier_heads"]
         else:
             pairs = self.outlier_heads
@@ -193,8 +202,10 @@ class Chelsea(Method):
         for pair in pairs:
             layer, head = (int(x) for x in pair)
             if not (0 <= layer < model_cfg.num_layers and 0 <= head < model_cfg.num_kv_heads):
-                raise ValueError(f"outlier head {tuple(pair)} is outside the model ({model_cfg.num_layers} layers, "
-                                 f"{model_cfg.num_kv_heads} KV heads)")
+                raise ValueError(
+                    f"outlier head {tuple(pair)} is outside the model ({model_cfg.num_layers} layers, "
+                    f"{model_cfg.num_kv_heads} KV heads)"
+                )
             out.add((layer, head))
         return frozenset(out)
 
@@ -210,8 +221,10 @@ class Chelsea(Method):
         """
         if model_cfg is None:  # the rule needs the model only to count and reallocate outlier heads
             if self.outlier_heads:
-                raise ValueError("a Chelsea with outlier heads needs model_cfg= (the reallocated budget depends on "
-                                 "the model's head counts)")
+                raise ValueError(
+                    "a Chelsea with outlier heads needs model_cfg= (the reallocated budget depends on "
+                    "the model's head counts)"
+                )
             total_heads, n_out = 1, 0
         else:
             total_heads = model_cfg.num_layers * model_cfg.num_kv_heads
@@ -223,13 +236,17 @@ class Chelsea(Method):
             if n_out:
                 rc = Fraction(p * total_heads - q * n_out, q * (total_heads - n_out))
                 if rc <= 0:
-                    raise ValueError(f"budget={self.budget} cannot pay for {n_out} full-cache outlier heads of "
-                                     f"{total_heads} (reallocated fraction {float(rc):.4f} <= 0); raise the budget, "
-                                     "drop outlier heads or set reallocate=False")
+                    raise ValueError(
+                        f"budget={self.budget} cannot pay for {n_out} full-cache outlier heads of "
+                        f"{total_heads} (reallocated fraction {float(rc):.4f} <= 0); raise the budget, "
+                        "drop outlier heads or set reallocate=False"
+                    )
                 p, q = floor_fraction(rc)
                 if p <= 0:
-                    raise ValueError(f"budget={self.budget}: the reallocated fraction for {n_out} outlier heads "
-                                     "rounds to 0; raise the budget or set reallocate=False")
+                    raise ValueError(
+                        f"budget={self.budget}: the reallocated fraction for {n_out} outlier heads "
+                        "rounds to 0; raise the budget or set reallocate=False"
+                    )
             return ("frac", p, q)
         return ("count", int(self.budget), total_heads, n_out)
 
@@ -324,13 +341,23 @@ class Chelsea(Method):
         d = model_cfg.head_dim
         full = capacity.prompt_len + capacity.max_new_tokens
         return ChelseaState(
-            k=jnp.zeros((batch, len(comp), slots, d), dtype), v=jnp.zeros((batch, len(comp), slots, d), dtype),
-            n=jnp.zeros((batch, len(comp), slots), jnp.float32), length=jnp.zeros((batch,), jnp.int32),
+            k=jnp.zeros((batch, len(comp), slots, d), dtype),
+            v=jnp.zeros((batch, len(comp), slots, d), dtype),
+            n=jnp.zeros((batch, len(comp), slots), jnp.float32),
+            length=jnp.zeros((batch,), jnp.int32),
             ko=jnp.zeros((batch, len(out), full if out else 0, d), dtype),
             vo=jnp.zeros((batch, len(out), full if out else 0, d), dtype),
-            target=jnp.zeros((batch,), jnp.int32), seen=jnp.zeros((batch,), jnp.int32),
-            rule=self.rule(model_cfg), gamma=capacity.max_new_tokens, budget_max=b_max, prefill_rounds=pre,
-            decode_rounds=dec, per_seq_windows=per_seq, comp_heads=tuple(comp), out_heads=tuple(out))
+            target=jnp.zeros((batch,), jnp.int32),
+            seen=jnp.zeros((batch,), jnp.int32),
+            rule=self.rule(model_cfg),
+            gamma=capacity.max_new_tokens,
+            budget_max=b_max,
+            prefill_rounds=pre,
+            decode_rounds=dec,
+            per_seq_windows=per_seq,
+            comp_heads=tuple(comp),
+            out_heads=tuple(out),
+        )
 
     def _compress(self, state: ChelseaState, k, v, n, length, rounds: tuple[Round, ...], active):
         """One Chelsea call (§5.1) for the elements with ``active [B]``: CSM rounds until every active element
@@ -355,8 +382,19 @@ class Chelsea(Method):
         if self.unroll_rounds:
             for rnd in rounds:
                 m = jnp.where(active, merges_for(length, target, ns, nr, rnd.r_q), 0)
-                k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk,
-                                    max_merges=rnd.max_merges, out_slots=rnd.out_slots, impl=self.impl)
+                k, v, n = csm_round(
+                    k,
+                    v,
+                    n,
+                    length,
+                    m,
+                    n_sink=ns,
+                    n_recent=nr,
+                    chunk=self.chunk,
+                    max_merges=rnd.max_merges,
+                    out_slots=rnd.out_slots,
+                    impl=self.impl,
+                )
                 length = length - m
             return k, v, n, length
         table = self.ratio_table()
@@ -378,8 +416,19 @@ class Chelsea(Method):
                 i, k, v, n, length = carry
                 r_q = r_tab[jnp.minimum(i, len(table) - 1)]
                 m = jnp.where(active, merges_for(length, target, ns, nr, r_q), 0)
-                k, v, n = csm_round(k, v, n, length, m, n_sink=ns, n_recent=nr, chunk=self.chunk,
-                                    max_merges=kmax, out_slots=k.shape[2], impl=self.impl)
+                k, v, n = csm_round(
+                    k,
+                    v,
+                    n,
+                    length,
+                    m,
+                    n_sink=ns,
+                    n_recent=nr,
+                    chunk=self.chunk,
+                    max_merges=kmax,
+                    out_slots=k.shape[2],
+                    impl=self.impl,
+                )
                 return i + 1, k, v, n, (length - m).astype(jnp.int32)
 
             i, k, v, n, length = jax.lax.while_loop(cond, body, (i, k, v, n, length))
@@ -398,8 +447,9 @@ class Chelsea(Method):
         target = self.target(state.rule, length, state.gamma)
         state = state.replace(target=target, seen=length)
         if comp and state.prefill_rounds:
-            kc, vc, n, length = self._compress(state, kc, vc, n, length, state.prefill_rounds,
-                                               length >= target + self.interval)
+            kc, vc, n, length = self._compress(
+                state, kc, vc, n, length, state.prefill_rounds, length >= target + self.interval
+            )
         slots = state.k.shape[2]
         have = kc.shape[2]
         if have < slots:
@@ -409,8 +459,10 @@ class Chelsea(Method):
             kc, vc, n = kc[:, :, :slots], vc[:, :, :slots], n[:, :, :slots]
         new = state.replace(k=kc, v=vc, n=n, length=length)
         if out:
-            new = new.replace(ko=state.ko.at[:, :, :t].set(_heads(k, out).astype(state.ko.dtype)),
-                              vo=state.vo.at[:, :, :t].set(_heads(v, out).astype(state.vo.dtype)))
+            new = new.replace(
+                ko=state.ko.at[:, :, :t].set(_heads(k, out).astype(state.ko.dtype)),
+                vo=state.vo.at[:, :, :t].set(_heads(v, out).astype(state.vo.dtype)),
+            )
         return new
 
     def decode(self, state: ChelseaState, layer: int, q, k, v, pos):
@@ -465,8 +517,9 @@ class Chelsea(Method):
         out = sum(1 for (l, _) in self.outliers(model_cfg) if l == layer)
         row = 2 * model_cfg.head_dim * jnp.dtype(dtype).itemsize
         comp = batch * (model_cfg.num_kv_heads - out) * (row + 4)
-        return ((self.interval + capacity.max_new_tokens + 1) * comp
-                + batch * out * (capacity.prompt_len + capacity.max_new_tokens) * row)
+        return (self.interval + capacity.max_new_tokens + 1) * comp + batch * out * (
+            capacity.prompt_len + capacity.max_new_tokens
+        ) * row
 
     def bytes_read_per_step(self, state: ChelseaState, num_heads: int) -> int:
         """Bytes one decode step of this layer reads under the decode-attention kernel's block plan: the live
@@ -490,8 +543,10 @@ class Chelsea(Method):
         return ((comp + ho * state.seen.astype(jnp.float32)) / (hc + ho)).astype(jnp.float32)
 
     def min_budget(self) -> tuple[int, str]:
-        return (self.n_sink + self.n_recent + 1,
-                f"n_sink={self.n_sink} + n_recent={self.n_recent} + at least one merged middle slot")
+        return (
+            self.n_sink + self.n_recent + 1,
+            f"n_sink={self.n_sink} + n_recent={self.n_recent} + at least one merged middle slot",
+        )
 
     def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg=None) -> int:
         """``B``: slots per compressed KV head, ``floor(R (n + max_new_tokens))`` (:meth:`target`)."""

@@ -38,8 +38,18 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, budget_tokens, check_budget,
-                                empty_slots, store_prompt, top_k)
+from kvjax.methods.base import (
+    Capacity,
+    LayerContext,
+    MIN_TOKENS,
+    SlotCache,
+    SlotMethod,
+    budget_tokens,
+    check_budget,
+    empty_slots,
+    store_prompt,
+    top_k,
+)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
 
@@ -67,10 +77,11 @@ class ChunkKV(SlotMethod):
 
     def __post_init__(self):
         check_budget(self.budget)
-        for field, value, fix in (("window", self.window, "use the paper's 4, 8, 16 or 32"),
-                                  ("chunk_size", self.chunk_size, "use the paper's default 10 (1 = SnapKV "
-                                                                  "without pooling)"),
-                                  ("reuse", self.reuse, "use 1 for no index reuse or 2 for the paper's setting")):
+        for field, value, fix in (
+            ("window", self.window, "use the paper's 4, 8, 16 or 32"),
+            ("chunk_size", self.chunk_size, "use the paper's default 10 (1 = SnapKV without pooling)"),
+            ("reuse", self.reuse, "use 1 for no index reuse or 2 for the paper's setting"),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field}={value!r} must be an int >= 1; {fix}")
         if self.mode not in MODES:
@@ -117,8 +128,7 @@ class ChunkKV(SlotMethod):
         votes = scorer(q, k, lengths, lengths - windows)  # [B, Hkv, T] (Alg. 1 "observe window")
         return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, windows)
 
-    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None
-                ) -> SlotCache:
+    def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None) -> SlotCache:
         """Select (leader layer) or reuse ``previous.pos`` (follower layer), then gather this layer's K/V."""
         p = state.prompt_slots
         if self.reuse > 1 and not isinstance(layer, int):  # a traced layer (scan over layers): choose on device
@@ -133,21 +143,27 @@ class ChunkKV(SlotMethod):
             return store_prompt(state, k, v, idx, ok)
         if not self.is_leader(layer):
             if previous is None:
-                raise ValueError(f"layer={layer} reuses the positions of layer {layer - layer % self.reuse} "
-                                 f"(reuse={self.reuse}) but previous=None; pass previous=<layer {layer - 1}'s "
-                                 "prefill state> (the engine does) or use reuse=1")
+                raise ValueError(
+                    f"layer={layer} reuses the positions of layer {layer - layer % self.reuse} "
+                    f"(reuse={self.reuse}) but previous=None; pass previous=<layer {layer - 1}'s "
+                    "prefill state> (the engine does) or use reuse=1"
+                )
             if previous.prompt_slots != p or previous.pos.shape[:2] != state.pos.shape[:2]:
-                raise ValueError(f"previous state has prompt_slots={previous.prompt_slots} and pos shape "
-                                 f"{previous.pos.shape}, this layer {p} and {state.pos.shape}; index reuse needs "
-                                 "states initialised with the same config, batch and capacity")
+                raise ValueError(
+                    f"previous state has prompt_slots={previous.prompt_slots} and pos shape "
+                    f"{previous.pos.shape}, this layer {p} and {state.pos.shape}; index reuse needs "
+                    "states initialised with the same config, batch and capacity"
+                )
             idx = previous.pos[:, :, :p]  # the leader's positions, carried layer to layer (Alg. 2)
             return store_prompt(state, k, v, idx, idx >= 0)
         idx, ok = self.select(q, k, lengths, p)
         return store_prompt(state, k, v, idx, ok)
 
     def min_budget(self) -> tuple[int, str]:
-        return (max(MIN_TOKENS, self.window + self.chunk_size),
-                f"window={self.window} + one chunk of chunk_size={self.chunk_size}")
+        return (
+            max(MIN_TOKENS, self.window + self.chunk_size),
+            f"window={self.window} + one chunk of chunk_size={self.chunk_size}",
+        )
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """At most: the whole prompt when it fits its budget ``P``; in ``prefix_exclusive`` mode the window ``w``
@@ -163,8 +179,9 @@ class ChunkKV(SlotMethod):
         return b + steps
 
 
-def chunk_select(votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive",
-                 windows=None):
+def chunk_select(
+    votes, lengths, budgets, window: int, chunk: int, slots: int, mode: str = "prefix_exclusive", windows=None
+):
     """ChunkKV's chunk selection (Alg. 1 "Chunk Attention Score", "Top-K Chunk Selection", "Concatenation").
 
     votes: ``[B, Hkv, T]`` float32 token scores (larger is kept); lengths, budgets: ``[B]`` int32 (budgets in

@@ -175,16 +175,23 @@ class ClusterKV(Method):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if self.num_clusters is not None and (isinstance(self.num_clusters, bool) or
-                                              not isinstance(self.num_clusters, int) or self.num_clusters < 1):
-            raise ValueError(f"num_clusters={self.num_clusters!r} (C0) must be an int >= 1, or None for "
-                             f"C0 = tokens // tokens_per_cluster")
+        if self.num_clusters is not None and (
+            isinstance(self.num_clusters, bool) or not isinstance(self.num_clusters, int) or self.num_clusters < 1
+        ):
+            raise ValueError(
+                f"num_clusters={self.num_clusters!r} (C0) must be an int >= 1, or None for "
+                f"C0 = tokens // tokens_per_cluster"
+            )
         if self.window_clusters > self.window:
-            raise ValueError(f"window_clusters={self.window_clusters} is more clusters than the window's "
-                             f"{self.window} tokens; use window_clusters <= window")
+            raise ValueError(
+                f"window_clusters={self.window_clusters} is more clusters than the window's "
+                f"{self.window} tokens; use window_clusters <= window"
+            )
         if isinstance(self.budget, int) and self.budget < self.sink:
-            raise ValueError(f"budget={self.budget} tokens is below sink={self.sink}: the budget counts the sinks "
-                             f"(note §6 #1); pass budget >= {self.sink} or a smaller sink")
+            raise ValueError(
+                f"budget={self.budget} tokens is below sink={self.sink}: the budget counts the sinks "
+                f"(note §6 #1); pass budget >= {self.sink} or a smaller sink"
+            )
         if self.gqa not in ("query", "group_mean"):
             raise ValueError(f"gqa={self.gqa!r} must be 'query' (each query head selects) or 'group_mean'")
         if self.impl not in (None, "xla", "pallas_tpu", "pallas_gpu"):
@@ -227,9 +234,11 @@ class ClusterKV(Method):
             return _FULL.init(model_cfg, batch, capacity, layer, dtype)
         p = capacity.prompt_len
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
-            raise ValueError(f"num_clusters={self.num_clusters} is more clusters than the {p - min(self.sink, p)} "
-                             f"clustered tokens a prompt of the bucket ({p}) can have after sink={self.sink}; use "
-                             f"num_clusters <= {max(p - self.sink, 1)} or num_clusters=None (L/80)")
+            raise ValueError(
+                f"num_clusters={self.num_clusters} is more clusters than the {p - min(self.sink, p)} "
+                f"clustered tokens a prompt of the bucket ({p}) can have after sink={self.sink}; use "
+                f"num_clusters <= {max(p - self.sink, 1)} or num_clusters=None (L/80)"
+            )
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
         slots = p + capacity.max_new_tokens
         c0 = max([self.clusters_for(n) for n in range(p + 1)] + [1])
@@ -239,14 +248,27 @@ class ClusterKV(Method):
         sel = max(min(sel, slots), 1)
         z = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
         state = ClusterState(
-            k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
-            pos=jnp.full((batch, h, slots), -1, jnp.int32), mu=jnp.zeros((batch, h, c, d), jnp.float32),
-            csize=z(batch, h, c), cstart=z(batch, h, c), lengths=z(batch), sinks=z(batch), bsel=z(batch),
-            filled=z(batch), clustered=z(batch), windows=jnp.int32(0), rows_read=z(batch, h),
-            sink=min(self.sink, p), c0=c0,
-            select=sel, max_new=new)
+            k=jnp.zeros((batch, h, slots, d), dtype),
+            v=jnp.zeros((batch, h, slots, d), dtype),
+            pos=jnp.full((batch, h, slots), -1, jnp.int32),
+            mu=jnp.zeros((batch, h, c, d), jnp.float32),
+            csize=z(batch, h, c),
+            cstart=z(batch, h, c),
+            lengths=z(batch),
+            sinks=z(batch),
+            bsel=z(batch),
+            filled=z(batch),
+            clustered=z(batch),
+            windows=jnp.int32(0),
+            rows_read=z(batch, h),
+            sink=min(self.sink, p),
+            c0=c0,
+            select=sel,
+            max_new=new,
+        )
         if self.offload:
             from kvjax.methods.pqcache import _host_sharding
+
             host = _host_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
@@ -257,8 +279,11 @@ class ClusterKV(Method):
         b = jnp.where(n > 0, evicting_budget(self.budget, n, n + max_new_tokens), 0).astype(jnp.int32)
         s = jnp.minimum(jnp.minimum(self.sink, b), n)
         lc = n - s
-        c0 = (jnp.full_like(n, self.num_clusters) if self.num_clusters is not None
-              else jnp.maximum(1, lc // self.tokens_per_cluster))
+        c0 = (
+            jnp.full_like(n, self.num_clusters)
+            if self.num_clusters is not None
+            else jnp.maximum(1, lc // self.tokens_per_cluster)
+        )
         return s, b - s, jnp.where(lc > 0, jnp.minimum(c0, lc), 0)
 
     def init_rows(self, stream, num_heads: int, positions, valid, num: int):
@@ -285,8 +310,14 @@ class ClusterKV(Method):
 
         def rows(x, vm, c, cv):  # one device's (sequences, KV heads) as rows of the k-means kernel
             bb, hh = x.shape[:2]
-            mu, labels, _ = cosine_kmeans(x.reshape(bb * hh, l, d), vm.reshape(bb * hh, l),
-                                          c.reshape(bb * hh, num, d), cv.reshape(bb * hh, num), self.iters, self.impl)
+            mu, labels, _ = cosine_kmeans(
+                x.reshape(bb * hh, l, d),
+                vm.reshape(bb * hh, l),
+                c.reshape(bb * hh, num, d),
+                cv.reshape(bb * hh, num),
+                self.iters,
+                self.impl,
+            )
             return mu.reshape(bb, hh, num, d), labels.reshape(bb, hh, l)
 
         return sharding.per_head(rows, k, vmask, c0, cvalid)
@@ -320,15 +351,25 @@ class ClusterKV(Method):
         vs = jnp.take_along_axis(v, order[..., None], axis=2).astype(state.v.dtype)
         pos = jnp.where(order < n[:, None, None], order, -1)
         return state.replace(
-            k=self._place(state.k.at[:, :, :t].set(ks)), v=self._place(state.v.at[:, :, :t].set(vs)),
-            pos=state.pos.at[:, :, :t].set(pos), mu=state.mu.at[:, :, :state.c0].set(mu),
-            csize=state.csize.at[:, :, :state.c0].set(size), cstart=state.cstart.at[:, :, :state.c0].set(start),
-            lengths=n, sinks=sinks, bsel=bsel, filled=n, clustered=n, windows=jnp.int32(0))
+            k=self._place(state.k.at[:, :, :t].set(ks)),
+            v=self._place(state.v.at[:, :, :t].set(vs)),
+            pos=state.pos.at[:, :, :t].set(pos),
+            mu=state.mu.at[:, :, : state.c0].set(mu),
+            csize=state.csize.at[:, :, : state.c0].set(size),
+            cstart=state.cstart.at[:, :, : state.c0].set(start),
+            lengths=n,
+            sinks=sinks,
+            bsel=bsel,
+            filled=n,
+            clustered=n,
+            windows=jnp.int32(0),
+        )
 
     def _place(self, x):
         if not self.offload:
             return x
         from kvjax.methods.pqcache import _host_sharding
+
         return jax.device_put(x, _host_sharding())
 
     # ---- selection (paper §III-C, note §7.4) ----
@@ -367,9 +408,14 @@ class ClusterKV(Method):
         g = take.shape[2]
         fixed = lambda x: jnp.broadcast_to(x.astype(jnp.int32)[:, None, None, None], (b, h, g, 1))  # noqa: E731
         lens = jnp.concatenate([fixed(state.sinks), fixed(t + 1 - state.clustered), take], axis=-1)
-        starts = jnp.concatenate([jnp.zeros((b, h, 1), jnp.int32),
-                                  jnp.broadcast_to(state.clustered[:, None, None], (b, h, 1)).astype(jnp.int32),
-                                  cstart.astype(jnp.int32)], axis=-1)
+        starts = jnp.concatenate(
+            [
+                jnp.zeros((b, h, 1), jnp.int32),
+                jnp.broadcast_to(state.clustered[:, None, None], (b, h, 1)).astype(jnp.int32),
+                cstart.astype(jnp.int32),
+            ],
+            axis=-1,
+        )
         return starts, (lens[:, :, 0] if g == 1 else lens)
 
     def max_rows(self, state: ClusterState, num_heads: int) -> int:
@@ -392,8 +438,12 @@ class ClusterKV(Method):
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
-        state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
-                              pos=rows_at(state.pos, ti, ti), filled=jnp.maximum(state.filled, t + 1))
+        state = state.replace(
+            k=self._place(rows_at(state.k, ti, k)),
+            v=self._place(rows_at(state.v, ti, v)),
+            pos=rows_at(state.pos, ti, ti),
+            filled=jnp.maximum(state.filled, t + 1),
+        )
         starts, lens = self.runs(state, q, t)
         bs = self._run_block(state.k.shape[2])
         rows = self.max_rows(state, q.shape[1])
@@ -424,8 +474,9 @@ class ClusterKV(Method):
         # a while_loop of 0 or 1 rounds, not a lax.cond: its body updates K/V in place, and on a step that does not
         # cluster the state passes through untouched (a cond's identity branch would hold a second copy; in a
         # scanned layer stack a branch's outputs are new values, written back into the stack by a copy)
-        state, _ = jax.lax.while_loop(lambda c: c[1], lambda c: (self._cluster_window(c[0], layer), jnp.array(False)),
-                                      (state, full))
+        state, _ = jax.lax.while_loop(
+            lambda c: c[1], lambda c: (self._cluster_window(c[0], layer), jnp.array(False)), (state, full)
+        )
         return state
 
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:
@@ -438,8 +489,14 @@ class ClusterKV(Method):
         kw = jnp.take_along_axis(state.k, idx, axis=2)
         vw = jnp.take_along_axis(state.v, idx, axis=2)
         pw = jnp.take_along_axis(state.pos, idx[..., 0], axis=2)
-        mu, labels = self._cluster(self.window_stream(layer, state.windows), kw, slots, jnp.ones((b, m), bool),
-                                   jnp.full((b,), cp, jnp.int32), cp)
+        mu, labels = self._cluster(
+            self.window_stream(layer, state.windows),
+            kw,
+            slots,
+            jnp.ones((b, m), bool),
+            jnp.full((b,), cp, jnp.int32),
+            cp,
+        )
         size, start = self._csr(labels, cp, state.clustered)
         order = jnp.argsort(labels, axis=-1, stable=True).astype(jnp.int32)  # cluster order, positions ascending
         ks = jnp.take_along_axis(kw, order[..., None], axis=2)
@@ -448,12 +505,15 @@ class ClusterKV(Method):
         si = jnp.broadcast_to(slots[:, None, :], (b, h, m))
         at = state.c0 + state.windows * cp
         return state.replace(
-            k=self._place(rows_at(state.k, si, ks)), v=self._place(rows_at(state.v, si, vs)),
+            k=self._place(rows_at(state.k, si, ks)),
+            v=self._place(rows_at(state.v, si, vs)),
             pos=rows_at(state.pos, si, ps),
             mu=jax.lax.dynamic_update_slice_in_dim(state.mu, mu, at, axis=2),
             csize=jax.lax.dynamic_update_slice_in_dim(state.csize, size, at, axis=2),
             cstart=jax.lax.dynamic_update_slice_in_dim(state.cstart, start, at, axis=2),
-            clustered=state.clustered + m, windows=state.windows + 1)
+            clustered=state.clustered + m,
+            windows=state.windows + 1,
+        )
 
     # ---- reporting ----
 
@@ -506,8 +566,11 @@ class ClusterKV(Method):
             run = lambda n: np.where(n > 0, np.maximum(n, bs), 0)  # noqa: E731
             sel = np.minimum(g * bsel, clustered - sinks)
             rows = int(h * np.sum(run(sinks) + run(filled + 1 - clustered) + sel))
-        out = {"centroids": live * (d * 4 + 8), "ranking": live * g * 8,
-               "runs": rows * 2 * d * item + b * num_heads * d * item + b * num_heads * (d + 2) * 4}
+        out = {
+            "centroids": live * (d * 4 + 8),
+            "ranking": live * g * 8,
+            "runs": rows * 2 * d * item + b * num_heads * d * item + b * num_heads * (d + 2) * 4,
+        }
         out["total"] = sum(out.values())
         out["full_kv"] = int(h * np.sum(filled + 1) * 2 * d * item + b * num_heads * (2 * d * item + (d + 2) * 4))
         return out
@@ -519,8 +582,12 @@ class ClusterKV(Method):
         p, new = capacity.prompt_len, capacity.max_new_tokens
         c = (self.num_clusters or -(-p // self.tokens_per_cluster)) + self.window_clusters * (new // self.window)
         h = model_cfg.num_kv_heads
-        return (full_bytes(model_cfg, batch, capacity, dtype) + batch * h * (c * (4 * model_cfg.head_dim + 8) + 4)
-                + 6 * 4 * batch + 4)
+        return (
+            full_bytes(model_cfg, batch, capacity, dtype)
+            + batch * h * (c * (4 * model_cfg.head_dim + 8) + 4)
+            + 6 * 4 * batch
+            + 4
+        )
 
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         """Bytes one decode step reads: a full layer's live slots, else the total of :meth:`bytes_read_breakdown`

@@ -82,8 +82,21 @@ def plan(start: int, budget: int, n_sink: int, n_recent: int, ratios, floor_slot
     return tuple(rounds)
 
 
-def csm_round(k, v, n, length, merges, *, n_sink, n_recent, chunk: int, max_merges: int,
-              out_slots: int, impl: str | None = None, return_matches: bool = False):
+def csm_round(
+    k,
+    v,
+    n,
+    length,
+    merges,
+    *,
+    n_sink,
+    n_recent,
+    chunk: int,
+    max_merges: int,
+    out_slots: int,
+    impl: str | None = None,
+    return_matches: bool = False,
+):
     """Merge ``merges [B]`` tokens per head (Chelsea §5.2–5.3) and compact to ``out_slots`` slots.
 
     Requires ``0 <= merges <= (length - n_sink - n_recent) // 2`` (the valid A tokens) and
@@ -153,8 +166,9 @@ def _merge_edges(k, v, n, src, dst, out_slots: int):
     rows = jax.vmap(jax.vmap(lambda row, i: row[i]))  # x [B, H, S, ...], i [B, H, ...] in range -> rows
     used = src < s
     # the first edge into each destination accumulates the cluster (its index: a scatter-min over slots)
-    first = rows_at(jnp.full((b, h, s), kk, jnp.int32), dst, jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32),
-                                                                                 dst.shape), "min")
+    first = rows_at(
+        jnp.full((b, h, s), kk, jnp.int32), dst, jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), dst.shape), "min"
+    )
     lead = rows(first, jnp.minimum(dst, s - 1))  # [B, H, K]
     lead = jnp.where(used, lead, kk)
     src_c, dst_c = jnp.minimum(src, s - 1), jnp.minimum(dst, s - 1)
@@ -171,12 +185,18 @@ def _merge_edges(k, v, n, src, dst, out_slots: int):
     v_new, _ = cluster(v)
     # per slot: the edge whose cluster replaces it (-1: none), and whether it survives
     is_lead = used & (lead == jnp.arange(kk)[None, None, :])
-    patch = rows_at(jnp.full((b, h, s), -1, jnp.int32), jnp.where(is_lead, dst, s),
-                    jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), dst.shape))
+    patch = rows_at(
+        jnp.full((b, h, s), -1, jnp.int32),
+        jnp.where(is_lead, dst, s),
+        jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), dst.shape),
+    )
     keep = (n > 0) & ~rows_at(jnp.zeros((b, h, s), bool), src, True)
     rank = jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1  # [B, H, S] output slot of each kept slot
-    at = rows_at(jnp.zeros((b, h, out_slots), jnp.int32), jnp.where(keep, rank, out_slots),
-                 jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), keep.shape))  # [B, H, out] slot read
+    at = rows_at(
+        jnp.zeros((b, h, out_slots), jnp.int32),
+        jnp.where(keep, rank, out_slots),
+        jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), keep.shape),
+    )  # [B, H, out] slot read
     live = jnp.arange(out_slots)[None, None, :] <= rank[..., -1:]
     pa = rows(patch, at)  # [B, H, out]
     pe = jnp.maximum(pa, 0)

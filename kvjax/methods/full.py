@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.base import (Capacity, LayerContext, SlotCache, SlotMethod, empty_slots, store_prompt)
+from kvjax.methods.base import Capacity, LayerContext, SlotCache, SlotMethod, empty_slots, store_prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,8 +33,20 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_mul
-from kvjax.methods.base import (MIN_TOKENS, Capacity, LayerContext, SlotCache, SlotMethod, budget_tokens,
-                                check_budget, empty_slots, evicting_budget, rows_at, slot_bytes_read, store_prompt)
+from kvjax.methods.base import (
+    MIN_TOKENS,
+    Capacity,
+    LayerContext,
+    SlotCache,
+    SlotMethod,
+    budget_tokens,
+    check_budget,
+    empty_slots,
+    evicting_budget,
+    rows_at,
+    slot_bytes_read,
+    store_prompt,
+)
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
@@ -106,8 +118,9 @@ class H2O(SlotMethod):
         k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)  # as stored
         mine = attention.token_partial(q, k, v)  # the new token's own partial, merged below
         s_new = mine[1].reshape(b, h, g)  # [B, Hkv, G]: its scaled scores
-        part, sc, held, slot = attention.attend_with_scores(q, state.k, state.v, state.pos, state.length,
-                                                            start=mine, chunk=chunk)
+        part, sc, held, slot = attention.attend_with_scores(
+            q, state.k, state.v, state.pos, state.length, start=mine, chunk=chunk
+        )
         o, m, l = part
         mg, lg = m.reshape(b, h, g), l.reshape(b, h, g)
         # Tokens outside the recent window (pos - recent, pos] are candidates for eviction.
@@ -125,10 +138,12 @@ class H2O(SlotMethod):
         idx = jnp.stack([slot, jnp.where(over & ~self_gone, victim, state.pos.shape[2])], axis=-1)  # [B, Hkv, 2]
         new_pos = jnp.where(self_gone, -1, jnp.broadcast_to(pos[:, None], (b, h)))
         state = state.replace(
-            k=rows_at(state.k, slot, k), v=rows_at(state.v, slot, v),
+            k=rows_at(state.k, slot, k),
+            v=rows_at(state.v, slot, v),
             pos=rows_at(state.pos, idx, jnp.stack([new_pos, jnp.full_like(new_pos, -1)], axis=-1)),
             score=rows_at(score, idx, jnp.stack([jnp.where(self_gone, 0.0, w_new), jnp.zeros_like(w_new)], axis=-1)),
-            length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32))
+            length=jnp.maximum(state.length, jnp.max(slot, axis=1) + 1).astype(jnp.int32),
+        )
         ek = jnp.take_along_axis(state.k, victim[..., None, None], axis=2)[:, :, 0]
         ev = jnp.take_along_axis(state.v, victim[..., None, None], axis=2)[:, :, 0]
         return part, state, (ek, ev, over)
@@ -136,8 +151,10 @@ class H2O(SlotMethod):
     def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
         """The slot cache's (base) plus a float32 accumulated score per slot (the budget's and one new token's)."""
         slots = budget_tokens(self.budget, capacity.prompt_len + capacity.max_new_tokens) + 1
-        return (super().held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
-                + 4 * batch * model_cfg.num_kv_heads * slots)
+        return (
+            super().held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
+            + 4 * batch * model_cfg.num_kv_heads * slots
+        )
 
     def bytes_read_per_step(self, state: SlotCache, num_heads: int) -> int:
         """Per live slot and KV head: its K and V and ``pos`` (the attention pass); the step's float32 scores of
@@ -184,8 +201,9 @@ def _accumulate(score, pos, sc, m, l, lengths, threshold, chunk=None):
     def search(i, carry):
         best, victim = carry
         start, take, p = held(i)
-        val = jnp.where(take & (p < threshold[:, None, None]), jax.lax.dynamic_slice_in_dim(score, start, c, axis=2),
-                        jnp.inf)
+        val = jnp.where(
+            take & (p < threshold[:, None, None]), jax.lax.dynamic_slice_in_dim(score, start, c, axis=2), jnp.inf
+        )
         low, j = jnp.min(val, axis=-1), jnp.argmin(val, axis=-1)
         better = low < best  # strict: an earlier chunk wins ties (argmin's first occurrence)
         return jnp.where(better, low, best), jnp.where(better, start + j, victim).astype(jnp.int32)

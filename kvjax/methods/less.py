@@ -103,8 +103,7 @@ class LessKernels(nn.Module):
     scale_init: float = 1e-4
 
     def setup(self):
-        glorot = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=-2, out_axis=-1,
-                                                  batch_axis=(0,))
+        glorot = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=-2, out_axis=-1, batch_axis=(0,))
         d, rh, r, hq, hk = self.head_dim, self.hidden, self.rank, self.n_q_heads, self.n_kv_heads
         self.q_w1 = self.param("q_w1", glorot, (hq, d, rh))
         self.q_w2 = self.param("q_w2", glorot, (hq, rh, r))
@@ -134,8 +133,9 @@ class LessKernels(nn.Module):
 def module_for(kernels) -> LessKernels:
     """The :class:`LessKernels` module matching one layer's params (shapes read from them)."""
     hq, d, rh = kernels["q_w1"].shape
-    return LessKernels(n_q_heads=hq, n_kv_heads=kernels["k_w1"].shape[0], head_dim=d, rank=kernels["q_w2"].shape[-1],
-                       hidden=rh)
+    return LessKernels(
+        n_q_heads=hq, n_kv_heads=kernels["k_w1"].shape[0], head_dim=d, rank=kernels["q_w2"].shape[-1], hidden=rh
+    )
 
 
 def init_kernels(model_cfg, key, rank: int = 8, hidden: int = 512) -> dict:
@@ -375,8 +375,10 @@ def _load_kernels(path: str, mtime: float):
     folder = Path(path)
     meta = json.loads((folder / CONFIG_FILE).read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"kernels={path!r}: {CONFIG_FILE} has format {meta.get('format')!r}, expected {FORMAT!r}; "
-                         "train kernels with kvjax-train-less")
+        raise ValueError(
+            f"kernels={path!r}: {CONFIG_FILE} has format {meta.get('format')!r}, expected {FORMAT!r}; "
+            "train kernels with kvjax-train-less"
+        )
     with np.load(folder / KERNELS_FILE) as f:
         arrays = {name: np.asarray(f[name]) for name in f.files}
     return meta, arrays
@@ -388,8 +390,10 @@ def load_kernels(path, model_cfg=None):
     folder = Path(path)
     for f in (CONFIG_FILE, KERNELS_FILE):
         if not (folder / f).is_file():
-            raise FileNotFoundError(f"kernels={str(path)!r} has no {f}; pass the output folder of kvjax-train-less "
-                                    "(it holds kernels.npz and less_config.json)")
+            raise FileNotFoundError(
+                f"kernels={str(path)!r} has no {f}; pass the output folder of kvjax-train-less "
+                "(it holds kernels.npz and less_config.json)"
+            )
     meta, arrays = _load_kernels(str(folder.resolve()), (folder / KERNELS_FILE).stat().st_mtime)
     if model_cfg is not None:
         check_model(meta, model_cfg, f"kernels={str(path)!r}")
@@ -414,8 +418,9 @@ def parse_layers(spec, num_layers: int) -> list[int]:
         spec = out
     out = sorted(set(int(x) for x in spec))
     if not out or out[0] < 0 or out[-1] >= num_layers:
-        raise ValueError(f"layers={given!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset "
-                         "such as '0-7'")
+        raise ValueError(
+            f"layers={given!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset such as '0-7'"
+        )
     return out
 
 
@@ -439,11 +444,16 @@ def model_identity(model_cfg, name: str | None = None) -> dict:
 
 def check_model(meta: dict, model_cfg, what: str):
     want = meta.get("model", {})
-    bad = [f"{key}: trained for {want.get(key)!r}, this model has {getattr(model_cfg, key)!r}"
-           for key in MODEL_KEYS if want.get(key) != getattr(model_cfg, key)]
+    bad = [
+        f"{key}: trained for {want.get(key)!r}, this model has {getattr(model_cfg, key)!r}"
+        for key in MODEL_KEYS
+        if want.get(key) != getattr(model_cfg, key)
+    ]
     if bad:
-        raise ValueError(f"{what} were trained for another model ({want.get('name')!r}) or head layout: "
-                         f"{'; '.join(bad)}. Train kernels for this model with kvjax-train-less")
+        raise ValueError(
+            f"{what} were trained for another model ({want.get('name')!r}) or head layout: "
+            f"{'; '.join(bad)}. Train kernels for this model with kvjax-train-less"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,8 +512,10 @@ class Less(Method):
         if self.policy != trained.get("policy"):
             bad.append(f"policy: trained {trained.get('policy')!r}, requested {self.policy!r}")
         elif isinstance(self.budget, float):
-            bad.append(f"budget: trained {trained.get('budget')} tokens, requested {self.budget} (a fraction of each "
-                       "prompt, so the token count varies)")
+            bad.append(
+                f"budget: trained {trained.get('budget')} tokens, requested {self.budget} (a fraction of each "
+                "prompt, so the token count varies)"
+            )
         elif self.budget != trained.get("budget"):
             bad.append(f"budget: trained {trained.get('budget')}, requested {self.budget}")
         if self.policy == trained.get("policy") == "h2o" and isinstance(trained.get("budget"), int):
@@ -511,16 +523,20 @@ class Less(Method):
                 want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5))._recent(trained["budget"])
                 have = self.sparse._recent(self.budget)
                 if have != want:
-                    bad.append(f"recent: trained {trained.get('recent')!r} ({want} tokens), requested "
-                               f"{self.recent!r} ({have} tokens)")
+                    bad.append(
+                        f"recent: trained {trained.get('recent')!r} ({want} tokens), requested "
+                        f"{self.recent!r} ({have} tokens)"
+                    )
             elif self.recent != trained.get("recent"):
                 bad.append(f"recent: trained {trained.get('recent')!r}, requested {self.recent!r}")
         if self.policy == trained.get("policy") == "lambda" and self.sinks != trained.get("sinks"):
             bad.append(f"sinks: trained {trained.get('sinks')}, requested {self.sinks}")
         if bad:
-            msg = (f"kernels={self.kernels!r} were trained for another sparse policy setting: {'; '.join(bad)}. "
-                   "LESS kernels transfer across settings only approximately; use the trained values, or train "
-                   "kernels for these (kvjax-train-less)")
+            msg = (
+                f"kernels={self.kernels!r} were trained for another sparse policy setting: {'; '.join(bad)}. "
+                "LESS kernels transfer across settings only approximately; use the trained values, or train "
+                "kernels for these (kvjax-train-less)"
+            )
             if self.strict:
                 raise ValueError(msg + " (strict=True)")
             warnings.warn(msg, stacklevel=3)
@@ -552,21 +568,28 @@ class Less(Method):
         trained = meta.get("layers_trained")
         if trained is not None and layer not in trained:
             folder = Path(self.kernels)
-            hint = (f"this is one --layers run; use its parent {str(folder.parent)!r}, where all runs are merged"
-                    if folder.name.startswith("layers-") else
-                    f"train the missing ones with kvjax-train-less --layers A-B --out {self.kernels} (its runs merge "
-                    "into that folder)")
-            raise ValueError(f"kernels={self.kernels!r} have no trained kernels for layer {layer} (trained layers: "
-                             f"{format_layers(trained)} of {model_cfg.num_layers}); {hint}")
+            hint = (
+                f"this is one --layers run; use its parent {str(folder.parent)!r}, where all runs are merged"
+                if folder.name.startswith("layers-")
+                else f"train the missing ones with kvjax-train-less --layers A-B --out {self.kernels} (its runs merge "
+                "into that folder)"
+            )
+            raise ValueError(
+                f"kernels={self.kernels!r} have no trained kernels for layer {layer} (trained layers: "
+                f"{format_layers(trained)} of {model_cfg.num_layers}); {hint}"
+            )
         return {name: jnp.array(a[layer], dtype=jnp.float32) for name, a in arrays.items()}
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> LessState:
         kernels = self.layer_kernels(model_cfg, layer)
         r = kernels["q_w2"].shape[-1] if "q_w2" in kernels else self.rank
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
-        return LessState(sparse=self.sparse.init(model_cfg, batch, capacity, layer, dtype),
-                         H=jnp.zeros((batch, h, r, d), jnp.float32), z=jnp.zeros((batch, h, r), jnp.float32),
-                         kernels=kernels)
+        return LessState(
+            sparse=self.sparse.init(model_cfg, batch, capacity, layer, dtype),
+            H=jnp.zeros((batch, h, r, d), jnp.float32),
+            z=jnp.zeros((batch, h, r), jnp.float32),
+            kernels=kernels,
+        )
 
     @property
     def attends_prompt(self) -> bool:  # base.Method.attends_prompt: as its policy (H2O: yes)
@@ -589,8 +612,11 @@ class Less(Method):
         tpos = jnp.arange(t)
         b, h, s = sparse.pos.shape
         # kept [B, Hkv, T] by a scatter of the kept positions (O(slots + T), not an [S, T] comparison)
-        kept = jnp.zeros((b, h, t + 1), bool).at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None],
-                                                 jnp.where(sparse.pos >= 0, sparse.pos, t)].set(True)[..., :t]
+        kept = (
+            jnp.zeros((b, h, t + 1), bool)
+            .at[jnp.arange(b)[:, None, None], jnp.arange(h)[None, :, None], jnp.where(sparse.pos >= 0, sparse.pos, t)]
+            .set(True)[..., :t]
+        )
         ev = (tpos[None, None, :] < lengths[:, None, None]) & ~kept
         H, z = self._fold(state.kernels, k, v, ev, state.H, state.z)
         return state.replace(sparse=sparse, H=H, z=z)
@@ -642,13 +668,17 @@ class Less(Method):
         """The policy's overhead plus the constant-size part: ``H``, ``z`` and the kernel weights, whose size must
         not depend on the capacity (measured at the smallest one, so a state that grew with the bucket fails)."""
         small = jax.eval_shape(lambda: self.init(model_cfg, batch, Capacity(1, 1), layer, dtype))
-        return (self.sparse.held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
-                + tree_bytes((small.H, small.z, small.kernels)))
+        return self.sparse.held_overhead_bytes(model_cfg, batch, capacity, layer, dtype) + tree_bytes(
+            (small.H, small.z, small.kernels)
+        )
 
     def bytes_read_per_step(self, state: LessState, num_heads: int) -> int:
         """The sparse policy's step plus ``H, z`` (read and written) and the kernel weights (read)."""
-        return (self.sparse.bytes_read_per_step(state.sparse, num_heads) + 2 * tree_bytes((state.H, state.z))
-                + tree_bytes(state.kernels))
+        return (
+            self.sparse.bytes_read_per_step(state.sparse, num_heads)
+            + 2 * tree_bytes((state.H, state.z))
+            + tree_bytes(state.kernels)
+        )
 
     def tokens_held(self, state: LessState):
         """Tokens in the sparse cache (the constant-size ``H, z`` state is counted in bytes, not tokens)."""

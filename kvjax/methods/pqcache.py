@@ -104,6 +104,7 @@ from kvjax.methods import threshold as th
 from kvjax.methods.base import LayerContext, Capacity, Method, full_bytes, rows_at, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
+
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
 _EXACT_Q = 46340
 #: Tuple tables up to this many entries are used by default (m = 2 with bits <= 6, m = 1); ``score_table=True``
@@ -138,13 +139,17 @@ def _host_sharding():
     backend = jax.default_backend()
     dev = jax.devices()[0]
     if backend == "cpu":
-        raise ValueError("offload=True is not supported on the CPU backend: the KV already lives in host memory "
-                         "and there is no separate device memory to offload from; use offload=False on CPU "
-                         "(offload needs a GPU/TPU backend with a 'pinned_host' memory kind)")
+        raise ValueError(
+            "offload=True is not supported on the CPU backend: the KV already lives in host memory "
+            "and there is no separate device memory to offload from; use offload=False on CPU "
+            "(offload needs a GPU/TPU backend with a 'pinned_host' memory kind)"
+        )
     kinds = {m.kind for m in dev.addressable_memories()}
     if "pinned_host" not in kinds:
-        raise ValueError(f"offload=True needs the 'pinned_host' memory kind, but device {dev} offers "
-                         f"{sorted(kinds)}; use offload=False")
+        raise ValueError(
+            f"offload=True needs the 'pinned_host' memory kind, but device {dev} offers "
+            f"{sorted(kinds)}; use offload=False"
+        )
     return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
 
 
@@ -168,8 +173,11 @@ def _write_codes(codes, t, code):
 
 def _empty_partial(q):
     b, hq, d = q.shape
-    return (jnp.zeros((b, hq, d), jnp.float32), jnp.full((b, hq), NEG_INF, jnp.float32),
-            jnp.zeros((b, hq), jnp.float32))
+    return (
+        jnp.zeros((b, hq, d), jnp.float32),
+        jnp.full((b, hq), NEG_INF, jnp.float32),
+        jnp.zeros((b, hq), jnp.float32),
+    )
 
 
 def _attend_range(q, k, v, lo, hi, chunk: int):
@@ -255,8 +263,11 @@ class PQCache(Method):
             raise ValueError(f"bits={self.bits!r} must be an int in [1, 8]: codes are stored as uint8; use bits <= 8")
         if not isinstance(self.sink, int) or self.sink < 0:
             raise ValueError(f"sink={self.sink!r} must be an int >= 0")
-        if isinstance(self.local_ratio, bool) or not isinstance(self.local_ratio, (int, float)) \
-                or not 0.0 <= self.local_ratio <= 1.0:
+        if (
+            isinstance(self.local_ratio, bool)
+            or not isinstance(self.local_ratio, (int, float))
+            or not 0.0 <= self.local_ratio <= 1.0
+        ):
             raise ValueError(f"local_ratio={self.local_ratio} must be in [0, 1]")
         if not isinstance(self.iters, int) or self.iters < 0:
             raise ValueError(f"iters={self.iters!r} must be an int >= 0")
@@ -265,17 +276,19 @@ class PQCache(Method):
         if self.score_table not in (None, True, False):
             raise ValueError(f"score_table={self.score_table!r} must be None (automatic), True or False")
         if self.score_table and self.num_tuples > _TABLE_MAX:
-            raise ValueError(f"score_table=True needs (2^bits)^m <= {_TABLE_MAX} code tuples, got "
-                             f"(2^{self.bits})^{self.m} = {self.num_tuples}; use score_table=None or False")
+            raise ValueError(
+                f"score_table=True needs (2^bits)^m <= {_TABLE_MAX} code tuples, got "
+                f"(2^{self.bits})^{self.m} = {self.num_tuples}; use score_table=None or False"
+            )
 
     @property
     def num_centroids(self) -> int:
-        return 2 ** self.bits
+        return 2**self.bits
 
     @property
     def num_tuples(self) -> int:
         """Distinct code tuples ``(2^bits)^m``."""
-        return self.num_centroids ** self.m
+        return self.num_centroids**self.m
 
     def uses_table(self) -> bool:
         """Whether a step scores per code tuple (see the module doc) or per slot."""
@@ -344,13 +357,18 @@ class PQCache(Method):
         sink = min(self.sink, slots)
         w, k = self.split(capacity.prompt_len)  # per-sequence values are at most the bucket's
         state = PQState(
-            k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
+            k=jnp.zeros((batch, h, slots, d), dtype),
+            v=jnp.zeros((batch, h, slots, d), dtype),
             codes=jnp.zeros((batch, h, self.m, self._code_slots(slots)), jnp.uint8),
             centroids=jnp.zeros((batch, h, self.m, self.num_centroids, d // self.m), jnp.float32),
-            lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            filled=jnp.zeros((batch,), jnp.int32),
             hist=jnp.zeros((batch, h, self.num_tuples if self.uses_table() else 0), jnp.int32),
-            hist_end=jnp.full((batch,), sink, jnp.int32), sink=sink,
-            window=min(w, slots - sink), topk=min(k, slots - sink))
+            hist_end=jnp.full((batch,), sink, jnp.int32),
+            sink=sink,
+            window=min(w, slots - sink),
+            topk=min(k, slots - sink),
+        )
         if self.offload:
             host = _host_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
@@ -371,8 +389,9 @@ class PQCache(Method):
         new_v = state.v.at[:, :, :t].set(v.astype(state.v.dtype))
         lengths = jnp.asarray(lengths, jnp.int32)
         codes = state.codes.at[..., :t].set(labels.astype(jnp.uint8))
-        state = state.replace(k=self._place(new_k), v=self._place(new_v), codes=codes, centroids=cent,
-                              lengths=lengths, filled=lengths)
+        state = state.replace(
+            k=self._place(new_k), v=self._place(new_v), codes=codes, centroids=cent, lengths=lengths, filled=lengths
+        )
         end = self._cand_end(state, lengths)  # the first step's candidate end (new token at t = L)
         hist = self._histogram(state, end) if self.uses_table() else state.hist
         return state.replace(hist=hist, hist_end=end)
@@ -445,8 +464,8 @@ class PQCache(Method):
 
     def _tuple_keys(self, lut, hist, d: int) -> jnp.ndarray:
         """``[B, Hkv, K^m]`` uint32 order keys (:func:`~kvjax.methods.threshold.sortable`) of each code tuple's
-        aggregated score; 0 for a tuple no candidate holds. ``d`` the head dim. G = 1: ``s_hat / sqrt(D)``; else the sum over the
-        group of ``softmax(s_hat / sqrt(D))`` over the candidates, whose maximum and normaliser come from the
+        aggregated score; 0 for a tuple no candidate holds. ``d`` the head dim. G = 1: ``s_hat / sqrt(D)``; else the sum
+        over the group of ``softmax(s_hat / sqrt(D))`` over the candidates, whose maximum and normaliser come from the
         tuples weighted by ``hist`` (their counts)."""
         b, h, g, m, kc = lut.shape
         s = lut[..., 0, :]  # [B, Hkv, G, K]
@@ -474,8 +493,9 @@ class PQCache(Method):
         def body(i, acc):
             above, tied = acc
             start = jnp.minimum(i * c, sc - c)  # a clamped last chunk recomputes the same words
-            key = jnp.take_along_axis(keys, self._tuples(jax.lax.dynamic_slice_in_dim(codes, start, c, axis=3)),
-                                      axis=-1)  # [B, Hkv, C]
+            key = jnp.take_along_axis(
+                keys, self._tuples(jax.lax.dynamic_slice_in_dim(codes, start, c, axis=3)), axis=-1
+            )  # [B, Hkv, C]
             j = start + jnp.arange(c, dtype=jnp.int32)
             cand = ((j[None, :] >= sink) & (j[None, :] < end[:, None]))[:, None, :]  # [B, 1, C]
             put = lambda w, bits: jax.lax.dynamic_update_slice_in_dim(w, th.pack_bits(bits), start // _WORD, 2)  # noqa
@@ -518,7 +538,8 @@ class PQCache(Method):
         counted over them on the table path)."""
         _, kk = self.split_dynamic(state.lengths)
         run = lambda lut, codes, hst, e, k: self._retrieve_local(  # noqa: E731
-            lut, codes, hst, e, k, sink=state.sink, topk=state.topk, d=q.shape[-1])
+            lut, codes, hst, e, k, sink=state.sink, topk=state.topk, d=q.shape[-1]
+        )
         idx, ok = sharding.per_head(run, self._lut(state, q), state.codes, hist, end, kk)
         return jnp.minimum(idx, state.k.shape[2] - 1), ok  # unset entries point into the buffer
 
@@ -539,13 +560,20 @@ class PQCache(Method):
         code = self.encode(state.centroids, k)  # [B, Hkv, m]
         rewrite = jnp.any((t >= state.sink) & (t < state.hist_end))  # a counted slot rewritten: never in a plain decode
         codes = _write_codes(state.codes, t, code)  # [B, Hkv, m, S_c]
-        state = state.replace(k=self._place(rows_at(state.k, ti, k)), v=self._place(rows_at(state.v, ti, v)),
-                              codes=codes, filled=jnp.maximum(state.filled, t + 1))
+        state = state.replace(
+            k=self._place(rows_at(state.k, ti, k)),
+            v=self._place(rows_at(state.v, ti, v)),
+            codes=codes,
+            filled=jnp.maximum(state.filled, t + 1),
+        )
         end = self._cand_end(state, t)
         hist = state.hist
         if self.uses_table():  # one count per step; a rewritten counted slot (a rewind) recounts them all
-            hist = jax.lax.cond(rewrite, lambda: self._histogram(state, end),
-                                lambda: self._advance(codes, state.hist, state.hist_end, end))
+            hist = jax.lax.cond(
+                rewrite,
+                lambda: self._histogram(state, end),
+                lambda: self._advance(codes, state.hist, state.hist_end, end),
+            )
         state = state.replace(hist=hist, hist_end=end)
         w, _ = self.split_dynamic(state.lengths)
         if state.topk:
@@ -565,7 +593,7 @@ class PQCache(Method):
             chunk = _row_chunk(kc)
             if state.sink:
                 live = jnp.broadcast_to((jnp.arange(state.sink)[None, :] < t[:, None])[:, None, :], (b, h, state.sink))
-                part = attention.merge(part, attention.attend(q, kc[:, :, :state.sink], vc[:, :, :state.sink], live))
+                part = attention.merge(part, attention.attend(q, kc[:, :, : state.sink], vc[:, :, : state.sink], live))
             if state.window:
                 hi = jnp.minimum(t, kc.shape[2])
                 lo = jnp.maximum(t - w, state.sink)
@@ -586,8 +614,13 @@ class PQCache(Method):
             rows = jnp.concatenate([rows, jnp.broadcast_to(t[:, None, None], (b, h, 1))], axis=-1)
             oks = jnp.concatenate([oks, jnp.ones((b, h, 1), bool)], axis=-1)
             every = jnp.arange(s)[None, None, :] <= t[:, None, None]
-            return attention.attend(q, state.k, state.v, jnp.where(short[:, None, None], every,
-                                                                   _rows_mask(rows, oks, s)), lengths=state.filled)
+            return attention.attend(
+                q,
+                state.k,
+                state.v,
+                jnp.where(short[:, None, None], every, _rows_mask(rows, oks, s)),
+                lengths=state.filled,
+            )
 
         return attention.normalise(jax.lax.cond(jnp.any(short), dense, sparse, None)), state
 
@@ -728,8 +761,11 @@ class PQCache(Method):
         used, and the per-sequence counters."""
         slots = capacity.prompt_len + capacity.max_new_tokens
         d, h = model_cfg.head_dim, model_cfg.num_kv_heads
-        index = (self.m * self._code_slots(slots) + self.num_centroids * d * 4
-                 + (4 * self.num_tuples if self.uses_table() else 0))
+        index = (
+            self.m * self._code_slots(slots)
+            + self.num_centroids * d * 4
+            + (4 * self.num_tuples if self.uses_table() else 0)
+        )
         return full_bytes(model_cfg, batch, capacity, dtype) + batch * h * index + 12 * batch
 
     def bytes_read_per_step(self, state: PQState, num_heads: int | None = None) -> int:

@@ -87,8 +87,17 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
-from kvjax.methods.base import (Capacity, LayerContext, Method, SlotCache, full_bytes, rows_at, slot_bytes_read,
-                                slot_tokens_held, top_k)
+from kvjax.methods.base import (
+    Capacity,
+    LayerContext,
+    Method,
+    SlotCache,
+    full_bytes,
+    rows_at,
+    slot_bytes_read,
+    slot_tokens_held,
+    top_k,
+)
 from kvjax.methods.full import Full
 
 _FULL = Full()
@@ -136,15 +145,18 @@ class Quest(Method):
 
     def __post_init__(self):
         check_budget(self.budget)
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) \
-                or self.page_size < 1:
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r} must be an int >= 1 (tokens per page; Quest uses 16)")
         if isinstance(self.budget, int) and self.budget < self.page_size:
-            raise ValueError(f"budget={self.budget} tokens is less than one page of page_size={self.page_size}; "
-                             f"pass budget >= {self.page_size} or a smaller page_size")
+            raise ValueError(
+                f"budget={self.budget} tokens is less than one page of page_size={self.page_size}; "
+                f"pass budget >= {self.page_size} or a smaller page_size"
+            )
         if isinstance(self.n_full, bool) or not isinstance(self.n_full, (int, np.integer)) or self.n_full < 0:
-            raise ValueError(f"n_full={self.n_full!r} must be an int >= 0 (layers that keep the full cache; "
-                             "Quest uses 2, 0 compresses every layer)")
+            raise ValueError(
+                f"n_full={self.n_full!r} must be an int >= 0 (layers that keep the full cache; "
+                "Quest uses 2, 0 compresses every layer)"
+            )
 
     # ---- budget ----
 
@@ -219,10 +231,16 @@ class Quest(Method):
         slots = capacity.prompt_len + capacity.max_new_tokens
         n_pages = -(-slots // self.page_size)
         return QuestState(
-            k=jnp.zeros((batch, h, slots, d), dtype), v=jnp.zeros((batch, h, slots, d), dtype),
-            kmin=jnp.zeros((batch, h, n_pages, d), dtype), kmax=jnp.zeros((batch, h, n_pages, d), dtype),
-            lengths=jnp.zeros((batch,), jnp.int32), filled=jnp.zeros((batch,), jnp.int32),
-            page_size=self.page_size, topk=self._topk_size(capacity.prompt_len, slots), shrink=self.can_shrink())
+            k=jnp.zeros((batch, h, slots, d), dtype),
+            v=jnp.zeros((batch, h, slots, d), dtype),
+            kmin=jnp.zeros((batch, h, n_pages, d), dtype),
+            kmax=jnp.zeros((batch, h, n_pages, d), dtype),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            filled=jnp.zeros((batch,), jnp.int32),
+            page_size=self.page_size,
+            topk=self._topk_size(capacity.prompt_len, slots),
+            shrink=self.can_shrink(),
+        )
 
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt KV and build each page's per-channel key min/max over the real tokens (Quest §3.1).
@@ -244,10 +262,14 @@ class Quest(Method):
         any_real = jnp.any(real, axis=3)  # [B, 1, pt, 1]
         kmin = jnp.where(any_real, kmin, 0)  # pages with no prompt token: overwritten by their first decode token
         kmax = jnp.where(any_real, kmax, 0)
-        return state.replace(k=state.k.at[:, :, :t].set(k.astype(state.k.dtype)),
-                             v=state.v.at[:, :, :t].set(v.astype(state.v.dtype)),
-                             kmin=state.kmin.at[:, :, :pt].set(kmin), kmax=state.kmax.at[:, :, :pt].set(kmax),
-                             lengths=lengths, filled=lengths)
+        return state.replace(
+            k=state.k.at[:, :, :t].set(k.astype(state.k.dtype)),
+            v=state.v.at[:, :, :t].set(v.astype(state.v.dtype)),
+            kmin=state.kmin.at[:, :, :pt].set(kmin),
+            kmax=state.kmax.at[:, :, :pt].set(kmax),
+            lengths=lengths,
+            filled=lengths,
+        )
 
     def page_scores(self, state: QuestState, q) -> jnp.ndarray:
         """Quest's upper bound ``u = Σ_d max(q_d kmin_d, q_d kmax_d)`` per query head and page, ``[B, Hkv, G,
@@ -257,8 +279,9 @@ class Quest(Method):
         h = state.kmin.shape[1]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
         hi = jax.lax.Precision.HIGHEST
-        return (jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), state.kmax.astype(jnp.float32), precision=hi)
-                + jnp.einsum("bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), state.kmin.astype(jnp.float32), precision=hi))
+        return jnp.einsum(
+            "bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), state.kmax.astype(jnp.float32), precision=hi
+        ) + jnp.einsum("bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), state.kmin.astype(jnp.float32), precision=hi)
 
     def group_scores(self, state: QuestState, q, t) -> jnp.ndarray:
         """The step's page ranking ``[B, Hkv, n_pages]`` float32: the mean over the group's query heads of Quest's
@@ -278,8 +301,9 @@ class Quest(Method):
         def body(i, buf):
             start = jnp.minimum(i * c, n_pages - c)
             sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2).astype(jnp.float32)  # noqa: E731
-            u = (jnp.einsum("bhd,bhpd->bhp", qp, sl(state.kmax), precision=hi)
-                 + jnp.einsum("bhd,bhpd->bhp", qn, sl(state.kmin), precision=hi))
+            u = jnp.einsum("bhd,bhpd->bhp", qp, sl(state.kmax), precision=hi) + jnp.einsum(
+                "bhd,bhpd->bhp", qn, sl(state.kmin), precision=hi
+            )
             return jax.lax.dynamic_update_slice_in_dim(buf, u, start, axis=2)
 
         buf = jnp.full((b, h, n_pages), -jnp.inf, jnp.float32)
@@ -314,23 +338,26 @@ class Quest(Method):
         page = lambda x: jnp.take_along_axis(x, ci[:, :, None, None], axis=2)[:, :, 0]  # [B, Hkv, D]
         kmin = jnp.where(opens, kn, jnp.minimum(page(state.kmin), kn))
         kmax = jnp.where(opens, kn, jnp.maximum(page(state.kmax), kn))
-        state = state.replace(k=rows_at(state.k, ti, k), v=rows_at(state.v, ti, v),
-                              kmin=rows_at(state.kmin, ci, kmin), kmax=rows_at(state.kmax, ci, kmax),
-                              filled=jnp.maximum(state.filled, t + 1))
+        state = state.replace(
+            k=rows_at(state.k, ti, k),
+            v=rows_at(state.v, ti, v),
+            kmin=rows_at(state.kmin, ci, kmin),
+            kmax=rows_at(state.kmax, ci, kmax),
+            filled=jnp.maximum(state.filled, t + 1),
+        )
         pages = self.select_pages(state, q, t)
         if not state.shrink:
-            part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,
-                                    block_size=ps)
+            part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages, block_size=ps)
             return attention.normalise(part), state
         # Below one page: the sequence's page list is emptied, its window attended from a gathered buffer.
         shrunk, w = self.recent_window(state.lengths, t)
         pages = jnp.where(shrunk[:, None, None], -1, pages)
-        part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages,
-                                block_size=ps)
+        part = attention.attend(q, state.k, state.v, None, lengths=state.filled, block_indices=pages, block_size=ps)
         rows = jnp.minimum((t + 1 - w)[:, None] + jnp.arange(ps), state.k.shape[2] - 1)  # [B, P], window first
         gather = lambda x: jnp.take_along_axis(x, rows[:, None, :, None], axis=2)  # [B, Hkv, P, D]
-        win = attention.attend(q, gather(state.k), gather(state.v), None, lengths=jnp.where(shrunk, w, 0),
-                               block_size=ps)
+        win = attention.attend(
+            q, gather(state.k), gather(state.v), None, lengths=jnp.where(shrunk, w, 0), block_size=ps
+        )
         return attention.normalise(attention.merge(part, win)), state
 
     def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
@@ -404,12 +431,13 @@ class Quest(Method):
         window = 0
         if state.shrink:
             buf = jax.ShapeDtypeStruct((b, h, ps, d), state.k.dtype)
-            window = block_plan_bytes(buf, jnp.asarray(np.where(shrunk, w, 0), jnp.int32), block_size=ps,
-                                      num_heads=hq)
-        out = {"metadata": int(h * 2 * np.sum(scored) * d * np.dtype(state.kmin.dtype).itemsize),
-               "scores": b * h * n_pages * 4 if state.topk else 0,
-               "attention": block_plan_bytes(state.k, live, jnp.asarray(blocks), block_size=ps, num_heads=hq),
-               "window": window}
+            window = block_plan_bytes(buf, jnp.asarray(np.where(shrunk, w, 0), jnp.int32), block_size=ps, num_heads=hq)
+        out = {
+            "metadata": int(h * 2 * np.sum(scored) * d * np.dtype(state.kmin.dtype).itemsize),
+            "scores": b * h * n_pages * 4 if state.topk else 0,
+            "attention": block_plan_bytes(state.k, live, jnp.asarray(blocks), block_size=ps, num_heads=hq),
+            "window": window,
+        }
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq)
         return out

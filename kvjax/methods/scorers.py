@@ -75,5 +75,7 @@ def make_scorer(scorer, window: int, kernel: int = 5, pool: str = "avg") -> Scor
         return WindowScorer(window=window, kernel=kernel, pool=pool)
     if scorer == "h2o":
         return AccumulatedScorer()
-    raise ValueError(f"scorer={scorer!r} is not a scorer; choose one of {', '.join(SCORERS)} or pass a "
-                     "kvjax.methods.scorers.Scorer instance")
+    raise ValueError(
+        f"scorer={scorer!r} is not a scorer; choose one of {', '.join(SCORERS)} or pass a "
+        "kvjax.methods.scorers.Scorer instance"
+    )

@@ -42,8 +42,9 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
 SCORE_ROWS = 64
 
 
-def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
-                       heads_at_once: bool | None = None) -> jnp.ndarray:
+def accumulated_scores(
+    q, k, lengths, chunk: int = 512, rows: int | None = None, heads_at_once: bool | None = None
+) -> jnp.ndarray:
     """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
     (averaged over each KV group's query heads).
 
@@ -64,8 +65,9 @@ def accumulated_scores(q, k, lengths, chunk: int = 512, rows: int | None = None,
     return _prompt_pass(q, k, None, lengths, chunk, rows, heads_at_once)[1]
 
 
-def accumulated_attention(q, k, v, lengths, chunk: int = 512, rows: int | None = None,
-                          heads_at_once: bool | None = None):
+def accumulated_attention(
+    q, k, v, lengths, chunk: int = 512, rows: int | None = None, heads_at_once: bool | None = None
+):
     """The causal attention of the prompt and H2O's accumulated scores from the same probabilities: ``(out [B, Hq,
     T, D] in q.dtype, scores [B, Hkv, T] float32)``, as ``prefill_attention(q, k, v, lengths)`` and
     :func:`accumulated_scores` (up to float rounding; rows of padded queries are 0). Each query block's buffered
@@ -93,8 +95,12 @@ def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
         pad = ((0, 0), (0, 0), (0, n * c - t), (0, 0))
         tiles = lambda x: jnp.pad(jnp.where(real, x, 0), pad).reshape(-1, n, c, d)  # noqa: E731  [B*Hkv, N, C, D]
         h = k.shape[1]
-        xs = (jnp.pad(jnp.where(real, q, 0), pad).reshape(bl * h, g, n * c, d), tiles(k), jnp.repeat(lengths, h),
-              *(tiles(x) for x in v))
+        xs = (
+            jnp.pad(jnp.where(real, q, 0), pad).reshape(bl * h, g, n * c, d),
+            tiles(k),
+            jnp.repeat(lengths, h),
+            *(tiles(x) for x in v),
+        )
         if at_once:
             live = (jnp.max(lengths) + r - 1) // r  # unbatched: the loops are not batched under vmap
             acc, out = jax.vmap(lambda *a: _column_sums(*a[:3], live, r, *a[3:]))(*xs)
@@ -150,8 +156,9 @@ def _column_sums(q, k, length, live, r: int, v=None):
             col = jnp.einsum("gr,grc->c", f, buf[j], preferred_element_type=jnp.float32)
             acc = jax.lax.dynamic_update_index_in_dim(acc, acc[j] + col, j, axis=0)
             if v is not None:
-                o = o + f[..., None] * jnp.einsum("grc,cd->grd", buf[j].astype(v.dtype), v[j],
-                                                  preferred_element_type=jnp.float32)
+                o = o + f[..., None] * jnp.einsum(
+                    "grc,cd->grd", buf[j].astype(v.dtype), v[j], preferred_element_type=jnp.float32
+                )
             return acc, o
 
         o = None if v is None else jnp.zeros((g, r, d), jnp.float32)
@@ -160,8 +167,12 @@ def _column_sums(q, k, length, live, r: int, v=None):
             out = jax.lax.dynamic_update_slice_in_dim(out, o, i * r, axis=1)
         return buf, mt, acc, out
 
-    init = (jnp.zeros((n, g, r, c), jnp.float32), jnp.zeros((n, g, r), jnp.float32), jnp.zeros((n, c), jnp.float32),
-            None if v is None else jnp.zeros((g, tp, d), jnp.float32))
+    init = (
+        jnp.zeros((n, g, r, c), jnp.float32),
+        jnp.zeros((n, g, r), jnp.float32),
+        jnp.zeros((n, c), jnp.float32),
+        None if v is None else jnp.zeros((g, tp, d), jnp.float32),
+    )
     _, _, acc, out = jax.lax.fori_loop(0, live, block, init)
     return acc.reshape(n * c), out
 

@@ -26,8 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, budget_tokens, check_budget,
-                                empty_slots, slot_bytes, store_prompt)
+from kvjax.methods.base import (
+    Capacity,
+    LayerContext,
+    MIN_TOKENS,
+    SlotCache,
+    SlotMethod,
+    budget_tokens,
+    check_budget,
+    empty_slots,
+    slot_bytes,
+    store_prompt,
+)
 from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
 
@@ -76,8 +86,10 @@ class SnapKV(SlotMethod):
 
     def min_budget(self) -> tuple[int, str]:
         """The window plus one selected token (PyramidKV: the same total, which its layers share unevenly)."""
-        return (max(MIN_TOKENS, self.window + 1),
-                f"window={self.window} observation tokens + at least one selected token")
+        return (
+            max(MIN_TOKENS, self.window + 1),
+            f"window={self.window} observation tokens + at least one selected token",
+        )
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return min(n, int(self.layer_budgets(n, ctx.layer, ctx.num_layers))) + steps
@@ -139,7 +151,8 @@ class PyramidKV(SnapKV):
         ``slot_multiple``."""
         extra = self._multiple(capacity.prompt_len) - 1
         return super().held_overhead_bytes(model_cfg, batch, capacity, layer, dtype) + extra * slot_bytes(
-            model_cfg, batch, dtype)
+            model_cfg, batch, dtype
+        )
 
     def layer_budgets(self, lengths, layer: int, num_layers: int):
         total = budget_tokens(self.budget, lengths)

@@ -17,8 +17,18 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kvjax import attention
-from kvjax.methods.base import (Capacity, LayerContext, MIN_TOKENS, SlotCache, SlotMethod, check_budget, empty_slots,
-                                evicting_budget, store_prompt, write_token)
+from kvjax.methods.base import (
+    Capacity,
+    LayerContext,
+    MIN_TOKENS,
+    SlotCache,
+    SlotMethod,
+    check_budget,
+    empty_slots,
+    evicting_budget,
+    store_prompt,
+    write_token,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +65,7 @@ class StreamingLLM(SlotMethod):
         r = jnp.maximum(s[:, None] - sk, 1)
         slot = jnp.arange(slots)[None, :]
         # Latest position p < length living in each ring slot: j = p - sk with j = slot - sk (mod r).
-        jmax = (lengths[:, None] - sk - 1)
+        jmax = lengths[:, None] - sk - 1
         j = jmax - jnp.mod(jmax - (slot - sk), r)
         idx = jnp.where(slot < sk, slot, sk + j)  # [B, S]
         ok = (idx >= 0) & (idx < lengths[:, None]) & ((slot < sk) | (j >= 0)) & (slot < s[:, None])

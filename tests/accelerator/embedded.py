@@ -6,8 +6,9 @@ method must reproduce (``test_embedded.py``).
 
 The run: two sequences cut from the shipped Paul Graham essays (:func:`prompts`: 401 and 287 tokens, one bucket
 of 512), float32 weights and activations, every method at budget 0.3 with its default options (each one holds
-under half the prompt or reads less per decode step than ``full``: checked), stacked layers (``scan_layers=True``; PyramidKV unrolled),
-prefill and ``STEPS`` greedy decode steps with the given tokens fed (teacher forcing: a device run is fed the CPU
+under half the prompt or reads less per decode step than ``full``: checked), stacked layers (``scan_layers=True``;
+PyramidKV unrolled), prefill and ``STEPS`` greedy decode steps with the given tokens fed (teacher forcing: a device run
+is fed the CPU
 tokens, so a near-tie at one step cannot change every later step). Per step and sequence the file holds the
 greedy token, the top-``TOP`` token ids and logits, and the margin between the first and second logits.
 """
@@ -47,7 +48,7 @@ def prompts(tokenizer) -> list[list[int]]:
     text = assets.essays_text()
     out = []
     for n, start in zip(LENGTHS, (0, 2000)):
-        ids = tokenizer.encode(text[start:start + 8 * n])
+        ids = tokenizer.encode(text[start : start + 8 * n])
         if len(ids) < n:
             raise RuntimeError(f"the essays gave {len(ids)} tokens, fewer than {n}")
         out.append(list(ids[:n]))
@@ -67,8 +68,14 @@ def run(name: str, feed=None) -> dict:
     meth = methods.get(name) if name == "full" else methods.get(name, budget=BUDGET)
     tokens, lengths = engine.pad_prompts(prompts(m_.tokenizer), BUCKET)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    states = engine.init_states(cfg, meth, len(LENGTHS), Capacity(BUCKET, STEPS + 1), jnp.float32,
-                                scan_layers=meth.traced_layer and name != "pyramidkv")
+    states = engine.init_states(
+        cfg,
+        meth,
+        len(LENGTHS),
+        Capacity(BUCKET, STEPS + 1),
+        jnp.float32,
+        scan_layers=meth.traced_layer and name != "pyramidkv",
+    )
     prefill = jax.jit(functools.partial(engine._prefill, cfg, meth))
     step = jax.jit(functools.partial(engine._decode_step, cfg, meth))
     states, logits = prefill(params, tokens, lengths, states)
@@ -83,9 +90,15 @@ def run(name: str, feed=None) -> dict:
     x = np.stack([np.asarray(o, np.float64) for o in outs])  # [STEPS+1, B, V]
     order = np.argsort(-x, axis=-1)[..., :TOP]
     top = np.take_along_axis(x, order, -1)
-    return {"tokens": order[..., 0].tolist(), "top_ids": order.tolist(), "top_logits": top.round(5).tolist(),
-            "margin": (top[..., 0] - top[..., 1]).round(5).tolist(), "held": np.round(held.astype(np.float64), 3).tolist(),
-            "bytes_read": read, "logits": x}
+    return {
+        "tokens": order[..., 0].tolist(),
+        "top_ids": order.tolist(),
+        "top_logits": top.round(5).tolist(),
+        "margin": (top[..., 0] - top[..., 1]).round(5).tolist(),
+        "held": np.round(held.astype(np.float64), 3).tolist(),
+        "bytes_read": read,
+        "logits": x,
+    }
 
 
 def write(path: Path = GOLDEN, names=None) -> dict:
@@ -93,13 +106,22 @@ def write(path: Path = GOLDEN, names=None) -> dict:
     if names and path.exists():  # a subset: the other methods' entries stay as they are
         kept = json.loads(path.read_text())["methods"]
     names = names or methods.names()
-    out = {"jax_version": jax.__version__, "backend": jax.default_backend(), "lengths": LENGTHS,
-           "bucket": BUCKET, "steps": STEPS, "budget": BUDGET, "methods": kept}
+    out = {
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "lengths": LENGTHS,
+        "bucket": BUCKET,
+        "steps": STEPS,
+        "budget": BUDGET,
+        "methods": kept,
+    }
     for name in names:
         out["methods"][name] = {k: v for k, v in run(name).items() if k != "logits"}
         r = out["methods"][name]
-        print(f"{name:14s} held {r['held']}  read {r['bytes_read'] / 2**20:.1f} MiB  tokens {r['tokens'][:4]}...",
-              flush=True)
+        print(
+            f"{name:14s} held {r['held']}  read {r['bytes_read'] / 2**20:.1f} MiB  tokens {r['tokens'][:4]}...",
+            flush=True,
+        )
     path.write_text(json.dumps(out, indent=1))
     return out
 

@@ -44,8 +44,9 @@ def golden():
 def compare(name, got, want, margin, atol):
     want_ids = np.asarray(want["top_ids"])
     at = np.take_along_axis(got["logits"], want_ids, -1)
-    np.testing.assert_allclose(at, np.asarray(want["top_logits"]), atol=atol, rtol=0,
-                               err_msg=f"{name}: top logits differ from the CPU run")
+    np.testing.assert_allclose(
+        at, np.asarray(want["top_logits"]), atol=atol, rtol=0, err_msg=f"{name}: top logits differ from the CPU run"
+    )
     decided = np.asarray(want["margin"]) >= margin
     same = np.asarray(got["tokens"]) == np.asarray(want["tokens"])
     bad = np.argwhere(decided & ~same)
@@ -56,19 +57,23 @@ def test_golden_covers_every_method(golden):
     assert set(golden["methods"]) == set(methods.names()), "regenerate: python3 tests/accelerator/embedded.py --write"
     full = golden["methods"]["full"]
     for name, r in golden["methods"].items():  # each method compresses: holds fewer tokens or reads less
-        assert name == "full" or r["bytes_read"] < full["bytes_read"] or max(
-            np.asarray(r["held"]) / np.asarray(full["held"])) < 0.5, name
+        assert (
+            name == "full"
+            or r["bytes_read"] < full["bytes_read"]
+            or max(np.asarray(r["held"]) / np.asarray(full["held"])) < 0.5
+        ), name
         assert len(set(np.ravel(r["tokens"]).tolist())) > 5, name  # the tokens depend on the input
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_CPU else pytest.mark.slow)
-                                  for n in methods.names()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in DEFAULT_CPU else pytest.mark.slow) for n in methods.names()]
+)
 def test_cpu_run_unchanged_since_the_golden_was_written(golden, name):
     """A change detector, not a check of correctness: the golden file is this CPU run's own output, so this fails
     when a change moves the CPU tokens or logits (then regenerate with ``embedded.py --write`` if the change is
     meant), and says nothing about whether they are right."""
     want = golden["methods"][name]
-    got = embedded.run(name, feed=want["tokens"][:embedded.STEPS])
+    got = embedded.run(name, feed=want["tokens"][: embedded.STEPS])
     compare(name, got, want, margin=0.0, atol=1e-3)
 
 
@@ -76,5 +81,5 @@ def test_cpu_run_unchanged_since_the_golden_was_written(golden, name):
 @pytest.mark.parametrize("name", methods.names())
 def test_device_matches_cpu(golden, name):
     want = golden["methods"][name]
-    got = embedded.run(name, feed=want["tokens"][:embedded.STEPS])
+    got = embedded.run(name, feed=want["tokens"][: embedded.STEPS])
     compare(name, got, want, MARGIN, ATOL)

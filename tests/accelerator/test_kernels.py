@@ -47,6 +47,7 @@ def tpu_legal(block):
 
 # ---------------------------------------------------------------------------------------------- decode attention
 
+
 @pytest.mark.parametrize("case", tda.CASES)
 def test_decode_attention_cases(case):
     tda.check_against_reference(IMPL, *tda._case(case), interpret=INTERPRET, tol=1e-4)
@@ -67,9 +68,11 @@ def model_inputs(heads, dtype, with_mask: bool, seed=0):
     if with_mask:
         blocks = r.integers(-1, nb, (b, hkv, 6))
         blocks[:, :, -1] = blocks[:, :, 0]  # a repeat
-        kw.update(valid=jnp.asarray(r.random((b, hkv, s)) < 0.9),
-                  bias=jnp.asarray(np.log(r.integers(1, 9, (b, hkv, s))), jnp.float32),
-                  block_indices=jnp.asarray(blocks, jnp.int32))
+        kw.update(
+            valid=jnp.asarray(r.random((b, hkv, s)) < 0.9),
+            bias=jnp.asarray(np.log(r.integers(1, 9, (b, hkv, s))), jnp.float32),
+            block_indices=jnp.asarray(blocks, jnp.int32),
+        )
     return q, k, v, kw
 
 
@@ -82,15 +85,18 @@ def test_decode_attention_model_shapes(heads, dtype, with_mask):
         tda.check_against_reference(IMPL, q, k, v, kw, interpret=INTERPRET, tol=1e-4)
         return
     o, m, l = jax.jit(lambda q, k, v, kw: tda.decode_attention(q, k, v, **kw, impl=IMPL, interpret=INTERPRET))(
-        q, k, v, kw)
+        q, k, v, kw
+    )
     o_r, m_r, l_r = decode_attention_reference(q, k, v, **kw)
     np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(np.asarray(l), np.asarray(l_r), rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))), rtol=2e-2, atol=2e-2
+    )
 
 
 # ---------------------------------------------------------------------------------------------- chunked similarity
+
 
 @pytest.mark.parametrize("shape,chunk", tcs.KERNEL_CASES)
 def test_chunked_similarity_cases(shape, chunk):
@@ -110,6 +116,7 @@ def test_chunked_similarity_model_shapes(heads, dtype):
 
 # ---------------------------------------------------------------------------------------------- PQ lookup
 
+
 @pytest.mark.parametrize("shape,block_t", [c for c in tpq.KERNEL_CASES if tpu_legal(c[1])])
 def test_pq_lookup_cases(shape, block_t):
     tpq.check_kernel(IMPL, shape, block_t, interpret=INTERPRET)
@@ -127,6 +134,7 @@ def test_pq_lookup_model_shapes(heads):
 
 
 # ---------------------------------------------------------------------------------------------- cosine K-means
+
 
 @pytest.mark.parametrize("name,dtype,tpu_block,gpu_block", tck.KERNEL_CASES)
 def test_cosine_kmeans_cases(name, dtype, tpu_block, gpu_block):

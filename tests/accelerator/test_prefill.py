@@ -52,8 +52,7 @@ def test_platform_impl_matches_chunked(heads, window):
     hq, hkv, d = HEADS[heads]
     r = np.random.default_rng(0)
     lengths = jnp.asarray([T, T // 2 + 1], jnp.int32)
-    q, k, v = (jnp.asarray(r.standard_normal(s), jnp.bfloat16)
-               for s in ((2, hq, T, d), (2, hkv, T, d), (2, hkv, T, d)))
+    q, k, v = (jnp.asarray(r.standard_normal(s), jnp.bfloat16) for s in ((2, hq, T, d), (2, hkv, T, d), (2, hkv, T, d)))
     f = jax.jit(functools.partial(P.prefill_attention, sliding_window=window, impl=IMPL, interpret=DRY_RUN))
     if not DRY_RUN:  # interpret mode lowers the kernel to plain HLO
         assert KERNEL in f.lower(q, k, v, lengths).as_text()
@@ -69,10 +68,19 @@ def test_long_prefill_8b_heads(record_property):
     if DRY_RUN:  # CPU: a small model, the chunked path
         cfg = ModelConfig("llama", 256, 128, 256, 1, 8, 2, 64, max_position_embeddings=LONG_T)
     else:
-        cfg = ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                          num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                          rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
-                          max_position_embeddings=131072)
+        cfg = ModelConfig(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=1,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
+            max_position_embeddings=131072,
+        )
     method = methods.get("full")
     params = M.random_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, LONG_T), 1, cfg.vocab_size, jnp.int32)
@@ -85,8 +93,12 @@ def test_long_prefill_8b_heads(record_property):
     assert np.isfinite(np.asarray(logits, np.float32)).all()
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
-    print(f"\n{LONG_T}-token prefill ({IMPL if not DRY_RUN else 'chunked'}, {jax.devices()[0].device_kind}): "
-          f"peak {peak / 2**30:.2f} GiB" if peak else f"\n{LONG_T}-token prefill: no memory_stats on this backend")
+    print(
+        f"\n{LONG_T}-token prefill ({IMPL if not DRY_RUN else 'chunked'}, {jax.devices()[0].device_kind}): "
+        f"peak {peak / 2**30:.2f} GiB"
+        if peak
+        else f"\n{LONG_T}-token prefill: no memory_stats on this backend"
+    )
     record_property("prefill_tokens", LONG_T)
     record_property("peak_bytes_in_use", peak)
     if peak is not None and not DRY_RUN:

@@ -25,17 +25,42 @@ SMALL = ["--model", "tiny", "--new-tokens", "2", "--budgets", "0.5", "--token-bu
 
 def test_run_fields_and_ratios(e2e, tmp_path):
     out = tmp_path / "e2e.json"
-    assert e2e.main(SMALL + ["--contexts", "40,60", "--batch", "1,2", "--methods", "full,snapkv,streaming_llm",
-                             "--out", str(out)]) == 0
+    assert (
+        e2e.main(
+            SMALL
+            + ["--contexts", "40,60", "--batch", "1,2", "--methods", "full,snapkv,streaming_llm", "--out", str(out)]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
-    for key in ("jax_version", "jaxlib_version", "device_kind", "backend", "commit", "command", "python", "papers",
-                "model_config", "memory_limit_bytes"):
+    for key in (
+        "jax_version",
+        "jaxlib_version",
+        "device_kind",
+        "backend",
+        "commit",
+        "command",
+        "python",
+        "papers",
+        "model_config",
+        "memory_limit_bytes",
+    ):
         assert key in data, key
     rows = data["rows"]
     assert len(rows) == 2 * 2 * 3 and all(r["status"] == "ok" for r in rows)
     for r in rows:
-        for key in ("ttft_s", "tpot_s", "throughput_tok_s", "decode_steps", "prefill_compile_s", "decode_compile_s",
-                    "memory_analysis", "cache_bytes", "estimate_bytes", "compress_share_of_prefill"):
+        for key in (
+            "ttft_s",
+            "tpot_s",
+            "throughput_tok_s",
+            "decode_steps",
+            "prefill_compile_s",
+            "decode_compile_s",
+            "memory_analysis",
+            "cache_bytes",
+            "estimate_bytes",
+            "compress_share_of_prefill",
+        ):
             assert key in r, key
         assert r["decode_steps"] == 1 and r["tpot_s"] > 0
         full = rows[r["full_row"]]
@@ -56,8 +81,13 @@ def test_run_fields_and_ratios(e2e, tmp_path):
 
 def test_skip_with_reason(e2e, tmp_path):
     out = tmp_path / "skip.json"
-    assert e2e.main(SMALL + ["--contexts", "64", "--batch", "1", "--methods", "full,snapkv", "--memory-gb", "1e-6",
-                             "--out", str(out)]) == 0
+    assert (
+        e2e.main(
+            SMALL
+            + ["--contexts", "64", "--batch", "1", "--methods", "full,snapkv", "--memory-gb", "1e-6", "--out", str(out)]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all("exceeds the device's" in r["skipped"] for r in rows)
@@ -66,8 +96,25 @@ def test_skip_with_reason(e2e, tmp_path):
 
 def test_compile_only(e2e, tmp_path):
     out = tmp_path / "compile.json"
-    assert e2e.main(SMALL + ["--compile-only", "--contexts", "64", "--batch", "1", "--methods", "full",
-                             "--layouts", "scan,unrolled", "--out", str(out)]) == 0
+    assert (
+        e2e.main(
+            SMALL
+            + [
+                "--compile-only",
+                "--contexts",
+                "64",
+                "--batch",
+                "1",
+                "--methods",
+                "full",
+                "--layouts",
+                "scan,unrolled",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["label"], r["layout"]) for r in rows] == [("full", "scan"), ("full", "unrolled")]
     assert all(r["prefill_compile_s"] > 0 and r["decode_compile_s"] > 0 and "ttft_s" not in r for r in rows)
@@ -81,8 +128,13 @@ def test_contexts_and_variants(e2e):
 
 def test_scanned_run(e2e, tmp_path):
     out = tmp_path / "scan.json"
-    assert e2e.main(SMALL + ["--contexts", "40", "--batch", "2", "--methods", "full,snapkv", "--scan-layers", "on",
-                             "--out", str(out)]) == 0
+    assert (
+        e2e.main(
+            SMALL
+            + ["--contexts", "40", "--batch", "2", "--methods", "full,snapkv", "--scan-layers", "on", "--out", str(out)]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["scan_layers"] and [r["status"] for r in data["rows"]] == ["ok", "ok"]
 

@@ -24,9 +24,28 @@ def test_smoke(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     out = tmp_path / "p.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_vs_torch.py"), "--random", "--layers", "1",
-                    "--lengths", "300", "--threads", "1", "--reps", "1", "--cache-dir", str(tmp_path / "cache"),
-                    "--out", str(out)], check=True, cwd=ROOT, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "prefill_vs_torch.py"),
+            "--random",
+            "--layers",
+            "1",
+            "--lengths",
+            "300",
+            "--threads",
+            "1",
+            "--reps",
+            "1",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     data = json.loads(out.read_text())
     for key in ("jax", "torch", "transformers", "device", "commit", "command", "cpu", "rows"):
         assert key in data, key

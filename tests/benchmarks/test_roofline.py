@@ -24,23 +24,66 @@ def roofline():
     return mod
 
 
-TINY = ["--tiny", "--batch", "1", "--dtypes", "float32", "--budgets", "0.2", "--token-budgets", "", "--steps", "2",
-        "--rounds", "1", "--bandwidth-mib", "8"]
+TINY = [
+    "--tiny",
+    "--batch",
+    "1",
+    "--dtypes",
+    "float32",
+    "--budgets",
+    "0.2",
+    "--token-budgets",
+    "",
+    "--steps",
+    "2",
+    "--rounds",
+    "1",
+    "--bandwidth-mib",
+    "8",
+]
 
 
 def test_tiny_run(roofline, tmp_path):
     out = tmp_path / "r.json"
     assert roofline.main(TINY + ["--lengths", "256", "--methods", "full,snapkv", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    for key in ("jax_version", "device", "device_kind", "backend", "commit", "command", "load_average_1min",
-                "read_gbs", "copy_gbs", "layers", "memory_limit_bytes", "max_prefill_s", "papers", "rows"):
+    for key in (
+        "jax_version",
+        "device",
+        "device_kind",
+        "backend",
+        "commit",
+        "command",
+        "load_average_1min",
+        "read_gbs",
+        "copy_gbs",
+        "layers",
+        "memory_limit_bytes",
+        "max_prefill_s",
+        "papers",
+        "rows",
+    ):
         assert key in data, key
     rows = data["rows"]
     assert [r["label"] for r in rows] == ["full", "snapkv@0.2"] and all(r["status"] == "ok" for r in rows)
     full = rows[0]
     for r in rows:
-        for key in ("step_s", "bytes_read", "xla_bytes", "gbs", "time_ratio", "bytes_ratio", "efficiency", "speedup",
-                    "prefill_s", "attention_s", "ttft_s", "ttft_ratio", "compress_share", "load_average_1min"):
+        for key in (
+            "step_s",
+            "bytes_read",
+            "xla_bytes",
+            "gbs",
+            "time_ratio",
+            "bytes_ratio",
+            "efficiency",
+            "speedup",
+            "prefill_s",
+            "attention_s",
+            "ttft_s",
+            "ttft_ratio",
+            "compress_share",
+            "load_average_1min",
+        ):
             assert key in r, key
         assert r["step_s"] > 0 and r["bytes_read"] > 0 and r["xla_bytes"] > 0
         assert rows[r["full_row"]] is full
@@ -70,14 +113,32 @@ def test_tiny_run(roofline, tmp_path):
 
 def test_skips_with_reasons(roofline, tmp_path):
     out = tmp_path / "mem.json"
-    assert roofline.main(TINY + ["--lengths", "128", "--methods", "full,snapkv", "--memory-gb", "1e-6",
-                                 "--out", str(out)]) == 0
+    assert (
+        roofline.main(TINY + ["--lengths", "128", "--methods", "full,snapkv", "--memory-gb", "1e-6", "--out", str(out)])
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert "full cannot run" in rows[0]["skipped"] and all("--memory-gb" in r["skipped"] for r in rows)
     out = tmp_path / "time.json"  # every prefill, calibrated at 64 tokens, is estimated above 0 s
-    assert roofline.main(TINY + ["--lengths", "128", "--methods", "full,snapkv", "--max-prefill-s", "0",
-                                 "--calibration-len", "64", "--out", str(out)]) == 0
+    assert (
+        roofline.main(
+            TINY
+            + [
+                "--lengths",
+                "128",
+                "--methods",
+                "full,snapkv",
+                "--max-prefill-s",
+                "0",
+                "--calibration-len",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["status"] for r in rows] == ["skipped", "skipped"]
     assert all("prefill estimated at" in r["skipped"] for r in rows)
@@ -93,8 +154,9 @@ def test_prefill_clock_and_groups(roofline):
 
     V = roofline.Variant
     full = V("full", None, None, state_bytes=10, prefill_temp=1)
-    a, b, c, big = (V(x, None, None, state_bytes=s, prefill_temp=2) for x, s in
-                    (("a", 30), ("b", 30), ("c", 30), ("big", 100)))
+    a, b, c, big = (
+        V(x, None, None, state_bytes=s, prefill_temp=2) for x, s in (("a", 30), ("b", 30), ("c", 30), ("big", 100))
+    )
     groups, too_big = roofline.plan_groups(full, [a, b, big, c], base=5, limit=80)
     assert [[v.label for v in g] for g in groups] == [["a", "b"], ["c"]]  # 5 + 10 + 60 + 2 = 77 <= 80
     assert [v.label for v, _ in too_big] == ["big"] and "--memory-gb" in too_big[0][1]
@@ -103,15 +165,27 @@ def test_prefill_clock_and_groups(roofline):
 
 
 def _row(label, dtype, step_s, bytes_read, context=32768, batch=1, method=None, budget=None):
-    return {"context": context, "batch": batch, "dtype": dtype, "label": label, "method": method or label.split("@")[0],
-            "budget": budget, "status": "ok", "layers": 1, "step_s": step_s, "bytes_read": bytes_read}
+    return {
+        "context": context,
+        "batch": batch,
+        "dtype": dtype,
+        "label": label,
+        "method": method or label.split("@")[0],
+        "budget": budget,
+        "status": "ok",
+        "layers": 1,
+        "step_s": step_s,
+        "bytes_read": bytes_read,
+    }
 
 
 def test_projection_arithmetic(roofline):
     # full at 32k, float32, 1 layer: K + V = 2 * 8 heads * 32768 * 128 * 4 bytes = 268,435,456 bytes.
-    rows = [_row("full", "float32", 0.020, 268435456),
-            _row("chelsea@0.2", "float32", 0.006, 268435456 // 5, budget=0.2),  # bytes 0.2, time 0.3: eff 1.5
-            _row("full", "float32", 0.010, 1000, batch=4)]  # batch 4: not projected
+    rows = [
+        _row("full", "float32", 0.020, 268435456),
+        _row("chelsea@0.2", "float32", 0.006, 268435456 // 5, budget=0.2),  # bytes 0.2, time 0.3: eff 1.5
+        _row("full", "float32", 0.010, 1000, batch=4),
+    ]  # batch 4: not projected
     roofline.add_ratios(rows[:2], 0)
     roofline.add_ratios(rows[2:], 2)
     proj = roofline.projection(rows)
@@ -136,8 +210,10 @@ def test_projection_arithmetic(roofline):
     assert "PROJECTION" in text and "Chelsea Table 3: TPOT 1.97x" in text and "1.17x" in text
 
     # a bfloat16 row at the same context is preferred; full's bytes are then taken as they are
-    bf = [_row("full", "bfloat16", 0.030, 134217728), _row("chelsea@0.2", "bfloat16", 0.015, 134217728 // 5,
-                                                            budget=0.2)]  # bytes 0.2, time 0.5: eff 2.5
+    bf = [
+        _row("full", "bfloat16", 0.030, 134217728),
+        _row("chelsea@0.2", "bfloat16", 0.015, 134217728 // 5, budget=0.2),
+    ]  # bytes 0.2, time 0.5: eff 2.5
     roofline.add_ratios(bf, 3)
     (p,) = roofline.projection(rows + bf)
     assert p["measured_dtype"] == "bfloat16" and p["efficiency"] == pytest.approx(2.5)
@@ -148,6 +224,11 @@ def test_projection_arithmetic(roofline):
 def test_quick_preset(roofline):
     args = roofline.parse_args(["--quick"])
     assert (args.lengths, args.batch, args.dtypes, args.budgets, args.token_budgets) == (
-        [16384], [1], ["float32"], [0.2], [2048])
+        [16384],
+        [1],
+        ["float32"],
+        [0.2],
+        [2048],
+    )
     args = roofline.parse_args(["--quick", "--lengths", "8k"])
     assert args.lengths == [8192] and args.rounds == 3

@@ -23,12 +23,40 @@ def bench():
     return mod
 
 
-@pytest.mark.parametrize("prefill, names", [("model", "full"), pytest.param("random", "full,h2o", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "prefill, names", [("model", "full"), pytest.param("random", "full,h2o", marks=pytest.mark.slow)]
+)
 def test_scan_layers_smoke(bench, tmp_path, prefill, names):
     out = tmp_path / "scan.json"
-    assert bench.main(["--layers", "3", "--methods", names, "--hidden", "32", "--heads", "4", "--kv-heads", "2",
-                       "--head-dim", "8", "--vocab", "64", "--prompt", "40", "--steps", "3", "--prefill", prefill,
-                       "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--layers",
+                "3",
+                "--methods",
+                names,
+                "--hidden",
+                "32",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--vocab",
+                "64",
+                "--prompt",
+                "40",
+                "--steps",
+                "3",
+                "--prefill",
+                prefill,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["args"]["prefill"] == prefill and data["jax_version"] and "commit" in data
     rows = data["rows"]

@@ -60,9 +60,18 @@ def rss_mib() -> float:
 
 
 def tiny_model() -> Model:
-    cfg = ModelConfig(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_windows=(None, None),
+    )
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
@@ -77,9 +86,15 @@ def main(argv):
             runner.release_compiled = lambda: None
     tasks = [dataclasses.replace(PromptTask(n), name=f"prompts{n}") for n in lengths]
     results = runner.run(model, tasks, methods, budgets, progress=False)
-    print(json.dumps({"configs": len(results["timings"]["runs"]),
-                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "end_mib": rss_mib()}))
+    print(
+        json.dumps(
+            {
+                "configs": len(results["timings"]["runs"]),
+                "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "end_mib": rss_mib(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,18 @@ def test_good_values_parse():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=128,
-                      sliding_windows=(None,))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_windows=(None,),
+    )
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(0)), None, "tiny")
 
 
@@ -75,10 +84,17 @@ def test_token_budget_above_context(tiny, monkeypatch, capsys, tmp_path):
         runner.run(tiny, [], ["snapkv"], [1000], progress=False)
 
 
-@pytest.mark.parametrize("argv", [["perplexity", "--lengths", "512"], ["perplexity", "--seed", "1"],
-                                  ["perplexity", "--max-new-tokens", "8"], ["fidelity", "--batch", "2"],
-                                  ["longbench", "--data", "x", "--lengths", "512"],
-                                  ["fidelity", "--equal-bytes", "snapkv"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["perplexity", "--lengths", "512"],
+        ["perplexity", "--seed", "1"],
+        ["perplexity", "--max-new-tokens", "8"],
+        ["fidelity", "--batch", "2"],
+        ["longbench", "--data", "x", "--lengths", "512"],
+        ["fidelity", "--equal-bytes", "snapkv"],
+    ],
+)
 def test_eval_refuses_options_its_task_does_not_use(argv, capsys):
     """An option a subcommand would ignore is a usage error naming it, not silently dropped."""
     code, err = _exit_code(eval_cli.main, argv, capsys)
@@ -95,8 +111,20 @@ def test_eval_equal_bytes_is_checked_before_loading_the_model(capsys, tmp_path):
 def test_kvjax_generate_method_options(capsys, tmp_path):
     """``kvjax generate --option KEY=VALUE`` sets any field of the method's config (literals parsed, paths kept)."""
     args = kvjax_cli.build_parser().parse_args(
-        ["generate", "--prompt", "hi", "--method", "chunkkv", "--budget", "0.3", "--option", "chunk_size=4",
-         "--option", "mode='paper_literal'"])
+        [
+            "generate",
+            "--prompt",
+            "hi",
+            "--method",
+            "chunkkv",
+            "--budget",
+            "0.3",
+            "--option",
+            "chunk_size=4",
+            "--option",
+            "mode='paper_literal'",
+        ]
+    )
     m = kvjax_cli._method(args.method, args.budget, args.option)
     assert (m.chunk_size, m.mode, m.budget) == (4, "paper_literal", 0.3)
     missing = tmp_path / "no-kernels"

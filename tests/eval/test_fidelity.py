@@ -17,9 +17,18 @@ from kvjax.loading import Model
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
-                      sliding_windows=(None, None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_windows=(None, None, None),
+    )
     return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
@@ -108,7 +117,7 @@ def numpy_topb_recall(selected, q, k, n):
             if not sel:
                 continue
             logits = np.asarray(k[bi, h // g, :nb], np.float64) @ np.asarray(q[bi, h], np.float64)
-            top = set(np.argsort(-logits, kind="stable")[:len(sel)].tolist())
+            top = set(np.argsort(-logits, kind="stable")[: len(sel)].tolist())
             out[bi, h] = len(sel & top) / len(sel)
     return out
 
@@ -127,9 +136,9 @@ def test_topb_recall_against_numpy():
     exact, bottom = np.zeros((b, hq, t), bool), np.zeros((b, hq, t), bool)
     for bi in range(b):
         for h in range(hq):
-            order = np.argsort(-logits[bi, h, :n[bi]], kind="stable")
-            exact[bi, h, order[:sizes[bi, h]]] = True
-            bottom[bi, h, order[::-1][:sizes[bi, h]]] = True
+            order = np.argsort(-logits[bi, h, : n[bi]], kind="stable")
+            exact[bi, h, order[: sizes[bi, h]]] = True
+            bottom[bi, h, order[::-1][: sizes[bi, h]]] = True
     past = np.zeros((b, hq, t + 5), bool)
     past[..., 32:] = True  # decoded / padding positions: ignored (and, with nothing else, an empty selection)
     exact_past = past.copy()
@@ -217,8 +226,9 @@ def test_clusterkv_with_one_token_per_cluster_recalls_the_exact_top_b_and_quest_
     query head (``mu = k``) under the authors' per-query-head rule (``gqa="query"``), so its top-B recall is 1.0
     in every layer (the first ``n_full`` are full); Quest's pages at the same budget miss some of them."""
     ids = list(np.random.RandomState(5).randint(0, 64, 60))
-    ck = fidelity.probe(tiny, ids, methods.get("clusterkv", budget=12, sink=0, tokens_per_cluster=1, n_full=1,
-                                               gqa="query"), probes=3)
+    ck = fidelity.probe(
+        tiny, ids, methods.get("clusterkv", budget=12, sink=0, tokens_per_cluster=1, n_full=1, gqa="query"), probes=3
+    )
     assert ck["topb_recall"] == pytest.approx([1.0] * 3) and ck["recall"] is None
     qu = fidelity.probe(tiny, ids, methods.get("quest", budget=12, page_size=4, n_full=1), probes=3)
     assert qu["topb_recall"][0] == pytest.approx(1.0) and all(0.0 <= r < 1.0 for r in qu["topb_recall"][1:])

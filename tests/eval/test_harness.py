@@ -29,9 +29,18 @@ def dense_logits(model, seqs, pad=48):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_windows=(None, None),
+    )
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
 
 
@@ -40,8 +49,11 @@ def test_streaming_nll_full_equals_dense_forward(tiny):
     seqs = rng.randint(3, 64, size=(2, 40)).astype(np.int32)
     nll = perplexity.streaming_nll(tiny, methods.get("full"), seqs, prefix=32)
     logits = dense_logits(tiny, seqs)  # [B, T, V]
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     ref = -np.take_along_axis(logp[:, 31:-1], seqs[:, 32:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(nll, ref, rtol=1e-4, atol=1e-4)
     assert perplexity.perplexity(nll) == pytest.approx(float(np.exp(ref.mean())), rel=1e-4)
@@ -58,7 +70,7 @@ def _dense_greedy(model, ids, n):
     seq = list(ids)
     for _ in range(n):
         seq.append(int(np.argmax(dense_logits(model, [seq])[0, -1])))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def test_question_after_context_full_equals_dense_greedy(tiny):
@@ -87,8 +99,9 @@ def test_runner_perplexity_rows_and_timings(tiny):
     # PerplexityTask needs a tokenizer to build text; run its batch function on token ids directly.
     task = runner.PerplexityTask(num_sequences=2, prefix=32, continuation=8)
     seqs = np.random.RandomState(4).randint(3, 64, size=(2, 40)).astype(np.int32)
-    rows = task.run_batch(tiny, methods.get("full"), None, seqs, {"task": "perplexity",
-                                                                        "method": "full", "budget": None})
+    rows = task.run_batch(
+        tiny, methods.get("full"), None, seqs, {"task": "perplexity", "method": "full", "budget": None}
+    )
     assert [r["tokens"] for r in rows] == [8, 8] and all(np.isfinite(r["nll"]) for r in rows)
     # memory beside the score: the full cache at Capacity(32, 8) holds 32 + 7 tokens per sequence at the end
     cap_bytes = harness.bytes_per_seq(tiny.config, methods.get("full"), task.capacity(None), tiny.dtype)
@@ -126,11 +139,18 @@ def test_equal_bytes_budget_search(tiny):
         measured = np.mean([st["held_bytes"] for st in out.stats])
         assert measured == pytest.approx(want or harness.held_at_end(tiny.config, m, cap, tiny.dtype, ends))
     task = runner.PerplexityTask(num_sequences=3, prefix=128, continuation=8)
-    configs, records = runner.equal_bytes_grid(tiny, task, None, harness.method_grid(
-        ["full", "h2o", "snapkv", "pqcache"], [0.2]), "h2o")
-    f, _ = harness.equal_bytes_budget(tiny.config, "snapkv", harness.held_at_end(
-        tiny.config, methods.get("h2o", budget=0.2), cap, tiny.dtype, [(128, 7)]), cap, tiny.dtype, [(128, 7)],
-        fraction=True)
+    configs, records = runner.equal_bytes_grid(
+        tiny, task, None, harness.method_grid(["full", "h2o", "snapkv", "pqcache"], [0.2]), "h2o"
+    )
+    f, _ = harness.equal_bytes_budget(
+        tiny.config,
+        "snapkv",
+        harness.held_at_end(tiny.config, methods.get("h2o", budget=0.2), cap, tiny.dtype, [(128, 7)]),
+        cap,
+        tiny.dtype,
+        [(128, 7)],
+        fraction=True,
+    )
     assert configs == [("full", None, None), ("h2o", 0.2, 0.2), ("snapkv", f, 0.2)]
     assert records[0]["budget"] == f and "skipped" in records[1]
 
@@ -142,8 +162,12 @@ def test_bad_input(tiny):
         with pytest.raises(ValueError, match="--budgets"):
             harness.method_grid(["snapkv"], [bad])
     # a float is a fraction of each prompt, an int a token count (at most the model context when given)
-    assert harness.method_grid(["full", "snapkv"], [0.2, 1.0, 64]) == [("full", None), ("snapkv", 0.2),
-                                                                       ("snapkv", 1.0), ("snapkv", 64)]
+    assert harness.method_grid(["full", "snapkv"], [0.2, 1.0, 64]) == [
+        ("full", None),
+        ("snapkv", 0.2),
+        ("snapkv", 1.0),
+        ("snapkv", 64),
+    ]
     with pytest.raises(ValueError, match="--budgets=300 tokens exceeds the model context of 256"):
         harness.method_grid(["snapkv"], [300], max_tokens=tiny.config.max_position_embeddings)
     with pytest.raises(ValueError, match="longer than the model's context of 256"):
@@ -174,8 +198,9 @@ class _IdsTask:
         return engine.pad_prompts(batch, 64)
 
     def run_batch(self, model, method, prepared, batch, meta, prefilled=None):
-        out = engine.generate(model, batch, method, 6, driver="python", prompt_len=64, stop_at_eos=False,
-                              prefilled=prefilled)
+        out = engine.generate(
+            model, batch, method, 6, driver="python", prompt_len=64, stop_at_eos=False, prefilled=prefilled
+        )
         return [{**meta, "score": 0.0, "tokens": out.tokens, **harness.memory_from_stats(st)} for st in out.stats]
 
 
@@ -194,12 +219,14 @@ def test_second_pass_at_the_references_bytes_held(tiny):
     """``also_equal_bytes``: each other compressed method reruns at the budget whose bytes held at the end match
     the reference's (measured from the states); a budget that keeps the nominal token counts reuses the nominal
     run's rows instead of running again."""
-    res = runner.run(tiny, [_IdsTask()], ["full", "h2o", "streaming_llm", "snapkv"], [0.25], progress=False,
-                     also_equal_bytes="h2o")
+    res = runner.run(
+        tiny, [_IdsTask()], ["full", "h2o", "streaming_llm", "snapkv"], [0.25], progress=False, also_equal_bytes="h2o"
+    )
     alone = runner.run(tiny, [_IdsTask()], ["snapkv"], [0.25], progress=False, share_prefill=False)["rows"]
     assert [r["tokens"] for r in res["rows"] if r["method"] == "snapkv"][:2] == [r["tokens"] for r in alone]
-    rows = lambda m, second: [r for r in res["rows"] if r["method"] == m and (r.get("setting") == "equal_bytes")
-                              == second]
+    rows = lambda m, second: [
+        r for r in res["rows"] if r["method"] == m and (r.get("setting") == "equal_bytes") == second
+    ]
     ref = np.mean([r["held_bytes"] for r in rows("h2o", False)])
     snap = rows("snapkv", True)
     assert snap[0]["budget"] < 0.25 and np.mean([r["held_bytes"] for r in snap]) <= ref

@@ -39,10 +39,19 @@ class WordTokenizer:
         return [1] + self.encode(messages[-1]["content"])
 
 
-def record(i, dataset="hotpotqa", context="alpha beta gamma", question="what is alpha", answers=("beta",),
-           classes=None):
-    return {"input": question, "context": context, "answers": list(answers), "length": 3, "dataset": dataset,
-            "language": "en", "all_classes": classes, "_id": f"id{i}"}
+def record(
+    i, dataset="hotpotqa", context="alpha beta gamma", question="what is alpha", answers=("beta",), classes=None
+):
+    return {
+        "input": question,
+        "context": context,
+        "answers": list(answers),
+        "length": 3,
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": classes,
+        "_id": f"id{i}",
+    }
 
 
 def write(folder, dataset, records):
@@ -74,9 +83,11 @@ def test_loader_errors(tmp_path):
 
 def test_official_prompt_and_generation_lengths():
     assert lb.PROMPTS["trec"].format(context="C", input="Q") == (
-        "Please determine the type of the question below. Here are some examples of questions.\n\nC\nQ")
+        "Please determine the type of the question below. Here are some examples of questions.\n\nC\nQ"
+    )
     assert lb.PROMPTS["lcc"].format(context="def f():\n", input="") == (
-        "Please complete the code given below. \ndef f():\nNext line of code:\n")
+        "Please complete the code given below. \ndef f():\nNext line of code:\n"
+    )
     assert lb.MAX_NEW_TOKENS["hotpotqa"] == 32 and lb.MAX_NEW_TOKENS["gov_report"] == 512
     assert set(lb.PROMPTS) == set(lb.MAX_NEW_TOKENS) == set(lb.METRICS) and len(lb.PROMPTS) == 21
 
@@ -112,9 +123,18 @@ def test_scores_hand_computed():
 
 
 def test_task_runs_end_to_end_on_a_tiny_model(tmp_path):
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        sliding_windows=(None, None),
+    )
     model = Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), WordTokenizer(), "tiny")
     write(tmp_path, "hotpotqa", [record(i, context=" ".join(f"c{i}{j}" for j in range(30))) for i in range(2)])
     write(tmp_path, "trec", [record(9, "trec", answers=("Loc",), classes=["Loc", "Hum"])])

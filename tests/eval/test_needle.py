@@ -17,8 +17,9 @@ def _run_full(model, lengths, depths):
     prepared = task.prepare(model)
     rows = []
     for batch in prepared[1]:
-        rows += task.run_batch(model, kvjax.methods.get("full"), prepared, batch, {"task": "needle",
-                                                                                   "method": "full", "budget": None})
+        rows += task.run_batch(
+            model, kvjax.methods.get("full"), prepared, batch, {"task": "needle", "method": "full", "budget": None}
+        )
     return rows
 
 

@@ -12,8 +12,17 @@ def _results():
     rows = []
     for m, b, hits in [("full", None, [1, 1, 1, 1]), ("snapkv", 0.2, [1, 0, 1, 0]), ("snapkv", 0.5, [1, 1, 1, 0])]:
         for i, s in enumerate(hits):
-            rows.append({"task": "needle", "method": m, "budget": b, "length": 256 * (1 + i // 2),
-                         "depth": float(i % 2), "score": float(s), "cache_bytes": 2048})
+            rows.append(
+                {
+                    "task": "needle",
+                    "method": m,
+                    "budget": b,
+                    "length": 256 * (1 + i // 2),
+                    "depth": float(i % 2),
+                    "score": float(s),
+                    "cache_bytes": 2048,
+                }
+            )
         rows.append({"task": "perplexity", "method": m, "budget": b, "nll": 2.0, "tokens": 10, "score": 2.0})
         rows.append({"task": "perplexity", "method": m, "budget": b, "nll": 1.0, "tokens": 30, "score": 1.0})
     r["rows"] = rows
@@ -61,15 +70,38 @@ def _memory_results():
     """Rows recording tokens held and KiB/seq beside every score (what the runner now writes)."""
     r = report.new_results({"note": "synthetic memory"})
     rows = []
-    for m, b, held, kib in [("full", None, (300.0, 500.0), (64.0, 64.0)), ("snapkv", 0.2, (60.0, 100.0), (16.0, 16.0)),
-                            ("less", 0.2, (61.0, 99.0), (18.0, 20.0))]:
+    for m, b, held, kib in [
+        ("full", None, (300.0, 500.0), (64.0, 64.0)),
+        ("snapkv", 0.2, (60.0, 100.0), (16.0, 16.0)),
+        ("less", 0.2, (61.0, 99.0), (18.0, 20.0)),
+    ]:
         for i in range(2):
-            rows.append({"task": "needle", "method": m, "budget": b, "length": 256, "depth": float(i),
-                         "score": float(i), "tokens_held": held[i], "cache_bytes": int(kib[i] * 1024),
-                         "kib_per_seq": kib[i]})
-            rows.append({"task": "perplexity", "method": m, "budget": b, "nll": 1.0 + i, "tokens": 10,
-                         "score": 1.0 + i, "tokens_held": held[i] / 2, "cache_bytes": int(kib[i] * 512),
-                         "kib_per_seq": kib[i] / 2})
+            rows.append(
+                {
+                    "task": "needle",
+                    "method": m,
+                    "budget": b,
+                    "length": 256,
+                    "depth": float(i),
+                    "score": float(i),
+                    "tokens_held": held[i],
+                    "cache_bytes": int(kib[i] * 1024),
+                    "kib_per_seq": kib[i],
+                }
+            )
+            rows.append(
+                {
+                    "task": "perplexity",
+                    "method": m,
+                    "budget": b,
+                    "nll": 1.0 + i,
+                    "tokens": 10,
+                    "score": 1.0 + i,
+                    "tokens_held": held[i] / 2,
+                    "cache_bytes": int(kib[i] * 512),
+                    "kib_per_seq": kib[i] / 2,
+                }
+            )
     r["rows"] = rows
     return r
 
@@ -135,8 +167,11 @@ def test_second_equal_bytes_pass_gets_its_own_rows():
     """The main job's rows at the reference's bytes (``setting="equal_bytes"``) are labelled apart from the
     nominal rows of the same method and budget."""
     results = _memory_results()
-    extra = [dict(r, setting="equal_bytes", equal_bytes_ref="less", nominal_budget=0.2, budget=40, score=0.0)
-             for r in results["rows"] if r["method"] == "snapkv" and r["task"] == "needle"]
+    extra = [
+        dict(r, setting="equal_bytes", equal_bytes_ref="less", nominal_budget=0.2, budget=40, score=0.0)
+        for r in results["rows"]
+        if r["method"] == "snapkv" and r["task"] == "needle"
+    ]
     results["rows"] += extra
     lines = report.markdown_table(results).splitlines()
     assert "| snapkv = bytes of less | 0.2 → 40 | 0.0 [0.0, 65.8] | 2 | 80.0 | 16.0 |" in lines
@@ -158,8 +193,11 @@ def _text_boxes(fig):
         if ax.get_visible() and ax.axison:
             for axis in (ax.xaxis, ax.yaxis):
                 texts += [t for tick in axis._update_ticks() for t in (tick.label1, tick.label2)]
-    return [(t.get_text(), t.get_window_extent(renderer)) for t in texts
-            if t.get_visible() and t.get_text().strip() and (t.axes is None or t.axes.get_visible())]
+    return [
+        (t.get_text(), t.get_window_extent(renderer))
+        for t in texts
+        if t.get_visible() and t.get_text().strip() and (t.axes is None or t.axes.get_visible())
+    ]
 
 
 def _overlaps(boxes, fig):
@@ -168,7 +206,7 @@ def _overlaps(boxes, fig):
     for i, (a, ba) in enumerate(boxes):
         if ba.x0 < fb.x0 - 1 or ba.y0 < fb.y0 - 1 or ba.x1 > fb.x1 + 1 or ba.y1 > fb.y1 + 1:
             out.append((a, "clipped by the figure edge"))
-        for b, bb in boxes[i + 1:]:
+        for b, bb in boxes[i + 1 :]:
             w = min(ba.x1, bb.x1) - max(ba.x0, bb.x0)
             h = min(ba.y1, bb.y1) - max(ba.y0, bb.y0)
             if w > 1 and h > 1:
@@ -179,7 +217,7 @@ def _overlaps(boxes, fig):
 def _held(method, setting):
     """Synthetic bytes held: h2o and chunkkv alike (their points coincide), the equal-bytes pass 10% lower."""
     base = {"full": 8, "h2o": 2, "chunkkv": 2}.get(method, 1 + len(method) % 3)
-    return int(2 ** 20 * base * (0.9 if setting else 1.0))
+    return int(2**20 * base * (0.9 if setting else 1.0))
 
 
 def _main_like_results():
@@ -195,14 +233,33 @@ def _main_like_results():
             extra = {} if setting is None else {"setting": setting, "equal_bytes_ref": "h2o", "nominal_budget": 0.2}
             for n in (256, 512):
                 for d in (0.0, 0.25, 0.5, 0.75, 1.0):
-                    rows.append({"task": "needle", "method": m, "budget": b, "length": n, "depth": d,
-                                 "score": float((i + int(d * 4) + (setting is None)) % 3 == 0
-                                                or m in ("h2o", "chunkkv")),
-                                 "held_bytes": _held(m, setting), "kib_per_seq": 1024.0 * (2 + i % 4),
-                                 "tokens_held": 50.0, **extra})
+                    rows.append(
+                        {
+                            "task": "needle",
+                            "method": m,
+                            "budget": b,
+                            "length": n,
+                            "depth": d,
+                            "score": float((i + int(d * 4) + (setting is None)) % 3 == 0 or m in ("h2o", "chunkkv")),
+                            "held_bytes": _held(m, setting),
+                            "kib_per_seq": 1024.0 * (2 + i % 4),
+                            "tokens_held": 50.0,
+                            **extra,
+                        }
+                    )
             for k in range(3):
-                rows.append({"task": "perplexity", "method": m, "budget": b, "nll": 2.0 + 0.1 * k + 0.01 * i,
-                             "tokens": 48, "score": 2.0, "held_bytes": _held(m, setting), **extra})
+                rows.append(
+                    {
+                        "task": "perplexity",
+                        "method": m,
+                        "budget": b,
+                        "nll": 2.0 + 0.1 * k + 0.01 * i,
+                        "tokens": 48,
+                        "score": 2.0,
+                        "held_bytes": _held(m, setting),
+                        **extra,
+                    }
+                )
     r["rows"] = rows
     return r
 
@@ -240,10 +297,13 @@ def test_paired_difference_to_full_against_scipy():
     full = [2.0, 3.1, 1.2, 2.6]
     meth = [2.1, 3.3, 1.25, 2.6]
     r = report.new_results({})
-    r["rows"] = ([{"task": "perplexity", "method": "full", "budget": None, "sequence": i, "nll": x, "tokens": 16,
-                   "score": x} for i, x in enumerate(full)]
-                 + [{"task": "perplexity", "method": "h2o", "budget": 0.2, "sequence": i, "nll": x, "tokens": 16,
-                     "score": x} for i, x in enumerate(meth)])
+    r["rows"] = [
+        {"task": "perplexity", "method": "full", "budget": None, "sequence": i, "nll": x, "tokens": 16, "score": x}
+        for i, x in enumerate(full)
+    ] + [
+        {"task": "perplexity", "method": "h2o", "budget": 0.2, "sequence": i, "nll": x, "tokens": 16, "score": x}
+        for i, x in enumerate(meth)
+    ]
     d = np.subtract(meth, full)
     lo, hi = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
     got = report.paired_vs_full(r)[("h2o", 0.2)]

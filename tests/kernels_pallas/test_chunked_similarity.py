@@ -60,9 +60,11 @@ def test_reference_matches_numpy_loop():
     check(chunk_best_match_reference(k, valid, 6), numpy_best(k, valid, 6))
 
 
-KERNEL_CASES = [((2, 3, 32, 16), 8),     # small
-                ((1, 2, 512, 64), 256),  # TPU-legal: tile [128, 128] lanes, c=256
-                ((1, 1, 256, 128), 256)]  # head_dim 128: tile [128, 256]
+KERNEL_CASES = [
+    ((2, 3, 32, 16), 8),  # small
+    ((1, 2, 512, 64), 256),  # TPU-legal: tile [128, 128] lanes, c=256
+    ((1, 1, 256, 128), 256),
+]  # head_dim 128: tile [128, 256]
 
 
 def check_kernel(impl, shape, chunk, *, interpret=True, dtype=jnp.float32):
@@ -105,5 +107,4 @@ def test_default_impl_and_bad_input():
     with pytest.raises(ValueError, match="impl='triton'"):
         chunk_best_match(k, valid, 8, impl="triton")
     with pytest.raises(ValueError, match="powers of two"):
-        chunk_best_match(jnp.zeros((1, 1, 24, 8)), jnp.ones((1, 1, 24), bool), 12, impl="pallas_gpu",
-                         interpret=True)
+        chunk_best_match(jnp.zeros((1, 1, 24, 8)), jnp.ones((1, 1, 24), bool), 12, impl="pallas_gpu", interpret=True)

@@ -10,8 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.cosine_kmeans import (centroid_update, centroid_update_reference, cosine_assign,
-                                          cosine_assign_reference, default_impl, lloyd_step)
+from kernels_pallas.cosine_kmeans import (
+    centroid_update,
+    centroid_update_reference,
+    cosine_assign,
+    cosine_assign_reference,
+    default_impl,
+    lloyd_step,
+)
 
 # ---------------------------------------------------------------------------------------------- numpy float64
 

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 
 from kernels_pallas import decode_attention as da
-from kernels_pallas.decode_attention import (NEG_INF, check_block_shape, decode_attention,
-                                             decode_attention_reference, merge, normalise)
+from kernels_pallas.decode_attention import (
+    NEG_INF,
+    check_block_shape,
+    decode_attention,
+    decode_attention_reference,
+    merge,
+    normalise,
+)
 
 PALLAS = ("pallas_tpu", "pallas_gpu")
 
@@ -31,9 +37,16 @@ def _inputs(b, hkv, g, s, d, dtype=jnp.float32, seed=0):
 def _case(name):
     if name == "g1_odd_valid_bias_lengths":
         r, q, k, v = _inputs(2, 2, 1, 200, 64)
-        return q, k, v, dict(valid=jnp.asarray(r.random((2, 2, 200)) < 0.7),
-                             bias=jnp.asarray(np.log(r.integers(1, 9, (2, 2, 200))), jnp.float32),
-                             lengths=jnp.array([200, 77]))
+        return (
+            q,
+            k,
+            v,
+            dict(
+                valid=jnp.asarray(r.random((2, 2, 200)) < 0.7),
+                bias=jnp.asarray(np.log(r.integers(1, 9, (2, 2, 200))), jnp.float32),
+                lengths=jnp.array([200, 77]),
+            ),
+        )
     if name == "g3_block_subset":
         r, q, k, v = _inputs(2, 2, 3, 256, 64, seed=1)
         bi = jnp.array([[[1, -1, 1], [0, 1, -1]], [[-1, -1, -1], [1, 0, 0]]], jnp.int32)  # pads, repeats, none
@@ -47,8 +60,12 @@ def _case(name):
     raise KeyError(name)
 
 
-CASES = ("g1_odd_valid_bias_lengths", "g3_block_subset", "g4_lengths_only_2d_blocks",
-         "g8_empty_and_full_mask_tpu_legal")
+CASES = (
+    "g1_odd_valid_bias_lengths",
+    "g3_block_subset",
+    "g4_lengths_only_2d_blocks",
+    "g8_empty_and_full_mask_tpu_legal",
+)
 
 
 def _numpy_attention(q, k, v, mask, bias):
@@ -80,7 +97,7 @@ def test_reference_matches_numpy_softmax():
     for bi, hi, blk in np.argwhere(np.ones((2, 2, 3), bool)):
         idx = int(kw["block_indices"][bi, hi, blk])
         if idx >= 0:
-            listed[bi, hi, idx * 128:(idx + 1) * 128] = True
+            listed[bi, hi, idx * 128 : (idx + 1) * 128] = True
     got = normalise(decode_attention_reference(q, k, v, **kw))
     want = _numpy_attention(q, k, v, listed & np.asarray(kw["valid"]), np.zeros((2, 2, 256)))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -115,8 +132,9 @@ def check_bf16(impl, *, interpret=True):
     assert o.dtype == m.dtype == l.dtype == jnp.float32
     o_r, m_r, l_r = decode_attention_reference(q, k, v, valid)
     np.testing.assert_allclose(np.asarray(m), np.asarray(m_r), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(normalise((o, m, l))), np.asarray(normalise((o_r, m_r, l_r))), rtol=2e-2, atol=2e-2
+    )
 
 
 @pytest.mark.parametrize("impl", PALLAS)
@@ -129,8 +147,7 @@ def test_partials_over_block_subsets_merge_to_the_whole():
     a = decode_attention(q, k, v, **kw, block_indices=jnp.array([[0], [0]]), impl="pallas_tpu", interpret=True)
     b = decode_attention(q, k, v, **kw, block_indices=jnp.array([[1], [1]]), impl="pallas_tpu", interpret=True)
     whole = decode_attention_reference(q, k, v, **kw)
-    np.testing.assert_allclose(np.asarray(normalise(merge(a, b))), np.asarray(normalise(whole)), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(normalise(merge(a, b))), np.asarray(normalise(whole)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,6 +207,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_kvjax_attend_routes_through_decode_attention():
     from kvjax import attention
+
     q, k, v, kw = _case("g1_odd_valid_bias_lengths")
     got = attention.attend(q, k, v, kw["valid"], bias=kw["bias"])  # CPU: xla
     want = decode_attention_reference(q, k, v, valid=kw["valid"], bias=kw["bias"])

@@ -128,6 +128,7 @@ def _random_runs(r, b, hkv, g, s, per_query):
 def test_runs_match_the_reference_and_numpy(seed):
     from kernels_pallas.decode_attention import decode_attention_runs, decode_attention_runs_reference
     from kernels_pallas.decode_attention.xla import decode_attention_runs_xla
+
     r = np.random.default_rng(seed)
     for _ in range(8):
         b, hkv, g, d = int(r.integers(1, 3)), int(r.integers(1, 3)), int(r.integers(1, 4)), 8
@@ -139,17 +140,21 @@ def test_runs_match_the_reference_and_numpy(seed):
         starts, lens = _random_runs(r, b, hkv, g, s, per_query=bool(r.random() < 0.5))
         span = lens if lens.ndim == 3 else lens.max(axis=2)
         max_rows = int(span.sum(axis=-1).max()) + int(r.integers(0, 5))
-        run = jax.jit(lambda q, k, v, st, ln: decode_attention_runs_xla(q, k, v, st, ln, max_rows=max_rows,
-                                                                         block_size=bs, chunk=chunk))
+        run = jax.jit(
+            lambda q, k, v, st, ln: decode_attention_runs_xla(
+                q, k, v, st, ln, max_rows=max_rows, block_size=bs, chunk=chunk
+            )
+        )
         got = run(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
         want = decode_attention_runs_reference(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
         for x, y in zip(got, want):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
         from kernels_pallas.decode_attention import normalise
-        np.testing.assert_allclose(np.asarray(normalise(want)), _numpy_runs_attention(q, k, v, starts, lens),
-                                   rtol=1e-5, atol=1e-5)
-        pub = decode_attention_runs(q, k, v, jnp.asarray(starts), jnp.asarray(lens), max_rows=max_rows,
-                                    block_size=bs)
+
+        np.testing.assert_allclose(
+            np.asarray(normalise(want)), _numpy_runs_attention(q, k, v, starts, lens), rtol=1e-5, atol=1e-5
+        )
+        pub = decode_attention_runs(q, k, v, jnp.asarray(starts), jnp.asarray(lens), max_rows=max_rows, block_size=bs)
         for x, y in zip(pub, want):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
@@ -158,6 +163,7 @@ def test_runs_match_the_reference_and_numpy(seed):
 def test_runs_through_the_block_kernels(impl):
     """Without a run kernel the Pallas impls attend the gathered windows (interpret mode here)."""
     from kernels_pallas.decode_attention import decode_attention_runs, decode_attention_runs_reference
+
     r = np.random.default_rng(5)
     b, hkv, g, d, s = 2, 2, 2, 128, 200
     q = jnp.asarray(r.normal(size=(b, hkv * g, d)), jnp.float32)
@@ -166,8 +172,17 @@ def test_runs_through_the_block_kernels(impl):
     for per_query in (False, True):
         starts, lens = _random_runs(r, b, hkv, g, s, per_query)
         span = lens if lens.ndim == 3 else lens.max(axis=2)
-        got = decode_attention_runs(q, k, v, jnp.asarray(starts), jnp.asarray(lens), max_rows=int(span.sum(-1).max()),
-                                    block_size=16, impl=impl, interpret=True)
+        got = decode_attention_runs(
+            q,
+            k,
+            v,
+            jnp.asarray(starts),
+            jnp.asarray(lens),
+            max_rows=int(span.sum(-1).max()),
+            block_size=16,
+            impl=impl,
+            interpret=True,
+        )
         want = decode_attention_runs_reference(q, k, v, jnp.asarray(starts), jnp.asarray(lens))
         for x, y in zip(got, want):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
@@ -175,6 +190,7 @@ def test_runs_through_the_block_kernels(impl):
 
 def test_runs_bad_inputs_name_the_argument():
     from kernels_pallas.decode_attention import decode_attention_runs
+
     q = jnp.zeros((1, 4, 8))
     k = jnp.zeros((1, 2, 40, 8))
     st, ln = jnp.array([[[0, 20], [5, 30]]]), jnp.array([[[4, 4], [4, 4]]])
@@ -190,6 +206,7 @@ def test_runs_bad_inputs_name_the_argument():
 
 def test_runs_plan_bytes_count_distinct_rows():
     from kernels_pallas.decode_attention import runs_plan_bytes
+
     k = jax.ShapeDtypeStruct((1, 2, 400, 8), jnp.float32)
     st = np.array([[[0, 100, 200], [0, 0, 0]]])
     ln = np.array([[[40, 3, 0], [17, 0, 0]]])  # 40 rows, 3 -> a 16-row window, 0 -> nothing; 17 rows

@@ -60,12 +60,18 @@ def test_decode_attention_exports(platform, impl, suffix, heads, dtype):
     valid, bias = S((b, hkv, s), jnp.bool_), S((b, hkv, s), jnp.float32)
     lengths = S((b,), jnp.int32)
     blocks, shared_blocks = S((b, hkv, 5), jnp.int32), S((b, 3), jnp.int32)  # -1-padded lists ([B, Hkv, N], [B, N])
-    calls = [(lambda q, k, v: decode_attention(q, k, v, impl=impl), (q, kv, kv)),
-             (lambda q, k, v, n: decode_attention(q, k, v, lengths=n, impl=impl), (q, kv, kv, lengths)),
-             (lambda q, k, v, va, bs, n, bi: decode_attention(q, k, v, va, n, bs, bi, impl=impl),
-              (q, kv, kv, valid, bias, lengths, blocks)),
-             (lambda q, k, v, n, bi: decode_attention(q, k, v, lengths=n, block_indices=bi, impl=impl),
-              (q, kv, kv, lengths, shared_blocks))]
+    calls = [
+        (lambda q, k, v: decode_attention(q, k, v, impl=impl), (q, kv, kv)),
+        (lambda q, k, v, n: decode_attention(q, k, v, lengths=n, impl=impl), (q, kv, kv, lengths)),
+        (
+            lambda q, k, v, va, bs, n, bi: decode_attention(q, k, v, va, n, bs, bi, impl=impl),
+            (q, kv, kv, valid, bias, lengths, blocks),
+        ),
+        (
+            lambda q, k, v, n, bi: decode_attention(q, k, v, lengths=n, block_indices=bi, impl=impl),
+            (q, kv, kv, lengths, shared_blocks),
+        ),
+    ]
     for f, args in calls:
         assert exported_kernels(f, args, platform) == [f"decode_attention_{suffix}"]
 
@@ -87,7 +93,7 @@ def test_pq_lookup_exports(platform, impl, suffix, heads):
     hq, hkv, _ = HEADS[heads]
     g = hq // hkv
     for m, bits, s in ((2, 6, 1087), (2, 6, 4096), (4, 8, 1536)):  # the paper's m=2, b=6; ragged and aligned S
-        args = (S((2, hkv, g, m, 2 ** bits), jnp.float32), S((2, hkv, m, s), jnp.uint8), S((2,), jnp.int32))
+        args = (S((2, hkv, g, m, 2**bits), jnp.float32), S((2, hkv, m, s), jnp.uint8), S((2,), jnp.int32))
         f = functools.partial(pq_lookup, impl=impl)
         assert exported_kernels(f, args, platform) == [f"pq_lookup_{suffix}"]
 
@@ -107,18 +113,48 @@ def test_cosine_kmeans_exports(platform, impl, suffix, heads, dtype):
 # ---------------------------------------------------------------------------------------------- decode step
 
 MODELS = {  # a few layers of each; random weights, only their shapes are used
-    "llama31_8b": (ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                               num_layers=3, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                               rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
-                               max_position_embeddings=131072), jnp.bfloat16),
-    "smollm2": (ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                            num_layers=3, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
-                            rope=RopeConfig(theta=100000.0), max_position_embeddings=8192), jnp.float32),
+    "llama31_8b": (
+        ModelConfig(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=3,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0),
+            max_position_embeddings=131072,
+        ),
+        jnp.bfloat16,
+    ),
+    "smollm2": (
+        ModelConfig(
+            model_type="llama",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=3,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope=RopeConfig(theta=100000.0),
+            max_position_embeddings=8192,
+        ),
+        jnp.float32,
+    ),
 }
 # The kernels each method's decode step calls. H2O and LESS attend in pure JAX (they need per-slot weights);
 # ClusterKV's window of 32 makes the step re-cluster (cosine K-means) within the 63 decode steps.
-STEP_KERNELS = {"chelsea": ("chunk_best_match", "decode_attention"), "pqcache": ("decode_attention", "pq_lookup"),
-                "clusterkv": ("centroid_update", "cosine_assign", "decode_attention"), "h2o": (), "less": ()}
+STEP_KERNELS = {
+    "chelsea": ("chunk_best_match", "decode_attention"),
+    "pqcache": ("decode_attention", "pq_lookup"),
+    "clusterkv": ("centroid_update", "cosine_assign", "decode_attention"),
+    "h2o": (),
+    "less": (),
+}
 METHOD_OPTIONS = {"full": {}, "clusterkv": {"budget": 256, "window": 32}, "quest": {"budget": 256}}
 KERNEL_IMPL = ("chelsea", "pqcache", "clusterkv")  # the methods with an ``impl`` option for their own kernel
 
@@ -161,8 +197,12 @@ def test_prefill_attention_splash_exports(heads, dtype, window):
     multi-head kernel."""
     hq, hkv, d = HEADS[heads]
     b = 2
-    args = (S((b, hq, PREFILL_T, d), dtype), S((b, hkv, PREFILL_T, d), dtype), S((b, hkv, PREFILL_T, d), dtype),
-            S((b,), jnp.int32))
+    args = (
+        S((b, hq, PREFILL_T, d), dtype),
+        S((b, hkv, PREFILL_T, d), dtype),
+        S((b, hkv, PREFILL_T, d), dtype),
+        S((b,), jnp.int32),
+    )
     f = functools.partial(prefill_attention, sliding_window=window, impl="splash")
     text = jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
     assert "tpu_custom_call" in text
@@ -175,10 +215,15 @@ def test_prefill_attention_splash_exports_64k():
     block tables takes about 7 s of numpy on this CPU)."""
     hq, hkv, d = HEADS["llama31_8b"]
     t = 65536 + 7
-    args = (S((1, hq, t, d), jnp.bfloat16), S((1, hkv, t, d), jnp.bfloat16), S((1, hkv, t, d), jnp.bfloat16),
-            S((1,), jnp.int32))
-    text = jax.export.export(jax.jit(functools.partial(prefill_attention, impl="splash")),
-                             platforms=["tpu"])(*args).mlir_module()
+    args = (
+        S((1, hq, t, d), jnp.bfloat16),
+        S((1, hkv, t, d), jnp.bfloat16),
+        S((1, hkv, t, d), jnp.bfloat16),
+        S((1,), jnp.int32),
+    )
+    text = jax.export.export(jax.jit(functools.partial(prefill_attention, impl="splash")), platforms=["tpu"])(
+        *args
+    ).mlir_module()
     assert "splash_mha_fwd_segmented_no_residuals" in text
 
 
@@ -191,8 +236,12 @@ def test_prefill_attention_cudnn_export():
 
     hq, hkv, d = HEADS["llama31_8b"]
     b = 2
-    args = (S((b, hq, PREFILL_T, d), jnp.bfloat16), S((b, hkv, PREFILL_T, d), jnp.bfloat16),
-            S((b, hkv, PREFILL_T, d), jnp.bfloat16), S((b,), jnp.int32))
+    args = (
+        S((b, hq, PREFILL_T, d), jnp.bfloat16),
+        S((b, hkv, PREFILL_T, d), jnp.bfloat16),
+        S((b, hkv, PREFILL_T, d), jnp.bfloat16),
+        S((b,), jnp.int32),
+    )
     f = functools.partial(prefill_attention, sliding_window=4096, impl="cudnn")
     export = jax.export.export(jax.jit(f), platforms=["cuda"])
     if cudnn_lowering.cuda_versions is None:
@@ -216,5 +265,6 @@ def test_prefill_step_exports_splash(monkeypatch, model):
     states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(t, 63), dtype))
     prefill = functools.partial(engine._prefill, cfg, method)  # a fresh function: no trace cached under chunked
     text = jax.export.export(jax.jit(prefill), platforms=["tpu"])(
-        params, S((b, t), jnp.int32), S((b,), jnp.int32), states).mlir_module()
+        params, S((b, t), jnp.int32), S((b,), jnp.int32), states
+    ).mlir_module()
     assert text.count('name = "splash_mha_fwd_segmented_no_residuals"') >= 1

@@ -22,13 +22,29 @@ from kernels_pallas import impl_choice as IC
 from kvjax import prefill_attention as P
 
 #: kernel -> (its default_impl, the XLA path's name)
-KERNELS = {"decode_attention": (da.default_impl, "xla"), "pq_lookup": (pq.default_impl, "xla"),
-           "cosine_kmeans": (ck.default_impl, "xla"), "chunked_similarity": (cs.default_impl, "xla"),
-           "prefill_attention": (P.default_impl, "chunked")}
-PLATFORM = {"gpu": {"decode_attention": "pallas_gpu", "pq_lookup": "pallas_gpu", "cosine_kmeans": "pallas_gpu",
-                    "chunked_similarity": "pallas_gpu", "prefill_attention": "cudnn"},
-            "tpu": {"decode_attention": "pallas_tpu", "pq_lookup": "pallas_tpu", "cosine_kmeans": "pallas_tpu",
-                    "chunked_similarity": "pallas_tpu", "prefill_attention": "splash"}}
+KERNELS = {
+    "decode_attention": (da.default_impl, "xla"),
+    "pq_lookup": (pq.default_impl, "xla"),
+    "cosine_kmeans": (ck.default_impl, "xla"),
+    "chunked_similarity": (cs.default_impl, "xla"),
+    "prefill_attention": (P.default_impl, "chunked"),
+}
+PLATFORM = {
+    "gpu": {
+        "decode_attention": "pallas_gpu",
+        "pq_lookup": "pallas_gpu",
+        "cosine_kmeans": "pallas_gpu",
+        "chunked_similarity": "pallas_gpu",
+        "prefill_attention": "cudnn",
+    },
+    "tpu": {
+        "decode_attention": "pallas_tpu",
+        "pq_lookup": "pallas_tpu",
+        "cosine_kmeans": "pallas_tpu",
+        "chunked_similarity": "pallas_tpu",
+        "prefill_attention": "splash",
+    },
+}
 
 
 @pytest.fixture
@@ -49,8 +65,9 @@ def test_the_shipped_record_and_its_documentation():
     record = IC.load_verified()
     assert set(record) == set(IC.PLATFORM_IMPLS) == set(IC.ENV_VARS) == set(IC.VERIFYING_TESTS) == set(KERNELS)
     assert (da.ENV_IMPL, P.ENV_IMPL, pq.ENV_IMPL, ck.ENV_IMPL, cs.ENV_IMPL) == tuple(
-        IC.ENV_VARS[k] for k in ("decode_attention", "prefill_attention", "pq_lookup", "cosine_kmeans",
-                                 "chunked_similarity"))
+        IC.ENV_VARS[k]
+        for k in ("decode_attention", "prefill_attention", "pq_lookup", "cosine_kmeans", "chunked_similarity")
+    )
     fields = {"impl", "device_kind", "jax", "date", "tests"}
     for kernel, by in record.items():
         assert set(by) == {"gpu", "tpu"}
@@ -85,8 +102,13 @@ def test_unverified_kernels_take_the_xla_path_and_say_so_once(fake, caplog, monk
 
 
 def test_a_verified_kernel_is_taken_on_its_backend_only(fake):
-    entry = {"impl": "pallas_gpu", "device_kind": "NVIDIA H100", "jax": jax.__version__, "date": "2026-11-25",
-             "tests": "40/40 passed"}
+    entry = {
+        "impl": "pallas_gpu",
+        "device_kind": "NVIDIA H100",
+        "jax": jax.__version__,
+        "date": "2026-11-25",
+        "tests": "40/40 passed",
+    }
     record = {k: {"gpu": None, "tpu": None} for k in KERNELS}
     record["decode_attention"]["gpu"] = entry
     record["pq_lookup"]["gpu"] = {**entry, "impl": "pallas_tpu"}  # a record of another implementation: not this
@@ -132,14 +154,23 @@ def test_record_from_junit(tmp_path):
     shutil.copy(IC.VERIFIED_FILE, path)
     (tmp_path / "run.xml").write_text(JUNIT)
     before = IC._read(path)
-    before["cosine_kmeans"]["gpu"] = {"impl": "pallas_gpu", "device_kind": "old", "jax": "0", "date": "x",
-                                      "tests": "1/1 passed"}
+    before["cosine_kmeans"]["gpu"] = {
+        "impl": "pallas_gpu",
+        "device_kind": "old",
+        "jax": "0",
+        "date": "x",
+        "tests": "1/1 passed",
+    }
     path.write_text(path.read_text().split("VERIFIED = ")[0] + "VERIFIED = " + repr(before) + "\n")
     IC.record_from_junit(tmp_path / "run.xml", path, device_kind="NVIDIA H100 80GB HBM3", on="gpu")
     after = IC._read(path)
-    assert after["decode_attention"]["gpu"] == {"impl": "pallas_gpu", "device_kind": "NVIDIA H100 80GB HBM3",
-                                                "jax": jax.__version__, "date": after["decode_attention"]["gpu"]["date"],
-                                                "tests": "2/2 passed"}
+    assert after["decode_attention"]["gpu"] == {
+        "impl": "pallas_gpu",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "jax": jax.__version__,
+        "date": after["decode_attention"]["gpu"]["date"],
+        "tests": "2/2 passed",
+    }
     assert after["pq_lookup"]["gpu"] is None  # a failure: not verified
     assert after["prefill_attention"]["gpu"] is None  # skipped: not verified
     assert after["cosine_kmeans"]["gpu"] == before["cosine_kmeans"]["gpu"]  # did not run: unchanged

@@ -14,7 +14,7 @@ from kernels_pallas.pq_lookup.reference import pq_lookup_reference
 
 def inputs(b, h, g, m, bits, s, seed=0):
     rng = np.random.default_rng(seed)
-    k = 2 ** bits
+    k = 2**bits
     lut = rng.standard_normal((b, h, g, m, k)).astype(np.float32)
     codes = rng.integers(0, k, size=(b, h, m, s)).astype(np.uint8)
     return lut, codes
@@ -34,12 +34,15 @@ def numpy_lookup(lut, codes, lengths=None):
 
 def test_reference_matches_numpy_loop():
     lut, codes = inputs(2, 2, 3, 2, 4, 19)
-    np.testing.assert_allclose(np.asarray(pq_lookup_reference(jnp.asarray(lut), jnp.asarray(codes))),
-                               numpy_lookup(lut, codes), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(pq_lookup_reference(jnp.asarray(lut), jnp.asarray(codes))), numpy_lookup(lut, codes), atol=1e-5
+    )
     lengths = [19, 7]
-    np.testing.assert_allclose(np.asarray(pq_lookup_reference(jnp.asarray(lut), jnp.asarray(codes),
-                                                              jnp.asarray(lengths))),
-                               numpy_lookup(lut, codes, lengths), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(pq_lookup_reference(jnp.asarray(lut), jnp.asarray(codes), jnp.asarray(lengths))),
+        numpy_lookup(lut, codes, lengths),
+        atol=1e-5,
+    )
 
 
 def test_reconstruction_identity():
@@ -50,23 +53,24 @@ def test_reconstruction_identity():
     cent = rng.standard_normal((b, h, m, k, dm))
     codes = rng.integers(0, k, size=(b, h, m, s)).astype(np.uint8)
     lut = np.einsum("bhgid,bhicd->bhgic", q, cent).astype(np.float32)
-    khat = np.stack([np.concatenate([cent[0, hi, i, codes[0, hi, i, si]] for i in range(m)])
-                     for hi in range(h) for si in range(s)]).reshape(h, s, m * dm)
+    khat = np.stack(
+        [np.concatenate([cent[0, hi, i, codes[0, hi, i, si]] for i in range(m)]) for hi in range(h) for si in range(s)]
+    ).reshape(h, s, m * dm)
     want = np.einsum("hgd,hsd->hgs", q[0].reshape(h, g, m * dm), khat)
     got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl="xla"))[0]
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 KERNEL_CASES = [
-    ((2, 3, 1, 1, 4, 37), 16),      # G=1, m=1, S not a multiple of the tile
-    ((1, 2, 4, 2, 6, 200), 128),    # the paper's m=2, b=6: m*K = 128 lanes; TPU-legal tT=128
-    ((1, 1, 8, 4, 8, 64), 32),      # G=8, m=4, b=8 (m*K = 1024)
-    ((1, 2, 3, 2, 6, 1024), 512),   # TPU-legal default tile tT=512, G=3
+    ((2, 3, 1, 1, 4, 37), 16),  # G=1, m=1, S not a multiple of the tile
+    ((1, 2, 4, 2, 6, 200), 128),  # the paper's m=2, b=6: m*K = 128 lanes; TPU-legal tT=128
+    ((1, 1, 8, 4, 8, 64), 32),  # G=8, m=4, b=8 (m*K = 1024)
+    ((1, 2, 3, 2, 6, 1024), 512),  # TPU-legal default tile tT=512, G=3
 ]
 LENGTH_CASES = [
-    ((3, 2, 1, 2, 4, 100), 16, (100, 37, 0)),     # full, mid-block, empty
-    ((2, 2, 3, 2, 6, 300), 128, (129, 128)),      # one past a tile edge, exactly a tile; G=3
-    ((2, 1, 4, 4, 4, 64), 32, (1, 64)),           # a single live slot
+    ((3, 2, 1, 2, 4, 100), 16, (100, 37, 0)),  # full, mid-block, empty
+    ((2, 2, 3, 2, 6, 300), 128, (129, 128)),  # one past a tile edge, exactly a tile; G=3
+    ((2, 1, 4, 4, 4, 64), 32, (1, 64)),  # a single live slot
 ]
 
 
@@ -74,8 +78,7 @@ def check_kernel(impl, shape, block_t, *, interpret=True):
     """The kernel equals the reference (also used compiled by tests/accelerator)."""
     lut, codes = inputs(*shape, seed=shape[-1])
     want = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl="xla"))
-    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl=impl, interpret=interpret,
-                               block_t=block_t))
+    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), impl=impl, interpret=interpret, block_t=block_t))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -92,8 +95,9 @@ def check_kernel_with_lengths(impl, shape, block_t, lengths, *, interpret=True):
     lens = jnp.asarray(lengths, jnp.int32)
     want = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl="xla"))
     np.testing.assert_allclose(want, numpy_lookup(lut, codes, lengths), atol=1e-5)
-    got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=interpret,
-                               block_t=block_t))
+    got = np.asarray(
+        pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=interpret, block_t=block_t)
+    )
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for bi, n in enumerate(lengths):
@@ -113,8 +117,7 @@ def test_kernels_skip_dead_blocks():
     want = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl="xla"))
     codes[..., 64:] = 255  # blocks of 32 starting at 64: dead
     for impl in ("pallas_tpu", "pallas_gpu"):
-        got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=True,
-                                   block_t=32))
+        got = np.asarray(pq_lookup(jnp.asarray(lut), jnp.asarray(codes), lens, impl=impl, interpret=True, block_t=32))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -27,8 +27,10 @@ def test_table_rows_are_candidates_and_valid():
         tuning.get("cuda")
 
 
-@pytest.mark.parametrize("b,hkv,n,target,want", [(1, 8, 256, 264, (32, 8)), (8, 8, 256, 264, (4, 64)),
-                                                 (1, 8, 256, 528, (64, 4)), (2, 3, 7, 264, (7, 1))])
+@pytest.mark.parametrize(
+    "b,hkv,n,target,want",
+    [(1, 8, 256, 264, (32, 8)), (8, 8, 256, 264, (4, 64)), (1, 8, 256, 528, (64, 4)), (2, 3, 7, 264, (7, 1))],
+)
 def test_num_splits_reaches_the_target(b, hkv, n, target, want):
     # splits * per covers the n entries, per a power of two, about max(1, target // (b * hkv)) splits
     assert pallas_gpu.num_splits(b, hkv, n, target) == want
@@ -37,8 +39,9 @@ def test_num_splits_reaches_the_target(b, hkv, n, target, want):
 
 
 def test_num_splits_reads_the_table(monkeypatch):
-    monkeypatch.setitem(tuning.TABLE, "pallas_gpu", dataclasses.replace(tuning.TABLE["pallas_gpu"],
-                                                                        target_programs=528))
+    monkeypatch.setitem(
+        tuning.TABLE, "pallas_gpu", dataclasses.replace(tuning.TABLE["pallas_gpu"], target_programs=528)
+    )
     assert pallas_gpu.num_splits(1, 8, 256) == (64, 4)
 
 
@@ -64,9 +67,32 @@ def test_every_candidate_matches_the_reference(impl):
 
 def test_sweep_writes_the_chosen_row(tmp_path):
     out = tmp_path / "sweep.json"
-    bench.main(["--sweep", "--impl", "pallas_gpu", "--interpret", "--slots", "256", "--batch", "1", "--keep",
-                "1,0.5", "--kv-heads", "1", "--group", "2", "--head-dim", "16", "--iters", "1",
-                "--max-candidates", "2", "--out", str(out)])
+    bench.main(
+        [
+            "--sweep",
+            "--impl",
+            "pallas_gpu",
+            "--interpret",
+            "--slots",
+            "256",
+            "--batch",
+            "1",
+            "--keep",
+            "1,0.5",
+            "--kv-heads",
+            "1",
+            "--group",
+            "2",
+            "--head-dim",
+            "16",
+            "--iters",
+            "1",
+            "--max-candidates",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     res = json.loads(out.read_text())
     assert len(res["sweep"]) == 4 and len(res["fastest_per_shape"]) == 2
     totals = {}
@@ -74,8 +100,9 @@ def test_sweep_writes_the_chosen_row(tmp_path):
         key = (r["block_size"], r["num_warps"], r["num_stages"], r["target_programs"])
         totals[key] = totals.get(key, 0.0) + r["seconds"]
     chosen = res["chosen"]
-    assert totals[(chosen["block_size"], chosen["num_warps"], chosen["num_stages"], chosen["target_programs"])] \
-        == min(totals.values())
+    assert totals[(chosen["block_size"], chosen["num_warps"], chosen["num_stages"], chosen["target_programs"])] == min(
+        totals.values()
+    )
     assert str(out) in chosen["measured"]
 
 
@@ -93,6 +120,5 @@ def test_sweep_block_lists_cover_the_listed_slots(block_size):
         if block_size <= 128:
             assert g == w
         else:
-            assert w <= g and all(w & set(range(s, s + block_size)) for s in range(0, max(g) + 1, block_size)
-                                  if s in g)
+            assert w <= g and all(w & set(range(s, s + block_size)) for s in range(0, max(g) + 1, block_size) if s in g)
     assert bench.in_blocks_of(None, block_size) is None

@@ -36,7 +36,7 @@ def observation_votes(q, k, length: int, window: int) -> np.ndarray:
 def chunk_scores(votes_h: np.ndarray, limit: int, chunk: int) -> np.ndarray:
     """``A_i`` = sum of the votes of chunk ``i``'s positions below ``limit`` (``C = ceil(limit / c)`` chunks)."""
     n = -(-limit // chunk)
-    return np.array([votes_h[i * chunk: min((i + 1) * chunk, limit)].sum() for i in range(n)])
+    return np.array([votes_h[i * chunk : min((i + 1) * chunk, limit)].sum() for i in range(n)])
 
 
 def top_chunks(scores: np.ndarray, n: int) -> list[int]:
@@ -45,8 +45,9 @@ def top_chunks(scores: np.ndarray, n: int) -> list[int]:
     return sorted(int(i) for i in np.argsort(-scores, kind="stable")[:n])
 
 
-def chunkkv_keep(q, k, length: int, window: int, chunk: int, budget_tokens: int, mode: str = "prefix_exclusive",
-                 votes=None):
+def chunkkv_keep(
+    q, k, length: int, window: int, chunk: int, budget_tokens: int, mode: str = "prefix_exclusive", votes=None
+):
     """Kept positions per KV head **in storage order** (chunk tokens by position, then the window), the chunk
     scores per head and the number of chunks selected; ``(whole prompt, None, 0)`` when ``length <= budget``.
 

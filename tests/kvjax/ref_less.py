@@ -66,8 +66,7 @@ class LessSeq:
     def __init__(self, policy, hq, hkv, budget, recent, sinks, kernels, phi_fn=phi, psi_fn=psi):
         self.policy, self.g, self.hkv = policy, hq // hkv, hkv
         self.kernels, self.phi_fn, self.psi_fn = kernels, phi_fn, psi_fn
-        self.heads = [rb.H2OHead(budget, recent) if policy == "h2o" else LambdaHead(budget, sinks)
-                      for _ in range(hkv)]
+        self.heads = [rb.H2OHead(budget, recent) if policy == "h2o" else LambdaHead(budget, sinks) for _ in range(hkv)]
         self.evicted: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(hkv)]
         self.all_kv: list[dict[int, tuple]] = [{} for _ in range(hkv)]
 
@@ -81,7 +80,7 @@ class LessSeq:
                 continue
             ks = np.stack([kv[0] for kv in self.evicted[h]])
             vs = np.stack([kv[1] for kv in self.evicted[h]])
-            ps = np.stack([self.psi_fn(self.kernels, ks[i:i + 1].repeat(self.hkv, 0))[h] for i in range(len(ks))])
+            ps = np.stack([self.psi_fn(self.kernels, ks[i : i + 1].repeat(self.hkv, 0))[h] for i in range(len(ks))])
             hs.append(ps.T @ vs)
             zs.append(ps.sum(0))
         return hs, zs
@@ -128,11 +127,16 @@ class LessSeq:
                 vals = np.stack([head.values.get(p, v[h]) for p in order])
             for gi in range(self.g):
                 qh = h * self.g + gi
-                out[qh] = eq3(np.asarray(q[qh], np.float64), phq[qh], keys, vals,
-                              H if np.ndim(H) else np.zeros((phq.shape[1], keys.shape[1])),
-                              z if np.ndim(z) else np.zeros(phq.shape[1]))
+                out[qh] = eq3(
+                    np.asarray(q[qh], np.float64),
+                    phq[qh],
+                    keys,
+                    vals,
+                    H if np.ndim(H) else np.zeros((phq.shape[1], keys.shape[1])),
+                    z if np.ndim(z) else np.zeros(phq.shape[1]),
+                )
             if self.policy == "h2o":
-                head.decode(q[h * self.g:(h + 1) * self.g], k[h], v[h], pos)
+                head.decode(q[h * self.g : (h + 1) * self.g], k[h], v[h], pos)
                 for p in sorted(before - set(head.held)):
                     self.evicted[h].append(self.all_kv[h][p])
         return out
@@ -149,7 +153,7 @@ def h2o_rows(q, k, budget, recent):
         head = rb.H2OHead(budget, recent)
         v = np.zeros_like(k[h])
         for i in range(s):
-            _, attended = head.decode(q[h * g:(h + 1) * g, i], k[h, i], v[i], i)
+            _, attended = head.decode(q[h * g : (h + 1) * g, i], k[h, i], v[i], i)
             out[h, i, attended] = True
     return out
 

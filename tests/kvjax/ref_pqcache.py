@@ -51,7 +51,7 @@ def build_pq(keys: np.ndarray, length: int, sink: int, m: int, init_idx: np.ndar
     cents, codes = [], {}
     labs = []
     for i in range(m):
-        xi = keys[rows, i * dm:(i + 1) * dm]
+        xi = keys[rows, i * dm : (i + 1) * dm]
         local = np.searchsorted(rows, init_idx)  # init rows are positions; map to fitted-row indices
         c, lab = kmeans(xi, local, iters)
         cents.append(c)
@@ -64,7 +64,7 @@ def build_pq(keys: np.ndarray, length: int, sink: int, m: int, init_idx: np.ndar
 def pq_score(qvec: np.ndarray, cents: np.ndarray, code: np.ndarray) -> float:
     """``q · k_hat``: sum over sub-spaces of ``q_i · C_i[code_i]``."""
     m, _, dm = cents.shape
-    return float(sum(np.dot(qvec[i * dm:(i + 1) * dm], cents[i, code[i]]) for i in range(m)))
+    return float(sum(np.dot(qvec[i * dm : (i + 1) * dm], cents[i, code[i]]) for i in range(m)))
 
 
 def split(length: int, sink: int, budget, local_ratio: float):
@@ -114,7 +114,7 @@ class Sequence:
         self.v = [np.asarray(v[h, :length], np.float64) for h in range(v.shape[0])]
         self.length, self.sink, self.m = length, sink, m
         self.w, self.kk = split(length, sink, budget, local_ratio)
-        self.dense = dense_short and length - sink <= 2 ** bits  # the authors' short-prompt fallback (note A11)
+        self.dense = dense_short and length - sink <= 2**bits  # the authors' short-prompt fallback (note A11)
         self.pq = [build_pq(self.k[h], length, sink, m, init_idx, iters) for h in range(len(self.k))]
         # Paper §3.1: prompt tokens are all coded at prefill; generated ones only when they leave the window.
         self.selected: list[list[list[int]]] = []
@@ -131,20 +131,21 @@ class Sequence:
             dm = self.k[h].shape[1] // self.m
             for p in range(max(self.length, self.sink), t - self.w):  # generated tokens out of the window
                 if p not in codes:
-                    codes[p] = np.array([encode(self.k[h][p:p + 1, i * dm:(i + 1) * dm], cents[i])[0]
-                                         for i in range(self.m)])
+                    codes[p] = np.array(
+                        [encode(self.k[h][p : p + 1, i * dm : (i + 1) * dm], cents[i])[0] for i in range(self.m)]
+                    )
             if self.dense:
                 keep = list(range(t))
                 sel.append(None)
             else:
-                chosen = select(q[h * g:(h + 1) * g], cents, codes, t, self.sink, self.w, self.kk)
+                chosen = select(q[h * g : (h + 1) * g], cents, codes, t, self.sink, self.w, self.kk)
                 sel.append(chosen)
                 window = list(range(max(t - self.w, self.sink), t))
                 keep = sorted(set(range(min(self.sink, t))) | set(window) | set(chosen))
             att.append(list(keep))
             keys = np.concatenate([self.k[h][keep], knew[h][None]], axis=0)
             vals = np.concatenate([self.v[h][keep], vnew[h][None]], axis=0)
-            for qv in q[h * g:(h + 1) * g]:
+            for qv in q[h * g : (h + 1) * g]:
                 outs.append(attend(np.asarray(qv, np.float64), keys, vals))
             self.k[h] = np.concatenate([self.k[h], np.asarray(knew[h], np.float64)[None]], axis=0)
             self.v[h] = np.concatenate([self.v[h], np.asarray(vnew[h], np.float64)[None]], axis=0)

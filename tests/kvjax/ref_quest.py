@@ -29,8 +29,8 @@ def page_bounds(keys: np.ndarray, page_size: int):
     partial: over its rows only)."""
     keys = np.asarray(keys, np.float64)
     n_pages = -(-keys.shape[0] // page_size)
-    lo = np.stack([keys[j * page_size:(j + 1) * page_size].min(axis=0) for j in range(n_pages)])
-    hi = np.stack([keys[j * page_size:(j + 1) * page_size].max(axis=0) for j in range(n_pages)])
+    lo = np.stack([keys[j * page_size : (j + 1) * page_size].min(axis=0) for j in range(n_pages)])
+    hi = np.stack([keys[j * page_size : (j + 1) * page_size].max(axis=0) for j in range(n_pages)])
     return lo, hi
 
 
@@ -59,9 +59,9 @@ def choose_pages(qgroup: np.ndarray, keys: np.ndarray, t: int, page_size: int, b
     pages_b = max(budget_tokens // page_size, 1)
     if t + 1 <= budget_tokens or cur + 1 <= pages_b:
         return list(range(cur + 1))
-    lo, hi = page_bounds(keys[:cur * page_size], page_size)  # the complete pages [0, cur)
+    lo, hi = page_bounds(keys[: cur * page_size], page_size)  # the complete pages [0, cur)
     score = np.mean([upper_bound(qv, lo, hi) for qv in qgroup], axis=0)
-    order = np.argsort(-score, kind="stable")[:pages_b - 1]
+    order = np.argsort(-score, kind="stable")[: pages_b - 1]
     return sorted(int(j) for j in order) + [cur]
 
 
@@ -76,7 +76,7 @@ def attended_rows(pages: list[int], t: int, page_size: int, budget_tokens: int) 
     """
     rows = [p for p in range(t + 1) if p // page_size in pages]
     if budget_tokens < page_size:
-        rows = rows[-max(budget_tokens, 1):]
+        rows = rows[-max(budget_tokens, 1) :]
     return rows
 
 
@@ -99,7 +99,7 @@ class Sequence:
         out = []
         for qh in range(q.shape[0]):
             h = qh // g
-            pages = choose_pages(q[h * g:(h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
+            pages = choose_pages(q[h * g : (h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
             rows = attended_rows(pages, t, self.page_size, self.budget_tokens)
             out.append([p for p in rows if p != t])  # the new token (position t) excluded
         return out
@@ -113,11 +113,11 @@ class Sequence:
         for h in range(hkv):
             self.k[h] = np.concatenate([self.k[h], np.asarray(knew[h], np.float64)[None]], axis=0)
             self.v[h] = np.concatenate([self.v[h], np.asarray(vnew[h], np.float64)[None]], axis=0)
-            pages = choose_pages(q[h * g:(h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
+            pages = choose_pages(q[h * g : (h + 1) * g], self.k[h], t, self.page_size, self.budget_tokens)
             chosen.append(pages)
             rows = attended_rows(pages, t, self.page_size, self.budget_tokens)
             counts.append(len(rows))
-            for qv in q[h * g:(h + 1) * g]:
+            for qv in q[h * g : (h + 1) * g]:
                 outs.append(attend(np.asarray(qv, np.float64), self.k[h][rows], self.v[h][rows]))
         self.pages.append(chosen)
         self.attended.append(counts)

@@ -33,8 +33,16 @@ ATOL = 1e-5
 
 
 def model_cfg(hq, hkv, num_layers=4):
-    return kvjax.ModelConfig(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=64,
-                             num_layers=num_layers, num_heads=hq, num_kv_heads=hkv, head_dim=D)
+    return kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=D,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +90,7 @@ def run(method, hq, hkv, layer=0, num_layers=4, steps=STEPS, seed=0, peak=0):
     st = prefill(st, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
     first, trace = st, []
     for s in range(steps):
-        out, st = decode(st, jnp.asarray(dq[s]), jnp.asarray(dk[s]), jnp.asarray(dv[s]),
-                         jnp.asarray(lengths + s))
+        out, st = decode(st, jnp.asarray(dq[s]), jnp.asarray(dk[s]), jnp.asarray(dv[s]), jnp.asarray(lengths + s))
         trace.append((np.asarray(out), st))
     return first, trace, data
 
@@ -91,8 +98,9 @@ def run(method, hq, hkv, layer=0, num_layers=4, steps=STEPS, seed=0, peak=0):
 def kept(state) -> dict:
     """Kept positions per (b, h) as sorted lists, from ``state.pos >= 0``."""
     pos = np.asarray(state.pos)
-    return {(b, h): sorted(int(p) for p in pos[b, h] if p >= 0) for b in range(pos.shape[0])
-            for h in range(pos.shape[1])}
+    return {
+        (b, h): sorted(int(p) for p in pos[b, h] if p >= 0) for b in range(pos.shape[0]) for h in range(pos.shape[1])
+    }
 
 
 def all_kv(data, b, h, upto_step):
@@ -201,9 +209,9 @@ def check_snapkv_like(m, hq, hkv, budgets_of, layer=0, num_layers=4):
                 assert g == keep[h], f"b={b} h={h}: prompt within budget must be kept whole"
                 continue
             win = list(range(n - m.window, n))
-            assert g[-m.window:] == win, f"b={b} h={h}: window {win} missing from {g}"
+            assert g[-m.window :] == win, f"b={b} h={h}: window {win} missing from {g}"
             n_top = budgets_of(b) - m.window
-            assert_same_selection(g[:-m.window], keep[h][:-m.window], scores[h], n_top, f"b={b} h={h}")
+            assert_same_selection(g[: -m.window], keep[h][: -m.window], scores[h], n_top, f"b={b} h={h}")
             prompt_keep[b, h] = g  # near-ties resolved: follow the method's choice for decode checks
     # Prompt slots hold positions in increasing order (kept prefix tokens, then the window).
     pos = np.asarray(first.pos)[..., : first.prompt_slots]
@@ -243,7 +251,7 @@ def test_snapkv_pooling_ignores_the_window_reference():
     q, k = inputs(4, 2, peak=4)[:2]
     n, w = LENGTHS[1], 4
     votes = ref.window_votes(q[1], k[1], n, w)
-    assert votes[:, n - w:].mean() > 5 * votes[:, : n - w].mean()  # the peaked window votes for itself
+    assert votes[:, n - w :].mean() > 5 * votes[:, : n - w].mean()  # the peaked window votes for itself
     pooled = ref.snapkv_prefix_scores(q[1], k[1], n, w, 5, "avg")
     manual = [(votes[0, n - w - 3] + votes[0, n - w - 2] + votes[0, n - w - 1]) / 5]
     np.testing.assert_allclose(pooled[0, -1:], manual, rtol=1e-12)
@@ -252,6 +260,7 @@ def test_snapkv_pooling_ignores_the_window_reference():
 def pyramid_budgets(budget, window, layer, num_layers, beta=20):
     """Per-sequence layer budgets: the harness's three branches on each sequence's own length and total; the
     static slots are the largest of them over every length the bucket can hold."""
+
     def layer_budget(n):
         total = ref.sequence_budget(budget, n)
         return ref.pyramid_layer_budget(total, n, layer, num_layers, min(window, total), beta)
@@ -314,18 +323,25 @@ def test_h2o(hq, hkv, budget, recent):
         for (b, h), head in heads.items():
             assert got[b, h] == sorted(head.held), f"{what} b={b} h={h}"
             for s in np.nonzero(pos[b, h] >= 0)[0]:
-                np.testing.assert_allclose(score[b, h, s], head.held[int(pos[b, h, s])], atol=ATOL, rtol=ATOL,
-                                           err_msg=f"{what} b={b} h={h} pos={pos[b, h, s]}")
+                np.testing.assert_allclose(
+                    score[b, h, s],
+                    head.held[int(pos[b, h, s])],
+                    atol=ATOL,
+                    rtol=ATOL,
+                    err_msg=f"{what} b={b} h={h} pos={pos[b, h, s]}",
+                )
 
     compare(first, "prefill")
     check_slot_contents(first, data, 0)
     for s, (out, st) in enumerate(trace):
         attended = {}
         for (b, h), head in heads.items():
-            outs, attended[b, h] = head.decode(dq[s, b, h * g:(h + 1) * g], dk[s, b, h], dv[s, b, h],
-                                               int(lengths[b]) + s)
-            np.testing.assert_allclose(out[b, h * g:(h + 1) * g], outs, atol=ATOL, rtol=ATOL,
-                                       err_msg=f"step {s} b={b} h={h}")
+            outs, attended[b, h] = head.decode(
+                dq[s, b, h * g : (h + 1) * g], dk[s, b, h], dv[s, b, h], int(lengths[b]) + s
+            )
+            np.testing.assert_allclose(
+                out[b, h * g : (h + 1) * g], outs, atol=ATOL, rtol=ATOL, err_msg=f"step {s} b={b} h={h}"
+            )
         # The output attends over every held token including the new one, before the eviction.
         check_decode_out(out, data, s, lambda b, h: attended[b, h])
         compare(st, f"step {s}")
@@ -339,10 +355,17 @@ def test_h2o(hq, hkv, budget, recent):
 BIG = T + MAX_NEW  # a token budget covering the prompt bucket and every generated token
 
 
-@pytest.mark.parametrize("name,options", [
-    ("streaming_llm", {"budget": BIG}), ("h2o", {"budget": BIG}), ("snapkv", {"budget": BIG}),
-    ("pyramidkv", {"budget": BIG}), ("snapkv", {"budget": 1.0}), ("pyramidkv", {"budget": 1.0, "kernel": 7}),
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("streaming_llm", {"budget": BIG}),
+        ("h2o", {"budget": BIG}),
+        ("snapkv", {"budget": BIG}),
+        ("pyramidkv", {"budget": BIG}),
+        ("snapkv", {"budget": 1.0}),
+        ("pyramidkv", {"budget": 1.0, "kernel": 7}),
+    ],
+)
 @pytest.mark.parametrize("hq,hkv", [(6, 2)], ids=["gqa3"])
 def test_budget_covering_everything_equals_full(hq, hkv, name, options):
     _, full_trace, data = run(methods.get("full"), hq, hkv, layer=3)
@@ -365,10 +388,16 @@ def test_fractional_budget_one_keeps_whole_prompt():
 # memory accounting
 
 
-@pytest.mark.parametrize("name,options", [
-    ("full", {}), ("streaming_llm", {"budget": 0.5}), ("h2o", {"budget": 0.5}),
-    ("snapkv", {"budget": 0.5, "window": 4}), ("pyramidkv", {"budget": 0.5, "window": 4}),
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("full", {}),
+        ("streaming_llm", {"budget": 0.5}),
+        ("h2o", {"budget": 0.5}),
+        ("snapkv", {"budget": 0.5, "window": 4}),
+        ("pyramidkv", {"budget": 0.5, "window": 4}),
+    ],
+)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_memory_bytes(name, options, dtype):
     hq, hkv = 4, 2
@@ -377,8 +406,9 @@ def test_memory_bytes(name, options, dtype):
     want = sum(np.asarray(x).nbytes for x in jax.tree.leaves(st))
     assert m.memory_bytes(st) == want
     q, k, v, lengths = inputs(hq, hkv)[:4]
-    st2 = _jitted(m, 1)[0](st, jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-                           jnp.asarray(lengths))
+    st2 = _jitted(m, 1)[0](
+        st, jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(lengths)
+    )
     assert m.memory_bytes(st2) == want  # fixed shapes: prefill does not change the footprint
     if name == "full":
         s = T + MAX_NEW
@@ -414,8 +444,10 @@ def test_unknown_option(name):
     _raises(lambda: methods.get(name, bogus_option=3), "bogus_option")
 
 
-@pytest.mark.parametrize("name,budget,window", [("snapkv", 8, 8), ("snapkv", 6, 8), ("snapkv", 0.125, 8),
-                                                 ("pyramidkv", 8, 8), ("chunkkv", 0.125, 8)])
+@pytest.mark.parametrize(
+    "name,budget,window",
+    [("snapkv", 8, 8), ("snapkv", 6, 8), ("snapkv", 0.125, 8), ("pyramidkv", 8, 8), ("chunkkv", 0.125, 8)],
+)
 def test_window_above_budget_shrinks_to_the_budget(name, budget, window):
     """A budget at or below the window keeps the most recent ``budget`` tokens (never more, never an error)."""
     m = methods.get(name, budget=budget, window=window)
@@ -427,11 +459,19 @@ def test_window_above_budget_shrinks_to_the_budget(name, budget, window):
             assert kept(first)[b, h] == list(range(n - p, n)), (b, h)
 
 
-@pytest.mark.parametrize("name,options,word", [
-    ("snapkv", {"window": 0}, "window"), ("snapkv", {"kernel": 4}, "kernel"), ("snapkv", {"kernel": 0}, "kernel"),
-    ("snapkv", {"pool": "median"}, "pool"), ("pyramidkv", {"beta": 0}, "beta"), ("h2o", {"recent": 1.0}, "recent"),
-    ("h2o", {"recent": -1}, "recent"), ("streaming_llm", {"sinks": -1}, "sinks"),
-])
+@pytest.mark.parametrize(
+    "name,options,word",
+    [
+        ("snapkv", {"window": 0}, "window"),
+        ("snapkv", {"kernel": 4}, "kernel"),
+        ("snapkv", {"kernel": 0}, "kernel"),
+        ("snapkv", {"pool": "median"}, "pool"),
+        ("pyramidkv", {"beta": 0}, "beta"),
+        ("h2o", {"recent": 1.0}, "recent"),
+        ("h2o", {"recent": -1}, "recent"),
+        ("streaming_llm", {"sinks": -1}, "sinks"),
+    ],
+)
 def test_bad_options(name, options, word):
     _raises(lambda: methods.get(name, **options), word)
 

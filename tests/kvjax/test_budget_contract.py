@@ -68,7 +68,9 @@ def test_large_lengths_do_not_overflow_int32():
 
 def test_more_than_four_decimals_rounds_down():
     p, q = kb.as_fraction(0.123456)
-    assert q <= kb.MAX_DENOMINATOR and Fraction(p, q) <= Fraction("0.123456") and Fraction(p, q) == Fraction(1234, 10000)
+    assert (
+        q <= kb.MAX_DENOMINATOR and Fraction(p, q) <= Fraction("0.123456") and Fraction(p, q) == Fraction(1234, 10000)
+    )
 
 
 def test_token_budgets_are_counts():
@@ -112,9 +114,18 @@ def test_public_api():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_windows=(None, None),
+    )
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
@@ -138,12 +149,17 @@ def _kept(states):
         st = getattr(st, "sparse", st)  # LESS: its sparse policy's cache
         if isinstance(st, SlotCache):
             pos = np.asarray(st.pos)
-            out.append([[sorted(int(p) for p in pos[b, h] if p >= 0) for h in range(pos.shape[1])]
-                        for b in range(pos.shape[0])])
+            out.append(
+                [
+                    [sorted(int(p) for p in pos[b, h] if p >= 0) for h in range(pos.shape[1])]
+                    for b in range(pos.shape[0])
+                ]
+            )
         elif hasattr(st, "n"):  # Chelsea: sorted cluster counts per head
             n = np.asarray(st.n)
-            out.append([[sorted(float(x) for x in n[b, h] if x > 0) for h in range(n.shape[1])]
-                        for b in range(n.shape[0])])
+            out.append(
+                [[sorted(float(x) for x in n[b, h] if x > 0) for h in range(n.shape[1])] for b in range(n.shape[0])]
+            )
         else:
             out.append(np.asarray(st.lengths).tolist())
     return out
@@ -160,8 +176,14 @@ def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budge
         states = engine.init_states(tiny.config, m, len(ids), Capacity(bucket, NEW), jnp.float32)
         states, _ = engine.prefill(tiny.config, m, tiny.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
         res = kvjax.generate(tiny, ids, m, max_new_tokens=NEW, driver="scan", stop_at_eos=False, prompt_len=bucket)
-        runs.append((_kept(states), res.tokens, [s["tokens_held"] for s in res.stats],
-                     [s["tokens_held_prefill"] for s in res.stats]))
+        runs.append(
+            (
+                _kept(states),
+                res.tokens,
+                [s["tokens_held"] for s in res.stats],
+                [s["tokens_held_prefill"] for s in res.stats],
+            )
+        )
         _check_expected_held_bytes(tiny.config, m, Capacity(bucket, NEW), [len(i) for i in ids], res.stats)
     for bucket, other in zip((256,), runs[1:]):
         assert other[0] == runs[0][0], f"kept differ at bucket {bucket}"

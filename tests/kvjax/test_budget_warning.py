@@ -39,21 +39,24 @@ def test_the_readme_case_warns_with_the_numbers():
     assert "1.0 to keep the whole prompt" in got[0] and "window=8" in got[0]
 
 
-@pytest.mark.parametrize("name,options,n,warns", [
-    ("snapkv", {"budget": 0.2}, 45, False),  # ceil(9.0) = 9 = window + 1
-    ("snapkv", {"budget": 0.2}, 40, True),  # 8
-    ("snapkv", {"budget": 1.0}, 37, False),  # the whole prompt never warns
-    ("snapkv", {"budget": 8}, 8, False),  # a prompt no longer than the budget keeps everything
-    ("h2o", {"budget": 1}, 37, True),  # the issue's `--budget 1`: one token
-    ("h2o", {"budget": 2}, 37, True),
-    ("h2o", {"budget": 3}, 37, False),
-    ("streaming_llm", {"budget": 4}, 100, True),  # 4 sinks, no recent token
-    ("streaming_llm", {"budget": 5}, 100, False),
-    ("chunkkv", {"budget": 17}, 100, True),
-    ("chunkkv", {"budget": 18}, 100, False),
-    ("less", {"budget": 2}, 100, True),  # its sparse policy's minimum
-    ("full", {}, 100, False),
-])
+@pytest.mark.parametrize(
+    "name,options,n,warns",
+    [
+        ("snapkv", {"budget": 0.2}, 45, False),  # ceil(9.0) = 9 = window + 1
+        ("snapkv", {"budget": 0.2}, 40, True),  # 8
+        ("snapkv", {"budget": 1.0}, 37, False),  # the whole prompt never warns
+        ("snapkv", {"budget": 8}, 8, False),  # a prompt no longer than the budget keeps everything
+        ("h2o", {"budget": 1}, 37, True),  # the issue's `--budget 1`: one token
+        ("h2o", {"budget": 2}, 37, True),
+        ("h2o", {"budget": 3}, 37, False),
+        ("streaming_llm", {"budget": 4}, 100, True),  # 4 sinks, no recent token
+        ("streaming_llm", {"budget": 5}, 100, False),
+        ("chunkkv", {"budget": 17}, 100, True),
+        ("chunkkv", {"budget": 18}, 100, False),
+        ("less", {"budget": 2}, 100, True),  # its sparse policy's minimum
+        ("full", {}, 100, False),
+    ],
+)
 def test_who_warns(name, options, n, warns):
     assert bool(_caught(lambda: warn_small_budget(methods.get(name, **options), [n]))) == warns
 
@@ -73,9 +76,17 @@ def tiny_path(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tiny-warn")
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256)).save_pretrained(path)
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    ).save_pretrained(path)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1").save_pretrained(path)
@@ -101,13 +112,29 @@ def test_cli_prints_one_warning_line(tiny_path, capsys):
     from kvjax import cli
 
     prompt = " ".join(f"t{i}" for i in range(2, 40))
-    code = cli.main(["generate", "--model", str(tiny_path), "--method", "h2o", "--budget", "1", "--prompt", prompt,
-                     "--max-new-tokens", "3"])
+    code = cli.main(
+        [
+            "generate",
+            "--model",
+            str(tiny_path),
+            "--method",
+            "h2o",
+            "--budget",
+            "1",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "3",
+        ]
+    )
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warning:" in line]
     assert code == 0 and len(lines) == 1, err
-    assert re.match(r"kvjax: warning: h2o: budget=1 \(an int: a token count\) keeps 1 token of a \d+-token prompt, "
-                    r"fewer than the 3 h2o can use", lines[0]), lines[0]
+    assert re.match(
+        r"kvjax: warning: h2o: budget=1 \(an int: a token count\) keeps 1 token of a \d+-token prompt, "
+        r"fewer than the 3 h2o can use",
+        lines[0],
+    ), lines[0]
 
 
 def test_chelsea_counts_the_tokens_to_come():

@@ -51,8 +51,10 @@ def test_causal_attention_matches_numpy(hq, hkv, t, window, chunk):
         np.testing.assert_allclose(got[i, :, : lengths[i]], want[i, :, : lengths[i]], atol=1e-5)
 
 
-@pytest.mark.parametrize("hq,hkv,t,lengths,chunk", [(4, 2, 45, (45, 30), 16), (4, 2, 45, (45, 30), 7),
-                                                    (3, 1, 40, (40, 1, 17), 8), (2, 2, 33, (33, 0), 64)])
+@pytest.mark.parametrize(
+    "hq,hkv,t,lengths,chunk",
+    [(4, 2, 45, (45, 30), 16), (4, 2, 45, (45, 30), 7), (3, 1, 40, (40, 1, 17), 8), (2, 2, 33, (33, 0), 64)],
+)
 def test_accumulated_scores_chunked_matches_numpy(hq, hkv, t, lengths, chunk):
     """The (query, key)-tiled two-pass H2O scores against numpy's dense per-row softmax: several tiles on
     both axes, a ragged last tile, a 1-token and an empty sequence, and one tile covering everything."""

@@ -28,10 +28,20 @@ SMALL = dict(n_sink=2, n_recent=4, chunk=8, interval=4)
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_windows=(None, None),
+    )
     from kvjax.model import random_params
+
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
 
 
@@ -41,6 +51,7 @@ def prompts(lengths, seed=0):
 
 
 # ---- one CSM round vs the numpy reference -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [4, 8, 64])  # 64 >= the middle: one chunk, i.e. plain bipartite soft matching
 def test_csm_round_matches_numpy(chunk):
@@ -52,10 +63,21 @@ def test_csm_round_matches_numpy(chunk):
     v = rng.randn(b, h, s, d).astype(np.float32)
     n = rng.randint(1, 4, size=(b, h, s)).astype(np.float32)
     n[:, :, :2] = 1
-    n *= (np.arange(s) < lengths[:, None, None])
-    (k2, v2, n2), (src, dst) = csm_round(jnp.asarray(k), jnp.asarray(v), jnp.asarray(n), jnp.asarray(lengths),
-                                         jnp.asarray(merges), n_sink=2, n_recent=3, chunk=chunk, max_merges=7,
-                                         out_slots=s, impl="xla", return_matches=True)
+    n *= np.arange(s) < lengths[:, None, None]
+    (k2, v2, n2), (src, dst) = csm_round(
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(n),
+        jnp.asarray(lengths),
+        jnp.asarray(merges),
+        n_sink=2,
+        n_recent=3,
+        chunk=chunk,
+        max_merges=7,
+        out_slots=s,
+        impl="xla",
+        return_matches=True,
+    )
     for bi in range(b):
         for hi in range(h):
             L, m = int(lengths[bi]), int(merges[bi])
@@ -65,10 +87,10 @@ def test_csm_round_matches_numpy(chunk):
             assert got == pairs
             for a, c in pairs:  # chunk locality: A at an even, B at an odd offset of the same chunk
                 assert (a - 2) // chunk == (c - 2) // chunk and (a - 2) % 2 == 0 and (c - 2) % 2 == 1
-            np.testing.assert_allclose(np.asarray(k2[bi, hi, :L - m]), rk, atol=1e-5)
-            np.testing.assert_allclose(np.asarray(v2[bi, hi, :L - m]), rv, atol=1e-5)
-            np.testing.assert_array_equal(np.asarray(n2[bi, hi, :L - m]), rn)
-            assert np.all(np.asarray(n2[bi, hi, L - m:]) == 0)
+            np.testing.assert_allclose(np.asarray(k2[bi, hi, : L - m]), rk, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(v2[bi, hi, : L - m]), rv, atol=1e-5)
+            np.testing.assert_array_equal(np.asarray(n2[bi, hi, : L - m]), rn)
+            assert np.all(np.asarray(n2[bi, hi, L - m :]) == 0)
             assert float(n2[bi, hi].sum()) == float(n[bi, hi].sum())  # sum of counts conserved
 
 
@@ -83,21 +105,36 @@ def test_csm_round_per_sequence_windows_match_numpy():
     v = rng.randn(b, h, s, d).astype(np.float32)
     n = rng.randint(1, 4, size=(b, h, s)).astype(np.float32) * (np.arange(s) < lengths[:, None, None])
     args = (jnp.asarray(k), jnp.asarray(v), jnp.asarray(n), jnp.asarray(lengths), jnp.asarray(merges))
-    (k2, v2, n2), (src, dst) = csm_round(*args, n_sink=jnp.asarray(ns), n_recent=jnp.asarray(nr), chunk=chunk,
-                                         max_merges=7, out_slots=s, impl="xla", return_matches=True)
+    (k2, v2, n2), (src, dst) = csm_round(
+        *args,
+        n_sink=jnp.asarray(ns),
+        n_recent=jnp.asarray(nr),
+        chunk=chunk,
+        max_merges=7,
+        out_slots=s,
+        impl="xla",
+        return_matches=True,
+    )
     for bi in range(b):
         for hi in range(h):
             L, m = int(lengths[bi]), int(merges[bi])
             pairs, rk, rv, rn = ref.csm_round(k[bi, hi], v[bi, hi], n[bi, hi], L, m, int(ns[bi]), int(nr[bi]), chunk)
             got = sorted((int(a), int(c)) for a, c in zip(np.asarray(src[bi, hi]), np.asarray(dst[bi, hi])) if a >= 0)
             assert got == pairs
-            np.testing.assert_allclose(np.asarray(k2[bi, hi, :L - m]), rk, atol=1e-5)
-            np.testing.assert_allclose(np.asarray(v2[bi, hi, :L - m]), rv, atol=1e-5)
-            np.testing.assert_array_equal(np.asarray(n2[bi, hi, :L - m]), rn)
-            assert np.all(np.asarray(n2[bi, hi, L - m:]) == 0)
+            np.testing.assert_allclose(np.asarray(k2[bi, hi, : L - m]), rk, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(v2[bi, hi, : L - m]), rv, atol=1e-5)
+            np.testing.assert_array_equal(np.asarray(n2[bi, hi, : L - m]), rn)
+            assert np.all(np.asarray(n2[bi, hi, L - m :]) == 0)
     static = csm_round(*args, n_sink=2, n_recent=3, chunk=chunk, max_merges=7, out_slots=s, impl="xla")
-    traced = csm_round(*args, n_sink=jnp.full((b,), 2, jnp.int32), n_recent=jnp.full((b,), 3, jnp.int32),
-                       chunk=chunk, max_merges=7, out_slots=s, impl="xla")
+    traced = csm_round(
+        *args,
+        n_sink=jnp.full((b,), 2, jnp.int32),
+        n_recent=jnp.full((b,), 3, jnp.int32),
+        chunk=chunk,
+        max_merges=7,
+        out_slots=s,
+        impl="xla",
+    )
     for x, y in zip(static, traced):  # the same merges; float sums may differ in the last bit (fusion)
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
     np.testing.assert_array_equal(np.asarray(static[2]), np.asarray(traced[2]))
@@ -113,9 +150,19 @@ def test_equal_key_merge_is_exact_only_with_log_counts():
     v = rng.randn(s, d).astype(np.float32)
     q = rng.randn(4, d).astype(np.float32)  # 4 query heads sharing the KV head (GQA)
     m = (s - n_sink - n_recent) // 2
-    kk, vv, nn = csm_round(jnp.asarray(k)[None, None], jnp.asarray(v)[None, None], jnp.ones((1, 1, s)),
-                           jnp.asarray([s]), jnp.asarray([m]), n_sink=n_sink, n_recent=n_recent, chunk=chunk,
-                           max_merges=m, out_slots=s - m, impl="xla")
+    kk, vv, nn = csm_round(
+        jnp.asarray(k)[None, None],
+        jnp.asarray(v)[None, None],
+        jnp.ones((1, 1, s)),
+        jnp.asarray([s]),
+        jnp.asarray([m]),
+        n_sink=n_sink,
+        n_recent=n_recent,
+        chunk=chunk,
+        max_merges=m,
+        out_slots=s - m,
+        impl="xla",
+    )
     assert float(nn.max()) == 2.0 and float(nn.sum()) == s
     valid = nn > 0
     with_bias = attention.normalise(attention.attend(jnp.asarray(q)[None], kk, vv, valid, bias=jnp.log(nn)))
@@ -128,12 +175,19 @@ def test_equal_key_merge_is_exact_only_with_log_counts():
 
 # ---- through the engine ----------------------------------------------------------------------------------
 
+
 def test_budget_covering_everything_reproduces_full(tiny):
     ps = prompts([60, 45, 12])
     full = engine.generate(tiny, ps, "full", max_new_tokens=24, stop_at_eos=False, prompt_len=64)
     for budget in (1.0, 64 + 24):
-        ch = engine.generate(tiny, ps, methods.get("chelsea", budget=budget, **SMALL), max_new_tokens=24,
-                             stop_at_eos=False, prompt_len=64)
+        ch = engine.generate(
+            tiny,
+            ps,
+            methods.get("chelsea", budget=budget, **SMALL),
+            max_new_tokens=24,
+            stop_at_eos=False,
+            prompt_len=64,
+        )
         assert ch.tokens == full.tokens
 
 
@@ -151,7 +205,7 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
     trigger = b_tok + 4
     tokens = np.zeros((3, 64), np.int32)
     for i, p in enumerate(ps):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     states = engine.init_states(cfg, method, 3, cap, jnp.float32)
     states, logits = engine.prefill(cfg, method, params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     np.testing.assert_array_equal(np.asarray(states[0].target), b_tok)
@@ -167,7 +221,7 @@ def test_prefill_and_decode_invariants_no_retrace(tiny):
                 assert np.all(n[bi, :, :L] >= 1) and np.all(n[bi, :, L:] == 0)
                 np.testing.assert_array_equal(n[bi].sum(-1), seen[bi])  # token conservation per head
                 np.testing.assert_array_equal(n[bi, :, :2], 1)  # sinks
-                np.testing.assert_array_equal(n[bi, :, L - 4:L], 1)  # recent window
+                np.testing.assert_array_equal(n[bi, :, L - 4 : L], 1)  # recent window
             assert np.all(np.isfinite(np.asarray(st.k)))
         if step == 0:  # after prefill: compressed to exactly B_b when n >= B_b + g, else untouched
             np.testing.assert_array_equal(np.asarray(states[0].length), np.where(lengths >= trigger, b_tok, lengths))
@@ -188,8 +242,9 @@ def test_generate_compiles_once_per_bucket(tiny):
     method = methods.get("chelsea", budget=0.3, **SMALL)
     start = dict(engine.TRACE_COUNTS)
     for seed in range(2):
-        engine.generate(tiny, prompts([50, 33], seed), method, max_new_tokens=20, stop_at_eos=False,
-                        prompt_len=64, driver="scan")
+        engine.generate(
+            tiny, prompts([50, 33], seed), method, max_new_tokens=20, stop_at_eos=False, prompt_len=64, driver="scan"
+        )
     assert engine.TRACE_COUNTS["loop_scan"] - start.get("loop_scan", 0) == 1
     assert engine.TRACE_COUNTS["prefill"] - start.get("prefill", 0) == 1
 
@@ -200,15 +255,14 @@ def test_outlier_heads_keep_full_cache(tiny):
     full = engine.generate(tiny, ps, "full", max_new_tokens=20, stop_at_eos=False, prompt_len=64)
     every = tuple((l, h) for l in range(2) for h in range(2))
     all_out = methods.get("chelsea", budget=0.3, outlier_heads=every, reallocate=False, **SMALL)
-    assert engine.generate(tiny, ps, all_out, max_new_tokens=20, stop_at_eos=False,
-                           prompt_len=64).tokens == full.tokens
+    assert engine.generate(tiny, ps, all_out, max_new_tokens=20, stop_at_eos=False, prompt_len=64).tokens == full.tokens
     # One outlier head: its buffer equals the full cache, the others are compressed; memory is honest.
     one = methods.get("chelsea", budget=0.3, outlier_heads=((0, 1),), reallocate=False, **SMALL)
     none = methods.get("chelsea", budget=0.3, **SMALL)
     cap = Capacity(64, 20)
     tokens = np.zeros((2, 64), np.int32)
     for i, p in enumerate(ps):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     lens = jnp.asarray([len(p) for p in ps])
     got = {}
     for name, m in (("full", methods.get("full")), ("one", one), ("none", none)):
@@ -217,11 +271,12 @@ def test_outlier_heads_keep_full_cache(tiny):
     s1 = got["one"][0]
     assert s1.k.shape[1] == 1 and s1.ko.shape[1] == 1 and got["one"][1].ko.shape[1] == 0
     for i, p in enumerate(ps):
-        np.testing.assert_array_equal(np.asarray(s1.ko[i, 0, :len(p)]), np.asarray(got["full"][0].k[i, 1, :len(p)]))
+        np.testing.assert_array_equal(np.asarray(s1.ko[i, 0, : len(p)]), np.asarray(got["full"][0].k[i, 1, : len(p)]))
     np.testing.assert_array_equal(np.asarray(s1.k[:, 0]), np.asarray(got["none"][0].k[:, 0]))
     f = cap.prompt_len + cap.max_new_tokens
-    assert one.memory_bytes(s1) - none.memory_bytes(got["none"][0]) == \
-        2 * 2 * f * 16 * 4 - 2 * (2 * s1.k.shape[2] * 16 * 4 + s1.k.shape[2] * 4)
+    assert one.memory_bytes(s1) - none.memory_bytes(got["none"][0]) == 2 * 2 * f * 16 * 4 - 2 * (
+        2 * s1.k.shape[2] * 16 * 4 + s1.k.shape[2] * 4
+    )
 
 
 def test_budget_reallocation_for_outliers(tiny):
@@ -238,9 +293,18 @@ def test_budget_reallocation_for_outliers(tiny):
     m3 = Chelsea(budget=0.8123, outlier_heads=((0, 0), (0, 1), (1, 0)), **SMALL)
     exact = (Fraction(8123, 10000) * 4 - 3) / 1
     assert m3.rule(cfg) == ("frac", exact.numerator, exact.denominator)
-    big = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=7,
-                      num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=512,
-                      sliding_windows=(None,) * 7)
+    big = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=7,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_windows=(None,) * 7,
+    )
     # ... beyond 10000 it is rounded down to the 1/10000 grid (int32-safe, still a ceiling)
     m7 = Chelsea(budget=0.8123, outlier_heads=((0, 0),), **SMALL)
     rc = (Fraction(8123, 10000) * 7 - 1) / 6  # denominator 60000 > 10000
@@ -251,6 +315,7 @@ def test_budget_reallocation_for_outliers(tiny):
 
 
 # ---- schedule -------------------------------------------------------------------------------------------
+
 
 def test_schedule_matches_paper_example():
     """Spec §2.4: Llama-2 schedule at n = 16384, B = 2752: 16384 -> 9048 -> 5461 -> 3578 -> 2752."""
@@ -267,11 +332,12 @@ def test_schedule_matches_paper_example():
 
 # ---- Theorem 6.1 ----------------------------------------------------------------------------------------
 
+
 def c_closed(two_n, l):
     n = two_n // 2
     if l % 2 == 0:
-        return -l ** 3 / 12 + (2 * n - 1) * l ** 2 / 4 + (6 * n - 1) * l / 6
-    return -l ** 3 / 12 + (2 * n - 1) * l ** 2 / 4 + (12 * n - 5) * l / 12 + (2 * n - 1) / 4
+        return -(l**3) / 12 + (2 * n - 1) * l**2 / 4 + (6 * n - 1) * l / 6
+    return -(l**3) / 12 + (2 * n - 1) * l**2 / 4 + (12 * n - 5) * l / 12 + (2 * n - 1) / 4
 
 
 def test_theorem_6_1_brute_force():
@@ -297,6 +363,7 @@ def test_theorem_6_1_brute_force():
 
 # ---- calibration ----------------------------------------------------------------------------------------
 
+
 def test_calibration_ranks_random_heads_as_outliers(tmp_path, tiny):
     from kvjax import calibrate_chelsea as cal
 
@@ -311,8 +378,9 @@ def test_calibration_ranks_random_heads_as_outliers(tmp_path, tiny):
     out = tmp_path / "outliers.json"
     toks = np.random.RandomState(1).randint(1, 60, size=200)
     r1 = cal.calibrate(tiny, out, token_ids=toks, window=64, windows=2, ratio=0.25, n_sink=2, n_recent=4, chunk=8)
-    r2 = cal.calibrate(tiny, tmp_path / "again.json", token_ids=toks, window=64, windows=2, ratio=0.25,
-                       n_sink=2, n_recent=4, chunk=8)
+    r2 = cal.calibrate(
+        tiny, tmp_path / "again.json", token_ids=toks, window=64, windows=2, ratio=0.25, n_sink=2, n_recent=4, chunk=8
+    )
     assert r1["outlier_heads"] == r2["outlier_heads"] and len(r1["outlier_heads"]) == 1
     data = json.loads(out.read_text())
     assert data["num_layers"] == 2 and data["num_kv_heads"] == 2
@@ -342,6 +410,7 @@ def test_outlier_file_edited_in_place_is_read_again(tiny, tmp_path):
 
 # ---- bad input ------------------------------------------------------------------------------------------
 
+
 def test_bad_input(tiny):
     with pytest.raises(ValueError, match="chunk=7"):
         Chelsea(chunk=7)
@@ -369,8 +438,9 @@ def test_bad_input(tiny):
 def test_cli_has_calibrate_subcommand():
     from kvjax import cli
 
-    args = cli.build_parser().parse_args(["calibrate-chelsea", "--text", "t.txt", "--out", "o.json",
-                                          "--keep-layers", "0", "--windows", "4"])
+    args = cli.build_parser().parse_args(
+        ["calibrate-chelsea", "--text", "t.txt", "--out", "o.json", "--keep-layers", "0", "--windows", "4"]
+    )
     assert args.func is cli.cmd_calibrate_chelsea and args.windows == 4 and args.keep_layers == "0"
 
 
@@ -384,8 +454,11 @@ def test_slots_are_means_of_their_members_after_many_rounds():
     v = np.eye(s, dtype=np.float32)
     kk, vv, nn = jnp.asarray(k)[None, None], jnp.asarray(v)[None, None], jnp.ones((1, 1, s))
     length = s
-    step = jax.jit(lambda k, v, n, length, m: csm_round(k, v, n, length, m, n_sink=2, n_recent=3, chunk=8,
-                                                         max_merges=10, out_slots=s, impl="xla"))
+    step = jax.jit(
+        lambda k, v, n, length, m: csm_round(
+            k, v, n, length, m, n_sink=2, n_recent=3, chunk=8, max_merges=10, out_slots=s, impl="xla"
+        )
+    )
     for m in (10, 8, 6, 4, 3):  # one compile: m is dynamic, the first m of the top-10 are merged
         kk, vv, nn = step(kk, vv, nn, jnp.asarray([length]), jnp.asarray([m]))
         length -= m
@@ -407,7 +480,7 @@ def test_scanned_rounds_equal_unrolled_rounds(tiny):
     ps = prompts([64, 47, 38], seed=3)
     tokens = np.zeros((3, 64), np.int32)
     for i, p in enumerate(ps):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     got = []
     for unroll in (False, True):
         m = methods.get("chelsea", budget=0.3, unroll_rounds=unroll, **SMALL)
@@ -421,17 +494,19 @@ def test_scanned_rounds_equal_unrolled_rounds(tiny):
 
 # ---- per-sequence budgets (budget contract, kvjax.budget) --------------------------------------------------
 
+
 def _batch(ps, bucket):
     tokens = np.zeros((len(ps), bucket), np.int32)
     for i, p in enumerate(ps):
-        tokens[i, :len(p)] = p
+        tokens[i, : len(p)] = p
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in ps], jnp.int32)
 
 
 @pytest.mark.slow  # test_budget_contract runs the same-prompts-any-bucket check for chelsea by default
 def test_bucket_invariance(tiny):
     """The same prompts (40, 70, 120 tokens) in buckets 128, 256, 512 keep the same merged slots (values up to
-    float rounding) and identical counts, and give identical greedy output: B_b comes from each sequence's own n, never from the bucket."""
+    float rounding) and identical counts, and give identical greedy output: B_b comes from each sequence's own n,
+    never from the bucket."""
     cfg = tiny.config
     ps = prompts([40, 70, 120], seed=7)
     method = methods.get("chelsea", budget=0.25, **SMALL)
@@ -440,8 +515,11 @@ def test_bucket_invariance(tiny):
         tokens, lens = _batch(ps, bucket)
         st = engine.init_states(cfg, method, 3, Capacity(bucket, 16), jnp.float32)
         got.append(engine.prefill(cfg, method, tiny.params, tokens, lens, st)[0])
-        toks.append(engine.generate(tiny, ps, method, max_new_tokens=16, stop_at_eos=False, prompt_len=bucket,
-                                    driver="scan").tokens)
+        toks.append(
+            engine.generate(
+                tiny, ps, method, max_new_tokens=16, stop_at_eos=False, prompt_len=bucket, driver="scan"
+            ).tokens
+        )
     want = [(n + 16) // 4 for n in (40, 70, 120)]
     for layers in got:
         for a, b in zip(got[0], layers):
@@ -459,16 +537,32 @@ def test_bucket_invariance(tiny):
 
 def test_per_sequence_budget_is_exact():
     """B_b = floor(R (n_b + Gamma)) with R the decimal as written (Fraction), on ints, numpy and int32 arrays."""
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-                      sliding_windows=(None, None))
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_windows=(None, None),
+    )
     n = np.array([1, 5, 40, 70, 99, 100, 130, 1000, 4099, 32767, 100_000, 2_000_000])
     for budget in (0.1, 0.2, 0.25, 0.3, 0.7, 0.123, 0.33333, 1.0):
         m = Chelsea(budget=budget, **SMALL)
         rule = m.rule(cfg)
         for gamma in (0, 16, 1000):
-            want = [max(math.floor(Fraction(str(budget)) * (int(x) + gamma)) if budget != 0.33333 else
-                        math.floor(Fraction(3333, 10000) * (int(x) + gamma)), 1) for x in n]
+            want = [
+                max(
+                    math.floor(Fraction(str(budget)) * (int(x) + gamma))
+                    if budget != 0.33333
+                    else math.floor(Fraction(3333, 10000) * (int(x) + gamma)),
+                    1,
+                )
+                for x in n
+            ]
             assert [m.target(rule, int(x), gamma) for x in n] == want
             assert m.target(rule, n, gamma).tolist() == want
             assert np.asarray(m.target(rule, jnp.asarray(n, jnp.int32), gamma)).tolist() == want
@@ -531,8 +625,7 @@ def test_tokens_held_and_bytes_read(tiny):
     one = methods.get("chelsea", budget=0.25, outlier_heads=((0, 1),), reallocate=False, **SMALL)
     states, _, _ = _run_and_check(tiny, one, ps, 128, 12, outliers=True)
     s0 = states[0]  # layer 0: one compressed + one outlier head; tokens_held is their mean
-    np.testing.assert_allclose(np.asarray(one.tokens_held(s0)),
-                               (np.asarray(s0.length) + np.asarray(s0.seen)) / 2)
+    np.testing.assert_allclose(np.asarray(one.tokens_held(s0)), (np.asarray(s0.length) + np.asarray(s0.seen)) / 2)
     ctx = functools.partial(LayerContext, capacity=Capacity(40, 12), model_cfg=tiny.config)
     assert one.held(40, 11, ctx(layer=0)) == (one.held(40, 11, ctx(layer=1)) + 40 + 11) // 2
 
@@ -549,7 +642,7 @@ def test_short_prompts_with_default_windows(tiny):
     for s in states:
         n = np.asarray(s.n)
         for i, L in enumerate(np.asarray(s.length)):  # the recent window (n_recent_b = B_b - 1) stays unmerged
-            assert np.all(n[i, :, L - min(L, b_tok[i] - 1):L] == 1) or L < b_tok[i]
+            assert np.all(n[i, :, L - min(L, b_tok[i] - 1) : L] == 1) or L < b_tok[i]
     engine.generate(tiny, ps, methods.get("chelsea", budget=0.25), max_new_tokens=8, prompt_len=128)
 
 
@@ -573,6 +666,7 @@ def test_scanned_rounds_equal_unrolled_rounds_short_prompts(tiny):
 
 # ---- the compiled decode step: in place -------------------------------------------------------------------
 
+
 def _cache_copies(hlo: str, shapes) -> dict[str, list[str]]:
     """Per computation of a compiled program (name -> lines), the instructions that copy a buffer of one of
     ``shapes`` (e.g. ``"f32[2,2,35,16]"``), and whether the computation is a CSM round (it holds the top-k)."""
@@ -581,8 +675,11 @@ def _cache_copies(hlo: str, shapes) -> dict[str, list[str]]:
         if line.startswith(("%", "ENTRY")):
             name, lines = line.split(" ", 2)[1 if line.startswith("ENTRY") else 0], []
         elif line.startswith("}") and name:
-            copies = [l.strip()[:160] for l in lines if " copy(" in l and
-                      any(s in l.split("=", 1)[1].split("copy(")[0] for s in shapes)]
+            copies = [
+                l.strip()[:160]
+                for l in lines
+                if " copy(" in l and any(s in l.split("=", 1)[1].split("copy(")[0] for s in shapes)
+            ]
             if copies:
                 out[name] = (copies, any("TopK" in l or " sort(" in l for l in lines))
             name = None

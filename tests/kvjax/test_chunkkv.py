@@ -22,8 +22,18 @@ from kvjax.methods.chunkkv import ChunkKV
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_chunkkv as ref  # noqa: E402
-from test_baselines import (B, LENGTHS, MAX_NEW, T, check_decode_out, check_slot_contents, inputs, kept,  # noqa: E402
-                            model_cfg, run)
+from test_baselines import (
+    B,
+    LENGTHS,
+    MAX_NEW,
+    T,
+    check_decode_out,
+    check_slot_contents,
+    inputs,
+    kept,  # noqa: E402
+    model_cfg,
+    run,
+)
 
 import ref_baselines as rb  # noqa: E402
 
@@ -114,8 +124,9 @@ def test_per_batch_element_and_per_head_choices_differ():
     m = ChunkKV(budget=0.5, window=4, chunk_size=5)
     first, _, _ = run(m, 4, 2, steps=0, peak=4)
     pos = np.asarray(first.pos)
-    sets = {(b, h): frozenset(int(p) // 5 for p in pos[b, h] if 0 <= p < LENGTHS[b] - 4) for b in range(B)
-            for h in range(2)}
+    sets = {
+        (b, h): frozenset(int(p) // 5 for p in pos[b, h] if 0 <= p < LENGTHS[b] - 4) for b in range(B) for h in range(2)
+    }
     assert len(set(sets.values())) > 2
 
 
@@ -131,6 +142,7 @@ def test_reference_hand_example():
 def test_chunk_select_hand_example():
     """chunk_select on given votes (T=12, len 12, budget 10, window 2, chunk 3), checked by hand."""
     from kvjax.methods.chunkkv import chunk_select
+
     votes = jnp.asarray([[[0, 0, 0, 1, 1, 1, 0, 0, 0, 5, 9, 9]]], jnp.float32)
     n, bud = jnp.asarray([12]), jnp.asarray([10])
     # prefix [0, 10): chunk sums 0, 3, 0, 5 (chunk 3 = position 9 only); 2 chunks -> 1 and 3, then the window.
@@ -163,10 +175,20 @@ def test_chunk_size_one_equals_snapkv_without_pooling(hq, hkv, budget, window):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=4,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-                      sliding_windows=(None,) * 4)
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_windows=(None,) * 4,
+    )
     from kvjax.model import random_params
+
     return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
 
 
@@ -297,7 +319,11 @@ def test_state_shapes_identical_across_layers_and_memory():
     shapes = {tuple(x.shape for x in jax.tree.leaves(s)) for s in states}
     assert len(shapes) == 1 and {s.prompt_slots for s in states} == {24}
     want = sum(np.asarray(x).nbytes for x in jax.tree.leaves(states[0]))
-    assert m.memory_bytes(states[0]) == want == 2 * B * 2 * (24 + MAX_NEW) * 16 * 4 + B * 2 * (24 + MAX_NEW) * 4 + 2 * B * 4
+    assert (
+        m.memory_bytes(states[0])
+        == want
+        == 2 * B * 2 * (24 + MAX_NEW) * 16 * 4 + B * 2 * (24 + MAX_NEW) * 4 + 2 * B * 4
+    )
 
 
 def test_registry():
@@ -308,7 +334,6 @@ def test_registry():
 
 # ----------------------------------------------------------------------------------------------------------
 # bad input
-
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4)], ids=["gqa2", "mha"])
@@ -330,6 +355,7 @@ def test_chunkkv_wraps_the_h2o_scorer(hq, hkv):
             if got == sorted({p // 5 for p in want[h][:-4]}):
                 assert stored == want[h], f"b={b} h={h}"
 
+
 def _raises(fn, *words):
     with pytest.raises(ValueError) as info:
         fn()
@@ -337,21 +363,34 @@ def _raises(fn, *words):
         assert w in str(info.value), f"{info.value!r} does not name {w!r}"
 
 
-@pytest.mark.parametrize("options,words", [
-    ({"chunk_size": 0}, ("chunk_size", "0")), ({"chunk_size": -3}, ("chunk_size", "-3")),
-    ({"chunk_size": 2.5}, ("chunk_size",)), ({"reuse": 0}, ("reuse", "0")), ({"reuse": -1}, ("reuse",)),
-    ({"window": 0}, ("window",)), ({"mode": "kvpress"}, ("mode", "kvpress")),
-    ({"budget": 1.5}, ("budget",)), ({"budget": 0}, ("budget",)), ({"scorer": "kvpress"}, ("scorer",)),
-])
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        ({"chunk_size": 0}, ("chunk_size", "0")),
+        ({"chunk_size": -3}, ("chunk_size", "-3")),
+        ({"chunk_size": 2.5}, ("chunk_size",)),
+        ({"reuse": 0}, ("reuse", "0")),
+        ({"reuse": -1}, ("reuse",)),
+        ({"window": 0}, ("window",)),
+        ({"mode": "kvpress"}, ("mode", "kvpress")),
+        ({"budget": 1.5}, ("budget",)),
+        ({"budget": 0}, ("budget",)),
+        ({"scorer": "kvpress"}, ("scorer",)),
+    ],
+)
 def test_bad_options(options, words):
     _raises(lambda: methods.get("chunkkv", **options), *words)
 
 
-@pytest.mark.parametrize("options", [
-    {"budget": 0.125, "window": 8},  # 6 tokens at n=48: below the window
-    {"budget": 16, "window": 8, "chunk_size": 10},  # 8 tokens beside the window: no chunk fits
-    {"budget": 8, "window": 8}, {"budget": 6, "window": 8},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"budget": 0.125, "window": 8},  # 6 tokens at n=48: below the window
+        {"budget": 16, "window": 8, "chunk_size": 10},  # 8 tokens beside the window: no chunk fits
+        {"budget": 8, "window": 8},
+        {"budget": 6, "window": 8},
+    ],
+)
 def test_budget_below_window_plus_chunk_keeps_the_most_recent_tokens(options):
     """When no whole chunk fits beside the window, the window takes the whole budget: the most recent
     ``P`` tokens, never more than the budget and never an error (the budget contract)."""
@@ -395,13 +434,15 @@ def test_kept_prompt_positions_reads_states(tiny):
     assert full.mask.shape == (4, 3, 2, 64)
     assert full.counts().tolist() == [[[60, 60], [41, 41], [29, 29]]] * 4
     np.testing.assert_allclose(analysis.adjacent_layer_jaccard(full), 1.0)
-    snap = analysis.kept_prompt_positions(tiny, methods.get("snapkv", budget=0.4, window=4, kernel=1), PS,
-                                          max_new_tokens=NEW)
+    snap = analysis.kept_prompt_positions(
+        tiny, methods.get("snapkv", budget=0.4, window=4, kernel=1), PS, max_new_tokens=NEW
+    )
     assert snap.counts()[:, 0].max() == 24 and snap.counts()[:, 2].max() == 12  # ceil(0.4 * length)
     assert list(snap.indices(0, 1, 0)[-4:]) == [37, 38, 39, 40]
     j = analysis.adjacent_layer_jaccard(snap, exclude_last=4)
     assert j.shape == (3,) and np.all((0 <= j) & (j < 1))
-    by_hand = np.mean([ref.jaccard(snap.indices(1, b, h)[:-4], snap.indices(2, b, h)[:-4])
-                       for b in range(3) for h in range(2)])
+    by_hand = np.mean(
+        [ref.jaccard(snap.indices(1, b, h)[:-4], snap.indices(2, b, h)[:-4]) for b in range(3) for h in range(2)]
+    )
     np.testing.assert_allclose(j[1], by_hand)
     _raises(lambda: analysis.adjacent_layer_jaccard(snap.mask, exclude_last=4), "lengths")

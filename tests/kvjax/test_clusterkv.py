@@ -34,9 +34,18 @@ LAYER = 3  # a compressed layer (n_full=0 in most tests)
 
 
 def _cfg(hq, hkv, d=16, layers=2):
-    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=layers,
-                       num_heads=hq, num_kv_heads=hkv, head_dim=d, max_position_embeddings=1024,
-                       sliding_windows=(None,) * layers)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        max_position_embeddings=1024,
+        sliding_windows=(None,) * layers,
+    )
 
 
 def _clustered_keys(rng, shape, centers=6, noise=0.15, outliers=True):
@@ -82,8 +91,12 @@ def _run_layer(method, hq, hkv, lengths, steps, seed=0, d=16, bucket=48):
     q = (rng.normal(size=(b, hq, bucket + steps, d)) * 0.5).astype(np.float32)
     st = method.init(cfg, b, Capacity(bucket, steps + 1), LAYER, jnp.float32)
     st = jax.jit(lambda s, *a: method.prefill(s, LAYER, *a))(
-        st, jnp.asarray(q[:, :, :bucket]), jnp.asarray(k[:, :, :bucket]), jnp.asarray(v[:, :, :bucket]),
-        jnp.asarray(lengths, jnp.int32))
+        st,
+        jnp.asarray(q[:, :, :bucket]),
+        jnp.asarray(k[:, :, :bucket]),
+        jnp.asarray(v[:, :, :bucket]),
+        jnp.asarray(lengths, jnp.int32),
+    )
     dec = jax.jit(lambda s, qq, kk, vv, p: method.decode(s, LAYER, qq, kk, vv, p))
     sel = jax.jit(lambda s, qq: method.selected_positions(s, LAYER, qq))
     # decode token i of row r sits at position n_r + i; its q/k/v are column bucket + i of the inputs
@@ -102,8 +115,9 @@ def _run_layer(method, hq, hkv, lengths, steps, seed=0, d=16, bucket=48):
 @pytest.mark.parametrize("hq,hkv,gqa", [(2, 2, "query"), (4, 2, "query"), (8, 2, "query"), (4, 2, "group_mean")])
 def test_decode_equals_the_reference(hq, hkv, gqa):
     lengths, steps = [45, 29], 11
-    m = ClusterKV(budget=0.5, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0, gqa=gqa,
-                  iters=20, seed=1)
+    m = ClusterKV(
+        budget=0.5, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0, gqa=gqa, iters=20, seed=1
+    )
     outs, sels, states, (q, k, v, kd, vd, qd), bucket = _run_layer(m, hq, hkv, lengths, steps)
     g = hq // hkv
     st0 = states[1]  # after the first decode step the prompt part of the state is final
@@ -111,9 +125,15 @@ def test_decode_equals_the_reference(hq, hkv, gqa):
         sink, bsel = m.split(n)
         ncl = m.clusters_for(n)
         assert int(st0.sinks[r]) == sink and int(st0.bsel[r]) == bsel
-        prompt_init = np.asarray(m.init_rows(LAYER, hkv, jnp.arange(bucket)[None],
-                                             (jnp.arange(bucket)[None] >= sink) & (jnp.arange(bucket)[None] < n),
-                                             st0.c0))[0]
+        prompt_init = np.asarray(
+            m.init_rows(
+                LAYER,
+                hkv,
+                jnp.arange(bucket)[None],
+                (jnp.arange(bucket)[None] >= sink) & (jnp.arange(bucket)[None] < n),
+                st0.c0,
+            )
+        )[0]
         for h in range(hkv):
             kk = np.concatenate([k[r, h, :n], kd[r, h]])
             vv = np.concatenate([v[r, h, :n], vd[r, h]])
@@ -123,19 +143,26 @@ def test_decode_equals_the_reference(hq, hkv, gqa):
 
             def init_fn(lo, hi, w=None):
                 nonlocal windows
-                rows = np.asarray(m.init_rows(m.window_stream(LAYER, windows), hkv, jnp.arange(lo, hi)[None],
-                                              jnp.ones((1, hi - lo), bool), m.window_clusters))[0, h]
+                rows = np.asarray(
+                    m.init_rows(
+                        m.window_stream(LAYER, windows),
+                        hkv,
+                        jnp.arange(lo, hi)[None],
+                        jnp.ones((1, hi - lo), bool),
+                        m.window_clusters,
+                    )
+                )[0, h]
                 windows += 1
                 return rows
 
             for i in range(steps):
                 t = n + i
-                qs = qd[r, h * g:(h + 1) * g, i]
+                qs = qd[r, h * g : (h + 1) * g, i]
                 want, att = rk.step(qs, t)
-                got_sel = sels[i][r, h * g:(h + 1) * g]
+                got_sel = sels[i][r, h * g : (h + 1) * g]
                 for gi in range(g):
                     assert sorted(np.flatnonzero(got_sel[gi]).tolist() + [t]) == att[gi], (r, h, i, gi)
-                np.testing.assert_allclose(outs[i][r, h * g:(h + 1) * g], want, rtol=2e-5, atol=2e-5)
+                np.testing.assert_allclose(outs[i][r, h * g : (h + 1) * g], want, rtol=2e-5, atol=2e-5)
                 rk.after_step(t, init_fn)
             assert windows == steps // m.window
 
@@ -154,16 +181,17 @@ def test_cluster_layout_invariants():
             np.testing.assert_array_equal(pos[r, h, :sink], np.arange(sink))
             seen = []
             for c in np.flatnonzero(size[r, h]):
-                seg = pos[r, h, start[r, h, c]:start[r, h, c] + size[r, h, c]]
+                seg = pos[r, h, start[r, h, c] : start[r, h, c] + size[r, h, c]]
                 assert np.all(np.diff(seg) > 0)  # positions ascending inside a cluster
                 seen.extend(seg.tolist())
             # every clustered token in exactly one cluster: the prompt after the sinks and each full window
             assert sorted(seen) == list(range(sink, n + windows * m.window))
-            assert np.sum(size[r, h, :st.c0]) == n - sink and np.sum(size[r, h]) == n - sink + windows * m.window
-            assert np.sum(size[r, h, st.c0:] > 0) <= windows * m.window_clusters
+            assert np.sum(size[r, h, : st.c0]) == n - sink and np.sum(size[r, h]) == n - sink + windows * m.window
+            assert np.sum(size[r, h, st.c0 :] > 0) <= windows * m.window_clusters
             # the unclustered window holds its own positions
-            np.testing.assert_array_equal(pos[r, h, n + windows * m.window:n + steps],
-                                          np.arange(n + windows * m.window, n + steps))
+            np.testing.assert_array_equal(
+                pos[r, h, n + windows * m.window : n + steps], np.arange(n + windows * m.window, n + steps)
+            )
 
 
 @pytest.mark.parametrize("gqa", ["query", "group_mean"])
@@ -176,13 +204,14 @@ def test_one_token_per_cluster_selects_the_exact_top_b(gqa):
     k = rng.normal(size=(1, hkv, bucket, 16)).astype(np.float32)
     q = rng.normal(size=(1, hq, bucket, 16)).astype(np.float32)
     st = m.init(_cfg(hq, hkv), 1, Capacity(bucket, 2), LAYER, jnp.float32)
-    st = jax.jit(lambda s, *a: m.prefill(s, LAYER, *a))(st, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k),
-                                                        jnp.asarray([n], jnp.int32))
-    assert np.all(np.asarray(st.csize)[..., :n - 2] == 1)  # singleton clusters: mu = k
+    st = jax.jit(lambda s, *a: m.prefill(s, LAYER, *a))(
+        st, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), jnp.asarray([n], jnp.int32)
+    )
+    assert np.all(np.asarray(st.csize)[..., : n - 2] == 1)  # singleton clusters: mu = k
     qn = rng.normal(size=(1, hq, 16)).astype(np.float32)
     sel = np.asarray(m.selected_positions(st, LAYER, jnp.asarray(qn)))[0]
     for hh in range(hq):
-        qs = qn[0, hh] if gqa == "query" else qn[0, (hh // 2) * 2:(hh // 2) * 2 + 2].astype(np.float64).mean(0)
+        qs = qn[0, hh] if gqa == "query" else qn[0, (hh // 2) * 2 : (hh // 2) * 2 + 2].astype(np.float64).mean(0)
         s = k[0, hh // 2, 2:n] @ qs
         top = set((2 + np.argsort(-s, kind="stable")[:10]).tolist())
         assert set(np.flatnonzero(sel[hh]).tolist()) == top | {0, 1}
@@ -197,17 +226,34 @@ def test_budget_covering_the_prompt_equals_full(gqa):
     full = methods.get("full")
     cfg = _cfg(4, 2)
     st = full.init(cfg, 2, Capacity(bucket, steps + 1), LAYER, jnp.float32)
-    st = full.prefill(st, LAYER, jnp.asarray(q[:, :, :bucket]), jnp.asarray(k[:, :, :bucket]),
-                      jnp.asarray(v[:, :, :bucket]), jnp.asarray(lengths, jnp.int32))
+    st = full.prefill(
+        st,
+        LAYER,
+        jnp.asarray(q[:, :, :bucket]),
+        jnp.asarray(k[:, :, :bucket]),
+        jnp.asarray(v[:, :, :bucket]),
+        jnp.asarray(lengths, jnp.int32),
+    )
     for i in range(steps):
-        o, st = full.decode(st, LAYER, jnp.asarray(qd[:, :, i]), jnp.asarray(kd[:, :, i]), jnp.asarray(vd[:, :, i]),
-                            jnp.asarray([n + i for n in lengths], jnp.int32))
+        o, st = full.decode(
+            st,
+            LAYER,
+            jnp.asarray(qd[:, :, i]),
+            jnp.asarray(kd[:, :, i]),
+            jnp.asarray(vd[:, :, i]),
+            jnp.asarray([n + i for n in lengths], jnp.int32),
+        )
         np.testing.assert_allclose(outs[i], np.asarray(o), rtol=1e-5, atol=1e-5)
 
 
 def test_host_sizes():
     m = ClusterKV(budget=0.25, sink=16)
-    assert m.split(1000) == (16, 234) and m.split(10) == (3, 0) and m.split(10, 50) == (3, 0) and m.clusters_for(1000) == (1000 - 16) // 80
+    assert (
+        m.split(1000) == (16, 234)
+        and m.split(10) == (3, 0)
+        and m.split(10, 50) == (3, 0)
+        and m.clusters_for(1000) == (1000 - 16) // 80
+    )
     assert m.clusters_for(20) == 1 and m.held(100, 7) == 107
     m2 = ClusterKV(budget=100, sink=4, window=8)
     assert m2.split(50) == (4, 46) and m2.split(50, 60) == (4, 96)
@@ -226,15 +272,17 @@ def test_generate_end_to_end(tiny):
     ids = [[int(x) for x in np.random.default_rng(s).integers(1, 64, n)] for s, n in ((0, 70), (1, 33))]
     small = dict(sink=2, tokens_per_cluster=8, window=4, window_clusters=2, n_full=1)
     full = kvjax.generate(tiny, ids, methods.get("full"), max_new_tokens=12, driver="scan", stop_at_eos=False)
-    same = kvjax.generate(tiny, ids, methods.get("clusterkv", budget=200, **small), max_new_tokens=12,
-                          driver="scan", stop_at_eos=False)
+    same = kvjax.generate(
+        tiny, ids, methods.get("clusterkv", budget=200, **small), max_new_tokens=12, driver="scan", stop_at_eos=False
+    )
     assert same.tokens == full.tokens
     assert same.stats[0]["tokens_held"] == 70 + 11 and same.stats[1]["tokens_held"] == 33 + 11
     # other prompt lengths in the same bucket: no new trace of prefill or the decode loop
     engine.TRACE_COUNTS.clear()
     ids2 = [ids[0][:65], ids[1][:40]]
-    kvjax.generate(tiny, ids2, methods.get("clusterkv", budget=200, **small), max_new_tokens=12, driver="scan",
-                   stop_at_eos=False)
+    kvjax.generate(
+        tiny, ids2, methods.get("clusterkv", budget=200, **small), max_new_tokens=12, driver="scan", stop_at_eos=False
+    )
     assert sum(engine.TRACE_COUNTS.values()) == 0, dict(engine.TRACE_COUNTS)
 
 
@@ -252,8 +300,14 @@ def test_bytes_read_follow_the_live_tokens_not_the_bucket():
         st = jax.jit(lambda s, *a: m.prefill(s, LAYER, *a))(st, q, k, k, jnp.asarray([n], jnp.int32))
         reads.append(m.bytes_read_per_step(st, 4))
         full = methods.get("full")
-        fs = full.prefill(full.init(_cfg(4, 2), 1, Capacity(bucket, new), LAYER, jnp.float32), LAYER, q, k, k,
-                          jnp.asarray([n], jnp.int32))
+        fs = full.prefill(
+            full.init(_cfg(4, 2), 1, Capacity(bucket, new), LAYER, jnp.float32),
+            LAYER,
+            q,
+            k,
+            k,
+            jnp.asarray([n], jnp.int32),
+        )
         assert reads[-1] < 0.5 * full.bytes_read_per_step(fs, 4)
     assert reads[0] == reads[1]
     with pytest.raises(ValueError, match="offload=True is not supported on the CPU backend"):
@@ -267,17 +321,20 @@ def test_layers_below_n_full_are_full():
     assert m.bytes_read_per_step(st, 4) == methods.get("full").bytes_read_per_step(st, 4)
 
 
-@pytest.mark.parametrize("opts,match", [
-    (dict(budget=8, sink=16), "budget=8 tokens is below sink=16"),
-    (dict(tokens_per_cluster=0), "tokens_per_cluster=0"),
-    (dict(num_clusters=0), "num_clusters=0"),
-    (dict(iters=0), "iters=0"),
-    (dict(window=0), "window=0"),
-    (dict(window=4, window_clusters=5), "window_clusters=5"),
-    (dict(gqa="max"), "gqa='max'"),
-    (dict(budget=1.5), "budget=1.5"),
-    (dict(impl="cuda"), "impl='cuda'"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(budget=8, sink=16), "budget=8 tokens is below sink=16"),
+        (dict(tokens_per_cluster=0), "tokens_per_cluster=0"),
+        (dict(num_clusters=0), "num_clusters=0"),
+        (dict(iters=0), "iters=0"),
+        (dict(window=0), "window=0"),
+        (dict(window=4, window_clusters=5), "window_clusters=5"),
+        (dict(gqa="max"), "gqa='max'"),
+        (dict(budget=1.5), "budget=1.5"),
+        (dict(impl="cuda"), "impl='cuda'"),
+    ],
+)
 def test_bad_options(opts, match):
     with pytest.raises(ValueError, match=match):
         methods.get("clusterkv", **opts)
@@ -294,13 +351,20 @@ def test_decode_step_copies_no_cache_buffer(gqa):
     no ``copy`` of a buffer with the slot axis (K, V, positions): the new token, the runs' attention and the
     window's in-place permutation all work on the donated buffers (a branch that copies them is a defect)."""
     import re
+
     m = ClusterKV(budget=32, sink=4, tokens_per_cluster=8, window=8, window_clusters=2, n_full=0, gqa=gqa)
     n, new = 200, 40
     st = m.init(_cfg(8, 2), 1, Capacity(n, new), LAYER, jnp.float32)
     step = jax.jit(lambda s, q, k, v, p: m.decode(s, LAYER, q, k, v, p), donate_argnums=0)
-    text = step.lower(st, jnp.zeros((1, 8, 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)),
-                      jnp.array([n])).compile().as_text()
+    text = (
+        step.lower(st, jnp.zeros((1, 8, 16)), jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)), jnp.array([n]))
+        .compile()
+        .as_text()
+    )
     assert text.count(" while(") >= 2  # the window clustering (and its K-means) is compiled in
-    copies = [line.strip()[:120] for line in text.splitlines()
-              if re.search(r"= \w+\[[\d,]*\b%d\b[\d,]*\]\S* copy\(" % (n + new), line)]
+    copies = [
+        line.strip()[:120]
+        for line in text.splitlines()
+        if re.search(r"= \w+\[[\d,]*\b%d\b[\d,]*\]\S* copy\(" % (n + new), line)
+    ]
     assert not copies, copies

@@ -18,9 +18,18 @@ transformers = pytest.importorskip("transformers")
 def tiny(tmp_path_factory):
     """A tiny random GQA Llama saved with save_pretrained, loaded by kvjax and by transformers."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   eos_token_id=95, bos_token_id=1, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=95,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger weights give peaked, input-dependent logits (no EOS-like collapse)
         for p in hf.parameters():
@@ -39,8 +48,9 @@ def prompts(n, lengths, seed=0):
 def test_full_matches_transformers_generate(tiny):
     model, hf = tiny
     for p in prompts(3, [7, 19, 12]):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
         out = engine.generate(model, [p], "full", max_new_tokens=12, stop_at_eos=False)
         assert out.tokens[0] == ref
 
@@ -61,15 +71,17 @@ def test_decode_logits_equal_forward(tiny):
         np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(ref), atol=1e-4, rtol=1e-4)
         nxt = int(jnp.argmax(logits[0]))
         seq.append(nxt)
-        logits, states = engine.decode_step(cfg, method, params, states, jnp.asarray([nxt]),
-                                            jnp.asarray([len(seq) - 1]))
+        logits, states = engine.decode_step(
+            cfg, method, params, states, jnp.asarray([nxt]), jnp.asarray([len(seq) - 1])
+        )
 
 
 def test_drivers_agree_and_batch_equals_single(tiny):
     model, _ = tiny
     ps = prompts(3, [5, 23, 14], seed=1)
-    outs = {d: engine.generate(model, ps, "full", max_new_tokens=10, driver=d).tokens
-            for d in ("scan", "while", "python")}
+    outs = {
+        d: engine.generate(model, ps, "full", max_new_tokens=10, driver=d).tokens for d in ("scan", "while", "python")
+    }
     assert outs["scan"] == outs["while"] == outs["python"]
     singles = [engine.generate(model, [p], "full", max_new_tokens=10, prompt_len=32).tokens[0] for p in ps]
     assert outs["while"] == singles
@@ -80,19 +92,27 @@ def test_eos_stops_while_loop(tiny):
     p = prompts(1, [9], seed=2)[0]
     free = engine.generate(model, [p], "full", max_new_tokens=8, stop_at_eos=False).tokens[0]
     # Declare the 3rd generated token an EOS: generation must stop before it and the loop must end early.
-    model2 = kvjax.Model(kvjax.ModelConfig(**{**model.config.__dict__, "eos_token_ids": (free[2],)}),
-                         model.params, None, "tiny-eos")
+    model2 = kvjax.Model(
+        kvjax.ModelConfig(**{**model.config.__dict__, "eos_token_ids": (free[2],)}), model.params, None, "tiny-eos"
+    )
     out = engine.generate(model2, [p], "full", max_new_tokens=8)
     cut = free.index(free[2])
     assert out.tokens[0] == free[:cut]
     assert out.stats[0]["decode_steps"] == cut + 1
 
 
-@pytest.mark.parametrize("name,options", [
-    # Evicting methods (streaming_llm, h2o) hold `budget` tokens in all, generated ones included.
-    ("streaming_llm", {"budget": 64}), ("h2o", {"budget": 36}), ("snapkv", {"budget": 1.0}),
-    ("pyramidkv", {"budget": 1.0}), ("snapkv", {"budget": 64}), ("pyramidkv", {"budget": 30}),
-])
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        # Evicting methods (streaming_llm, h2o) hold `budget` tokens in all, generated ones included.
+        ("streaming_llm", {"budget": 64}),
+        ("h2o", {"budget": 36}),
+        ("snapkv", {"budget": 1.0}),
+        ("pyramidkv", {"budget": 1.0}),
+        ("snapkv", {"budget": 64}),
+        ("pyramidkv", {"budget": 30}),
+    ],
+)
 def test_budget_covering_prompt_equals_full(tiny, name, options):
     model, _ = tiny
     ps = prompts(2, [17, 30], seed=3)
@@ -146,8 +166,9 @@ def test_bad_input(tiny):
 
 def test_held_bytes_follow_each_sequence(tiny):
     """``stats["held_bytes"]`` is what each sequence holds at the end, by hand: full holds ``n + steps - 1`` slots
-    per KV head and layer (the last sampled token is never fed back), each K and V (D float32) plus its int32 position, plus two int32 counters per layer; H2O
-    holds its budget; the allocated ``cache_bytes`` is the same for every sequence of the batch."""
+    per KV head and layer (the last sampled token is never fed back), each K and V (D float32) plus its int32 position,
+    plus two int32 counters per layer; H2O holds its budget; the allocated ``cache_bytes`` is the same for every
+    sequence of the batch."""
     model, _ = tiny
     cfg = model.config
     lengths, steps = [9, 23], 6

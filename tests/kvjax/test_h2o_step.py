@@ -37,7 +37,8 @@ def test_attend_with_scores_matches_the_reference(seed, chunk):
     pos = np.where(r.random((b, hkv, s)) < 0.8, r.integers(0, 99, (b, hkv, s)), -1).astype(np.int32)
     lengths = np.array([s, 23], np.int32)
     part, sc, taken, free = jax.jit(lambda *a: attention.attend_with_scores(*a, chunk=chunk))(
-        q, k, v, jnp.asarray(pos), jnp.asarray(lengths))
+        q, k, v, jnp.asarray(pos), jnp.asarray(lengths)
+    )
     want = decode_attention_reference(q, k, v, jnp.asarray(pos >= 0), jnp.asarray(lengths))
     for x, y in zip(part, want):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
@@ -76,12 +77,13 @@ def test_h2o_decode_in_chunks_matches_reference(budget, recent, chunk):
         out = np.asarray(attention.normalise(part))
         got, score, pos = tb.kept(st), np.asarray(st.score), np.asarray(st.pos)
         for (b, h), head in heads.items():
-            outs, _ = head.decode(dq[s, b, h * g:(h + 1) * g], dk[s, b, h], dv[s, b, h], int(lengths[b]) + s)
-            np.testing.assert_allclose(out[b, h * g:(h + 1) * g], outs, atol=tb.ATOL, rtol=tb.ATOL)
+            outs, _ = head.decode(dq[s, b, h * g : (h + 1) * g], dk[s, b, h], dv[s, b, h], int(lengths[b]) + s)
+            np.testing.assert_allclose(out[b, h * g : (h + 1) * g], outs, atol=tb.ATOL, rtol=tb.ATOL)
             assert got[b, h] == sorted(head.held), f"step {s} b={b} h={h}"
             for slot in np.nonzero(pos[b, h] >= 0)[0]:
-                np.testing.assert_allclose(score[b, h, slot], head.held[int(pos[b, h, slot])], atol=tb.ATOL,
-                                           rtol=tb.ATOL)
+                np.testing.assert_allclose(
+                    score[b, h, slot], head.held[int(pos[b, h, slot])], atol=tb.ATOL, rtol=tb.ATOL
+                )
     tb.check_slot_contents(st, data, tb.STEPS)
 
 
@@ -158,10 +160,14 @@ def test_accumulated_attention_is_attention_and_scores(dtype, heads_at_once):
     tol = 1e-5 if dtype == "float32" else 3e-2
     assert out.dtype == q.dtype
     for b, n in enumerate(lengths):
-        np.testing.assert_allclose(np.asarray(out[b, :, :n], np.float32), np.asarray(want[b, :, :n], np.float32),
-                                   atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(acc), np_accumulated(np.asarray(q, np.float32), np.asarray(k, np.float32),
-                                                               lengths), atol=1e-5 if dtype == "float32" else 2e-2)
+        np.testing.assert_allclose(
+            np.asarray(out[b, :, :n], np.float32), np.asarray(want[b, :, :n], np.float32), atol=tol, rtol=tol
+        )
+    np.testing.assert_allclose(
+        np.asarray(acc),
+        np_accumulated(np.asarray(q, np.float32), np.asarray(k, np.float32), lengths),
+        atol=1e-5 if dtype == "float32" else 2e-2,
+    )
 
 
 @pytest.mark.parametrize("name", ["h2o", "less"])
@@ -200,4 +206,3 @@ def test_engine_prefill_takes_the_methods_attention(name, monkeypatch):
     jax.clear_caches()
     for a, b in zip(jax.tree.leaves(states), jax.tree.leaves(two_pass)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
-

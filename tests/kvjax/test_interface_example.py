@@ -10,7 +10,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "interface.md"
 
 def _example_blocks() -> list[str]:
     text = DOC.read_text()
-    section = text[text.index("## Writing your own method"):]
+    section = text[text.index("## Writing your own method") :]
     section = section[: section.index("\n## ", 3)] if "\n## " in section[3:] else section
     return re.findall(r"```python\n(.*?)```", section, re.S)
 

@@ -31,8 +31,16 @@ POLICIES = ["h2o", "lambda"]
 
 
 def model_cfg(hq=HQ, hkv=HKV, d=D, layers=1):
-    return kvjax.ModelConfig(model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=32,
-                             num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    return kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_layers=layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
 
 
 def rand(shape, seed):
@@ -54,9 +62,14 @@ def run(method, kernels, q, k, v, prompt_len, lengths, steps):
     if kernels is not None:
         st = st.replace(kernels=kernels)
     lengths = jnp.asarray(lengths, jnp.int32)
-    st = jax.jit(method.prefill, static_argnums=1)(st, 0, jnp.asarray(q[:, :, :prompt_len]),
-                                                   jnp.asarray(k[:, :, :prompt_len]),
-                                                   jnp.asarray(v[:, :, :prompt_len]), lengths)
+    st = jax.jit(method.prefill, static_argnums=1)(
+        st,
+        0,
+        jnp.asarray(q[:, :, :prompt_len]),
+        jnp.asarray(k[:, :, :prompt_len]),
+        jnp.asarray(v[:, :, :prompt_len]),
+        lengths,
+    )
     dec = jax.jit(method.decode, static_argnums=1)
     outs = []
     for i in range(steps):
@@ -81,7 +94,8 @@ def test_kernel_maps_match_numpy_and_warm_start():
     # dropout is active only when not deterministic
     mod = L.module_for(p)
     a = jax.jit(lambda p, x: mod.apply({"params": p}, x, False, method="phi", rngs={"dropout": jax.random.PRNGKey(1)}))(
-        p, jnp.asarray(q))
+        p, jnp.asarray(q)
+    )
     assert not np.allclose(np.asarray(a), phq)
 
 
@@ -95,12 +109,19 @@ def test_zero_state_equals_sparse_policy_exactly(policy):
     sparse = m.sparse
     cfg = model_cfg()
     s = sparse.init(cfg, B, Capacity(t, steps), 0, jnp.float32)
-    s = sparse.prefill(s, 0, jnp.asarray(q[:, :, :t]), jnp.asarray(k[:, :, :t]), jnp.asarray(v[:, :, :t]),
-                       jnp.asarray([t, 17]))
+    s = sparse.prefill(
+        s, 0, jnp.asarray(q[:, :, :t]), jnp.asarray(k[:, :, :t]), jnp.asarray(v[:, :, :t]), jnp.asarray([t, 17])
+    )
     dec = jax.jit(sparse.decode, static_argnums=1)
     for i in range(steps):
-        o, s = dec(s, 0, jnp.asarray(q[:, :, t + i]), jnp.asarray(k[:, :, t + i]), jnp.asarray(v[:, :, t + i]),
-                   jnp.asarray([t, 17]) + i)
+        o, s = dec(
+            s,
+            0,
+            jnp.asarray(q[:, :, t + i]),
+            jnp.asarray(k[:, :, t + i]),
+            jnp.asarray(v[:, :, t + i]),
+            jnp.asarray([t, 17]) + i,
+        )
         np.testing.assert_array_equal(out[:, :, i], np.asarray(o))
     np.testing.assert_array_equal(np.asarray(st.sparse.pos), np.asarray(s.pos))
     assert not np.asarray(st.H).any() and not np.asarray(st.z).any()
@@ -151,12 +172,14 @@ def test_decode_equals_parallel_form(policy):
         np.testing.assert_array_equal(mask[0], ref.h2o_rows(q[0], k[0], 7, m.sparse._recent(7)))
     held = 8 if policy == "h2o" else 7  # H2O: budget + the current token; Λ: budget slots, current included
     assert (mask.sum(-1) == np.minimum(np.arange(s) + 1, held)).all()
-    np.testing.assert_allclose(par[1], ref.parallel(q[1], k[1], v[1], mask[1], np.asarray(phq[1]),
-                                                    np.asarray(psk[1])), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        par[1], ref.parallel(q[1], k[1], v[1], mask[1], np.asarray(phq[1]), np.asarray(psk[1])), rtol=1e-4, atol=1e-5
+    )
 
 
 def _oracle(kappa):
     """φ(q)_m = exp(q·κ_m/√D) and ψ(k) = one-hot(id of k among κ): φ(q)·ψ(k) = exp(q·k/√D) exactly."""
+
     def phi_fn(kern, x):
         return jnp.exp(jnp.einsum("...d,md->...m", x.astype(jnp.float32), kern["kappa"]) / math.sqrt(D))
 
@@ -188,8 +211,9 @@ def test_exact_kernel_recovers_full_attention(policy):
     # the parallel form too, on the whole sequence
     mask = m.parallel_mask(jnp.asarray(q), jnp.asarray(k))
     kap = {"kappa": jnp.asarray(kappa)}
-    par = jax.jit(L.parallel_attention)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                        phi_fn(kap, jnp.asarray(q)), psi_fn(kap, jnp.asarray(k)))
+    par = jax.jit(L.parallel_attention)(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, phi_fn(kap, jnp.asarray(q)), psi_fn(kap, jnp.asarray(k))
+    )
     full = kvjax.model.causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     np.testing.assert_allclose(np.asarray(par), np.asarray(full), rtol=1e-4, atol=1e-5)
 
@@ -208,14 +232,17 @@ def test_engine_generates_without_retrace_and_reports_memory():
     sparse = m.sparse.init(cfg, 2, Capacity(32, 6), 0, jnp.float32)
     assert m.memory_bytes(st) == (sum(x.nbytes for x in jax.tree.leaves(sparse)) + 2 * HKV * 4 * (D + 1) * 4)
     # fresh kernels start at the 1e-4 warm start: LESS ~ the sparse policy
-    base = engine.generate(model, prompts, methods.get("h2o", budget=6), max_new_tokens=6, driver="python",
-                           stop_at_eos=False)
+    base = engine.generate(
+        model, prompts, methods.get("h2o", budget=6), max_new_tokens=6, driver="python", stop_at_eos=False
+    )
     assert res.tokens == base.tokens
 
 
 def _write_kernels(folder, cfg, rank=4, hidden=16):
-    arrays = {n: np.stack([np.asarray(a)] * cfg.num_layers)
-              for n, a in L.init_kernels(cfg, jax.random.PRNGKey(0), rank, hidden).items()}
+    arrays = {
+        n: np.stack([np.asarray(a)] * cfg.num_layers)
+        for n, a in L.init_kernels(cfg, jax.random.PRNGKey(0), rank, hidden).items()
+    }
     arrays["k_s1"] = arrays["k_s1"] * 0 + 0.5
     folder.mkdir()
     np.savez(folder / L.KERNELS_FILE, **arrays)

@@ -26,9 +26,18 @@ from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-                  sliding_windows=(None, None))
+CFG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    sliding_windows=(None, None),
+)
 BUCKET, NEW, BATCH, BUDGET = 128, 2, 1, 0.25
 CAP = Capacity(BUCKET, NEW)
 
@@ -36,9 +45,17 @@ CAP = Capacity(BUCKET, NEW)
 #: config: slot caches 3.8-4.1, LESS 3.2, Chelsea 17.1, Quest 11.6, PQCache 11.9, ClusterKV 32.8). Why each is
 #: what it is: docs/interface.md#measured-against-xla.
 XLA_FACTOR = {
-    "full": (3.0, 5.0), "streaming_llm": (3.0, 5.0), "h2o": (3.0, 5.0), "snapkv": (3.0, 5.0),
-    "pyramidkv": (3.0, 5.0), "chunkkv": (3.0, 5.0), "less": (2.5, 4.5),
-    "chelsea": (13.0, 21.0), "quest": (9.0, 14.0), "pqcache": (9.0, 15.0), "clusterkv": (26.0, 40.0),
+    "full": (3.0, 5.0),
+    "streaming_llm": (3.0, 5.0),
+    "h2o": (3.0, 5.0),
+    "snapkv": (3.0, 5.0),
+    "pyramidkv": (3.0, 5.0),
+    "chunkkv": (3.0, 5.0),
+    "less": (2.5, 4.5),
+    "chelsea": (13.0, 21.0),
+    "quest": (9.0, 14.0),
+    "pqcache": (9.0, 15.0),
+    "clusterkv": (26.0, 40.0),
 }
 
 

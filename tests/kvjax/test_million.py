@@ -21,8 +21,16 @@ MILLION = 1 << 20
 #: beyond; the largest is 2^30 (a length + Gamma must still fit int32).
 LENGTHS = (430_000, 610_000, 700_000, MILLION, 1 << 21, 1 << 24, (1 << 30) - 1)
 
-CFG = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=16)
+CFG = kvjax.ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 #: Options that make every layer of the tiny model compress (recall methods: only layer 0 full) and keep LESS's
 #: kernels small.
 OPTIONS = {"clusterkv": dict(n_full=1), "quest": dict(n_full=1), "less": dict(hidden=64)}
@@ -35,6 +43,7 @@ def traced(fn, *arrays):
 
 
 # ---- Chelsea: merge counts, the host plan and the budget rule ------------------------------------------------
+
 
 def ref_merges(length: int, budget: int, sink: int, recent: int, r_q: int) -> int:
     """The merge count of one round in Python ints (spec §2.4): ``min(max(floor(r M), 1), length - budget)``."""
@@ -59,8 +68,8 @@ def test_merge_count_is_exact_in_int32(r_q):
 def test_chelsea_traced_rounds_match_the_host_plan(n):
     """The merge counts a bucket-length prompt gets in the traced round loop (int32, ``merges_for`` with the
     quantised ratio table, as ``Chelsea._compress``) equal the host plan's rounds for it (numpy int64) and an
-    independent Python-int recurrence, bound by the bucket's plan, and land exactly on the budget (before the fix, at 700k the first
-    traced round merged 1 token where the plan expected 244,972)."""
+    independent Python-int recurrence, bound by the bucket's plan, and land exactly on the budget (before the fix, at
+    700k the first traced round merged 1 token where the plan expected 244,972)."""
     m = Chelsea(budget=0.2)
     b_max, _, pre, _, _ = m.sizes(None, Capacity(n, 0))
     table = m.ratio_table()
@@ -71,8 +80,7 @@ def test_chelsea_traced_rounds_match_the_host_plan(n):
         s -= want[-1]
         i += 1
     assert s == b_max
-    one = _simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table,
-                    idle=np.array([n]))
+    one = _simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table, idle=np.array([n]))
     assert [r.max_merges for r in one] == want  # the host plan (numpy int64) of this prompt length
     # the bucket's plan is the worst case over every length <= n: this one's counts first, never above it
     assert pre[0].max_merges == want[0] and all(r.max_merges >= w for r, w in zip(pre, want))
@@ -106,6 +114,7 @@ def test_chelsea_budget_rules_are_exact_in_int32():
 
 # ---- every method's per-sequence counts ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("budget", [0.2, 0.3, 0.8123, 1.0, 1 / 3, 4096])
 def test_budget_counts_are_exact_in_int32(budget):
     lengths = np.array(LENGTHS)
@@ -119,7 +128,8 @@ def test_budget_counts_are_exact_in_int32(budget):
     assert [budget_tokens(budget, int(n)) for n in lengths] == want
     most = lengths + 100
     assert traced(lambda n, m: evicting_budget(budget, n, m), lengths, most) == [
-        w if isinstance(budget, float) else min(budget, int(m)) for w, m in zip(want, most)]
+        w if isinstance(budget, float) else min(budget, int(m)) for w, m in zip(want, most)
+    ]
 
 
 def test_method_counts_are_exact_in_int32():
@@ -151,6 +161,7 @@ def test_method_counts_are_exact_in_int32():
 
 # ---- every method traces at a 2^20 bucket ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", methods.names())
 def test_prefill_and_decode_trace_at_a_million_tokens(name):
     """``jax.eval_shape`` of the engine's prefill and one decode step for a 2^20-token bucket (nothing is
@@ -172,12 +183,14 @@ def test_prefill_and_decode_trace_at_a_million_tokens(name):
 
 # ---- prefill memory is linear in T ----------------------------------------------------------------------
 
+
 def prefill_temp_bytes(name: str, t: int) -> int:
     m = methods.get(name, **OPTIONS.get(name, {}))
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, Capacity(t, 8), jnp.float32))
     lowered = jax.jit(engine._prefill, static_argnums=(0, 1)).lower(
-        CFG, m, params, jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32), states)
+        CFG, m, params, jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32), states
+    )
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 

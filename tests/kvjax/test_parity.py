@@ -16,14 +16,36 @@ transformers = pytest.importorskip("transformers")
 
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64)
 CASES = {
-    "llama-mha-tied": ("LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama-gqa-headdim-llama3rope": ("LlamaForCausalLM", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16})),
-    "llama-mqa-bias-linear": ("LlamaForCausalLM", dict(
-        num_attention_heads=4, num_key_value_heads=1, attention_bias=True, mlp_bias=True,
-        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-mha-tied": (
+        "LlamaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    ),
+    "llama-gqa-headdim-llama3rope": (
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama-mqa-bias-linear": (
+        "LlamaForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
     "mistral-window": ("MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
     "qwen2-gqa": ("Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
 }
@@ -55,8 +77,9 @@ def test_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
     # Greedy continuation (naive re-forward) equals transformers' generate.
     seq = list(ids[0, :8])
-    want = hf.generate(torch.tensor([seq]), max_new_tokens=6, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, 8:].tolist()
+    want = hf.generate(torch.tensor([seq]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, 8:
+    ].tolist()
     for _ in range(6):
         seq.append(int(np.argmax(np.asarray(forward(model.config, model.params, jnp.asarray([seq])))[0, -1])))
     assert seq[8:] == want
@@ -88,13 +111,33 @@ def test_padding_and_sharded_and_bf16(tmp_path):
 
 
 def test_transformers4_key_spelling():
-    v5 = {**BASE, "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "dtype": "bfloat16",
-          "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}
+    v5 = {
+        **BASE,
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "dtype": "bfloat16",
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    }
     v4 = {k: v for k, v in v5.items() if k not in ("dtype", "rope_parameters")}
-    v4.update(torch_dtype="bfloat16", rope_theta=5e5, rope_scaling={
-        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16})
+    v4.update(
+        torch_dtype="bfloat16",
+        rope_theta=5e5,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
     assert kvjax.ModelConfig.from_hf(v4) == kvjax.ModelConfig.from_hf(v5)
 
 
@@ -102,8 +145,9 @@ def test_transformers4_key_spelling():
 def smollm2():
     path = assets.smollm2_gguf_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     return kvjax.load_model("smollm2-135m-instruct", dtype=jnp.float32), hf, tok
 
 
@@ -124,9 +168,15 @@ def test_embedded_tokenizer_matches_transformers(smollm2):
         assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
     tricky = "Digits 1234567 and 3.14, emoji 🙂, ünïcödé,   spaces\n\n\ttabs <|im_start|>user<|im_end|>"
     assert model.tokenizer.encode(tricky) == tok(tricky, add_special_tokens=False).input_ids
-    for msgs in ([{"role": "user", "content": "Hi"}],
-                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+    for msgs in (
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+    ):
         want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         assert model.tokenizer.apply_chat_template(msgs) == want
         assert model.tokenizer.encode_chat(msgs) == tok(want, add_special_tokens=False).input_ids
@@ -161,8 +211,9 @@ def test_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither"):
         kvjax.load_model(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").write_text(json.dumps({**BASE, "model_type": "llama",
-                                                                "num_attention_heads": 4}))
+    (tmp_path / "empty" / "config.json").write_text(
+        json.dumps({**BASE, "model_type": "llama", "num_attention_heads": 4})
+    )
     with pytest.raises(FileNotFoundError, match="safetensors"):
         kvjax.load_model(tmp_path / "empty")
     build(*CASES["qwen2-gqa"], tmp_path / "sh", shard="40KB")
@@ -173,8 +224,14 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="gemma"):
         kvjax.ModelConfig.from_hf({**BASE, "model_type": "gemma", "num_attention_heads": 4})
     with pytest.raises(ValueError, match="yarn"):
-        kvjax.ModelConfig.from_hf({**BASE, "model_type": "llama", "num_attention_heads": 4,
-                                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        kvjax.ModelConfig.from_hf(
+            {
+                **BASE,
+                "model_type": "llama",
+                "num_attention_heads": 4,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            }
+        )
     _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ValueError, match="gpt2"):
         config_from_gguf(open_gguf(tmp_path / "gpt2.gguf"))
@@ -190,8 +247,9 @@ def test_missing_and_extra_tensors(tmp_path):
 
     build(*CASES["qwen2-gqa"], tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    save_file({**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)},
-              tmp_path / "model.safetensors")
+    save_file(
+        {**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)}, tmp_path / "model.safetensors"
+    )
     with pytest.raises(ValueError, match="does not use"):
         kvjax.load_model(tmp_path)
     save_file({k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k}, tmp_path / "model.safetensors")

@@ -28,8 +28,16 @@ D = 16
 
 
 def model_cfg(hq, hkv, d=D, layers=2):
-    return kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
-                             num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    return kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- K-means
@@ -119,9 +127,11 @@ def test_scores_exact_when_centroids_are_the_data():
             np.testing.assert_allclose(s[bi, qh // 2, qh % 2, 2:n], exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("hq,hkv,budget,lengths", [(4, 4, 0.5, (40, 29)), (4, 2, 0.5, (40, 29)), (6, 2, 12, (40, 29)),
-                                                    (4, 2, 0.5, (40, 10))],
-                         ids=["mha", "gqa2", "gqa3-int", "gqa2-short-row"])
+@pytest.mark.parametrize(
+    "hq,hkv,budget,lengths",
+    [(4, 4, 0.5, (40, 29)), (4, 2, 0.5, (40, 29)), (6, 2, 12, (40, 29)), (4, 2, 0.5, (40, 10))],
+    ids=["mha", "gqa2", "gqa3-int", "gqa2-short-row"],
+)
 def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     """Row of length 10 (10 - sink 3 <= 2^3): the dense fallback for that row, the sparse set for the other."""
     t, steps = 48, 6
@@ -129,8 +139,10 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
     valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
     init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
-    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
-                         init_idx=init[bi]) for bi, n in enumerate(lengths)]
+    seqs = [
+        ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5, init_idx=init[bi])
+        for bi, n in enumerate(lengths)
+    ]
     # Prompt codes and centroids.
     codes, cents = np.asarray(state.codes), np.asarray(state.centroids)
     assert [s.dense for s in seqs] == [n - 3 <= 8 for n in lengths]
@@ -173,8 +185,10 @@ def test_long_decode_matches_reference(score_table, hq, budget):
     state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps, seed=4)
     valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
     init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
-    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
-                         init_idx=init[bi]) for bi, n in enumerate(lengths)]
+    seqs = [
+        ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5, init_idx=init[bi])
+        for bi, n in enumerate(lengths)
+    ]
     assert not any(s.dense for s in seqs)
     rng = np.random.default_rng(2)
     decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
@@ -191,7 +205,7 @@ def test_long_decode_matches_reference(score_table, hq, budget):
             for h in range(hkv):
                 assert sorted(idx[bi, h][ok[bi, h]].tolist()) == seq.selected[-1][h]
                 if score_table:
-                    tup = codes[bi, h, 0, 3:end[bi]].astype(int) * 8 + codes[bi, h, 1, 3:end[bi]]
+                    tup = codes[bi, h, 0, 3 : end[bi]].astype(int) * 8 + codes[bi, h, 1, 3 : end[bi]]
                     np.testing.assert_array_equal(hist[bi, h], np.bincount(tup, minlength=64))
         pos = pos + 1
     assert max(pos - np.asarray([s.w for s in seqs])) > t + 2  # generated tokens were candidates
@@ -215,16 +229,18 @@ def test_rewind_recounts_tuples():
     want = np.zeros((2, 2, 64), int)
     for bi in range(2):
         for h in range(2):
-            want[bi, h] = np.bincount(tup[bi, h, 3:end[bi]], minlength=64)
+            want[bi, h] = np.bincount(tup[bi, h, 3 : end[bi]], minlength=64)
     np.testing.assert_array_equal(np.asarray(state.hist), want)
 
 
 # ------------------------------------------------------------------------------------- selected positions
 
 
-@pytest.mark.parametrize("hq,budget,lengths,dense_short", [(4, 0.5, (40, 29), True), (6, 12, (40, 29), True),
-                                                           (4, 0.5, (40, 10), True), (4, 0.5, (40, 10), False)],
-                         ids=["gqa2", "gqa3-int", "short-row", "short-row-no-fallback"])
+@pytest.mark.parametrize(
+    "hq,budget,lengths,dense_short",
+    [(4, 0.5, (40, 29), True), (6, 12, (40, 29), True), (4, 0.5, (40, 10), True), (4, 0.5, (40, 10), False)],
+    ids=["gqa2", "gqa3-int", "short-row", "short-row-no-fallback"],
+)
 def test_selected_positions_are_what_decode_attends(hq, budget, lengths, dense_short):
     """Before each decode step: ``selected_positions`` (jitted) equals the NumPy reference's attended set (sinks
     + window + retrieved, or every token of a dense_short row), has ``attended(n, step) - 1`` positions, all
@@ -237,8 +253,22 @@ def test_selected_positions_are_what_decode_attends(hq, budget, lengths, dense_s
     state, (_, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
     valid = (np.arange(t)[None] >= 3) & (np.arange(t)[None] < np.asarray(lengths)[:, None])
     init = np.asarray(km.init_rows(jax.random.PRNGKey(method.seed), jnp.asarray(valid), 8))
-    seqs = [ref.Sequence(k[bi], v[bi], n, m=2, bits=3, sink=3, budget=budget, local_ratio=0.5, iters=5,
-                         init_idx=init[bi], dense_short=dense_short) for bi, n in enumerate(lengths)]
+    seqs = [
+        ref.Sequence(
+            k[bi],
+            v[bi],
+            n,
+            m=2,
+            bits=3,
+            sink=3,
+            budget=budget,
+            local_ratio=0.5,
+            iters=5,
+            init_idx=init[bi],
+            dense_short=dense_short,
+        )
+        for bi, n in enumerate(lengths)
+    ]
     decode = jax.jit(lambda st, qq, kk, vv, pp: method.decode(st, 0, qq, kk, vv, pp))
     selected = jax.jit(lambda st, qq: method.selected_positions(st, 0, qq))
     rng = np.random.default_rng(1)
@@ -283,7 +313,7 @@ def recall(method, q, k, lengths, t):
         w, kk = ref.split(n, method.sink, method.budget, method.local_ratio)
         for h in range(hkv):
             cand = np.arange(method.sink, n - w)
-            s = np.asarray(q[bi, h * g:(h + 1) * g], np.float64) @ np.asarray(k[bi, h, cand], np.float64).T
+            s = np.asarray(q[bi, h * g : (h + 1) * g], np.float64) @ np.asarray(k[bi, h, cand], np.float64).T
             s /= np.sqrt(d)
             agg = s[0] if g == 1 else sum(ref.softmax(row) for row in s)
             exact = set(cand[np.argsort(-agg, kind="stable")[:kk]].tolist())
@@ -298,13 +328,13 @@ def test_recall_random_clustered_keys():
     b, hq, hkv, t, d = 1, 4, 2, 512, 32
     centres = rng.standard_normal((b, hkv, 48, d)) * 2.0
     lab = rng.integers(0, 48, size=(b, hkv, t))
-    k = (np.take_along_axis(centres, lab[..., None], axis=2) + 0.3 * rng.standard_normal((b, hkv, t, d)))
+    k = np.take_along_axis(centres, lab[..., None], axis=2) + 0.3 * rng.standard_normal((b, hkv, t, d))
     q = centres[:, np.repeat(np.arange(hkv), hq // hkv), rng.integers(0, 48)] + 0.3 * rng.standard_normal((b, hq, d))
     k, q = k.astype(np.float32), q.astype(np.float32)
     lengths = [t]
     r6 = recall(PQCache(budget=0.2, m=2, bits=6, sink=8, iters=10), q, k, lengths, t)
     r2 = recall(PQCache(budget=0.2, m=2, bits=2, sink=8, iters=10), q, k, lengths, t)
-    print('recall', r6, r2)
+    print("recall", r6, r2)
     assert r6 >= 0.75, r6
     assert r6 > r2, (r6, r2)
 
@@ -342,7 +372,7 @@ def test_recall_real_keys(smollm):
     for lp in model.params["layers"][:3]:
         q, k, x = layer(lp, x)
         rs.append(recall(method, np.asarray(q), np.asarray(k), [n], n))
-    print('real-key recall per layer', rs)
+    print("real-key recall per layer", rs)
     assert np.mean(rs) >= 0.6, rs
 
 
@@ -351,8 +381,16 @@ def test_recall_real_keys(smollm):
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return kvjax.Model(cfg, kvjax.model.random_params(cfg, jax.random.PRNGKey(0), jnp.float32, 1.0), None, "tiny")
 
 
@@ -401,8 +439,9 @@ def test_memory_and_bytes_read():
         rng = np.random.default_rng(0)
         for _ in range(3):  # a few decode steps: the fill count grows
             pos = st.filled
-            _, st = dec(st, *(jnp.asarray(rng.standard_normal(x), jnp.float32)
-                              for x in [(b, hq, D), (b, h, D), (b, h, D)]), pos)
+            _, st = dec(
+                st, *(jnp.asarray(rng.standard_normal(x), jnp.float32) for x in [(b, hq, D), (b, h, D), (b, h, D)]), pos
+            )
         filled = np.asarray(st.filled)
         np.testing.assert_array_equal(filled, np.asarray(lengths) + 3)
         np.testing.assert_array_equal(np.asarray(method.tokens_held(st)), filled.astype(np.float32))
@@ -459,7 +498,8 @@ def test_split_exact_vs_fractions(lr):
     """W_b and k_b (host and traced int32) equal floor((n - sink) r lr) and floor((n - sink) r (1 - lr)) in
     exact rationals, r and lr read as written (0.29 is 29/100): no float32 products."""
     from fractions import Fraction
-    ns = list(range(0, 400)) + [1000, 4096, 32768, 131071, 10 ** 6 + 7, 2 ** 31 - 1]
+
+    ns = list(range(0, 400)) + [1000, 4096, 32768, 131071, 10**6 + 7, 2**31 - 1]
     for r in [0.15, 0.3, 0.29, 0.1, 0.2, 0.05, 0.333, 0.7, 1.0]:
         method = PQCache(budget=r, sink=4, local_ratio=lr)
         fr, fl = Fraction(repr(r)), Fraction(repr(lr))
@@ -469,7 +509,10 @@ def test_split_exact_vs_fractions(lr):
         assert list(zip(np.asarray(w).tolist(), np.asarray(k).tolist())) == want, r
         assert [ref.split(n, 4, r, lr) for n in ns[:400]] == want[:400]
     # An int budget: W = floor(budget lr), k = the rest.
-    assert PQCache(budget=7, local_ratio=lr).split(100) == (int(7 * Fraction(repr(lr))), 7 - int(7 * Fraction(repr(lr))))
+    assert PQCache(budget=7, local_ratio=lr).split(100) == (
+        int(7 * Fraction(repr(lr))),
+        7 - int(7 * Fraction(repr(lr))),
+    )
 
 
 def _layer_run(method, hq, hkv, lengths, bucket, steps, seed=0):
@@ -493,10 +536,16 @@ def _layer_run(method, hq, hkv, lengths, bucket, steps, seed=0):
         return o, st, *method.select(st, qn, pos)
 
     for _ in range(steps):
-        qn, kn, vn = (jnp.asarray(rng.standard_normal(s_), jnp.float32) for s_ in [(b, hq, D), (b, hkv, D), (b, hkv, D)])
+        qn, kn, vn = (
+            jnp.asarray(rng.standard_normal(s_), jnp.float32) for s_ in [(b, hq, D), (b, hkv, D), (b, hkv, D)]
+        )
         o, st, idx, ok = step(st, qn, kn, vn)
-        out.append(([sorted(np.asarray(idx)[bi, h][np.asarray(ok)[bi, h]].tolist()) for bi in range(b)
-                     for h in range(hkv)], np.asarray(o)))
+        out.append(
+            (
+                [sorted(np.asarray(idx)[bi, h][np.asarray(ok)[bi, h]].tolist()) for bi in range(b) for h in range(hkv)],
+                np.asarray(o),
+            )
+        )
     return st0, out, st
 
 
@@ -525,8 +574,10 @@ def test_bucket_invariance_greedy(tiny):
     budget-contract test checks the same (buckets 64/128/256, greedy tokens) for every method by default."""
     ps = prompts([40, 23, 33], seed=3)
     method = methods.get("pqcache", budget=0.3, sink=3, bits=3, iters=4)
-    toks = [engine.generate(tiny, ps, method, max_new_tokens=6, driver="scan", stop_at_eos=False,
-                            prompt_len=pl).tokens for pl in (64, 128, 256)]
+    toks = [
+        engine.generate(tiny, ps, method, max_new_tokens=6, driver="scan", stop_at_eos=False, prompt_len=pl).tokens
+        for pl in (64, 128, 256)
+    ]
     assert toks[0] == toks[1] == toks[2]
 
 
@@ -580,8 +631,10 @@ def test_short_prompts_any_budget(tiny, budget):
             assert 0 <= w + k <= max(n - 4, 0)
             assert m.attended(n, 0) <= n + 1 and m.held(n, 3) == n + 3
     ps = prompts([1, 5, 30], seed=4)
-    for method in [methods.get("pqcache", budget=budget),
-                   methods.get("pqcache", budget=budget, sink=4, bits=2, dense_short=False)]:
+    for method in [
+        methods.get("pqcache", budget=budget),
+        methods.get("pqcache", budget=budget, sink=4, bits=2, dense_short=False),
+    ]:
         res = engine.generate(tiny, ps, method, max_new_tokens=4, driver="scan", stop_at_eos=False)
         assert [len(t) for t in res.tokens] == [4, 4, 4]
     # The int budget larger than every candidate set and no window: clamped, not an error.
@@ -613,5 +666,11 @@ def test_bad_input():
 
     assert PQCache(offload=True).offloads and not PQCache().offloads
     with pytest.raises(ValueError, match="offload=True keeps its K/V on one device's host memory"):
-        engine.init_states(cfg, PQCache(offload=True, sink=4), 2, Capacity(64, 8), jnp.float32,
-                           sharding.make_mesh("data=2,model=1", jax.devices()[:2]))
+        engine.init_states(
+            cfg,
+            PQCache(offload=True, sink=4),
+            2,
+            Capacity(64, 8),
+            jnp.float32,
+            sharding.make_mesh("data=2,model=1", jax.devices()[:2]),
+        )

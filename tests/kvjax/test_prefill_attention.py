@@ -64,8 +64,9 @@ def check(out, q, k, v, n, window, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_splash_interpret_matches_chunked(heads, window, dtype):
     q, k, v, n = inputs(heads, dtype)
-    out = jax.jit(functools.partial(P.prefill_attention, sliding_window=window, impl="splash", block_size=128,
-                                    interpret=True))(q, k, v, n)
+    out = jax.jit(
+        functools.partial(P.prefill_attention, sliding_window=window, impl="splash", block_size=128, interpret=True)
+    )(q, k, v, n)
     assert out.dtype == dtype
     check(out, q, k, v, n, window, dtype)
 
@@ -88,22 +89,27 @@ def test_chunked_matches_dense():
         dense = P.dense_attention(q, k, v, n, window)
         check(dense, q, k, v, n, window, jnp.float32)
     # model.causal_attention is the same entry point
-    np.testing.assert_array_equal(np.asarray(M.causal_attention(q, k, v, n, WINDOW, 128, impl="chunked")),
-                                  np.asarray(P.chunked_attention(q, k, v, n, WINDOW, 128)))
+    np.testing.assert_array_equal(
+        np.asarray(M.causal_attention(q, k, v, n, WINDOW, 128, impl="chunked")),
+        np.asarray(P.chunked_attention(q, k, v, n, WINDOW, 128)),
+    )
 
 
 def test_padded_rows_finite():
     """A zero-length and a one-token sequence: every row finite in every implementation (CPU-runnable)."""
     q, k, v, n = inputs("smollm2", jnp.bfloat16, t=130, lengths=(0, 1))
-    outs = [P.prefill_attention(q, k, v, n, impl="chunked", chunk=64),
-            P.splash_attention(q, k, v, n, block_size=128, interpret=True),
-            P._cudnn_call(q, k, v, n, None, "xla")]
+    outs = [
+        P.prefill_attention(q, k, v, n, impl="chunked", chunk=64),
+        P.splash_attention(q, k, v, n, block_size=128, interpret=True),
+        P._cudnn_call(q, k, v, n, None, "xla"),
+    ]
     for out in outs:
         assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     # the one real query of sequence 1 sees only itself: its output is its value
     for out in outs:
-        np.testing.assert_allclose(np.asarray(out[1, :, 0], np.float32),
-                                   np.repeat(np.asarray(v[1, :, 0], np.float32), 3, axis=0), atol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(out[1, :, 0], np.float32), np.repeat(np.asarray(v[1, :, 0], np.float32), 3, axis=0), atol=1e-2
+        )
 
 
 @pytest.mark.parametrize("impl", ["splash", "cudnn_as_xla"])
@@ -115,8 +121,9 @@ def test_kernels_under_a_mesh(monkeypatch, impl):
 
     if impl == "cudnn_as_xla":
         monkeypatch.setattr(P, "cudnn_ineligible", lambda *a: None)
-        monkeypatch.setattr(P, "cudnn_attention",
-                            lambda q, k, v, n, sliding_window: P._cudnn_call(q, k, v, n, sliding_window, "xla"))
+        monkeypatch.setattr(
+            P, "cudnn_attention", lambda q, k, v, n, sliding_window: P._cudnn_call(q, k, v, n, sliding_window, "xla")
+        )
     mesh = sharding.make_mesh({"data": 2, "model": 4})
     q, k, v, n = inputs("llama31_8b", jnp.float32, t=200, lengths=(200, 77))
     q, k, v, n = (sharding.put_batch(x, mesh) for x in (q, k, v, n))
@@ -132,6 +139,7 @@ def test_kernels_under_a_mesh(monkeypatch, impl):
 
 
 # ------------------------------------------------------------------------------------------ implementation choice
+
 
 def test_default_impl_by_backend_and_env(monkeypatch):
     monkeypatch.delenv(P.ENV_IMPL, raising=False)
@@ -188,14 +196,20 @@ def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:
     params = jax.eval_shape(lambda: M.random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, method, batch, Capacity(t, 16), jnp.float32))
     s = jax.ShapeDtypeStruct
-    compiled = jax.jit(functools.partial(engine._prefill, CFG, method)).lower(
-        params, s((batch, t), jnp.int32), s((batch,), jnp.int32), states).compile()
+    compiled = (
+        jax.jit(functools.partial(engine._prefill, CFG, method))
+        .lower(params, s((batch, t), jnp.int32), s((batch,), jnp.int32), states)
+        .compile()
+    )
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_METHODS else pytest.mark.slow)
-                                  for n in methods.names()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in DEFAULT_METHODS else pytest.mark.slow) for n in methods.names()]
+)
 def test_prefill_memory_linear_in_t(name):
     small, large = prefill_temp_bytes(name, 8192), prefill_temp_bytes(name, 16384)
-    assert large / small < 2.5, (f"{name}: prefill temp bytes {small} at T=8192 but {large} at T=16384 "
-                                 f"(x{large / small:.2f} for 2x T): something is quadratic in T")
+    assert large / small < 2.5, (
+        f"{name}: prefill temp bytes {small} at T=8192 but {large} at T=16384 "
+        f"(x{large / small:.2f} for 2x T): something is quadratic in T"
+    )

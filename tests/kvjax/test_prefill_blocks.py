@@ -21,8 +21,17 @@ from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 
-CFG = ModelConfig("llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=16, max_position_embeddings=2048)
+CFG = ModelConfig(
+    "llama",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+)
 T, LENGTHS = 1024, (700, 333)
 
 
@@ -103,12 +112,13 @@ def steps(name, token_block, monkeypatch):
     return np.asarray(jnp.stack(out))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_METHODS else pytest.mark.slow)
-                                  for n in methods.names()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in DEFAULT_METHODS else pytest.mark.slow) for n in methods.names()]
+)
 def test_methods_ignore_what_padding_holds(name, monkeypatch):
     """Token blocks of 16 (44 of 64 run: rows past the longest prompt stay 0) against one pass over the whole
     bucket (padding rows computed from the padding tokens): every method keeps and attends the same tokens, so
     the prefill logits and the next decode steps' logits agree."""
     blocked = steps(name, 16, monkeypatch)
-    whole = steps(name, 10 ** 9, monkeypatch)
+    whole = steps(name, 10**9, monkeypatch)
     np.testing.assert_allclose(blocked, whole, atol=1e-4, rtol=0)

@@ -17,15 +17,28 @@ from kvjax.methods.base import Capacity
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
-                      sliding_windows=(None,) * 3)
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_windows=(None,) * 3,
+    )
     return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(3), scale=0.3), None, "tiny")
 
 
-SMALL = {"chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4), "pqcache": dict(sink=2, bits=3),
-         "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-         "quest": dict(page_size=4, n_full=1), "less": dict(hidden=16)}
+SMALL = {
+    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
+    "pqcache": dict(sink=2, bits=3),
+    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
+    "quest": dict(page_size=4, n_full=1),
+    "less": dict(hidden=16),
+}
 
 
 def _method(name):
@@ -44,8 +57,14 @@ def _batch():
 FAST = ("h2o", "chunkkv", "clusterkv")
 
 
-@pytest.mark.parametrize("scan,names", [(True, FAST), pytest.param(True, tuple(
-    n for n in methods.names() if n not in FAST), marks=pytest.mark.slow), (False, ("h2o", "chunkkv"))])
+@pytest.mark.parametrize(
+    "scan,names",
+    [
+        (True, FAST),
+        pytest.param(True, tuple(n for n in methods.names() if n not in FAST), marks=pytest.mark.slow),
+        (False, ("h2o", "chunkkv")),
+    ],
+)
 @pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")
 def test_compressing_one_prefill_gives_each_methods_own_prefill(tiny, scan, names):
     ids, tokens, lengths = _batch()

@@ -58,8 +58,7 @@ from kvjax.model import random_params
 # ---------------------------------------------------------------------------------------------------------------
 # profiles
 
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-               print_blob=True)
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
 #: The CI run: derandomized (the same examples every run), one generated example per method besides the fixed one,
 #: and ``CI_EXAMPLES`` where more are needed to find a known bug (each example is a compile: more everywhere costs
 #: minutes of CPU the suite does not have).
@@ -81,6 +80,7 @@ def examples(name: str) -> int:
     if os.environ.get("KVJAX_HYPOTHESIS_EXAMPLES") or PROFILE != "default":
         return EXAMPLES
     return max(EXAMPLES, CI_EXAMPLES.get(name, 0))
+
 
 VERBOSE = os.environ.get("KVJAX_HYPOTHESIS_VERBOSE") == "1"  # print each static case (with -s)
 CLEAR_EVERY = 8  # examples between jax.clear_caches() in one method's test
@@ -120,10 +120,12 @@ def budgets(name: str, bucket: int):
     """Fractions from the smallest legal one (1/10000: one token) to 1.0, and counts from the smallest legal
     one to beyond the bucket + decode steps."""
     low = methods.small(name).min_legal_budget()
-    frac = st.one_of(st.sampled_from([0.0001, 0.1, 0.25, 0.3, 0.5, 1.0]),
-                     st.integers(1, 10_000).map(lambda i: i / 10_000))
-    count = st.one_of(st.sampled_from([low, low + 1, bucket // 2, bucket, bucket + NEW + 7]),
-                      st.integers(low, bucket + NEW))
+    frac = st.one_of(
+        st.sampled_from([0.0001, 0.1, 0.25, 0.3, 0.5, 1.0]), st.integers(1, 10_000).map(lambda i: i / 10_000)
+    )
+    count = st.one_of(
+        st.sampled_from([low, low + 1, bucket // 2, bucket, bucket + NEW + 7]), st.integers(low, bucket + NEW)
+    )
     return st.one_of(frac, count)
 
 
@@ -139,9 +141,17 @@ def any_case(draw, name: str):
     ratio = draw(st.sampled_from([1, 2, 3, 4, 8]))
     kv_heads = draw(st.sampled_from([1, 2])) if ratio <= 4 else 1
     bucket = draw(st.sampled_from([32, 64]))
-    return Case(name, batch=draw(st.integers(1, 4)), bucket=bucket, ratio=ratio, kv_heads=kv_heads,
-                head_dim=draw(st.sampled_from([16, 64, 128])), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-                budget=draw(budgets(name, bucket)) if name != "full" else 0, options=draw(options(name)))
+    return Case(
+        name,
+        batch=draw(st.integers(1, 4)),
+        bucket=bucket,
+        ratio=ratio,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([16, 64, 128])),
+        dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+        budget=draw(budgets(name, bucket)) if name != "full" else 0,
+        options=draw(options(name)),
+    )
 
 
 def options(name: str):
@@ -155,12 +165,13 @@ def options(name: str):
 
 #: A dynamic draw: up to 4 prompt lengths (clipped to the bucket, the first ``batch`` used; 1 and the bucket
 #: often) and the token seed.
-DRAW = st.tuples(st.lists(st.one_of(st.sampled_from([1, 64]), st.integers(1, 64)), min_size=4, max_size=4),
-                 st.integers(0, 2**16))
+DRAW = st.tuples(
+    st.lists(st.one_of(st.sampled_from([1, 64]), st.integers(1, 64)), min_size=4, max_size=4), st.integers(0, 2**16)
+)
 
 
 def lengths_of(case: Case, draw) -> list[int]:
-    return [min(n, case.bucket) for n in draw[0][:case.batch]]
+    return [min(n, case.bucket) for n in draw[0][: case.batch]]
 
 
 def explicit(name: str):
@@ -168,11 +179,13 @@ def explicit(name: str):
     rotated over the methods so that the default profile covers every dimension; two draws of varied lengths."""
     i = methods.names().index(name)
     low = methods.small(name).min_legal_budget()
-    table = [dict(batch=4, bucket=32, ratio=3, kv_heads=2, head_dim=64, dtype="bfloat16", budget=0.3),
-             dict(batch=3, bucket=32, ratio=8, kv_heads=1, head_dim=128, dtype="float32", budget=max(low, 12)),
-             dict(batch=4, bucket=64, ratio=2, kv_heads=2, head_dim=16, dtype="bfloat16", budget=64 + NEW + 7),
-             dict(batch=2, bucket=32, ratio=4, kv_heads=1, head_dim=64, dtype="bfloat16", budget=1.0),
-             dict(batch=4, bucket=32, ratio=1, kv_heads=2, head_dim=16, dtype="float32", budget=low)]
+    table = [
+        dict(batch=4, bucket=32, ratio=3, kv_heads=2, head_dim=64, dtype="bfloat16", budget=0.3),
+        dict(batch=3, bucket=32, ratio=8, kv_heads=1, head_dim=128, dtype="float32", budget=max(low, 12)),
+        dict(batch=4, bucket=64, ratio=2, kv_heads=2, head_dim=16, dtype="bfloat16", budget=64 + NEW + 7),
+        dict(batch=2, bucket=32, ratio=4, kv_heads=1, head_dim=64, dtype="bfloat16", budget=1.0),
+        dict(batch=4, bucket=32, ratio=1, kv_heads=2, head_dim=16, dtype="float32", budget=low),
+    ]
     opts = {"less": (("policy", "lambda"),), "chunkkv": (("reuse", 2),)}.get(name, ())
     row = dict(table[i % len(table)])
     if name == "full":
@@ -184,9 +197,17 @@ def explicit(name: str):
 
 @functools.lru_cache(maxsize=None)
 def tiny(ratio: int, kv_heads: int, head_dim: int, dtype: str) -> Model:
-    cfg = ModelConfig(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                      num_layers=NUM_LAYERS, num_heads=ratio * kv_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=256)
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=NUM_LAYERS,
+        num_heads=ratio * kv_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+    )
     key = jax.random.PRNGKey(ratio * 1000 + kv_heads * 100 + head_dim)
     return Model(cfg, random_params(cfg, key, dtype=jnp.dtype(dtype), scale=0.3), None, "tiny")
 
@@ -222,8 +243,9 @@ def run(case: Case, m, lens: list[int], seed: int):
     after_prefill = snapshot(m, states, q)
     loop = engine.DecodeLoop(cfg, m, FiniteGreedy(), NEW, ())
     first = FiniteGreedy()(logits, None)
-    out, steps, states = engine.run_loop(loop, "scan", model.params, states, first, jnp.asarray(lengths),
-                                         jax.random.PRNGKey(seed))
+    out, steps, states = engine.run_loop(
+        loop, "scan", model.params, states, first, jnp.asarray(lengths), jax.random.PRNGKey(seed)
+    )
     assert int(steps) == NEW
     out = np.asarray(out)
     assert (out >= 0).all(), f"non-finite logits at decode steps {sorted(set(np.nonzero(out < 0)[1].tolist()))}"
@@ -250,8 +272,11 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
             if np.issubdtype(leaf.dtype, np.floating) or leaf.dtype == jnp.bfloat16:
                 assert np.isfinite(leaf.astype(np.float32)).all(), f"non-finite state leaf ({where})"
         # memory_bytes: every leaf (LESS: its learned kernels are model weights, not cache)
-        leaves = (jax.tree.leaves(state.sparse) + [state.H, state.z]) if isinstance(state, LessState) \
+        leaves = (
+            (jax.tree.leaves(state.sparse) + [state.H, state.z])
+            if isinstance(state, LessState)
             else jax.tree.leaves(state)
+        )
         assert mem == sum(np.asarray(x).nbytes for x in leaves), where
         for b, n in enumerate(lens):
             limit = m.held(n, steps, LayerContext(layer, NUM_LAYERS, Capacity(n, NEW)))
@@ -270,7 +295,7 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
                 if case.name == "clusterkv":  # B_b prompt-side tokens, sinks included, plus the window
                     sinks, bsel = m.split(n, NEW)
                     assert want - (steps % m.window) - 1 <= sinks + bsel, (where, b, n, want)
-                assert not sel[b][:, n + steps:].any(), (where, b, "selects a position not yet written")
+                assert not sel[b][:, n + steps :].any(), (where, b, "selects a position not yet written")
 
 
 def per_head_held(state, b: int) -> np.ndarray:
@@ -310,8 +335,9 @@ def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
             elif name == "streaming_llm":
                 budget = int(state.limit[b])
                 sk = m.sinks_for(budget) if case.name != "less" else m.sparse.sinks_for(budget)
-                want = set(range(total)) if total <= budget else \
-                    set(range(sk)) | set(range(total - (budget - sk), total))
+                want = (
+                    set(range(total)) if total <= budget else set(range(sk)) | set(range(total - (budget - sk), total))
+                )
                 assert stored == want, (where, b, h, sorted(stored), sorted(want))
             elif name == "h2o":
                 sparse = m.sparse if case.name == "less" else m

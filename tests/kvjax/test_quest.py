@@ -26,8 +26,16 @@ D = 16
 
 
 def model_cfg(hq, hkv, layers=2):
-    return kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
-                             num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=D)
+    return kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=D,
+    )
 
 
 def run_prefill(method, hq, hkv, lengths, t, max_new, seed=0, layer=0):
@@ -45,17 +53,28 @@ def run_prefill(method, hq, hkv, lengths, t, max_new, seed=0, layer=0):
 
 
 def new_token(rng, b, hq, hkv):
-    return (rng.standard_normal((b, hq, D)).astype(np.float32), rng.standard_normal((b, hkv, D)).astype(np.float32),
-            rng.standard_normal((b, hkv, D)).astype(np.float32))
+    return (
+        rng.standard_normal((b, hq, D)).astype(np.float32),
+        rng.standard_normal((b, hkv, D)).astype(np.float32),
+        rng.standard_normal((b, hkv, D)).astype(np.float32),
+    )
 
 
 # ------------------------------------------------------------------------------------ against the reference
 
 
-@pytest.mark.parametrize("hq,hkv,budget,lengths", [(4, 4, 0.5, (37, 22)), (4, 2, 0.5, (37, 22)), (8, 2, 0.3, (40, 29)),
-                                                    (4, 2, 12, (37, 5)), (4, 2, 0.1, (37, 22)), (4, 4, 0.08, (37, 9))],
-                         ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row", "gqa2-0.1-below-a-page",
-                              "mha-0.08-below-a-page"])
+@pytest.mark.parametrize(
+    "hq,hkv,budget,lengths",
+    [
+        (4, 4, 0.5, (37, 22)),
+        (4, 2, 0.5, (37, 22)),
+        (8, 2, 0.3, (40, 29)),
+        (4, 2, 12, (37, 5)),
+        (4, 2, 0.1, (37, 22)),
+        (4, 4, 0.08, (37, 9)),
+    ],
+    ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row", "gqa2-0.1-below-a-page", "mha-0.08-below-a-page"],
+)
 def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
     """Page size 4, 9 decode steps (two or three page boundaries crossed). Per step: the page min/max of every
     live page (the current partial page included), the positions ``selected_positions`` announces before the
@@ -86,8 +105,8 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
             np.testing.assert_allclose(np.asarray(out)[bi], want, atol=1e-5)
             for h in range(hkv):
                 lo, hi = ref.page_bounds(seq.k[h], ps)
-                np.testing.assert_array_equal(kmin[bi, h, :len(lo)], lo.astype(np.float32))
-                np.testing.assert_array_equal(kmax[bi, h, :len(hi)], hi.astype(np.float32))
+                np.testing.assert_array_equal(kmin[bi, h, : len(lo)], lo.astype(np.float32))
+                np.testing.assert_array_equal(kmax[bi, h, : len(hi)], hi.astype(np.float32))
                 got = sorted(int(p) for p in pages[bi, h] if p >= 0)
                 assert got == seq.pages[-1][h], (step, bi, h)
                 n_att = seq.attended[-1][h]
@@ -119,15 +138,16 @@ def test_upper_bound_never_below_the_true_page_maximum():
                 for qh in range(4):
                     h, gi = qh // 2, qh % 2
                     lo, hi = ref.page_bounds(k[bi, h, :n], ps)
-                    np.testing.assert_allclose(u[bi, h, gi, :len(lo)], ref.upper_bound(qn[bi, qh], lo, hi),
-                                               rtol=1e-5, atol=1e-4)
+                    np.testing.assert_allclose(
+                        u[bi, h, gi, : len(lo)], ref.upper_bound(qn[bi, qh], lo, hi), rtol=1e-5, atol=1e-4
+                    )
                     for j in range(len(lo)):
-                        true = (k[bi, h, j * ps:min((j + 1) * ps, n)].astype(np.float64) @ qn[bi, qh]).max()
+                        true = (k[bi, h, j * ps : min((j + 1) * ps, n)].astype(np.float64) @ qn[bi, qh]).max()
                         assert u[bi, h, gi, j] >= true - 1e-4
                 for h in range(2):
-                    qm = qn[bi, 2 * h:2 * h + 2].astype(np.float64).mean(0)
+                    qm = qn[bi, 2 * h : 2 * h + 2].astype(np.float64).mean(0)
                     for j in range(-(-n // ps)):
-                        true = (k[bi, h, j * ps:min((j + 1) * ps, n)].astype(np.float64) @ qm).max()
+                        true = (k[bi, h, j * ps : min((j + 1) * ps, n)].astype(np.float64) @ qm).max()
                         assert u[bi, h, :, j].mean() >= true - 1e-4
 
 
@@ -186,8 +206,16 @@ def test_layers_below_n_full_are_full():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return kvjax.Model(cfg, kvjax.model.random_params(cfg, jax.random.PRNGKey(0), jnp.float32, 1.0), None, "tiny")
 
 
@@ -252,7 +280,11 @@ def test_bytes_read_and_memory():
         want = meta + 2 * hkv * n_pages * 4 + rows * 2 * D * item + win * 2 * D * item + 2 * q_out
         br = method.bytes_read_breakdown(st, hq)
         assert (br["metadata"], br["scores"], br["attention"], br["window"]) == (
-            meta, 2 * hkv * n_pages * 4, rows * 2 * D * item + q_out, win * 2 * D * item + q_out)
+            meta,
+            2 * hkv * n_pages * 4,
+            rows * 2 * D * item + q_out,
+            win * 2 * D * item + q_out,
+        )
         got = method.bytes_read_per_step(st, hq)
         assert got == want and isinstance(got, int)
         assert want < br["full_kv"]

@@ -61,8 +61,7 @@ def run(model: Model, m, scan: bool, mesh=None):
     if mesh is not None:
         params = sharding.shard_params(cfg, params, mesh)
     tokens, lengths = engine.pad_prompts(prompts(), BUCKET)
-    states = engine.init_states(cfg, m, len(lengths), Capacity(BUCKET, STEPS + 1), model.dtype, mesh,
-                                scan_layers=scan)
+    states = engine.init_states(cfg, m, len(lengths), Capacity(BUCKET, STEPS + 1), model.dtype, mesh, scan_layers=scan)
     tokens, lengths = sharding.put_batch(jnp.asarray(tokens), mesh), sharding.put_batch(jnp.asarray(lengths), mesh)
     states, logits = engine.prefill(cfg, m, params, tokens, lengths, states, mesh=mesh)
     out, pos = [np.asarray(logits)], lengths
@@ -79,7 +78,9 @@ def run(model: Model, m, scan: bool, mesh=None):
 SLOW = ("pyramidkv", "pqcache", "clusterkv", "quest")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()]
+)
 def test_scan_matches_unrolled(tiny, name):
     m = method(name)
     ref, ref_states = run(tiny, m, scan=False)
@@ -142,15 +143,23 @@ def test_stacked_params_roundtrip(tiny):
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tiny.params)):
         np.testing.assert_array_equal(a, b)
     tokens = jnp.asarray([prompts()[0]], jnp.int32)  # the dense forward reads either layout
-    np.testing.assert_allclose(M.forward(tiny.config, stacked, tokens), M.forward(tiny.config, tiny.params, tokens),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        M.forward(tiny.config, stacked, tokens), M.forward(tiny.config, tiny.params, tokens), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_generate_from_scanned_checkpoint_compiles_once(tmp_path):
     """A local HF folder loaded with scan_layers=True: same tokens as the unrolled model, one compile of the
     decode loop for two calls of one bucket."""
-    hf = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    hf = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     import torch
 
     torch.manual_seed(0)
@@ -224,8 +233,9 @@ DENSE_READ = ("h2o", "less", "chelsea")
 def test_scanned_loop_updates_the_stack_in_place(name):
     """The compiled decode loop of a scanned layer stack writes each layer's new token into the stacked cache in place,
     as the unrolled loop writes its per-layer buffers (test_engine.py::test_loop_updates_cache_in_place): no copy of
-    the stacked K/V or per-slot leaves ``[L, B, Hkv, S, ...]``, and no K/V slice ``[B, Hkv, S, D]`` of a layer computed or copied, per layer and
-    step (the decode attention reads ``chunk < S`` rows at a time straight from the stack). Shapes at which the
+    the stacked K/V or per-slot leaves ``[L, B, Hkv, S, ...]``, and no K/V slice ``[B, Hkv, S, D]`` of a layer computed
+    or copied, per layer and step (the decode attention reads ``chunk < S`` rows at a time straight from the stack).
+    Shapes at which the
     attention's chunk (256 rows) is shorter than every cache; nothing is allocated (abstract states)."""
     cfg = ModelConfig("llama", 256, 64, 128, 4, 16, 8, 128, max_position_embeddings=4096)
     extra = {"quest": dict(n_full=0), "clusterkv": dict(n_full=0), "less": dict(hidden=16)}.get(name, {})

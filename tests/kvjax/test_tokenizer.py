@@ -117,9 +117,11 @@ def test_special_ids_match_transformers(ours, ref):
 
 
 def test_gguf_tokenizer_needs_neither_torch_nor_transformers():
-    code = ("import sys; from kvjax import assets; from kvjax.tokenizer import GGUFTokenizer; "
-            "t = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path()); assert t.encode('hi'); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from kvjax import assets; from kvjax.tokenizer import GGUFTokenizer; "
+        "t = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path()); assert t.encode('hi'); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     root = str(Path(kvjax.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -179,20 +181,24 @@ def test_tiny_gguf_matches_transformers(tmp_path, pre):
 
 def test_tiny_gguf_split_regex_follows_pre(tmp_path):
     """The splits differ on digits and upper-case contractions: GPT-2 vs Llama 3 vs Qwen2."""
-    encodings = {pre: tuple(GGUFTokenizer.from_gguf(_write_gguf(tmp_path / f"{pre}.gguf", pre=pre)).encode(
-        " 12345 IT'S")) for pre in ("smollm", "llama-bpe", "qwen2")}
+    encodings = {
+        pre: tuple(GGUFTokenizer.from_gguf(_write_gguf(tmp_path / f"{pre}.gguf", pre=pre)).encode(" 12345 IT'S"))
+        for pre in ("smollm", "llama-bpe", "qwen2")
+    }
     assert len(set(encodings.values())) == 3, encodings
 
 
 def test_tiny_gguf_chat_template(tmp_path):
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-                "{{ raise_exception('no system role') }}{% endif %}"
-                "[{{ m['role'] }}]{{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}"
-                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}"
+        "[{{ m['role'] }}]{{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     path = _write_gguf(tmp_path / "chat.gguf", chat_template=template)
     tok = GGUFTokenizer.from_gguf(path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    msgs = [{"role": "user", "content": "né <b>\"q\"</b>"}]
+    msgs = [{"role": "user", "content": 'né <b>"q"</b>'}]
     want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert tok.apply_chat_template(msgs) == want == '<s>[user]"né <b>\\"q\\"</b>"</s>\n[assistant]'
     assert tok.encode_chat(msgs)[:1] == [0]
@@ -224,8 +230,12 @@ def test_bad_input(tmp_path):
 
 def _save_hf_folder(ours, folder, chat_template, generation_eos=None):
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=ours.backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+        tokenizer_object=ours.backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(str(folder))

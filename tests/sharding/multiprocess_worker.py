@@ -32,8 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 METHODS = {"pqcache": {"budget": 0.5}, "chelsea": {"budget": 0.5}}
 MAX_NEW = 6
 #: The LESS training of step 4: a tiny random model; 20 sequences, 4 for validation, batch 8 -> 2 steps.
-LESS_MODEL = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
+LESS_MODEL = dict(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 LESS_TRAIN = dict(budget=6, rank=4, hidden=16, epochs=1, batch=8, seq_len=32, num_seqs=20, val_frac=0.2, lr=1e-2)
 
 
@@ -82,9 +90,26 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = script.main(["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
-                            "--process-id", str(args.process_id), "--mesh", args.mesh, "--model", args.model,
-                            "--method", "snapkv", "--budget", "0.5", "--max-new-tokens", str(MAX_NEW)])
+        code = script.main(
+            [
+                "--coordinator",
+                args.coordinator,
+                "--num-processes",
+                str(args.num_processes),
+                "--process-id",
+                str(args.process_id),
+                "--mesh",
+                args.mesh,
+                "--model",
+                args.model,
+                "--method",
+                "snapkv",
+                "--budget",
+                "0.5",
+                "--max-new-tokens",
+                str(MAX_NEW),
+            ]
+        )
     times["multihost_script"] = time.perf_counter() - t
     assert jax.process_count() == args.num_processes and jax.process_index() == args.process_id
 
@@ -96,8 +121,9 @@ def main(argv=None) -> int:
     model = kvjax.load_model(args.model, mesh=args.mesh)
     tokens = {}
     for name, kw in METHODS.items():
-        res = kvjax.generate(model, prompts(model.config.vocab_size), kvjax.methods.get(name, **kw), MAX_NEW,
-                             stop_at_eos=False)
+        res = kvjax.generate(
+            model, prompts(model.config.vocab_size), kvjax.methods.get(name, **kw), MAX_NEW, stop_at_eos=False
+        )
         tokens[name] = res.tokens
     times["generate"] = time.perf_counter() - t
 
@@ -113,18 +139,45 @@ def main(argv=None) -> int:
     meta = train(cfg, params, seqs, tc, out / "less", "tiny", progress=False, mesh=f"data={ndev}")
     times["train"] = time.perf_counter() - t
 
-    result = {"process": jax.process_index(), "processes": jax.process_count(), "devices": ndev,
-              "local_devices": jax.local_device_count(), "script_code": code, "script_stdout": printed.getvalue(),
-              "tokens": tokens, "eval_code": eval_code, "eval_wrote": sorted(p.name for p in eval_out.glob("*")),
-              "less_history": meta.get("history"), "seconds": times}
+    result = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": ndev,
+        "local_devices": jax.local_device_count(),
+        "script_code": code,
+        "script_stdout": printed.getvalue(),
+        "tokens": tokens,
+        "eval_code": eval_code,
+        "eval_wrote": sorted(p.name for p in eval_out.glob("*")),
+        "less_history": meta.get("history"),
+        "seconds": times,
+    }
     (out / f"result-p{args.process_id}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
 def eval_argv(model: str, out) -> list[str]:
     """The ``kvjax-eval`` cell: one needle batch of two prompts, snapkv at half the prompt."""
-    return ["needle", "--model", str(model), "--methods", "snapkv", "--budgets", "0.5", "--lengths", "160",
-            "--depths", "0,1", "--batch", "2", "--max-new-tokens", "4", "--no-progress", "--out", str(out)]
+    return [
+        "needle",
+        "--model",
+        str(model),
+        "--methods",
+        "snapkv",
+        "--budgets",
+        "0.5",
+        "--lengths",
+        "160",
+        "--depths",
+        "0,1",
+        "--batch",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
 
 
 if __name__ == "__main__":

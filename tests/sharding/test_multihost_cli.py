@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -37,8 +44,24 @@ def test_multihost_script_single_process_equals_one_device(tiny_path, capsys):
     spec = importlib.util.spec_from_file_location("multihost", ROOT / "scripts" / "multihost.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["--single-process", "--mesh", "data=2,model=4", "--model", str(tiny_path),
-                        "--method", "snapkv", "--budget", "0.5", "--max-new-tokens", "6"]) == 0
+    assert (
+        script.main(
+            [
+                "--single-process",
+                "--mesh",
+                "data=2,model=4",
+                "--model",
+                str(tiny_path),
+                "--method",
+                "snapkv",
+                "--budget",
+                "0.5",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("process 0 of 1: mesh data=2 x model=4: 2 query heads and 1 KV heads per device")
     printed = [eval(line) for line in out[1:]]
@@ -48,11 +71,14 @@ def test_multihost_script_single_process_equals_one_device(tiny_path, capsys):
     assert printed == ref and len(np.unique(ref)) > 1
 
 
-@pytest.mark.parametrize("mesh,message", [
-    ("data=1,tensor=8", "mesh axis 'tensor' is unknown"),
-    ("data=1,model=3", "'model' has size 3 but the model has 8 attention heads"),
-    ("data=4,model=4", "needs 16 devices but 8 exist"),
-])
+@pytest.mark.parametrize(
+    "mesh,message",
+    [
+        ("data=1,tensor=8", "mesh axis 'tensor' is unknown"),
+        ("data=1,model=3", "'model' has size 3 but the model has 8 attention heads"),
+        ("data=4,model=4", "needs 16 devices but 8 exist"),
+    ],
+)
 def test_generate_cli_bad_mesh_is_a_clean_error(tiny_path, capsys, mesh, message):
     code = cli.main(["generate", "--model", str(tiny_path), "--mesh", mesh, "--prompt", "hi", "--max-new-tokens", "2"])
     err = capsys.readouterr().err

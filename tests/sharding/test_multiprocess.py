@@ -52,18 +52,27 @@ def reference(tiny_path, tmp_path_factory):
     from train_less.trainer import train
 
     model = kvjax.load_model(tiny_path)
-    script_prompts = [model.tokenizer.encode(f"Count from {i} to {i + 5}:", add_special_tokens=True)
-                      for i in range(2)]
-    snapkv = kvjax.generate(model, script_prompts, kvjax.methods.get("snapkv", budget=0.5), W.MAX_NEW,
-                            stop_at_eos=False).tokens
-    tokens = {name: kvjax.generate(model, W.prompts(model.config.vocab_size), kvjax.methods.get(name, **kw),
-                                   W.MAX_NEW, stop_at_eos=False).tokens for name, kw in W.METHODS.items()}
+    script_prompts = [model.tokenizer.encode(f"Count from {i} to {i + 5}:", add_special_tokens=True) for i in range(2)]
+    snapkv = kvjax.generate(
+        model, script_prompts, kvjax.methods.get("snapkv", budget=0.5), W.MAX_NEW, stop_at_eos=False
+    ).tokens
+    tokens = {
+        name: kvjax.generate(
+            model, W.prompts(model.config.vocab_size), kvjax.methods.get(name, **kw), W.MAX_NEW, stop_at_eos=False
+        ).tokens
+        for name, kw in W.METHODS.items()
+    }
     out = tmp_path_factory.mktemp("one-process")
     assert eval_cli.main(W.eval_argv(tiny_path, out / "eval")) == 0
     cfg, params, seqs, tc = W.less_setup()
     less = train(cfg, params, seqs, tc, out / "less", "tiny", progress=False)
-    return {"snapkv": snapkv, "tokens": tokens, "eval": json.loads((out / "eval" / "results.json").read_text()),
-            "less": less, "less_dir": out / "less"}
+    return {
+        "snapkv": snapkv,
+        "tokens": tokens,
+        "eval": json.loads((out / "eval" / "results.json").read_text()),
+        "less": less,
+        "less_dir": out / "less",
+    }
 
 
 def _free_port() -> int:
@@ -74,17 +83,39 @@ def _free_port() -> int:
 
 def launch(n: int, model_path, out: Path, timeout: float = 900) -> list[dict]:
     """Start ``n`` workers on localhost, wait for all; their result JSONs (a failure shows every log's tail)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]).rstrip(os.pathsep),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+    }
     coordinator = f"127.0.0.1:{_free_port()}"
     out.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i in range(n):
         logs.append(open(out / f"log-p{i}.txt", "w"))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), "--coordinator", coordinator, "--num-processes",
-                                       str(n), "--process-id", str(i), "--model", str(model_path), "--out", str(out)],
-                                      env=env, stdout=logs[-1], stderr=subprocess.STDOUT, cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(WORKER),
+                    "--coordinator",
+                    coordinator,
+                    "--num-processes",
+                    str(n),
+                    "--process-id",
+                    str(i),
+                    "--model",
+                    str(model_path),
+                    "--out",
+                    str(out),
+                ],
+                env=env,
+                stdout=logs[-1],
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
+        )
     deadline = time.monotonic() + timeout
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
@@ -95,8 +126,9 @@ def launch(n: int, model_path, out: Path, timeout: float = 900) -> list[dict]:
         for f in logs:
             f.close()
     if any(codes):
-        tails = "\n".join(f"--- process {i} (exit {c}):\n" + (out / f"log-p{i}.txt").read_text()[-3000:]
-                          for i, c in enumerate(codes))
+        tails = "\n".join(
+            f"--- process {i} (exit {c}):\n" + (out / f"log-p{i}.txt").read_text()[-3000:] for i, c in enumerate(codes)
+        )
         pytest.fail(f"a worker failed:\n{tails}")
     return [json.loads((out / f"result-p{i}.json").read_text()) for i in range(n)]
 
@@ -107,16 +139,20 @@ def test_processes_equal_one_process(tiny_path, reference, tmp_path, n):
     t0 = time.perf_counter()
     results = launch(n, tiny_path, tmp_path)
     wall = time.perf_counter() - t0
-    print(f"\n{n} processes: {wall:.0f}s wall; process 0 phases (s): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in results[0]["seconds"].items()))
+    print(
+        f"\n{n} processes: {wall:.0f}s wall; process 0 phases (s): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in results[0]["seconds"].items())
+    )
     for i, r in enumerate(results):
         assert (r["process"], r["processes"], r["local_devices"]) == (i, n, DEVICES_PER_PROCESS)
         assert r["devices"] == n * DEVICES_PER_PROCESS and r["script_code"] == 0 and r["eval_code"] == 0
         assert r["tokens"] == reference["tokens"], f"process {i}"
     # scripts/multihost.py: process 0 prints the mesh and the tokens, the others print nothing
     lines = results[0]["script_stdout"].splitlines()
-    assert lines[0] == f"process 0 of {n}: mesh data=2 x model={n}: {8 // n} query heads and {4 // n} KV heads " \
-                       "per device, batch / 2"
+    assert (
+        lines[0] == f"process 0 of {n}: mesh data=2 x model={n}: {8 // n} query heads and {4 // n} KV heads "
+        "per device, batch / 2"
+    )
     assert [eval(line) for line in lines[1:]] == reference["snapkv"]
     assert all(r["script_stdout"] == "" for r in results[1:])
     # kvjax-eval: only process 0 wrote; its rows are the single process's
@@ -153,8 +189,9 @@ def _restore(ckpt_dir: Path, like=None):
     import orbax.checkpoint as ocp
 
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = None if like is None else jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), like)
+    abstract = (
+        None if like is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), like)
+    )
     with ocp.CheckpointManager(ckpt_dir) as mngr:
         step = mngr.latest_step()
         return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]

@@ -28,8 +28,10 @@ from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices: XLA_FLAGS="
-                                "--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)")
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8,
+    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py sets it)",
+)
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=8,model=1")
 BATCH, BUCKET, STEPS = 8, 64, 5
@@ -80,10 +82,16 @@ def mesh_cases():
     for kv_heads in (8, 2):
         for name in methods.names():
             for spec in MESHES:
-                quick = ((spec == "data=2,model=4" and (kv_heads == 8 or name in REPLICATED_QUICK))
-                         or (name == "chelsea" and kv_heads == 8))
-                yield pytest.param(name, kv_heads, spec, marks=() if quick else pytest.mark.slow,
-                                   id=f"{name}-kv{kv_heads}-{spec.replace('data=', 'd').replace(',model=', 'm')}")
+                quick = (spec == "data=2,model=4" and (kv_heads == 8 or name in REPLICATED_QUICK)) or (
+                    name == "chelsea" and kv_heads == 8
+                )
+                yield pytest.param(
+                    name,
+                    kv_heads,
+                    spec,
+                    marks=() if quick else pytest.mark.slow,
+                    id=f"{name}-kv{kv_heads}-{spec.replace('data=', 'd').replace(',model=', 'm')}",
+                )
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +116,10 @@ def test_every_mesh_matches_one_device(models, references, name, kv_heads, spec)
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5, err_msg=f"{name} on {spec}")
     np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{name} on {spec}")
     k = jax.tree.leaves(states[-1])[0]  # every layer's first leaf: k [B, Hkv, S, D]
-    want = ("data" if mesh.shape["data"] > 1 else None,
-            "model" if kv_heads % mesh.shape["model"] == 0 and mesh.shape["model"] > 1 else None)
+    want = (
+        "data" if mesh.shape["data"] > 1 else None,
+        "model" if kv_heads % mesh.shape["model"] == 0 and mesh.shape["model"] > 1 else None,
+    )
     assert (tuple(k.sharding.spec) + (None, None))[:2] == want, (name, spec, k.sharding)
 
 
@@ -129,8 +139,9 @@ def collectives(compiled_text: str) -> collections.Counter:
     """``(op, result shape)`` -> count of the collectives in a compiled HLO module."""
     found = collections.Counter()
     for line in compiled_text.splitlines():
-        hit = re.search(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(",
-                        line)
+        hit = re.search(
+            r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(-start)?\(", line
+        )
         if hit:
             found[(hit.group(2), hit.group(1).split("{")[0])] += 1
     return found
@@ -185,7 +196,9 @@ def test_params_and_cache_placement(models):
     assert shard.shape == (64, 8 * 16 // 4)
     mesh8 = sharding.make_mesh("data=2,model=4")
     wk = kvjax.shard(models[8], mesh8).params["layers"][0]["wk"]
-    assert wk.sharding.spec == P(None, "model") and "2 KV heads per device" in sharding.describe(mesh8, models[8].config)
+    assert wk.sharding.spec == P(None, "model") and "2 KV heads per device" in sharding.describe(
+        mesh8, models[8].config
+    )
 
 
 def test_bad_meshes_name_the_axis_and_the_fix(models):

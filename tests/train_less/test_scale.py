@@ -29,10 +29,19 @@ from train_less import capture as C
 from train_less import trainer
 from train_less.trainer import TrainConfig, merge_parts, train
 
-CFG = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
-TC = TrainConfig(budget=6, rank=4, hidden=16, epochs=2, batch=2, seq_len=32, num_seqs=10, val_frac=0.2, lr=1e-2,
-                 query_chunk=8)
+CFG = kvjax.ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+TC = TrainConfig(
+    budget=6, rank=4, hidden=16, epochs=2, batch=2, seq_len=32, num_seqs=10, val_frac=0.2, lr=1e-2, query_chunk=8
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,8 +71,11 @@ def _kernels(folder):
 # -- chunked attention and loss -----------------------------------------------------------------------------------
 def test_chunked_attention_and_gradient_equal_unchunked():
     s, chunk = 37, 8  # 5 blocks, the last one padded
-    q, k, v = (jnp.asarray(rand((2, 4, s, 8), 1)), jnp.asarray(rand((2, 2, s, 8), 2)),
-               jnp.asarray(rand((2, 2, s, 8), 3)))
+    q, k, v = (
+        jnp.asarray(rand((2, 4, s, 8), 1)),
+        jnp.asarray(rand((2, 2, s, 8), 2)),
+        jnp.asarray(rand((2, 2, s, 8), 3)),
+    )
     phq, psk = jnp.abs(jnp.asarray(rand((2, 4, s, 3), 4))), jnp.abs(jnp.asarray(rand((2, 2, s, 3), 5)))
     evict = L.h2o_evictions(q, k, 7, 3)
     mask = L.mask_from_evictions(evict)  # the unchunked path on the bool mask: the reference
@@ -110,7 +122,7 @@ def paper_mask_np(q, k, budget, recent):
     out = np.zeros((hkv, s, s), bool)
     tril = np.tril(np.ones((s, s), bool))
     for kv in range(hkv):
-        sc = np.einsum("gid,jd->gij", q[kv * g:(kv + 1) * g].astype(np.float64), k[kv]) / math.sqrt(d)
+        sc = np.einsum("gid,jd->gij", q[kv * g : (kv + 1) * g].astype(np.float64), k[kv]) / math.sqrt(d)
         sc = np.where(tril, sc, -np.inf)
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p = (p / p.sum(-1, keepdims=True)).mean(0)
@@ -119,8 +131,8 @@ def paper_mask_np(q, k, budget, recent):
         for i in range(budget, s):
             mask[i] = False
             if h:
-                mask[i, np.argsort(-acc[:i - recent], kind="stable")[:h]] = True
-            mask[i, i - recent:i + 1] = True
+                mask[i, np.argsort(-acc[: i - recent], kind="stable")[:h]] = True
+            mask[i, i - recent : i + 1] = True
             acc = (acc + p[i]) * mask[i]
         out[kv] = mask
     return out
@@ -147,8 +159,9 @@ def test_capture_shards_equal_the_models_activations_and_resume(setup, tmp_path)
     params, tokens = setup
     pols = (TC.less, TC.baseline_plus)
     per_seq = C.seq_bytes(CFG, 1, 32, "float32")
-    store = C.capture(CFG, params, tokens, pols, tmp_path / "cap", layers=[1], batch=2, shard_mb=3.5 * per_seq / 2**20,
-                      progress=False)
+    store = C.capture(
+        CFG, params, tokens, pols, tmp_path / "cap", layers=[1], batch=2, shard_mb=3.5 * per_seq / 2**20, progress=False
+    )
     shards = sorted((tmp_path / "cap").glob("x-*.npy"))
     assert store.per_shard == 3 and len(shards) == 4  # 10 sequences, 3 per shard
     assert all(p.stat().st_size <= 3.5 * per_seq for p in shards)
@@ -170,8 +183,9 @@ def test_capture_shards_equal_the_models_activations_and_resume(setup, tmp_path)
     # a killed capture resumes at the missing shard; the others are kept as they are
     before = {p.name: p.stat().st_mtime_ns for p in shards}
     (tmp_path / "cap" / "evict-00002.npy").unlink()
-    again = C.capture(CFG, params, tokens, pols, tmp_path / "cap", layers=[1], batch=2,
-                      shard_mb=3.5 * per_seq / 2**20, progress=False)
+    again = C.capture(
+        CFG, params, tokens, pols, tmp_path / "cap", layers=[1], batch=2, shard_mb=3.5 * per_seq / 2**20, progress=False
+    )
     after = {p.name: p.stat().st_mtime_ns for p in sorted((tmp_path / "cap").glob("x-*.npy"))}
     assert [n for n in before if before[n] != after[n]] == ["x-00002.npy"]
     np.testing.assert_array_equal(again.read(range(10))[1], store.read(range(10))[1])
@@ -204,8 +218,16 @@ def test_layer_runs_merge_into_one_folder_equal_to_all_layers(setup, full_run, t
     assert not (out / "layers-0" / "capture").exists()  # removed when training ends
     L.Less(budget=6, kernels=str(out)).init(CFG, 1, Capacity(16, 4), 0, jnp.float32)
     # parts of other settings are refused by name
-    train(CFG, params, tokens, TrainConfig(**{**TC.__dict__, "epochs": 1, "rank": 2}), tmp_path / "r2", "tiny",
-          progress=False, layers="0")
+    train(
+        CFG,
+        params,
+        tokens,
+        TrainConfig(**{**TC.__dict__, "epochs": 1, "rank": 2}),
+        tmp_path / "r2",
+        "tiny",
+        progress=False,
+        layers="0",
+    )
     os.rename(tmp_path / "r2" / "layers-0", out / "layers-0-x")
     with pytest.raises(ValueError, match="layers-0-x"):
         merge_parts(out)
@@ -251,18 +273,54 @@ def _tiny_hf_folder(path: Path):
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     (path.parent / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
 
 
 def _cli(out, model, extra=()):
-    return [sys.executable, "-m", "train_less.cli", "--out", str(out), "--model", str(model), "--data",
-            str(model.parent / "text.txt"), "--seq-len", "32", "--num-seqs", "12", "--budget", "6", "--rank", "4",
-            "--hidden", "16", "--epochs", "3", "--batch", "2", "--lr", "1e-2", "--query-chunk", "8",
-            "--checkpoint-every", "1", "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "train_less.cli",
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        "--data",
+        str(model.parent / "text.txt"),
+        "--seq-len",
+        "32",
+        "--num-seqs",
+        "12",
+        "--budget",
+        "6",
+        "--rank",
+        "4",
+        "--hidden",
+        "16",
+        "--epochs",
+        "3",
+        "--batch",
+        "2",
+        "--lr",
+        "1e-2",
+        "--query-chunk",
+        "8",
+        "--checkpoint-every",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # 50-85 s of three training subprocesses: CI runs it on its slow line (.ci/run)
@@ -271,8 +329,9 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path):
     _tiny_hf_folder(model)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     subprocess.run(_cli(tmp_path / "a", model), env=env, check=True, capture_output=True, cwd=ROOT)
-    proc = subprocess.Popen(_cli(tmp_path / "b", model), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(tmp_path / "b", model), env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     ckpts = tmp_path / "b" / "checkpoints"
     deadline = time.time() + 300
     while not (ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())) and time.time() < deadline:
@@ -317,12 +376,38 @@ def test_kernels_with_other_settings_warn_or_raise(full_run):
 def test_cli_scale_options_and_errors(tmp_path, capsys):
     from train_less import cli
 
-    a = cli.build_parser().parse_args(["--out", "x", "--layers", "0-7", "--mask", "paper", "--shard-mb", "512",
-                                       "--checkpoint-every", "50", "--capture-batch", "1", "--query-chunk", "0"])
-    assert (a.layers, a.mask, a.shard_mb, a.checkpoint_every, a.capture_batch, a.query_chunk) == \
-        ("0-7", "paper", 512, 50, 1, 0)
-    for bad, what in ((["--capture-batch", "0"], "--capture-batch 0"), (["--shard-mb", "0"], "--shard-mb 0"),
-                      (["--checkpoint-every", "0"], "--checkpoint-every 0"), (["--query-chunk", "-1"], "--query-chunk")):
+    a = cli.build_parser().parse_args(
+        [
+            "--out",
+            "x",
+            "--layers",
+            "0-7",
+            "--mask",
+            "paper",
+            "--shard-mb",
+            "512",
+            "--checkpoint-every",
+            "50",
+            "--capture-batch",
+            "1",
+            "--query-chunk",
+            "0",
+        ]
+    )
+    assert (a.layers, a.mask, a.shard_mb, a.checkpoint_every, a.capture_batch, a.query_chunk) == (
+        "0-7",
+        "paper",
+        512,
+        50,
+        1,
+        0,
+    )
+    for bad, what in (
+        (["--capture-batch", "0"], "--capture-batch 0"),
+        (["--shard-mb", "0"], "--shard-mb 0"),
+        (["--checkpoint-every", "0"], "--checkpoint-every 0"),
+        (["--query-chunk", "-1"], "--query-chunk"),
+    ):
         assert cli.main(["--out", str(tmp_path / "o"), *bad]) == 2
         assert what in capsys.readouterr().err
     assert cli.main(["--out", str(tmp_path / "none"), "--merge"]) == 2

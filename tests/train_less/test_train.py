@@ -17,8 +17,16 @@ from kvjax.methods.base import Capacity
 from train_less import cli, data
 from train_less.trainer import TrainConfig, train
 
-CFG = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = kvjax.ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 TC = TrainConfig(budget=6, rank=4, hidden=16, epochs=2, batch=2, seq_len=32, num_seqs=10, val_frac=0.2, lr=1e-2)
 
 
@@ -60,8 +68,16 @@ def test_output_loads_into_kvjax_and_refuses_other_models(runs):
     st = m.init(CFG, 1, Capacity(16, 4), 1, jnp.float32)
     with np.load(a / "kernels.npz") as f:
         np.testing.assert_array_equal(np.asarray(st.kernels["q_w1"]), f["q_w1"][1])
-    other = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                              num_heads=4, num_kv_heads=4, head_dim=8)
+    other = kvjax.ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=8,
+    )
     with pytest.raises(ValueError, match="head layout"):
         m.init(other, 1, Capacity(16, 4), 0, jnp.float32)
 

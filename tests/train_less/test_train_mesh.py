@@ -16,8 +16,16 @@ from train_less import cli, trainer
 from train_less.trainer import TrainConfig, train
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
-CFG = kvjax.ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+CFG = kvjax.ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
 TC = TrainConfig(budget=6, rank=4, hidden=16, epochs=2, batch=4, seq_len=32, num_seqs=11, val_frac=0.3, lr=1e-2)
 
 
@@ -58,11 +66,21 @@ def test_meshes_training_cannot_use_are_errors(setup, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--batch 4 is not a multiple of the mesh's 'data' size 8"):
         train(CFG, params, tokens, TC, tmp_path / "a", "tiny", progress=False, mesh="data=8")
     with pytest.raises(ValueError, match="mesh axis 'model' has size 2"):
-        train(CFG, params, tokens, dataclasses.replace(TC, batch=2), tmp_path / "b", "tiny", progress=False,
-              mesh="data=2,model=2")
-    for argv, message in ((["--batch", "3", "--mesh", "data=2"], "--batch 3 is not a multiple"),
-                          (["--mesh", "tensor=2"], "mesh axis 'tensor' is unknown"),
-                          (["--mesh", "data=16"], "needs 16 devices but 8 exist")):
+        train(
+            CFG,
+            params,
+            tokens,
+            dataclasses.replace(TC, batch=2),
+            tmp_path / "b",
+            "tiny",
+            progress=False,
+            mesh="data=2,model=2",
+        )
+    for argv, message in (
+        (["--batch", "3", "--mesh", "data=2"], "--batch 3 is not a multiple"),
+        (["--mesh", "tensor=2"], "mesh axis 'tensor' is unknown"),
+        (["--mesh", "data=16"], "needs 16 devices but 8 exist"),
+    ):
         assert cli.main(["--out", str(tmp_path / "c"), *argv]) == 2  # refused before the model is loaded
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
