@@ -21,7 +21,15 @@ import warnings
 from pathlib import Path
 
 from kvjax import assets
-from kvjax.cli import HelpFormatter, budget_type, names_help, parse_qualified_option, run_cli
+from kvjax.cli import (
+    HelpFormatter,
+    add_plugin_option,
+    budget_type,
+    names_help,
+    parse_qualified_option,
+    parse_with_plugins,
+    run_cli,
+)
 
 #: the main job: the five papers' methods first (Chelsea, ClusterKV, PQCache, ChunkKV, LESS), then the baselines
 MAIN_METHODS = "full,chelsea,clusterkv,pqcache,chunkkv,less,streaming_llm,h2o,snapkv,pyramidkv,quest"
@@ -326,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         epilog="examples:\n" + __doc__.split("\n\n", 1)[1],
     )
+    add_plugin_option(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, help):  # every subcommand: defaults in its --help, its help line as its description
@@ -424,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("kvjax-eval", args.func, args)
+    args, code = parse_with_plugins("kvjax-eval", build_parser, argv)
+    return code if args is None else run_cli("kvjax-eval", args.func, args)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,46 @@ def run_cli(prog: str, func, *args) -> int:
             return 2
 
 
+PLUGIN_HELP = (
+    "import a module or .py file that registers methods of your own (kvjax.methods.register) before the rest of the "
+    "command line is read, so --method takes their names; repeatable, anywhere on the line (docs/interface.md, "
+    "'Writing your own method')"
+)
+
+
+def add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """``--plugin`` in ``parser``'s help (:func:`take_plugins` reads it before the parser runs)."""
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE", help=PLUGIN_HELP)
+
+
+def take_plugins(argv: list[str]) -> list[str]:
+    """Import every ``--plugin MODULE_OR_FILE`` of ``argv`` (:func:`kvjax.methods.load_plugin`) and return ``argv``
+    without them. It runs before the parser is built, so the methods they register are valid ``--method`` names and
+    are listed in ``--help``."""
+    from kvjax.methods import load_plugin
+
+    rest, args = [], iter(argv)
+    for a in args:
+        if a == "--plugin" or a.startswith("--plugin="):
+            spec = a.partition("=")[2] if "=" in a else next(args, None)
+            if not spec:
+                raise ValueError("--plugin needs a module name or a path to a .py file that registers methods")
+            load_plugin(spec)
+        else:
+            rest.append(a)
+    return rest
+
+
+def parse_with_plugins(prog: str, build_parser, argv):
+    """``(args, None)`` from ``argv`` (default ``sys.argv[1:]``) after its ``--plugin`` imports, or ``(None, exit
+    code)`` when a plugin cannot be loaded (one ``PROG: error: ...`` line, as :func:`run_cli`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = run_cli(prog, take_plugins, argv)
+    if isinstance(rest, int):
+        return None, rest
+    return build_parser().parse_args(rest), None
+
+
 def method_names(option: str = "--method", many: bool = False):
     """An argparse ``type=`` for method names (a comma-separated list when ``many``): unknown names are a usage
     error (exit code 2) listing the registered ones, before any model is loaded."""
@@ -262,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         description="kvjax: generate with a compressed KV cache from the command line.",
     )
+    add_plugin_option(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser(
@@ -365,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_cli("kvjax", args.func, args)
+    args, code = parse_with_plugins("kvjax", build_parser, argv)
+    return code if args is None else run_cli("kvjax", args.func, args)
 
 
 if __name__ == "__main__":

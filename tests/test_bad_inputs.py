@@ -276,6 +276,18 @@ CASES = [
     Case("kvjax", "kvjax demo --max-new-tokens 0", _cli(KVJAX, "demo", "--max-new-tokens", "0"), "--max-new-tokens"),
     Case(
         "kvjax",
+        "kvjax generate --plugin /no/such/methods.py --prompt hi",
+        _cli(KVJAX, "generate", "--plugin", "/no/such/methods.py", "--prompt", "hi"),
+        "no/such/methods.py",
+    ),
+    Case(
+        "kvjax",
+        "kvjax generate --plugin no_such_module --prompt hi",
+        _cli(KVJAX, "generate", "--plugin", "no_such_module", "--prompt", "hi"),
+        "no_such_module",
+    ),
+    Case(
+        "kvjax",
         "kvjax calibrate-chelsea --out heads.json --text /no/such.txt",
         _cli(KVJAX, "calibrate-chelsea", "--out", "{tmp}/heads.json", "--text", "/no/such.txt"),
         "--text",
@@ -289,6 +301,12 @@ CASES = [
     # kvjax-eval
     Case("kvjax-eval", "kvjax-eval main --budgets 0.2,1.5", _cli(EVAL, "main", "--budgets", "0.2,1.5"), "--budgets"),
     Case("kvjax-eval", "kvjax-eval main --methods full,nope", _cli(EVAL, "main", "--methods", "full,nope"), "nope"),
+    Case(
+        "kvjax-eval",
+        "kvjax-eval main --plugin /no/such/methods.py",
+        _cli(EVAL, "main", "--plugin", "/no/such/methods.py"),
+        "no/such/methods.py",
+    ),
     Case(
         "kvjax-eval",
         "kvjax-eval main --methods full,snapkv --equal-bytes h2o",

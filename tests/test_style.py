@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ["kvjax", "eval", "train_less", "kernels_pallas", "benchmarks", "tests", "scripts"]
+FOLDERS = ["kvjax", "eval", "train_less", "kernels_pallas", "benchmarks", "tests", "scripts", "docs/examples"]
 RUFF = shutil.which("ruff")
 pytestmark = pytest.mark.skipif(RUFF is None, reason="ruff is not installed (pip install -e '.[test]')")
 

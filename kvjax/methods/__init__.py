@@ -3,11 +3,19 @@
 >>> kvjax.methods.get("snapkv", budget=0.2)     # 20% of each prompt
 >>> kvjax.methods.get("h2o", budget=256)        # 256 tokens
 >>> kvjax.methods.get("quest", budget=1024)     # attend <= 1024 tokens (pages of 16) per decode step
+
+A method of your own joins the registry with :func:`register` (a class decorator); :func:`load_plugin` imports a
+module or ``.py`` file that registers some, as the command-line tools' ``--plugin`` does (docs/interface.md,
+"Writing your own method"; ``docs/examples/knorm.py`` is one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
 from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod
 from kvjax.methods.chelsea import Chelsea
@@ -43,6 +51,49 @@ def get(name: str, **options):
     return cls(**options)
 
 
+def register(cls: type) -> type:
+    """Add the method class ``cls`` to the registry under ``cls.name`` and return it (so it works as a class
+    decorator). Then ``get(cls.name, ...)``, the command-line tools' ``--method`` (with ``--plugin``), the evaluation
+    grid and the registry-driven tests know it. ValueError for a class that is not a dataclass subclassing
+    :class:`Method` with a ``name``, or a name another class already holds."""
+    if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls) and cls.name):
+        raise ValueError(
+            f"register({cls!r}): a method is a frozen dataclass subclassing kvjax.methods.Method with a non-empty "
+            "`name: ClassVar[str]`"
+        )
+    have = REGISTRY.get(cls.name)
+    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(
+            f"method name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
+            f"{cls.__qualname__} another name"
+        )
+    REGISTRY[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself
+    return cls
+
+
+def load_plugin(spec: str) -> list[str]:
+    """Import ``spec``, a module name (``mypackage.methods``) or a path to a ``.py`` file, whose import registers
+    methods (:func:`register`); returns the names it added. FileNotFoundError or ValueError naming ``spec``."""
+    before = set(REGISTRY)
+    if spec.endswith(".py") or "/" in spec:
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"plugin {spec!r}: no such file (a .py file or a module name that registers methods)"
+            )
+        name = f"kvjax_plugin_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            raise ValueError(f"plugin {spec!r}: {e}; pass an importable module name or a path to a .py file") from e
+    return sorted(set(REGISTRY) - before)
+
+
 def small(name: str, **options):
     """``get(name, ...)`` at test sizes: the method's own :meth:`~kvjax.methods.base.Method.small_options` (windows,
     chunks, pages and sinks shrunk so that it compresses prompts of tens of tokens), then ``options`` over them."""
@@ -70,6 +121,8 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "get",
+    "load_plugin",
     "names",
+    "register",
     "small",
 ]

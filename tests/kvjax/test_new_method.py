@@ -1,0 +1,83 @@
+"""The proof that the method interface is narrow: Knorm (kvpress's KnormPress), written from docs/interface.md alone
+in one file of at most 60 lines (``docs/examples/knorm.py``), joins through ``kvjax.methods.load_plugin`` with no
+other file touched; it keeps what an independent NumPy reference keeps, passes the property tests every built-in
+method passes (``test_properties.test_method_properties``: budget contract, bytes held, capacity, finite logits,
+no retrace over 64 decode steps) and runs from the command line with ``--plugin``. The registry is restored after
+each test, so the rest of the suite sees only the built-in methods."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import cli, methods
+from kvjax.config import ModelConfig
+from kvjax.methods.base import Capacity, SlotMethod
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import test_properties  # noqa: E402
+from tiny_models import save_tiny_llama  # noqa: E402
+
+EXAMPLE = HERE.parents[1] / "docs" / "examples" / "knorm.py"
+
+
+@pytest.fixture
+def knorm():
+    saved = dict(methods.REGISTRY)
+    assert methods.load_plugin(str(EXAMPLE)) == ["knorm"]
+    yield methods.REGISTRY["knorm"]
+    methods.REGISTRY.clear()
+    methods.REGISTRY.update(saved)
+
+
+def test_one_small_file_registered_by_the_plugin_loader(knorm):
+    assert len(EXAMPLE.read_text().splitlines()) <= 60
+    assert issubclass(knorm, SlotMethod) and methods.get("knorm", budget=8) == knorm(budget=8)
+    with pytest.raises(ValueError, match="already registered"):  # a built-in's name is not taken over
+        methods.register(type("Full", (knorm,), {"name": "full", "__module__": "elsewhere"}))
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        methods.load_plugin("missing.py")
+
+
+@pytest.mark.parametrize("budget", [5, 0.25])
+def test_keeps_the_lowest_norm_keys(knorm, budget):
+    """Against NumPy: per sequence and KV head, the ``P`` prompt positions of smallest ``||k||`` (``P`` = the budget
+    in tokens, ``ceil(budget * n)`` for a fraction, at most ``n``), their K and V rows, nothing else."""
+    cfg = ModelConfig("llama", 64, 32, 48, 1, 4, 2, 8, max_position_embeddings=64)
+    r = np.random.default_rng(0)
+    lengths = [24, 13, 3]
+    q = r.standard_normal((3, 4, 24, 8)).astype(np.float32)
+    k, v = (r.standard_normal((3, 2, 24, 8)).astype(np.float32) for _ in range(2))
+    m = knorm(budget=budget)
+    st = m.init(cfg, 3, Capacity(24, 2), 0, jnp.float32)
+    st = jax.jit(m.prefill, static_argnums=1)(st, 0, q, k, v, jnp.asarray(lengths))
+    for b, n in enumerate(lengths):
+        keep = min(n, budget if isinstance(budget, int) else int(np.ceil(budget * n)))
+        for h in range(2):
+            want = np.sort(np.argsort(np.linalg.norm(k[b, h, :n], axis=-1))[:keep])
+            pos = np.asarray(st.pos[b, h])
+            live = pos >= 0
+            np.testing.assert_array_equal(np.sort(pos[live]), want, err_msg=f"sequence {b}, head {h}")
+            order = np.argsort(pos[live])
+            np.testing.assert_array_equal(np.asarray(st.k[b, h])[live][order], k[b, h, want])
+            np.testing.assert_array_equal(np.asarray(st.v[b, h])[live][order], v[b, h, want])
+
+
+def test_passes_the_property_tests(knorm):
+    test_properties.test_method_properties("knorm")
+
+
+def test_runs_from_the_command_line(knorm, tmp_path, capsys):
+    model = save_tiny_llama(tmp_path / "tiny")
+    argv = ["generate", "--model", str(model), "--method", "knorm", "--budget", "0.5", "--max-new-tokens", "3"]
+    assert cli.main(["--plugin", str(EXAMPLE), *argv, "--prompt", "the cat sat on the mat and looked at the dog"]) == 0
+    assert "knorm" in capsys.readouterr().err
+    assert cli.main(["--plugin", str(tmp_path / "missing.py"), *argv, "--prompt", "hi"]) == 2
+    assert "missing.py" in capsys.readouterr().err
