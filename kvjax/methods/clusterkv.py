@@ -5,63 +5,14 @@ centroids score highest against the query, and the recent not-yet-clustered toke
 ``docs/notes/clusterkv.md`` (§2, §6 resolutions, §7 layout); paper §III (semantic clustering, selection
 at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
 
-- **Prefill** (paper §III-B): per KV head, the post-RoPE prompt keys after the sinks are clustered by K-means
-  under cosine distance (:func:`cosine_kmeans`: seeded random init rows sampled without replacement per
-  position, layer and KV head (note §6 #3); Lloyd steps whose centroid is the mean of the raw member keys; an
-  empty cluster keeps its centroid; stop when no label changes or after ``iters`` updates; a last assignment,
-  note §2.3). ``C0 = max(1, Lc // tokens_per_cluster)`` clusters for ``Lc`` clustered tokens (the paper's
-  ``L/80``, note §6 #2) or ``num_clusters``. The assignment and the centroid update go through
-  :mod:`kernels_pallas.cosine_kmeans` (Pallas on TPU/GPU, its pure-JAX reference on CPU).
-- **Cluster-sorted layout** (note §7.5c): the K/V rows of the clustered region are stored *permuted into
-  cluster order* (positions ascending inside a cluster), with the cluster's first slot ``cstart`` and size
-  ``csize``, so a selected cluster is a contiguous run of slots; ``pos`` keeps each slot's position. Slots:
-  ``[0, sink_b)`` sinks, ``[sink_b, n_b)`` prompt clusters, then the decoded tokens by position, each window of
-  ``window`` of them permuted in place once it is clustered.
-- **Decode** (paper §III-C, note §2.5, §7.4): the centroids are scored by ``q·mu`` (inner product, unscaled),
-  ranked (``lax.top_k``, ties to the lower id), and whole clusters are taken in descending order until
-  ``bsel_b`` tokens; the last one is cut to its earliest positions. The step attends **runs of slots**
-  (:meth:`ClusterKV.runs`): the sinks ``[0, sink_b)``, the unclustered window ``[clustered, t]`` and each
-  selected cluster's ``[cstart, cstart + taken)``, through
-  :func:`kernels_pallas.decode_attention.decode_attention_runs` (on CPU: the runs cut into 16-row windows,
-  gathered a cache-sized chunk at a time and attended with the flash-decoding recurrence; a run of 16 rows or
-  more reads no slot outside it), so a step reads its budget's rows and nothing computed over all slots.
-  Every ``window`` decode steps the newest window is clustered into ``window_clusters`` clusters and appended
-  (paper §III-B "clustering within the generated tokens only", note §6 #9), inside the jitted step as a
-  ``while_loop`` of 0 or 1 rounds (one compile), ordered after the attention so the compiled step copies no K/V
-  buffer (scanned layers included).
-- **GQA** (note §2.7, §6 #8; the paper is silent, the authors' code selects per query head): ``gqa="group_mean"``
-  (**the default, a declared deviation from the authors' code**) ranks once per KV head with the mean of the
-  group's queries, so a step reads its budget once per KV head. ``gqa="query"`` (the authors' rule) lets each
-  query head rank and cut on its own; the step reads the *union* of the group's selections once per KV head and
-  masks it per query head (the same tokens per query head as the authors' code, but the union costs up to ``G``
-  times the budget: 1.28-1.42x on SmolLM2-135M, G = 3, 4k-token essay prompts). Measured there (top-B recall of
-  ClusterKV's Fig. 11, layers 2-29, ``benchmarks/results/clusterkv_gqa_recall_cpu.md``): ``group_mean`` loses
-  0.02-0.03 recall at the same budget and gains at the same bytes read.
-- **Budget** (note §6 #1, kvjax contract): ``B_b`` tokens attended besides the recent window, sinks included: a
-  fraction gives ``ceil(b n)`` of the sequence's own prompt, a count ``min(c, n + max_new_tokens)`` (so a count
-  can cover generated tokens once they are clustered; :func:`kvjax.methods.base.evicting_budget`):
-  ``sink_b = min(sink, B_b, n)`` sinks and ``bsel_b = B_b - sink_b`` tokens from clusters. The recent window
-  (at most ``window`` tokens) and the new token are extra (the authors' efficiency path). When the clusters
-  hold ``<= bsel_b`` tokens every one is attended (full attention).
-- **Layers** ``< n_full`` (default 2, paper §V-A, as Quest) keep and attend the full cache (:class:`Full`).
-
-Memory vs bandwidth: ``tokens_held = held(n, steps) = n + steps``; a step attends ``attended(n, steps)`` tokens
-and reads :meth:`ClusterKV.bytes_read_per_step` bytes (centroids, sizes and starts, the ranking, the runs' K/V
-rows: what the last step read, recorded in ``rows_read``). ``offload=True`` keeps K/V in ``pinned_host`` memory
-(accelerators only, EXPERIMENTAL as PQCache's).
-
 Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = bucket + max_new_tokens); pos ``[B, Hkv, S]``
 int32 (-1 empty); mu ``[B, Hkv, C, D]`` float32 with ``C = C0_max + window_clusters * W_max`` (prompt clusters
 ``[0, C0_max)``, window ``w``'s at ``C0_max + w * window_clusters``); csize, cstart ``[B, Hkv, C]`` int32;
 lengths, sinks, bsel, filled, clustered ``[B]`` int32; windows ``[]`` int32; rows_read ``[B, Hkv]`` int32. Einsum
 axes: b batch, h KV head, g query head of the group, c cluster, d head dim.
 
-Not reproduced: the GPU cache of last step's clusters (R = 1) and CPU offload overlap (note §7.8), the
-asynchronous clustering stream (note §6 #18: XLA has no side stream; clustering runs in each layer's prefill).
-Per-sequence clamp: a sequence with fewer clustered tokens than ``num_clusters`` gets one cluster per token (a
-bucket too short for ``num_clusters`` is an error at ``init``). Clustering is batched over batch x KV heads in
-each layer's prefill (the engine's layer loop calls ``prefill`` per layer; the note's batching over layers too
-would need a post-prefill hook).
+How each step follows the paper, the budget split, what a step reads and what is not reproduced:
+``docs/methods/clusterkv.md``, "From the paper to the code".
 """
 
 from __future__ import annotations

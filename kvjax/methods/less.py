@@ -20,18 +20,9 @@ A decode step is the wrapped policy's step (H2O: one pass over the live slots' K
 plus, once per step and never per slot, ``φ(q)`` of the ``Hq`` query heads, ``ψ(k)`` of the one evicted key per
 KV head and the ``H, z`` update: it reads the policy's bytes, ``H, z`` and the kernel weights (``bytes_read_per_step``).
 
-Kernels φ (per query head) and ψ (per KV head) are :class:`LessKernels`: the method note's §2.3/§8.2 "code"
-form — φ(q) = |gelu(gelu(q W1) W2)|, ψ(k) = |u + (u W3) ⊙ s2| with u = |s1| ⊙ gelu(gelu(k W1) W2), exact
-(erf) GELU, no biases, dropout on the first pre-activation (training only), scales ``s1, s2 [Hkv, R]``
-initialised at 1e-4 (the paper's warm start, §3.2). Rank ``R`` (default 8), hidden width (default 512).
-
-``parallel_attention`` with ``h2o_mask`` / ``lambda_mask`` is the parallel (masked) form used for training
-(§2.9 of the note); optionally in query blocks (``chunk``: memory linear in S, gradient included). The masks
-replicate *kvjax's* decode semantics (H2O scores = sparse-renormalised probabilities, group mean; one token
-evicted per step once over budget), so that feeding a sequence token by token through ``decode`` equals row
-``i`` of the parallel form; ``h2o_paper_evictions`` is the paper's parallel H2O mask (full-attention scores).
-Every policy evicts for good, so a mask is given by each token's eviction time (``[B, Hkv, S]`` int,
-``mask_from_evictions``), which is what training stores.
+The kernels φ, ψ and their file format are in :mod:`kvjax.methods.less_kernels`; the parallel (masked) form that
+training uses, with the policies' eviction masks, in :mod:`kvjax.methods.less_parallel`. Both are re-exported
+here.
 
 Einsum axes: b batch, h KV head, g query head within its group, i query position, j/s key position/slot,
 r rank, d head dim.
@@ -40,323 +31,49 @@ r rank, d head dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from kvjax import attention
 from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
-from kvjax.attention import NEG_INF  # noqa: E402
+from kvjax.methods.less_kernels import (  # noqa: F401  (re-exported: kvjax.methods.less is their public home)
+    KERNELS_FILE,
+    CONFIG_FILE,
+    FORMAT,
+    MODEL_KEYS,
+    gelu,
+    LessKernels,
+    module_for,
+    init_kernels,
+    mlp_phi,
+    mlp_psi,
+    load_kernels,
+    parse_layers,
+    format_layers,
+    model_identity,
+    check_model,
+)
+from kvjax.methods.less_parallel import (  # noqa: F401  (re-exported)
+    synthesize,
+    parallel_attention,
+    mask_from_evictions,
+    h2o_evictions,
+    h2o_mask,
+    h2o_paper_evictions,
+    lambda_evictions,
+    lambda_mask,
+)
 
-KERNELS_FILE = "kernels.npz"
-CONFIG_FILE = "less_config.json"
-FORMAT = "kvjax-less-kernels/1"
 POLICIES = ("h2o", "lambda")
 #: Parallel H2O masks for training: kvjax's decode semantics, or the paper's (:meth:`Less.eviction_times`).
 MASKS = ("decode", "paper")
-#: Fields of the model config that a kernel file must match (the head layout and the model's identity).
-MODEL_KEYS = ("model_type", "num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
-
-
-def gelu(x):
-    """Exact (erf) GELU, as torch's ``F.gelu`` (the note's A5: not the tanh approximation)."""
-    return jax.nn.gelu(x, approximate=False)
-
-
-def _per_head(x, w):
-    """``x [B, H, ..., Din] @ w [H, Din, Dout]`` per head -> ``[B, H, ..., Dout]`` (float32)."""
-    b, h = x.shape[:2]
-    flat = x.reshape(b, h, -1, x.shape[-1]).astype(jnp.float32)
-    out = jnp.einsum("bhnd,hde->bhne", flat, w.astype(jnp.float32))
-    return out.reshape(*x.shape[:-1], w.shape[-1])
-
-
-def _per_head_vec(s, x):
-    """Broadcast a per-head vector ``s [H, R]`` over ``x [B, H, ..., R]``."""
-    return s.reshape((1, s.shape[0]) + (1,) * (x.ndim - 3) + (s.shape[1],))
-
-
-class LessKernels(nn.Module):
-    """φ and ψ of one attention layer (paper Eqs. 1-2 in the released code's form; method note §2.3, §8.2).
-
-    Params: ``q_w1 [Hq, D, Rh]``, ``q_w2 [Hq, Rh, R]``, ``k_w1 [Hkv, D, Rh]``, ``k_w2 [Hkv, Rh, R]``,
-    ``k_w3 [Hkv, R, R]``, ``k_s1, k_s2 [Hkv, R]`` (init ``scale_init``). Weights: Glorot-uniform per head.
-    """
-
-    n_q_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rank: int = 8
-    hidden: int = 512
-    dropout: float = 0.3
-    scale_init: float = 1e-4
-
-    def setup(self):
-        glorot = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform", in_axis=-2, out_axis=-1, batch_axis=(0,))
-        d, rh, r, hq, hk = self.head_dim, self.hidden, self.rank, self.n_q_heads, self.n_kv_heads
-        self.q_w1 = self.param("q_w1", glorot, (hq, d, rh))
-        self.q_w2 = self.param("q_w2", glorot, (hq, rh, r))
-        self.k_w1 = self.param("k_w1", glorot, (hk, d, rh))
-        self.k_w2 = self.param("k_w2", glorot, (hk, rh, r))
-        self.k_w3 = self.param("k_w3", glorot, (hk, r, r))
-        self.k_s1 = self.param("k_s1", nn.initializers.constant(self.scale_init), (hk, r))
-        self.k_s2 = self.param("k_s2", nn.initializers.constant(self.scale_init), (hk, r))
-        self.drop = nn.Dropout(self.dropout)
-
-    def phi(self, q, deterministic: bool = True):
-        """Query features ``[B, Hq, ..., R]`` (>= 0) of post-RoPE ``q [B, Hq, ..., D]``."""
-        h = gelu(self.drop(_per_head(q, self.q_w1), deterministic=deterministic))
-        return jnp.abs(gelu(_per_head(h, self.q_w2)))
-
-    def psi(self, k, deterministic: bool = True):
-        """Key features ``[B, Hkv, ..., R]`` (>= 0) of post-RoPE ``k [B, Hkv, ..., D]``."""
-        h = gelu(self.drop(_per_head(k, self.k_w1), deterministic=deterministic))
-        u = _per_head_vec(jnp.abs(self.k_s1), k) * gelu(_per_head(h, self.k_w2))
-        u = u + _per_head(u, self.k_w3) * _per_head_vec(self.k_s2, k)
-        return jnp.abs(u)
-
-    def __call__(self, q, k, deterministic: bool = True):
-        return self.phi(q, deterministic), self.psi(k, deterministic)
-
-
-def module_for(kernels) -> LessKernels:
-    """The :class:`LessKernels` module matching one layer's params (shapes read from them)."""
-    hq, d, rh = kernels["q_w1"].shape
-    return LessKernels(
-        n_q_heads=hq, n_kv_heads=kernels["k_w1"].shape[0], head_dim=d, rank=kernels["q_w2"].shape[-1], hidden=rh
-    )
-
-
-def init_kernels(model_cfg, key, rank: int = 8, hidden: int = 512) -> dict:
-    """Fresh params (``{"q_w1": ..., ...}``, float32) of one layer's kernels for ``model_cfg``."""
-    return _init_kernels(model_cfg, key, rank, hidden)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _init_kernels(model_cfg, key, rank, hidden):
-    mod = LessKernels(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, rank, hidden)
-    d = model_cfg.head_dim
-    q = jnp.zeros((1, model_cfg.num_heads, 1, d))
-    k = jnp.zeros((1, model_cfg.num_kv_heads, 1, d))
-    return dict(mod.init(key, q, k)["params"])
-
-
-def mlp_phi(kernels, q):
-    """Default φ hook: the MLP, deterministic. ``q [B, Hq, ..., D]`` -> ``[B, Hq, ..., R]``."""
-    return module_for(kernels).apply({"params": kernels}, q, method="phi")
-
-
-def mlp_psi(kernels, k):
-    """Default ψ hook: the MLP, deterministic. ``k [B, Hkv, ..., D]`` -> ``[B, Hkv, ..., R]``."""
-    return module_for(kernels).apply({"params": kernels}, k, method="psi")
-
-
-def _safe_log(x):
-    """``log x`` with ``log 0 = -inf`` and finite gradients (x >= 0)."""
-    pos = x > 0
-    return jnp.where(pos, jnp.log(jnp.where(pos, x, 1.0)), -jnp.inf)
-
-
-def synthesize(part, phq, H, z):
-    """Eq. (3) from the sparse partials, in log space. part = ``(o [B,Hq,D], m [B,Hq], l [B,Hq])`` over the
-    cached tokens (the current one included); ``phq [B, Hq, R]``; ``H [B, Hkv, R, D]``; ``z [B, Hkv, R]``.
-    Returns ``[B, Hq, D]`` float32. ``lse = logaddexp(m + log l, log φ·z)``; output
-    ``= (o/l)·exp(m + log l - lse) + exp(log φ - lse)·H``."""
-    o, m, l = part
-    b, hq, r = phq.shape
-    hkv, d = H.shape[1], H.shape[-1]
-    phg = phq.reshape(b, hkv, hq // hkv, r).astype(jnp.float32)
-    lse_sp = m + jnp.log(l)
-    log_lr = _safe_log(jnp.einsum("bhgr,bhr->bhg", phg, z).reshape(b, hq))
-    lse = jnp.logaddexp(lse_sp, log_lr)
-    w = jnp.exp(_safe_log(phg) - lse.reshape(b, hkv, -1)[..., None])
-    low = jnp.einsum("bhgr,bhrd->bhgd", w, H).reshape(b, hq, d)
-    return attention.normalise(part) * jnp.exp(lse_sp - lse)[..., None] + low
-
-
-def _rows_attention(q, k, v, sm, ev, phq, psk):
-    """Parallel LESS attention of a block of query rows: q ``[B, Hq, C, D]``, sm / ev ``[B, Hkv, C, S]`` (bool
-    sparse set / float evicted set of each row), phq ``[B, Hq, C, R]`` -> ``[B, Hq, C, D]`` float32."""
-    b, hq, c, d = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    r = phq.shape[-1]
-    qg = q.reshape(b, hkv, g, c, d)
-    sc = jnp.einsum("bhgid,bhjd->bhgij", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
-    sc = jnp.where(sm[:, :, None], sc, NEG_INF)
-    m = jnp.max(sc, axis=-1)
-    p = jnp.where(sm[:, :, None], jnp.exp(sc - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bhgij,bhjd->bhgid", p, v.astype(jnp.float32))
-    lse_sp = m + jnp.log(l)
-    phg = phq.reshape(b, hkv, g, c, r).astype(jnp.float32)
-    psk = psk.astype(jnp.float32)
-    zrow = jnp.einsum("bhij,bhjr->bhir", ev, psk)  # [B, Hkv, C, R]: Σ ψ(k_j) over the evicted j
-    lse = jnp.logaddexp(lse_sp, _safe_log(jnp.einsum("bhgir,bhir->bhgi", phg, zrow)))
-    w = jnp.exp(_safe_log(phg) - lse[..., None])
-    a = jnp.einsum("bhgir,bhjr->bhgij", w, psk) * ev[:, :, None]
-    low = jnp.einsum("bhgij,bhjd->bhgid", a, v.astype(jnp.float32))
-    out = o / l[..., None] * jnp.exp(lse_sp - lse)[..., None] + low
-    return out.reshape(b, hq, c, d)
-
-
-def _mask_rows(mask, rows, s: int):
-    """``(sparse [B, Hkv, C, S] bool, evicted [B, Hkv, C, S] float32)`` of query ``rows [C]`` from a bool mask
-    ``[B, Hkv, S, S]`` or eviction times ``[B, Hkv, S]`` (rows past ``S``, padding, repeat the last row)."""
-    rows = jnp.minimum(rows, s - 1)
-    causal = jnp.arange(s)[None, :] <= rows[:, None]
-    if mask.ndim == 3:
-        keep = rows[None, None, :, None] < mask[:, :, None, :]
-    else:
-        keep = jnp.take(mask, rows, axis=2)
-    return keep & causal, (~keep & causal).astype(jnp.float32)
-
-
-def parallel_attention(q, k, v, mask, phq, psk, chunk: int | None = None):
-    """Parallel LESS attention (the training form, method note §2.9 / §8.3a).
-
-    q ``[B, Hq, S, D]``; k, v ``[B, Hkv, S, D]``; mask: ``[B, Hkv, S, S]`` bool, row ``i`` attends exactly to
-    keys ``mask[i]`` (``i`` itself included), or the policy's eviction times ``[B, Hkv, S]`` int (``mask[i, j] =
-    j <= i < evict[j]``, :func:`mask_from_evictions`); every other causal key ``j <= i`` is reached through the
-    kernel ``φ(q_i)·ψ(k_j)`` (``phq [B, Hq, S, R]``, ``psk [B, Hkv, S, R]``). Returns ``[B, Hq, S, D]`` f32.
-
-    chunk: query rows per block (``None``: all at once). With a chunk the rows run block by block
-    (``lax.map``), each block rematerialised in the backward pass (``jax.checkpoint``), so memory is
-    ``O(chunk · S)`` instead of ``O(S²)``, forward and gradient; the result is the same up to float rounding.
-    """
-    b, hq, s, d = q.shape
-    if chunk is None or chunk >= s:
-        return _rows_attention(q, k, v, *_mask_rows(mask, jnp.arange(s), s), phq, psk)
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1 (query rows per block) or None")
-    n = -(-s // chunk)
-    pad = ((0, 0), (0, 0), (0, n * chunk - s), (0, 0))
-    blocks = lambda x: jnp.moveaxis(jnp.pad(x, pad).reshape(b, x.shape[1], n, chunk, x.shape[-1]), 2, 0)
-
-    @jax.checkpoint
-    def block(args):
-        qc, pc, start = args
-        return _rows_attention(qc, k, v, *_mask_rows(mask, start + jnp.arange(chunk), s), pc, psk)
-
-    out = jax.lax.map(block, (blocks(q), blocks(phq), jnp.arange(n) * chunk))  # [n, B, Hq, C, D]
-    return jnp.moveaxis(out, 0, 2).reshape(b, hq, n * chunk, d)[:, :, :s]
-
-
-def mask_from_evictions(evict, s: int | None = None):
-    """The bool mask ``[..., S, S]`` of eviction times ``evict [..., S]``: ``mask[i, j] = j <= i < evict[j]``.
-    Every policy here evicts for good (a token never comes back), so its mask is fully given by when each
-    token leaves (``S``: never) — ``S`` integers per head instead of ``S²`` bits."""
-    s = evict.shape[-1] if s is None else s
-    i = jnp.arange(s)[:, None]
-    return (jnp.arange(s)[None, :] <= i) & (i < evict[..., None, :])
-
-
-def _group_probs(qg, kf, i, keys, scale):
-    """Softmax over ``keys [B, Hkv, S]`` of query row ``i``, averaged over each KV group -> ``[B, Hkv, S]``."""
-    qi = jax.lax.dynamic_index_in_dim(qg, i, axis=3, keepdims=False)  # [B, Hkv, G, D]
-    sc = jnp.einsum("bhgd,bhsd->bhgs", qi, kf) * scale
-    sc = jnp.where(keys[:, :, None], sc, NEG_INF)
-    p = jnp.where(keys[:, :, None], jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)), 0.0)
-    return (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).mean(axis=2)
-
-
-def h2o_evictions(q, k, budget: int, recent: int):
-    """kvjax's H2O decode, run token by token from an empty cache: eviction times ``[B, Hkv, S]`` int32
-    (:func:`mask_from_evictions`; row ``i`` = the cache before step ``i`` plus token ``i``, what step ``i``
-    attends). Scores: the step's softmax over those keys (mean over each KV group's query heads),
-    accumulated. Once more than ``budget`` tokens are held, the lowest-scoring one at position
-    ``<= i - recent`` is evicted (H2O §3, kvjax's ``H2O.decode``). A ``lax.scan`` over rows: O(S²) time,
-    O(S) state; no S×S tensor.
-    """
-    j = jnp.arange(q.shape[2])
-
-    def row(carry, i, probs):
-        keep, acc, evict = carry
-        m = keep | (j == i)[None, None]
-        acc = acc + probs(i, m)
-        cand = m & (j <= i - recent)[None, None]
-        victim = jnp.argmin(jnp.where(cand, acc, jnp.inf), axis=-1)
-        over = (m.sum(-1) > budget) & cand.any(-1)
-        gone = over[..., None] & (j[None, None] == victim[..., None])
-        return m & ~gone, jnp.where(gone, 0.0, acc), jnp.where(gone, i + 1, evict)
-
-    return _scan_evictions(q, k, row)
-
-
-def _scan_evictions(q, k, row):
-    """Eviction times ``[B, Hkv, S]`` int32 of a policy run row by row (a ``lax.scan``; O(S) state).
-    ``row((keep, acc, evict), i, probs) -> (keep, acc, evict)``: ``keep [B, Hkv, S]`` bool (the previous row's
-    kept keys), ``acc`` float32 scores, ``evict`` int32 times (``S``: never); ``probs(i, keys)`` is
-    :func:`_group_probs` of query row ``i`` over ``keys``."""
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(b, hkv, hq // hkv, s, d).astype(jnp.float32)
-    kf = k.astype(jnp.float32)
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    probs = lambda i, keys: _group_probs(qg, kf, i, keys, scale)
-    init = (jnp.zeros((b, hkv, s), bool), jnp.zeros((b, hkv, s), jnp.float32), jnp.full((b, hkv, s), s, jnp.int32))
-    return jax.lax.scan(lambda c, i: (row(c, i, probs), None), init, jnp.arange(s))[0][2]
-
-
-def h2o_mask(q, k, budget: int, recent: int):
-    """:func:`h2o_evictions` as a bool mask ``[B, Hkv, S, S]``."""
-    return mask_from_evictions(h2o_evictions(q, k, budget, recent))
-
-
-def h2o_paper_evictions(q, k, budget: int, recent: int):
-    """The paper's parallel H2O mask (authors' ``local_heavy_hitter_mask_nonoverlap``; method note §2.7.1) as
-    eviction times ``[B, Hkv, S]`` int32. ``r = recent``, ``h = budget - r`` heavy hitters, scores from the
-    **full**-attention probabilities ``P`` (mean over each KV group's query heads): rows ``i < h + r`` attend
-    causally; from row ``h + r`` on, row ``i`` = the ``h`` highest-scoring kept tokens before ``i - r`` plus
-    the band ``i - r .. i``, then ``acc = (acc + P[i]) ⊙ row``. Differs from :func:`h2o_evictions` (kvjax's
-    decode: sparse-renormalised scores, evict one when over budget) in its scores only; both attend
-    ``budget + 1`` keys per full row. Heavy hitters are chosen among kept tokens, so an evicted token never
-    returns (the paper's zeroed score does the same up to exact-zero ties)."""
-    b, hkv, s = k.shape[:3]
-    j = jnp.arange(s)
-    heavy_n = budget - recent
-    bi, hi = jnp.arange(b)[:, None, None], jnp.arange(hkv)[None, :, None]
-
-    def row(carry, i, probs):
-        keep, acc, evict = carry  # keep: the previous row's mask
-        causal = jnp.broadcast_to((j <= i)[None, None], keep.shape)
-        p = probs(i, causal)
-        band = causal & (j >= i - recent)[None, None]
-        if heavy_n > 0:
-            cand = jnp.where(keep & (j < i - recent)[None, None], acc, -jnp.inf)
-            idx = jax.lax.top_k(cand, heavy_n)[1]
-            band = band | jnp.zeros_like(keep).at[bi, hi, idx].set(True)
-        mrow = jnp.where(i < budget, causal, band)
-        gone = keep & ~mrow
-        return mrow, (acc + p) * mrow, jnp.where(gone, i, evict)
-
-    return _scan_evictions(q, k, row)
-
-
-def lambda_evictions(s: int, slots: int, sinks: int):
-    """Λ-masking / StreamingLLM eviction times ``[S]`` int32: sinks stay, token ``j`` leaves at row
-    ``j + slots - sinks``."""
-    j = jnp.arange(s)
-    return jnp.where(j < sinks, s, jnp.minimum(j + slots - sinks, s)).astype(jnp.int32)
-
-
-def lambda_mask(s: int, slots: int, sinks: int):
-    """Λ-masking / StreamingLLM with ``slots`` slots: row ``i`` keeps ``j < sinks`` and the last
-    ``slots - sinks`` positions up to ``i`` (method note §2.7.2). ``[S, S]`` bool."""
-    i = jnp.arange(s)[:, None]
-    j = jnp.arange(s)[None, :]
-    return (j <= i) & ((j < sinks) | (j > i - (slots - sinks)))
 
 
 @struct.dataclass
@@ -368,92 +85,6 @@ class LessState:
     H: jnp.ndarray
     z: jnp.ndarray
     kernels: Any
-
-
-@functools.lru_cache(maxsize=4)
-def _load_kernels(path: str, mtime: float):
-    folder = Path(path)
-    meta = json.loads((folder / CONFIG_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(
-            f"kernels={path!r}: {CONFIG_FILE} has format {meta.get('format')!r}, expected {FORMAT!r}; "
-            "train kernels with kvjax-train-less"
-        )
-    with np.load(folder / KERNELS_FILE) as f:
-        arrays = {name: np.asarray(f[name]) for name in f.files}
-    return meta, arrays
-
-
-def load_kernels(path, model_cfg=None):
-    """``(meta, {name: [L, ...] np.ndarray})`` from a ``kvjax-train-less`` output folder. With ``model_cfg``,
-    refuses kernels trained for another model or head layout (ValueError naming each mismatch)."""
-    folder = Path(path)
-    for f in (CONFIG_FILE, KERNELS_FILE):
-        if not (folder / f).is_file():
-            raise FileNotFoundError(
-                f"kernels={str(path)!r} has no {f}; pass the output folder of kvjax-train-less "
-                "(it holds kernels.npz and less_config.json)"
-            )
-    meta, arrays = _load_kernels(str(folder.resolve()), (folder / KERNELS_FILE).stat().st_mtime)
-    if model_cfg is not None:
-        check_model(meta, model_cfg, f"kernels={str(path)!r}")
-    return meta, arrays
-
-
-def parse_layers(spec, num_layers: int) -> list[int]:
-    """Layer indices from ``"0-7"``, ``"0,2,5-9"``, an int or a list (``None``: all), checked against the model."""
-    if spec is None:
-        return list(range(num_layers))
-    given = spec
-    if isinstance(spec, int):
-        spec = [spec]
-    if isinstance(spec, str):
-        out = []
-        try:
-            for part in spec.split(","):
-                a, _, b = part.strip().partition("-")
-                out.extend(range(int(a), int(b if b else a) + 1))
-        except ValueError:
-            raise ValueError(f"layers={spec!r}: expected layer indices such as '0-7' or '0,2,5-9'") from None
-        spec = out
-    out = sorted(set(int(x) for x in spec))
-    if not out or out[0] < 0 or out[-1] >= num_layers:
-        raise ValueError(
-            f"layers={given!r}: the model has layers 0-{num_layers - 1}; pass a non-empty subset such as '0-7'"
-        )
-    return out
-
-
-def format_layers(layers) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    out, layers = [], sorted(layers)
-    for i, x in enumerate(layers):
-        if i and x == layers[i - 1] + 1:
-            out[-1][1] = x
-        else:
-            out.append([x, x])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-
-
-def model_identity(model_cfg, name: str | None = None) -> dict:
-    """What a kernel file records about its model (and must match to be reused)."""
-    ident = {key: getattr(model_cfg, key) for key in MODEL_KEYS}
-    ident["name"] = name
-    return ident
-
-
-def check_model(meta: dict, model_cfg, what: str):
-    want = meta.get("model", {})
-    bad = [
-        f"{key}: trained for {want.get(key)!r}, this model has {getattr(model_cfg, key)!r}"
-        for key in MODEL_KEYS
-        if want.get(key) != getattr(model_cfg, key)
-    ]
-    if bad:
-        raise ValueError(
-            f"{what} were trained for another model ({want.get('name')!r}) or head layout: "
-            f"{'; '.join(bad)}. Train kernels for this model with kvjax-train-less"
-        )
 
 
 @dataclasses.dataclass(frozen=True)

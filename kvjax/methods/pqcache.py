@@ -4,60 +4,6 @@ A recall method: the full KV stays resident (it shrinks what each decode step *r
 Method note ``docs/notes/pqcache.md`` (§2.2-2.6, §8); paper §3.1 (PQ construction, decode retrieval,
 new tokens), §3.3 (K-means at prefill).
 
-- Prefill (paper §3.1, note §2.3): every prompt KV is stored. Per KV head, the post-RoPE keys of the
-  non-sink prompt tokens ``[sink, L)`` are split into ``m`` contiguous sub-vectors (HF ``rotate_half``
-  order, note A14) and each sub-space is clustered with K-means into ``2^bits`` centroids
-  (:mod:`kvjax.methods.kmeans`: Lloyd, Euclidean, fixed ``iters``, seeded init rows shared by the heads and
-  sub-spaces of a sequence as in the authors' code, empty clusters keep their centroid). Every prompt token
-  gets ``m`` uint8 codes (the final assignment).
-- Decode (paper §3.1, note §2.4, §8.7): the new key is encoded with the frozen centroids when written (the
-  same code the paper assigns when it leaves the local window, since centroids never change; note §2.5, §8.5).
-  Per query head a lookup table ``lut[i, c] = q_i · C_{i,c}`` gives approximate logits ``q · k_hat`` for every
-  token from its codes. Candidates are the tokens in ``[sink, t - W)``; per query head ``softmax(s_hat /
-  sqrt(D))`` over the candidates is summed over the query group (the authors' GQA rule; with G = 1 the raw
-  logits rank), and the ``k`` best per KV head are retrieved: the exact top-k, ties to the lower position, as
-  ``lax.top_k`` keeps them. Exact attention then runs over sinks + the local window + the ``k`` retrieved
-  tokens + the new token.
-- How a step finds the top-k without a score per slot per query head or a sort (``score_table``, the default
-  where the lookup runs in XLA and ``(2^bits)^m <= 8192``, e.g. the paper's m = 2, b = 6: 4096 tuples): a
-  token's aggregated score depends only on its code tuple ``(c_0, ..., c_{m-1})``. The state keeps ``hist [B,
-  Hkv, (2^bits)^m]``, how many candidates hold each tuple, updated by one count per step as the candidate end
-  ``t - W`` moves on. Each step computes, per tuple, ``s_hat`` for every query head, the group softmax's
-  maximum and normaliser ``Z_g = sum_u hist[u] exp(z_g(u) - max_g)``, and the aggregate; finds the k-th
-  largest aggregate with multiplicities by bisection on its bits (:func:`kvjax.methods.threshold.kth_key`, 32
-  counts over the table); then one pass over the candidates' uint8 codes (chunks up to the candidate end:
-  nothing past it is read) looks each tuple's key up in the small table and sets one bit per slot for
-  "above" and "tied", and the ``k`` slots are read off the bit words (ties to the lower position,
-  :mod:`kvjax.methods.threshold`). **Float rounding**: the normaliser is the same sum in a different order
-  (per tuple times its count instead of per slot), so an aggregate may differ from a per-slot computation in
-  the last float32 bit; the kept set then differs only where two different tuples' aggregates are that
-  close (the ``benchmarks/pqcache.py --agree`` check counts such steps against the per-slot path). With
-  ``score_table=False`` (the default with a Pallas lookup, or for larger tuple spaces) the scores per slot
-  come from :func:`kernels_pallas.pq_lookup.pq_lookup`, the group softmax is taken per slot, and the same
-  bisection (over the slots) and bit compaction select; no sort either way.
-- Attention reads only the attended rows: the sinks and the window are contiguous ranges (sliced in
-  cache-sized chunks, from ``t - W_b``, not ``t - W_max``), the retrieved rows are gathered chunk by chunk
-  (chunks up to the number retrieved), the new token's K/V come from the step's input; the partials merge
-  exactly (:func:`kvjax.attention.merge`). On a backend whose decode attention is a Pallas kernel each part
-  is one gather + one kernel call.
-- Budget split (authors' code, note §2.2, A1), exact integers (:mod:`kvjax.budget`): ``budget = r`` (float)
-  gives each sequence ``W_b = floor((n_b - sink) r lr)`` local and ``k_b = floor((n_b - sink) r (1 - lr))``
-  retrieved tokens of its own prompt length ``n_b`` (never the bucket), ``lr = local_ratio`` (0.5). ``r`` and
-  ``lr`` are read as the decimals they are written as (:func:`kvjax.budget.as_fraction`); each product is one
-  fraction ``p/q`` applied with :func:`kvjax.budget.floor_mul` (int32-safe while ``q^2 < 2^31``; a product
-  with a larger denominator is rounded *down* to the ``1/10000`` grid, which never happens for budgets and
-  ratios with at most two decimals). An int budget is a token count ``W + k`` with ``W = floor(budget lr)``.
-  The static ``window``/``topk`` are those of the bucket, the maxima. Default ``sink = 32``.
-- Live slots only: the state's ``filled [B]`` counts the written slots (prompt + decoded); the code pass and
-  the per-slot lookup stop at the candidate end ``t - W_b``, the window starts at ``t - W_b``, and the dense
-  fallback attends with ``lengths = filled``. What a step reads is :meth:`PQCache.bytes_read_breakdown`.
-- Memory vs bandwidth: every token stays stored (``tokens_held = held(n, steps) = n + steps``); what a step
-  *attends* is ``sink + W_b + k_b + 1`` tokens (:meth:`PQCache.attended`, the whole cache for a
-  ``dense_short`` row), and what it reads is :meth:`PQCache.bytes_read_per_step`.
-- Recall method (``recalls = True``): :meth:`PQCache.selected_positions` is the mask of the positions the next
-  step attends (sinks + window + retrieved, the new token excluded), which ``kvjax-eval fidelity`` compares
-  with the exact top-B attention tokens (``topb_recall``).
-
 Shapes (per layer): k, v ``[B, Hkv, S, D]`` (``S`` = prompt bucket + max_new_tokens, slot = position); codes
 ``[B, Hkv, m, S_c]`` uint8, sub-space-major: the layout the PQ-lookup kernels read (no per-step repack), with
 ``S_c`` = ``S`` rounded up to 32 (one bit word) on the XLA path, to ``CODE_ALIGN`` when a Pallas kernel does
@@ -66,20 +12,8 @@ the lookup; centroids ``[B, Hkv, m, 2^bits, D/m]`` float32; hist ``[B, Hkv, (2^b
 ``[B]`` int32. Axes in einsums: b batch, h KV head, g query head in group, i sub-space, c centroid, d
 sub-vector dim, s slot, u code tuple.
 
-Host offload (``offload=True``, EXPERIMENTAL): the full K/V live in the ``pinned_host`` memory kind (results
-of prefill/decode are placed there with ``jax.device_put``), the gathered rows are moved to device memory for
-attention. CPU raises a ValueError (no separate device memory). Not yet run on an accelerator: XLA has no
-first-class per-row gather from host memory inside ``jit`` (note §8.10), so it may move whole arrays; measure
-before relying on it.
-
-Short prompts (note A11, authors' code): a sequence with ``L - sink <= 2^bits`` attends to every cached token
-(``dense_short=True``); in a batch that has one, a ``lax.cond`` switches the step to attention over the live
-slots ``[0, filled)`` with a per-row mask (the other rows keep exactly their sparse set), else the step reads
-only the attended rows; neither branch returns the state. Any prompt length and budget works (a prompt
-shorter than the sinks attends to what exists); only impossible configurations raise (``m`` not dividing
-``head_dim``, bad values).
-
-Not reproduced: the paper's CPU offload machinery (overlap, adaptive iterations, the GPU block cache).
+How each step follows the paper, the budget split, what a step reads and what is not reproduced:
+``docs/methods/pqcache.md``, "From the paper to the code".
 """
 
 from __future__ import annotations

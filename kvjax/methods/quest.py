@@ -7,71 +7,14 @@ recallable baseline with its original ``page_size = 16`` and the first two layer
 that baseline, written from the Quest paper's description (§3: page criticality estimation, §3.2 the upper
 bound) and kvjax's resolutions of what it leaves open (docs/methods/quest.md).
 
-- **Pages** (Quest §3): slots are positions (slot ``s`` holds the token at position ``s``), cut into pages of
-  ``page_size`` consecutive positions aligned at position 0 (page ``j`` holds ``[j P, (j+1) P)``).
-- **Page metadata** (Quest §3.1, "Representative"): per page and KV head, the per-channel minimum and maximum of
-  its post-RoPE keys, ``kmin, kmax [B, Hkv, n_pages, D]``, computed at prefill over the prompt's real tokens
-  only (bucket padding never enters), then updated as decode appends tokens: the page holding the new token
-  ``t`` gets ``kmin = min(kmin, k_t)`` and ``kmax = max(kmax, k_t)`` (``k_t`` itself when ``t`` opens the
-  page). Min and max are exact in any dtype, so they are stored in the KV dtype.
-- **Criticality** (Quest §3.2, Alg. 1): for a query ``q`` the upper bound of ``q·k`` over a page is
-  ``u = Σ_d max(q_d kmin_d, q_d kmax_d)``, computed as ``q⁺·kmax + q⁻·kmin`` (``q⁺ = max(q, 0)``, ``q⁻ =
-  min(q, 0)``: two matmuls, no ``[.., n_pages, D]`` intermediate). It is never below ``q·k`` of any key in the
-  page.
-- **GQA** (a kvjax resolution; Quest is defined for MHA, one query per KV head): the decode-attention kernel
-  takes one block list per KV head, so pages are chosen per KV head and ranked by the **mean over the group's
-  query heads** of their upper bounds (kvjax's ``group_mean`` convention, docs/architecture.md#gqa-native). The
-  mean of the bounds bounds the mean query's scores. With ``G = 1`` it is Quest exactly. The bound is linear in
-  ``q⁺`` and ``q⁻``, so the mean is computed as one bound of the group's mean ``q⁺`` and mean ``q⁻``
-  (:meth:`Quest.group_scores`: one matrix-vector product per KV head and page chunk, not ``G``).
-- **Selection** (Quest §3.2, its kernel-level rule): the current page (the one holding the new token) is always
-  attended; the other candidates are the complete pages before it, and the top ``pages_b - 1`` by score are
-  kept (``lax.top_k``: ties to the lower page index). Attention then runs over the listed pages only:
-  ``attention.attend(q, k, v, None, lengths=filled, block_indices=pages, block_size=page_size)``, so the Pallas
-  kernels read no other K/V block (bucket padding and unwritten decode slots included).
-- **Below one page** (kvjax's budget contract, docs/architecture.md#one-budget-contract: a method shrinks rather
-  than overshoot): a fraction whose ``B_b`` is below ``page_size`` cuts the current page to its most recent
-  ``min(B_b, t mod page_size + 1)`` tokens, the new token included, and lists no other page (``pages_b = 1``):
-  the window slides with decode inside the current page and restarts at 1 token when a page opens. The
-  page-list kernel call then lists nothing for that sequence, and a second ``attention.attend`` over its window
-  (the ``page_size`` rows from the window's first position gathered into a ``[B, Hkv, page_size, D]`` buffer,
-  ``lengths`` = the window, 0 for the other sequences) is merged in (exact: an empty partial merges as
-  nothing). This path is static: it is compiled only where a sequence can be below a page (a fraction with
-  ``page_size > 1``; an int budget is ``>= page_size``).
-- **Budget** (:mod:`kvjax.budget`): ``B_b`` tokens per sequence: a float ``b`` gives
-  ``ceil(b n_b)`` of the sequence's own prompt length ``n_b`` (never the bucket), an int is a token count
-  (Quest's and ClusterKV's unit). ``pages_b = max(B_b // page_size, 1)``. As in Quest (``min(kv_len, budget)``),
-  a sequence whose live tokens fit the budget (``t + 1 <= B_b``) or whose live pages fit ``pages_b`` attends to
-  every live token. Otherwise it attends ``(pages_b - 1) page_size + (t mod page_size) + 1 <= B_b`` tokens
-  (:meth:`Quest.attended`); below one page ``min(B_b, t mod page_size + 1)`` (**Below one page**). The budget
-  is a ceiling on tokens attended: never more than ``B_b``. Every token stays stored:
-  ``tokens_held = held(n, s) = n + s``. A fraction is of the *prompt*: generated tokens compete for the same
-  pages, so ``budget=1.0`` is not full attention once decode has passed the prompt's budget (as for PQCache);
-  an int ``>= n + max_new_tokens`` is (docs/architecture.md#one-budget-contract).
-- **Default budget 1024 tokens**: the ClusterKV paper compares with Quest at token budgets (256-2048; 1024 for
-  PG19 perplexity and for the latency comparison), and Quest reports token budgets. Pass a float (e.g. 0.2)
-  for kvjax's usual fraction of each prompt. An int budget below ``page_size`` is an error (not one page).
-- **Layers** ``< n_full`` (default 2, Quest's and ClusterKV's setting) keep and attend the full cache: they are
-  the :class:`~kvjax.methods.full.Full` method's functions and state (states differ per layer).
-
 Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = prompt bucket + max_new_tokens, slot =
 position); kmin, kmax ``[B, Hkv, n_pages, D]`` (KV dtype, ``n_pages = ceil(S / page_size)``); lengths (prompt)
 and filled ``[B]`` int32. Static: ``page_size`` and ``topk`` (the block list holds ``topk + 1`` pages: the
 bucket's largest ``pages_b - 1`` or its largest all-live page count, whichever is larger, at most ``n_pages -
 1``). Einsum axes: b batch, h KV head, g query head in group, p page, d head dim.
 
-What a decode step reads (:meth:`Quest.bytes_read_breakdown`): the ``kmin``/``kmax`` of the candidate pages, in
-chunks of pages up to the batch's longest sequence (a ``lax.fori_loop``: bucket padding and unwritten decode pages
-are never scored), the float32 scores ``lax.top_k`` ranks, and the ``page_size`` K/V rows of each listed page
-(on CPU the decode-attention XLA path gathers the listed pages a cache-sized chunk at a time; nothing is computed
-over all slots). At ``page_size = 16`` the min/max are 1/16 of the K/V bytes, so scoring every live page costs as
-much as attending ``L / 16`` tokens: the page summaries are Quest's price for not reading the rest.
-
-Not reproduced: Quest's CUDA kernels (page-metadata update, criticality estimation, its top-k kernel and the
-paged FlashInfer attention); here scoring is XLA (``lax.top_k`` over the static page count) and attention is
-kvjax's decode-attention kernel with a per-KV-head page list. Prefill is exact full attention (as in Quest).
-Pallas block rules apply to ``page_size`` on accelerators (``pallas_gpu``: a power of two; ``pallas_tpu``: a
-multiple of 8).
+How each step follows the paper, the budget split, what a step reads and what is not reproduced:
+``docs/methods/quest.md``, "From the paper to the code".
 """
 
 from __future__ import annotations
