@@ -32,17 +32,8 @@ def tiny():
     return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(3), scale=0.3), None, "tiny")
 
 
-SMALL = {
-    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=3),
-    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-    "quest": dict(page_size=4, n_full=1),
-    "less": dict(hidden=16),
-}
-
-
 def _method(name):
-    return methods.get(name, **SMALL.get(name, {}), **({} if name == "full" else {"budget": 0.3}))
+    return methods.small(name, **({} if name == "full" else {"budget": 0.3}))
 
 
 def _batch():
