@@ -81,6 +81,32 @@ def _time_device(fn, args, iters: int, n: int) -> float:
     return max((_time(_repeat(fn, n), args, iters) - _time(_repeat(fn, 1), args, iters)) / (n - 1), 1e-9)
 
 
+def _header(args, dev, impl: str, dtype, peak) -> dict:
+    """The JSON fields every run of this script writes: versions, device, kernel and shapes."""
+    return {
+        "jax_version": jax.__version__,
+        "device": str(dev),
+        "device_kind": dev.device_kind,
+        "backend": jax.default_backend(),
+        "python": platform.python_version(),
+        "impl": impl,
+        "interpret": args.interpret,
+        "dtype": str(dtype),
+        "kv_heads": args.kv_heads,
+        "group": args.group,
+        "head_dim": args.head_dim,
+        "peak_bandwidth_gbs": peak,
+        "iters": args.iters,
+        "loop": args.loop,
+    }
+
+
+def _write(args, header: dict, **results) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**header, **results}, indent=2))
+
+
 def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0):
     kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(kq, (batch, hkv * g, d), dtype)
@@ -136,31 +162,7 @@ def main(argv=None):
     rows = []
 
     def write():
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "jax_version": jax.__version__,
-                    "device": str(dev),
-                    "device_kind": dev.device_kind,
-                    "backend": jax.default_backend(),
-                    "python": platform.python_version(),
-                    "impl": impl,
-                    "interpret": args.interpret,
-                    "dtype": str(dtype),
-                    "kv_heads": hkv,
-                    "group": g,
-                    "head_dim": d,
-                    "block_size": bs,
-                    "peak_bandwidth_gbs": peak,
-                    "iters": args.iters,
-                    "loop": args.loop,
-                    "rows": rows,
-                },
-                indent=2,
-            )
-        )
+        _write(args, _header(args, dev, impl, dtype, peak), block_size=bs, rows=rows)
 
     print(
         f"{jax.__version__} {dev.device_kind} impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d} bs={bs} peak={peak} GB/s",
@@ -320,30 +322,12 @@ def sweep(args) -> int:
             min(ran, key=ran.get), measured=f"{args.out} ({dev.device_kind}, jax {jax.__version__})"
         )
     print(f"chosen (lowest total time): {chosen!r}" if chosen else "chosen: none (no candidate ran at every shape)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "jax_version": jax.__version__,
-                "device": str(dev),
-                "device_kind": dev.device_kind,
-                "backend": jax.default_backend(),
-                "impl": impl,
-                "interpret": args.interpret,
-                "dtype": str(dtype),
-                "kv_heads": hkv,
-                "group": g,
-                "head_dim": d,
-                "peak_bandwidth_gbs": peak,
-                "iters": args.iters,
-                "loop": args.loop,
-                "sweep": rows,
-                "fastest_per_shape": per_shape,
-                "chosen": chosen and dataclasses.asdict(chosen),
-            },
-            indent=2,
-        )
+    _write(
+        args,
+        _header(args, dev, impl, dtype, peak),
+        sweep=rows,
+        fastest_per_shape=per_shape,
+        chosen=chosen and dataclasses.asdict(chosen),
     )
     print(f"wrote {args.out}")
     return 0
