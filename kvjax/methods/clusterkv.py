@@ -31,7 +31,17 @@ from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
-from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, full_bytes, evicting_budget, rows_at, top_k
+from kvjax.methods import threshold as th
+from kvjax.methods.base import (
+    LayerContext,
+    Capacity,
+    Method,
+    SlotCache,
+    full_bytes,
+    evicting_budget,
+    mean_small_axis,
+    rows_at,
+)
 from kvjax.methods.full import Full
 
 _FULL = Full()  # layers < n_full
@@ -326,28 +336,29 @@ class ClusterKV(Method):
     # ---- selection (paper §III-C, note §7.4) ----
 
     def take_lengths(self, state: ClusterState, q):
-        """Tokens each selecting head takes from each cluster: ``(starts [B, Hkv, C], take [B, Hkv, G', C])`` int32,
-        ``G' = G`` for ``gqa="query"`` (clusters in id order, so the group's selections line up), 1 for
-        ``group_mean`` (clusters in the head's rank order). The clusters are ranked by ``q·mu`` (ties: the lower
-        id), whole clusters taken until ``bsel`` tokens, the last one cut to its first (earliest-position) rows:
-        cluster ``c`` at rank ``r`` gives ``clip(bsel - Σ_{r' < r} size, 0, size)`` rows from ``cstart[c]``.
-        q ``[B, Hq, D]``."""
+        """Tokens each selecting head takes from each cluster: ``(starts [B, Hkv, C], take [B, Hkv, G', C])`` int32
+        in cluster-id order, ``G' = G`` for ``gqa="query"``, 1 for ``group_mean``. The clusters are ranked by
+        ``q·mu`` (ties: the lower id), whole clusters taken until ``bsel`` tokens, the last one cut to its first
+        (earliest-position) rows: cluster ``c`` at rank ``r`` gives ``clip(bsel - Σ_{r' < r} size, 0, size)`` rows
+        from ``cstart[c]``. Computed without a sort (XLA:CPU's sort of 8 x 409 scores took 0.4-0.5 ms a step at
+        32k): ``tau``, the score of the cut cluster, from a size-weighted bisection (``threshold.kth_key``); the
+        clusters above it are taken whole, those tied with it in id order, those below not at all: the same
+        lengths as the ranking. q ``[B, Hq, D]``."""
         b, hq, d = q.shape
-        h, c = state.mu.shape[1], state.mu.shape[2]
+        h = state.mu.shape[1]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
         if self.gqa == "group_mean":
-            qg = qg.mean(axis=2, keepdims=True)
+            qg = mean_small_axis(qg, 2)[:, :, None]
         s = jnp.einsum("bhgd,bhcd->bhgc", qg, state.mu, precision=jax.lax.Precision.HIGHEST)
         live = (state.csize > 0)[:, :, None, :]
-        s = jnp.where(live, s, NEG_INF)  # empty clusters rank last (ties: the lower id first)
-        _, order = top_k(s, c)  # [B, Hkv, G', C] descending
-        sz = jnp.take_along_axis(jnp.broadcast_to(state.csize[:, :, None], s.shape), order, axis=-1)
-        before = jnp.cumsum(sz, axis=-1) - sz
-        take = jnp.clip(state.bsel[:, None, None, None] - before, 0, sz).astype(jnp.int32)  # rank order
-        if self.gqa == "group_mean":
-            return jnp.take_along_axis(state.cstart, order[:, :, 0], axis=-1), take
-        back = lambda o, x: jnp.zeros_like(x).at[o].set(x)  # noqa: E731  rank order -> cluster-id order
-        return state.cstart, jax.vmap(jax.vmap(jax.vmap(back)))(order, take)  # per (b, h, g): no flattening
+        keys = th.sortable(jnp.where(live, s, NEG_INF))  # empty clusters rank last (they weigh 0)
+        size = jnp.broadcast_to(state.csize[:, :, None], s.shape).astype(jnp.int32)
+        bsel = state.bsel.astype(jnp.int32)[:, None, None]
+        tau, above = th.kth_key(keys, size, bsel)  # [B, Hkv, G']
+        tied = jnp.where(keys == tau[..., None], size, 0)
+        cut = jnp.clip(bsel[..., None] - above[..., None] - (jnp.cumsum(tied, axis=-1) - tied), 0, size)
+        take = jnp.where(keys > tau[..., None], size, jnp.where(keys == tau[..., None], cut, 0))
+        return state.cstart, take.astype(jnp.int32)
 
     def runs(self, state: ClusterState, q, t):
         """The runs of slots the step whose new token is at ``t [B]`` attends: ``(starts [B, Hkv, R], lens [B, Hkv,
@@ -492,8 +503,9 @@ class ClusterKV(Method):
         """Bytes one decode step of this compressed layer reads, by part (concrete state; call outside ``jit``):
 
         - ``centroids``: ``mu`` (float32), ``csize`` and ``cstart`` of the live clusters per KV head;
-        - ``ranking``: the float32 score and the ranked size of each live cluster, per selecting head.
-        The scoring einsum and ``lax.top_k`` run over the static ``C``-cluster buffers (the bucket's ``C0_max``
+        - ``ranking``: the float32 score and the size of each live cluster, per selecting head (the size-weighted
+          bisection, :meth:`take_lengths`, passes over these small arrays 32 times, in cache).
+        The scoring einsum and the bisection run over the static ``C``-cluster buffers (the bucket's ``C0_max``
         prompt clusters and every decode window's slots); the slots no cluster of the sequence uses are not
         counted (at most ``bucket / tokens_per_cluster`` centroids of ``4 D`` bytes per KV head, well under 1% of
         a step's reads at the budgets of the paper);

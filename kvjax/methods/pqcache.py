@@ -35,7 +35,7 @@ from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
-from kvjax.methods.base import LayerContext, Capacity, Method, full_bytes, rows_at, tree_bytes
+from kvjax.methods.base import LayerContext, Capacity, Method, full_bytes, rows_at, sum_small_axis, tree_bytes
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 
@@ -412,8 +412,11 @@ class PQCache(Method):
         else:
             mx = jnp.max(jnp.where(present, z, NEG_INF), axis=-1, keepdims=True)
             e = jnp.where(present, jnp.exp(z - mx), 0.0)
-            tot = jnp.sum(e * hist[:, :, None, :].astype(jnp.float32), axis=-1, keepdims=True)
-            agg = (e / jnp.maximum(tot, 1e-30)).sum(axis=2)
+            # the count-weighted sum as a dot: XLA:CPU's fused multiply-reduce took 10x as long (0.46 ms at 4096 tuples)
+            tot = jnp.einsum("bhgk,bhk->bhg", e, hist.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)[
+                ..., None
+            ]
+            agg = sum_small_axis(e / jnp.maximum(tot, 1e-30), 2)
         return jnp.where(present[:, :, 0], th.sortable(agg), jnp.uint32(0))
 
     def _scan_codes(self, codes, keys, tau, sink: int, end):
@@ -449,7 +452,7 @@ class PQCache(Method):
             agg = z[:, :, 0]
         else:
             p = jnp.where(cand, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
-            agg = (p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)).sum(axis=2)
+            agg = sum_small_axis(p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), 2)
         cand = cand[:, :, 0]
         return jnp.where(cand, th.sortable(agg), jnp.uint32(0)), cand
 
