@@ -459,15 +459,12 @@ class PQCache(Method):
     def _retrieve_local(self, lut, codes, hist, end, kk, *, sink: int, topk: int, d: int):
         """``(slots, ok) [B, Hkv, topk]``: the ``kk[b]`` candidates of ``[sink, end[b])`` with the largest
         aggregated scores, ties to the lower slot (= ``lax.top_k``), ascending; per device on a mesh."""
-        if self.uses_table():
-            keys = self._tuple_keys(lut, hist, d)
-            tau, above = th.kth_key(keys, hist, kk[:, None])
-            up, tie = self._scan_codes(codes, keys, tau, sink, end)
-        else:
+        if not self.uses_table():
             keys, cand = self._slot_keys(lut, codes, sink, end, d)
-            tau, above = th.kth_key(keys, jnp.broadcast_to(cand, keys.shape).astype(jnp.int32), kk[:, None])
-            up = th.pack_bits(cand & (keys > tau[..., None]))
-            tie = th.pack_bits(cand & (keys == tau[..., None]))
+            return th.top_set(keys, jnp.broadcast_to(cand, keys.shape), kk[:, None], topk)
+        keys = self._tuple_keys(lut, hist, d)
+        tau, above = th.kth_key(keys, hist, kk[:, None])
+        up, tie = self._scan_codes(codes, keys, tau, sink, end)
         return th.compact(up | th.keep_first(tie, kk[:, None] - above), topk)
 
     def _retrieve(self, state: PQState, q, end, hist):

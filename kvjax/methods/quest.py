@@ -28,7 +28,7 @@ import numpy as np
 from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
-from kvjax import attention
+from kvjax import attention, sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.methods.base import (
     Capacity,
@@ -39,8 +39,8 @@ from kvjax.methods.base import (
     rows_at,
     slot_bytes_read,
     slot_tokens_held,
-    top_k,
 )
+from kvjax.methods import threshold as th
 from kvjax.methods.full import Full
 
 _FULL = Full()
@@ -48,6 +48,16 @@ _FULL = Full()
 #: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
 #: the candidates are few, large enough that the loop's per-trip cost is small.
 SCORE_CHUNK_BYTES = 1 << 20
+
+
+def _top_pages(score, cur, keep, topk: int):
+    """``(pages, ok) [B, Hkv, topk]``: the ``min(keep, topk)`` best of the candidate pages ``[0, cur)`` of ``score
+    [B, Hkv, P]`` (``cur``, ``keep`` ``[B]``), ascending (:func:`~kvjax.methods.threshold.top_set`)."""
+    b, h, p = score.shape
+    pad = -p % 32
+    cand = jnp.arange(p + pad)[None, None, :] < cur[:, None, None]
+    keys = jnp.pad(th.sortable(score), ((0, 0), (0, 0), (0, pad)))
+    return th.top_set(keys, jnp.broadcast_to(cand, keys.shape), jnp.minimum(keep, topk)[:, None], topk)
 
 
 def _score_chunk(h: int, d: int, itemsize: int) -> int:
@@ -256,15 +266,18 @@ class Quest(Method):
 
     def select_pages(self, state: QuestState, q, t) -> jnp.ndarray:
         """Pages the step whose new token is at position ``t [B]`` attends, per KV head: ``[B, Hkv, topk + 1]``
-        int32, the kept candidate pages (best first, ``-1`` pads) then the current page ``t // page_size``."""
+        int32, the ``keep`` best candidate pages (``lax.top_k``'s set, ties to the lower page, found without a sort:
+        :func:`~kvjax.methods.threshold.top_set`), ascending, ``-1`` pads, then the current page ``t //
+        page_size``."""
         b = q.shape[0]
         h = state.kmin.shape[1]
         cur, keep = self.kept_pages(state.lengths, t)  # the candidates are the complete pages [0, cur)
         current = jnp.broadcast_to(cur[:, None, None], (b, h, 1)).astype(jnp.int32)
         if state.topk == 0:
             return current
-        _, idx = top_k(self.group_scores(state, q, t), state.topk)  # ties: the lower page index first
-        ok = jnp.arange(state.topk)[None, None, :] < keep[:, None, None]
+        idx, ok = sharding.per_head(
+            lambda s, c, kk: _top_pages(s, c, kk, state.topk), self.group_scores(state, q, t), cur, keep
+        )
         return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)
 
     def decode(self, state, layer: int, q, k, v, pos):
@@ -343,7 +356,7 @@ class Quest(Method):
           of ``c`` pages up to the batch's largest candidate count: ``min(ceil(max_b (t_b // page_size) / c) c,
           n_pages)`` pages per sequence) and of the current page, read for its update (only the latter when
           ``topk = 0``).
-        - ``scores``: the float32 group-mean page scores ``[Hkv, n_pages]`` ``lax.top_k`` reads (static size).
+        - ``scores``: the float32 group-mean page scores ``[Hkv, n_pages]`` the selection reads (static size).
         - ``attention``: the decode-attention block plan over the listed pages (``page_size`` rows of K and V
           per visited page, the current page included), the query and the partial outputs
           (:func:`~kernels_pallas.decode_attention.block_plan_bytes`; no mask is passed). A sequence below one

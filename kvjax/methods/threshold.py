@@ -52,6 +52,16 @@ def kth_key(keys: jnp.ndarray, weights: jnp.ndarray, k: jnp.ndarray):
     return tau, above.astype(jnp.int32)
 
 
+def top_set(keys: jnp.ndarray, cand: jnp.ndarray, k: jnp.ndarray, width: int):
+    """``lax.top_k``'s set of the ``k [...]`` largest ``keys [..., 32 W]`` (uint32, :func:`sortable`) among the
+    ``cand`` entries (bool, same shape; ties to the lower index), ascending, without a sort: ``(slots [..., width]
+    int32, ok [..., width] bool)`` (:func:`compact`; ``width >= k``)."""
+    tau, above = kth_key(keys, cand.astype(jnp.int32), k)
+    up = pack_bits(cand & (keys > tau[..., None]))
+    tie = pack_bits(cand & (keys == tau[..., None]))
+    return compact(up | keep_first(tie, jnp.asarray(k, jnp.int32) - above), width)
+
+
 def pack_bits(mask: jnp.ndarray) -> jnp.ndarray:
     """``[..., 32 W]`` bool -> ``[..., W]`` uint32 (slot ``s`` is bit ``s % 32`` of word ``s // 32``)."""
     m = mask.reshape(*mask.shape[:-1], -1, 32).astype(jnp.uint32)
