@@ -43,7 +43,6 @@ from kvjax.methods.base import (
     check_budget,
     empty_slots,
     evicting_budget,
-    mean_small_axis,
     rows_at,
     slot_bytes_read,
     store_prompt,
@@ -195,9 +194,7 @@ def _accumulate(score, pos, sc, m, l, lengths, threshold, chunk=None):
 
     def update(i, score):
         start, take, _ = held(i)
-        w = mean_small_axis(
-            jnp.exp(jax.lax.dynamic_slice_in_dim(sc, start, c, axis=3) - m[..., None]) / den[..., None], 2
-        )
+        w = (jnp.exp(jax.lax.dynamic_slice_in_dim(sc, start, c, axis=3) - m[..., None]) / den[..., None]).mean(axis=2)
         new = jax.lax.dynamic_slice_in_dim(score, start, c, axis=2) + jnp.where(take, w, 0.0)
         return jax.lax.dynamic_update_slice_in_dim(score, new, start, axis=2)
 
