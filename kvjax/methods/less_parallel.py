@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from kvjax import attention
 from kvjax.attention import NEG_INF
-from kvjax.methods.base import mean_small_axis
 
 
 def _safe_log(x):
@@ -130,7 +129,7 @@ def _group_probs(qg, kf, i, keys, scale):
     sc = jnp.einsum("bhgd,bhsd->bhgs", qi, kf) * scale
     sc = jnp.where(keys[:, :, None], sc, NEG_INF)
     p = jnp.where(keys[:, :, None], jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True)), 0.0)
-    return mean_small_axis(p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30), 2)
+    return (p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)).mean(axis=2)
 
 
 def h2o_evictions(q, k, budget: int, recent: int):
