@@ -376,20 +376,10 @@ def tree_bytes(tree) -> int:
 def sum_small_axis(x: jnp.ndarray, axis: int) -> jnp.ndarray:
     """``x.sum(axis)`` for a short, non-minor ``axis`` (a GQA group), as a chain of adds over its slices. XLA:CPU
     lowers a reduction over a middle axis fused with its operand (``(e / t).sum(axis=2)`` of ``[1, 8, 4, 4096]``)
-    to a kernel 20-60x slower than the adds (1.5 ms against 30 us; ``[1, 8, 4, 32768]``: 5 ms against 0.08 ms)."""
+    to a kernel 20-60x slower than the adds (1.5 ms against 30 us; ``[1, 8, 4, 32768]``: 5 ms against 0.08 ms).
+    Not a rule: inside H2O's chunk loop the reduce was the faster (A/B at 32k), so use it where measured."""
     parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
     out = parts[0]
     for p in parts[1:]:
         out = out + p
     return out
-
-
-def mean_small_axis(x: jnp.ndarray, axis: int) -> jnp.ndarray:
-    """``x.mean(axis)`` as :func:`sum_small_axis` over the axis' length."""
-    return sum_small_axis(x, axis) / x.shape[axis]
-
-
-def group_mean(x: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
-    """Mean over the query heads of each KV group: ``[B, Hq, ...]`` -> ``[B, Hkv, ...]``."""
-    b, hq = x.shape[:2]
-    return mean_small_axis(x.reshape(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:]), 2)

@@ -39,7 +39,6 @@ from kvjax.methods.base import (
     SlotCache,
     full_bytes,
     evicting_budget,
-    mean_small_axis,
     rows_at,
 )
 from kvjax.methods.full import Full
@@ -348,7 +347,7 @@ class ClusterKV(Method):
         h = state.mu.shape[1]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
         if self.gqa == "group_mean":
-            qg = mean_small_axis(qg, 2)[:, :, None]
+            qg = qg.mean(axis=2, keepdims=True)
         s = jnp.einsum("bhgd,bhcd->bhgc", qg, state.mu, precision=jax.lax.Precision.HIGHEST)
         live = (state.csize > 0)[:, :, None, :]
         keys = th.sortable(jnp.where(live, s, NEG_INF))  # empty clusters rank last (they weigh 0)
