@@ -96,6 +96,22 @@ class ClusterState:
     max_new: int = struct.field(pytree_node=False, default=0)  # static: capacity.max_new_tokens
 
 
+def take_by_rank(score, size, bsel):
+    """Rows taken per cluster when clusters are taken whole in descending ``score`` order (ties: the lower index)
+    until ``bsel`` rows, the last one cut: ``clip(bsel - (rows of the clusters ranked before), 0, size)`` ``[...,
+    C]`` int32, in cluster order. ``score [..., C]`` float32, ``size [..., C]`` int (``>= 0``), ``bsel`` broadcastable
+    to ``score.shape[:-1]``. No sort: ``tau``, the cut cluster's score, from a size-weighted bisection
+    (:func:`~kvjax.methods.threshold.kth_key`); the clusters above it are taken whole (their rows sum to less than
+    ``bsel``), those tied with it in index order, those below not at all."""
+    keys = th.sortable(score)
+    size = size.astype(jnp.int32)
+    bsel = jnp.broadcast_to(jnp.asarray(bsel, jnp.int32), score.shape[:-1])
+    tau, above = th.kth_key(keys, size, bsel)
+    tied = jnp.where(keys == tau[..., None], size, 0)
+    cut = jnp.clip((bsel - above)[..., None] - (jnp.cumsum(tied, axis=-1) - tied), 0, size)
+    return jnp.where(keys > tau[..., None], size, jnp.where(keys == tau[..., None], cut, 0)).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
@@ -339,10 +355,8 @@ class ClusterKV(Method):
         in cluster-id order, ``G' = G`` for ``gqa="query"``, 1 for ``group_mean``. The clusters are ranked by
         ``q·mu`` (ties: the lower id), whole clusters taken until ``bsel`` tokens, the last one cut to its first
         (earliest-position) rows: cluster ``c`` at rank ``r`` gives ``clip(bsel - Σ_{r' < r} size, 0, size)`` rows
-        from ``cstart[c]``. Computed without a sort (XLA:CPU's sort of 8 x 409 scores took 0.4-0.5 ms a step at
-        32k): ``tau``, the score of the cut cluster, from a size-weighted bisection (``threshold.kth_key``); the
-        clusters above it are taken whole, those tied with it in id order, those below not at all: the same
-        lengths as the ranking. q ``[B, Hq, D]``."""
+        from ``cstart[c]``, computed without a sort (:func:`take_by_rank`; XLA:CPU's sort of 8 x 409 scores took
+        0.4-0.5 ms a step at 32k). q ``[B, Hq, D]``."""
         b, hq, d = q.shape
         h = state.mu.shape[1]
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
@@ -350,14 +364,8 @@ class ClusterKV(Method):
             qg = qg.mean(axis=2, keepdims=True)
         s = jnp.einsum("bhgd,bhcd->bhgc", qg, state.mu, precision=jax.lax.Precision.HIGHEST)
         live = (state.csize > 0)[:, :, None, :]
-        keys = th.sortable(jnp.where(live, s, NEG_INF))  # empty clusters rank last (they weigh 0)
-        size = jnp.broadcast_to(state.csize[:, :, None], s.shape).astype(jnp.int32)
-        bsel = state.bsel.astype(jnp.int32)[:, None, None]
-        tau, above = th.kth_key(keys, size, bsel)  # [B, Hkv, G']
-        tied = jnp.where(keys == tau[..., None], size, 0)
-        cut = jnp.clip(bsel[..., None] - above[..., None] - (jnp.cumsum(tied, axis=-1) - tied), 0, size)
-        take = jnp.where(keys > tau[..., None], size, jnp.where(keys == tau[..., None], cut, 0))
-        return state.cstart, take.astype(jnp.int32)
+        size = jnp.broadcast_to(state.csize[:, :, None], s.shape)
+        return state.cstart, take_by_rank(jnp.where(live, s, NEG_INF), size, state.bsel[:, None, None])
 
     def runs(self, state: ClusterState, q, t):
         """The runs of slots the step whose new token is at ``t [B]`` attends: ``(starts [B, Hkv, R], lens [B, Hkv,
