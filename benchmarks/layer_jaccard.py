@@ -68,7 +68,9 @@ def selection_only(model, method, batch, bucket, key):
     def run(states, lengths):
         out = []
         for layer, st in enumerate(states):
-            out.append(method.prefill(st, layer, q * (1 + layer), k, v, lengths, previous=out[-1] if out else None))
+            m = method.at(layer)  # the layer's method (a per-layer plan)
+            prev = out[-1] if out and method.at(layer - 1) == m else None
+            out.append(m.prefill(st, layer, q * (1 + layer), k, v, lengths, previous=prev))
         return tuple(out)
 
     def once(lengths):

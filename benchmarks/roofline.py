@@ -180,7 +180,9 @@ def _abstract(x):
 
 def abstract_state(cfg, method, batch, cap, layer, dtype):
     """The state's shapes (``jax.eval_shape`` of ``init``; a concrete ``init`` where it is not abstractly
-    evaluable). Raises the method's ValueError where it refuses the capacity."""
+    evaluable). Raises the method's ValueError where it refuses the capacity. ``method``: the plan; the layer's own
+    method (``method.at(layer)``) is built."""
+    method = method.at(layer)
     try:
         return jax.eval_shape(lambda: method.init(cfg, batch, cap, layer, dtype))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -190,7 +192,9 @@ def abstract_state(cfg, method, batch, cap, layer, dtype):
 def compile_prefill(method, layer, state, q, k, v, lengths, previous):
     """The method's ``prefill`` for one layer, compiled ahead of time (``state`` donated). A method that
     ``attends_prompt`` runs ``prefill_attend`` as the engine does (the prompt's attention included: its
-    ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed."""
+    ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed. ``method``: the
+    plan; the layer's own method (``method.at(layer)``) runs."""
+    method = method.at(layer)
     kw = {"previous": previous} if method.reuses_previous_layer else {}
     if getattr(method, "attends_prompt", False):  # getattr: also an older checkout
 
@@ -251,8 +255,8 @@ def build(cfg, var: Variant, layers, batch, n, cap, dtype, seed=0) -> Run:
     run, prev = Run(var.label, var.method, var.budget, []), None
     for layer in layers:
         q, k, v = _prompt_jit(jax.random.PRNGKey(seed * 1000 + layer), batch, n, cfg, dtype)
-        st = jax.block_until_ready(var.method.init(cfg, batch, cap, layer, dtype))
-        kw = {"previous": prev} if var.method.reuses_previous_layer else {}
+        st = jax.block_until_ready(var.method.at(layer).init(cfg, batch, cap, layer, dtype))
+        kw = {"previous": prev} if var.method.at(layer).reuses_previous_layer else {}
         jax.block_until_ready((q, k, v))
         t0 = time.perf_counter()
         st = jax.block_until_ready(var.prefills[layer](st, q=q, k=k, v=v, lengths=lengths, **kw))
@@ -302,7 +306,7 @@ def calibrate(cfg, clock: PrefillClock, var: Variant, layer, dtype, n_cal) -> No
     lengths = jnp.full((1,), n_cal, jnp.int32)
     kw = {"previous": None} if var.method.reuses_previous_layer else {}
     try:
-        st = var.method.init(cfg, 1, cap, layer, dtype)
+        st = var.method.at(layer).init(cfg, 1, cap, layer, dtype)
     except ValueError:
         return  # refuses the calibration's capacity: no reference, the run's own measurements will be
     fn = compile_prefill(var.method, layer, _abstract(st), q, k, v, lengths, None)
@@ -362,7 +366,7 @@ def compile_step(run: Run, layers, args, pos) -> None:
     def step(states, q, k, v, pos):
         outs, new = [], []
         for layer, st in zip(layers, states):
-            o, st = method.decode(st, layer, q, k, v, pos)
+            o, st = method.at(layer).decode(st, layer, q, k, v, pos)
             outs.append(o)
             new.append(st)
         return sum(o.sum() for o in outs), new
@@ -888,7 +892,7 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         times = time_runs(runs, dargs, n, args.steps, args.rounds)
         block = []
         for r, v in zip(runs, [full] + group):
-            read = sum(r.method.bytes_read_per_step(st, cfg.num_heads) for st in r.states)
+            read = sum(r.method.at(l).bytes_read_per_step(st, cfg.num_heads) for l, st in zip(layers, r.states))
             ttft = (
                 r.prefill_s
                 if getattr(r.method, "attends_prompt", False)  # prefill_attend: attention included

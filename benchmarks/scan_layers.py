@@ -77,9 +77,10 @@ def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 
             jax.random.normal(kk, shape(cfg.num_kv_heads)),
             jax.random.normal(kv, shape(cfg.num_kv_heads)),
         )
-        st = method.init(cfg, 1, cap, layer, jnp.float32)
-        kw = {"previous": prev} if method.reuses_previous_layer else {}
-        prev = jax.jit(functools.partial(method.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
+        m = method.at(layer)  # the layer's method (ClusterKV's and Quest's first layers run full)
+        st = m.init(cfg, 1, cap, layer, jnp.float32)
+        kw = {"previous": prev} if m.reuses_previous_layer and method.at(layer - 1) == m else {}
+        prev = jax.jit(functools.partial(m.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
         per.append(prev)
     plan = engine.layer_plan(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]
     return tuple(

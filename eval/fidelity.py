@@ -51,20 +51,21 @@ from kvjax import sharding as S
 from kvjax.methods.base import Capacity
 
 
-def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int):
+def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int, recalls: bool = False):
     """One layer: ``method.prefill`` over the first ``n`` tokens, then ``method.decode`` for the ``probes``
     next ones. Returns (state after prefill, outputs ``[P, B, Hq, D]``, top-B recall ``[P, B, Hq]`` or None).
     ``previous`` (the previous layer's prefill state) is passed only to methods that read it (ChunkKV's index
     reuse). For a recall method, before each step the positions it would attend
     (``method.selected_positions`` of the state at that step) are scored against the exact top-B of that step's
-    query over the prompt keys (:func:`topb_recall`)."""
+    query over the prompt keys (:func:`topb_recall`); ``recalls``: the plan's flag (a recall method's full layers
+    run ``full``, whose selection is every stored position)."""
     lengths = jnp.full((q.shape[0],), n, jnp.int32)
     extra = {"previous": previous} if method.reuses_previous_layer else {}
     state = method.prefill(state, layer, q[:, :, :n], k[:, :, :n], v[:, :, :n], lengths, **extra)
 
     def step(st, i):
         qi = q[:, :, n + i]
-        rec = topb_recall(method.selected_positions(st, layer, qi), qi, k[:, :, :n], n) if method.recalls else None
+        rec = topb_recall(method.selected_positions(st, layer, qi), qi, k[:, :, :n], n) if recalls else None
         o, st = method.decode(st, layer, qi, k[:, :, n + i], v[:, :, n + i], jnp.full((1,), n + i))
         return st, (o, rec)
 
@@ -128,9 +129,10 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
         positions = jnp.arange(tokens.shape[1])[None]
 
         def attend(layer, x, q, k, v, out):
-            prev = out[-1][2] if out else None
+            m = method.at(layer)  # the layer's method (a per-layer plan's full layers run full)
+            prev = out[-1][2] if out and method.at(layer - 1) == m else None
             _, ref, _ = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
-            st, o, rec = _layer(method, layer, method.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes)
+            st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, method.recalls)
             return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n), rec)]
 
         _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, [])

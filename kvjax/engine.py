@@ -74,9 +74,10 @@ def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) 
     """Runs of consecutive layers whose states agree in structure, shapes and dtypes (abstractly, nothing is
     allocated): each run of two or more layers is scanned, each other layer unrolled. E.g. ClusterKV with
     ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer, rounded to a
-    multiple of an eighth of its budget) gives runs of 2-3 layers."""
+    multiple of an eighth of its budget) gives runs of 2-3 layers. A run's layers also share their method
+    (``method.at(layer)``: a per-layer plan's full layers never join a run of the inner method's)."""
     sigs = [
-        _layer_signature(jax.eval_shape(lambda l=l: method.init(cfg, batch, capacity, l, dtype)))
+        (method.at(l), _layer_signature(jax.eval_shape(lambda l=l: method.at(l).init(cfg, batch, capacity, l, dtype))))
         for l in range(cfg.num_layers)
     ]
     runs, start = [], 0
@@ -111,7 +112,7 @@ def init_states(
     def make():
         out = []
         for run in plan:
-            per = [method.init(cfg, batch, capacity, layer, dtype) for layer in run]
+            per = [method.at(layer).init(cfg, batch, capacity, layer, dtype) for layer in run]
             out.append(
                 per[0] if len(run) == 1 else Stacked(jax.tree.map(lambda *a: jnp.stack(a), *per), run.start, run.stop)
             )
@@ -126,7 +127,7 @@ def init_states(
             "which does not combine with a mesh; use offload=False (the cache is then split over "
             "the mesh's devices)"
         )
-    shardings = tuple(_shardings(method, st, mesh) for st in jax.eval_shape(make))
+    shardings = tuple(_shardings(method.at(run.start), st, mesh) for run, st in zip(plan, jax.eval_shape(make)))
     return jax.jit(make, out_shardings=shardings)()
 
 
@@ -153,34 +154,38 @@ def layer_states(states) -> list:
 
 
 def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step, mesh, live=None):
-    """Run every layer with its method state: ``step(layer, x, q, k, v, state, previous) -> (attn, new_state)``
-    (``previous``: the previous layer's new state for methods that declare ``reuses_previous_layer``, else None).
+    """Run every layer with its method state: ``step(m, layer, x, q, k, v, state, previous) -> (attn, new_state)``,
+    ``m = method.at(layer)`` the layer's method (a scanned segment's layers share theirs) (``previous``: the previous
+    layer's new state for methods that declare ``reuses_previous_layer`` when that layer ran the same method, else
+    None).
     Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
     one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack: the method runs on the traced layer's
     slice and its writes (the new token's K/V rows, evictions) go into the stack in place
     (:func:`kvjax.inplace.run_on_layer`). ``live`` (prefill): the longest prompt's length, so bucket padding costs
     no position-wise work (:func:`kvjax.model.layer_step`). Returns ``(x, new states tuple)`` in the layout of
     ``states``."""
-    reuse = method.reuses_previous_layer
     new, layer, prev = [], 0, None
     for st in states:
+        m = method.at(layer)
+        reuse = m.reuses_previous_layer
+        prev = prev if layer > 0 and method.at(layer - 1) == m else None
         if not isinstance(st, Stacked):
 
-            def attend(l, x, q, k, v, c):
-                attn, out = step(l, x, q, k, v, st, prev if reuse else None)
-                return attn, S.constrain_state(method, out, mesh)
+            def attend(l, x, q, k, v, c, m=m, reuse=reuse, prev=prev):
+                attn, out = step(m, l, x, q, k, v, st, prev if reuse else None)
+                return attn, S.constrain_state(m, out, mesh)
 
             x, out = M.run_layers(cfg, params, x, positions, attend, None, range(layer, layer + 1), live)
             new.append(out)
             prev, layer = out, layer + 1
             continue
 
-        def attend(l, x, q, k, v, c, st=st):
+        def attend(l, x, q, k, v, c, st=st, m=m, reuse=reuse):
             stack, before = c
 
             def on_layer(one, l, x, q, k, v, before):
-                attn, out = step(l, x, q, k, v, one, before)
-                return S.constrain_state(method, out, mesh), (attn, out if reuse else None)
+                attn, out = step(m, l, x, q, k, v, one, before)
+                return S.constrain_state(m, out, mesh), (attn, out if reuse else None)
 
             # the method runs on layer l's slice of the stacks; its writes go into the stacks in place
             stack, (attn, out) = inplace.run_on_layer(on_layer, stack, l - st.start, l, x, q, k, v, before)
@@ -229,9 +234,9 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
 
-    def step(layer, x, q, k, v, st, previous):
+    def step(m, layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q, k, v)
-        attn, st = method_prefill(cfg, method, layer, st, q, k, v, lengths, previous)
+        attn, st = method_prefill(cfg, m, layer, st, q, k, v, lengths, previous)
         return (M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)) if attn is None else attn), st
 
     x, new_states = _method_layers(
@@ -262,9 +267,9 @@ def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None
 
 
 def _decode_body(cfg, method, params, states, token, pos, mesh):
-    def step(layer, x, q, k, v, st, previous):
+    def step(m, layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q[:, :, 0], k[:, :, 0], v[:, :, 0])
-        out, st = method.decode(st, layer, q, k, v, pos)
+        out, st = m.decode(st, layer, q, k, v, pos)
         return out[:, :, None], st
 
     x, new_states = _method_layers(
@@ -356,14 +361,20 @@ def release_compiled() -> None:
         pass
 
 
+def layer_methods(method, states) -> list[tuple[Any, Any]]:
+    """``(method.at(layer), state)`` for every layer (:func:`layer_states`): each state with the method that
+    built it, for the per-state measures below."""
+    return [(method.at(layer), st) for layer, st in enumerate(layer_states(states))]
+
+
 def tokens_held(method, states) -> np.ndarray:
     """``[B]`` float: tokens each sequence holds, mean over layers (and KV heads)."""
-    return np.mean([S.to_host(method.tokens_held(s)) for s in layer_states(states)], axis=0)
+    return np.mean([S.to_host(m.tokens_held(s)) for m, s in layer_methods(method, states)], axis=0)
 
 
 def memory_bytes(method, states) -> int:
     """Bytes all layers' states hold (the batch's)."""
-    return int(sum(method.memory_bytes(s) for s in layer_states(states)))
+    return int(sum(m.memory_bytes(s) for m, s in layer_methods(method, states)))
 
 
 def held_bytes(method, states) -> np.ndarray:
@@ -372,9 +383,9 @@ def held_bytes(method, states) -> np.ndarray:
     Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
     costs (:func:`_slot_bytes`), plus the layer's state that is not per slot split evenly over the batch."""
     total = 0.0
-    for st in layer_states(states):
-        held = S.to_host(method.tokens_held(st)).astype(np.float64)
-        fixed, per_slot = _slot_bytes(method, st, held.shape[0])
+    for m, st in layer_methods(method, states):
+        held = S.to_host(m.tokens_held(st)).astype(np.float64)
+        fixed, per_slot = _slot_bytes(m, st, held.shape[0])
         total = total + fixed + held * per_slot
     return np.rint(total).astype(np.int64)
 
@@ -390,10 +401,10 @@ def expected_held_bytes(
     built for (state without a batch axis, e.g. a step count, is split over it, as :func:`held_bytes` does)."""
     states = jax.eval_shape(lambda: init_states(cfg, method, batch, capacity, dtype))
     total = np.zeros(len(lengths))
-    for layer, st in enumerate(layer_states(states)):
-        fixed, per_slot = _slot_bytes(method, st, batch)
+    for layer, (m, st) in enumerate(layer_methods(method, states)):
+        fixed, per_slot = _slot_bytes(m, st, batch)
         ctx = LayerContext(layer, cfg.num_layers, capacity, cfg)
-        total += fixed + per_slot * np.array([method.held(int(n), steps, ctx) for n in lengths], np.float64)
+        total += fixed + per_slot * np.array([m.held(int(n), steps, ctx) for n in lengths], np.float64)
     return np.rint(total).astype(np.int64)
 
 
@@ -414,7 +425,7 @@ def _slot_bytes(method, st, batch: int) -> tuple[float, float]:
 
 def bytes_read_per_step(method, states, num_heads: int) -> int:
     """Bytes one decode step reads over all layers (the batch's), from each layer's block plan."""
-    return int(sum(method.bytes_read_per_step(S.host_state(s), num_heads) for s in layer_states(states)))
+    return int(sum(m.bytes_read_per_step(S.host_state(s), num_heads) for m, s in layer_methods(method, states)))
 
 
 @dataclasses.dataclass

@@ -87,21 +87,23 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
 
     TRACE_COUNTS["compress"] += 1
 
-    def one(layer, st, q, k, v, previous):  # what engine._prefill's step does with the layer's q, k, v
-        return method_prefill(cfg, method, layer, st, q, k, v, pre.lengths, previous)[1]
+    def one(m, layer, st, q, k, v, previous):  # what engine._prefill's step does with the layer's q, k, v
+        return method_prefill(cfg, m, layer, st, q, k, v, pre.lengths, previous)[1]
 
-    reuse = method.reuses_previous_layer
     new, prev, layer = [], None, 0
     for st in states:
+        m = method.at(layer)  # the layer's method (a scanned segment's layers share it)
+        reuse = m.reuses_previous_layer
+        prev = prev if layer > 0 and method.at(layer - 1) == m else None
         if not isinstance(st, Stacked):
-            prev = one(layer, st, pre.q[layer], pre.k[layer], pre.v[layer], prev if reuse else None)
+            prev = one(m, layer, st, pre.q[layer], pre.k[layer], pre.v[layer], prev if reuse else None)
             new.append(prev)
             layer += 1
             continue
 
-        def body(before, xs):
+        def body(before, xs, m=m, reuse=reuse):
             layer, one_st, q, k, v = xs
-            out = one(layer, one_st, q, k, v, before)
+            out = one(m, layer, one_st, q, k, v, before)
             return (out if reuse else None), out
 
         span = slice(st.start, st.stop)

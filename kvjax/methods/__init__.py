@@ -23,6 +23,7 @@ from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
+from kvjax.methods.layers import FullFirst
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
@@ -39,8 +40,12 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
-def get(name: str, **options):
-    """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``)."""
+def get(name: str, full_layers: int = 0, **options):
+    """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``).
+    ``full_layers=N`` (any method): the first ``N`` layers keep the full cache, as
+    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)``."""
+    if full_layers:
+        return FullFirst(full_layers, get(name, **options))
     if name not in REGISTRY:
         raise ValueError(f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}")
     cls = REGISTRY[name]

@@ -35,6 +35,11 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   layer and cache :class:`LayerContext` names (PyramidKV's budget depends on the layer, Chelsea's on the
   ``max_new_tokens`` to come and the model's outlier heads). The budget table of
   docs/interface.md#the-budget-contract is this function.
+- ``at(layer) -> Method``: the method that runs layer ``layer`` (a static int), by default the method itself. A
+  per-layer plan is composition: :class:`~kvjax.methods.layers.FullFirst` gives the first layers to ``full``
+  (ClusterKV's and Quest's ``n_full`` are the same rule), and every caller that builds, runs or measures a layer's
+  state (the engine, eval, the benchmarks) asks ``method.at(layer)`` first, so no method dispatches on its
+  state's type.
 - ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
   scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
@@ -130,6 +135,17 @@ class Method(abc.ABC):
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
         page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""
         return 1
+
+    def starts_at(self, layer: int) -> bool:
+        """Whether ``layer`` can be the first layer this method runs (a per-layer plan's first layer after its full
+        ones): False where the layer reuses an earlier layer's selection (ChunkKV's followers)."""
+        return True
+
+    def at(self, layer: int) -> "Method":
+        """The method that runs layer ``layer`` (a static int): this one. A per-layer plan (``FullFirst``, the
+        ``n_full`` of ClusterKV and Quest) returns another method for some layers; callers resolve it before
+        ``init``, ``prefill``, ``decode`` and every per-state measure (module docstring)."""
+        return self
 
     @abc.abstractmethod
     def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any: ...

@@ -109,6 +109,9 @@ class ChunkKV(SlotMethod):
         p = self.prompt_slots(capacity.prompt_len)
         return empty_slots(model_cfg, batch, p + capacity.max_new_tokens, dtype, prompt_slots=p)
 
+    def starts_at(self, layer: int) -> bool:  # base.Method.starts_at: a follower reuses the layer before it
+        return self.is_leader(layer)
+
     def is_leader(self, layer: int) -> bool:
         """Whether ``layer`` selects its own positions (Algorithm 2: ``layer % reuse == 0``)."""
         return self.reuse == 1 or layer % self.reuse == 0  # reuse=1: every layer, traced or not

@@ -36,14 +36,12 @@ from kvjax.methods.base import (
     LayerContext,
     Capacity,
     Method,
-    SlotCache,
     full_bytes,
     evicting_budget,
     rows_at,
 )
 from kvjax.methods.full import Full
 
-_FULL = Full()  # layers < n_full
 
 #: Rows per window of the decode step's run reads (``kernels_pallas.decode_attention.decode_attention_runs``).
 RUN_BLOCK = 16
@@ -205,9 +203,16 @@ class ClusterKV(Method):
 
     # ---- the method interface ----
 
+    def at(self, layer: int) -> Method:
+        """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
+        return Full() if layer < self.n_full else self
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
         if layer < self.n_full:
-            return _FULL.init(model_cfg, batch, capacity, layer, dtype)
+            raise ValueError(
+                f"layer {layer} is one of clusterkv's n_full={self.n_full} full layers: build and run it with "
+                f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
+            )
         p = capacity.prompt_len
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
             raise ValueError(
@@ -311,8 +316,6 @@ class ClusterKV(Method):
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order.
         k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
-            return _FULL.prefill(state, layer, q, k, v, lengths)
         b, h, t, d = k.shape
         n = jnp.asarray(lengths, jnp.int32)
         sinks, bsel, ncl = self._split_dynamic(n, state.max_new)
@@ -402,8 +405,6 @@ class ClusterKV(Method):
         """Store the new token at slot ``pos``, attend sinks + selected clusters + the window (runs of slots, each
         read once per KV head), then cluster the window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``;
         pos ``[B]``."""
-        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
-            return _FULL.decode(state, layer, q, k, v, pos)
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
@@ -490,8 +491,6 @@ class ClusterKV(Method):
         """``[B, Hq, S]`` bool: positions the next decode step (new token at ``t = filled``) attends for ``q``, the
         new token excluded: the slots of :meth:`runs` mapped to their positions."""
         b, hq, _ = q.shape
-        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
-            return _FULL.selected_positions(state, layer, q)
         h, s = state.k.shape[1], state.k.shape[2]
         starts, lens = self.runs(state, q, state.filled - 1)  # the window [clustered, filled): t excluded
         g = hq // h
@@ -502,9 +501,7 @@ class ClusterKV(Method):
         return sel.reshape(b, hq, s)
 
     def tokens_held(self, state):
-        if isinstance(state, ClusterState):
-            return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)
-        return _FULL.tokens_held(state)
+        return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)
 
     def bytes_read_breakdown(self, state: ClusterState, num_heads: int) -> dict[str, int]:
         """Bytes one decode step of this compressed layer reads, by part (concrete state; call outside ``jit``):
@@ -562,6 +559,4 @@ class ClusterKV(Method):
     def bytes_read_per_step(self, state, num_heads: int) -> int:
         """Bytes one decode step reads: a full layer's live slots, else the total of :meth:`bytes_read_breakdown`
         (centroids, ranking, the runs' K/V rows, query and outputs)."""
-        if not isinstance(state, ClusterState):
-            return _FULL.bytes_read_per_step(state, num_heads)
         return self.bytes_read_breakdown(state, num_heads)["total"]

@@ -34,16 +34,12 @@ from kvjax.methods.base import (
     Capacity,
     LayerContext,
     Method,
-    SlotCache,
     full_bytes,
     rows_at,
-    slot_bytes_read,
-    slot_tokens_held,
 )
 from kvjax.methods import threshold as th
 from kvjax.methods.full import Full
 
-_FULL = Full()
 
 #: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
 #: the candidates are few, large enough that the loop's per-trip cost is small.
@@ -177,9 +173,16 @@ class Quest(Method):
 
     # ---- the method interface ----
 
+    def at(self, layer: int) -> Method:
+        """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
+        return Full() if layer < self.n_full else self
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
         if layer < self.n_full:
-            return _FULL.init(model_cfg, batch, capacity, layer, dtype)
+            raise ValueError(
+                f"layer {layer} is one of quest's n_full={self.n_full} full layers: build and run it with "
+                f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
+            )
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
         slots = capacity.prompt_len + capacity.max_new_tokens
         n_pages = -(-slots // self.page_size)
@@ -198,8 +201,6 @@ class Quest(Method):
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt KV and build each page's per-channel key min/max over the real tokens (Quest §3.1).
         k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
-            return _FULL.prefill(state, layer, q, k, v, lengths)
         b, h, t, d = k.shape
         ps = self.page_size
         pt = -(-t // ps)  # pages covering the prompt buffer
@@ -283,8 +284,6 @@ class Quest(Method):
     def decode(self, state, layer: int, q, k, v, pos):
         """Write the new token at slot ``pos``, update its page's min/max, select pages, attend over them.
         q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]`` -> (out ``[B, Hq, D]`` float32, state)."""
-        if isinstance(state, SlotCache):  # a full layer (layer < n_full; layer may be traced)
-            return _FULL.decode(state, layer, q, k, v, pos)
         b, h, _ = k.shape
         ps = self.page_size
         t = pos.astype(jnp.int32)
@@ -321,8 +320,6 @@ class Quest(Method):
         the new token excluded: the tokens ``< t`` of the listed pages (of the whole cache in a full layer;
         below one page, the current page's from ``t + 1 - w``: :meth:`recent_window`), the KV head's pages
         broadcast to its query heads."""
-        if isinstance(state, SlotCache):  # a full layer: every stored position
-            return _FULL.selected_positions(state, layer, q)
         hq = q.shape[1]
         h, s = state.k.shape[1], state.k.shape[2]
         t = state.filled
@@ -337,8 +334,6 @@ class Quest(Method):
 
     def tokens_held(self, state):
         """``[B]`` float32 tokens stored: every token stays resident (prompt + decoded so far)."""
-        if isinstance(state, SlotCache):
-            return slot_tokens_held(state)
         return jnp.asarray(state.filled, jnp.float32)
 
     def min_budget(self) -> tuple[int, str]:
@@ -408,6 +403,4 @@ class Quest(Method):
         """Bytes one decode step of this layer reads: the live slots' block plan in a full layer, else the total
         of :meth:`bytes_read_breakdown` (live pages' min/max, the page scores, the listed pages' K/V rows, the
         query and outputs, and the below-a-page window)."""
-        if isinstance(state, SlotCache):
-            return slot_bytes_read(state, num_heads or state.k.shape[1])
         return self.bytes_read_breakdown(state, num_heads)["total"]

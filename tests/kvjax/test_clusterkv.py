@@ -315,10 +315,14 @@ def test_bytes_read_follow_the_live_tokens_not_the_bucket():
 
 
 def test_layers_below_n_full_are_full():
+    """``n_full`` is a per-layer plan (base.Method.at): layers below it are ``full``'s, built and measured as such
+    by every caller; ClusterKV itself refuses to build one (tests/kvjax/test_layers.py runs the plan end to end)."""
     m = ClusterKV(budget=8, sink=2, n_full=2)
-    st = m.init(_cfg(4, 2), 1, Capacity(32, 4), 1, jnp.float32)
+    assert m.at(0) == m.at(1) == methods.get("full") and m.at(2) is m
+    st = m.at(1).init(_cfg(4, 2), 1, Capacity(32, 4), 1, jnp.float32)
     assert type(st).__name__ == "SlotCache"
-    assert m.bytes_read_per_step(st, 4) == methods.get("full").bytes_read_per_step(st, 4)
+    with pytest.raises(ValueError, match=r"method.at\(1\)"):
+        m.init(_cfg(4, 2), 1, Capacity(32, 4), 1, jnp.float32)
 
 
 @pytest.mark.parametrize(

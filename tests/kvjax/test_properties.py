@@ -256,11 +256,11 @@ def run(case: Case, m, lens: list[int], seed: int):
 def snapshot(m, states, q):
     """Per layer: (host copy of the state, tokens_held [B], memory_bytes, selected positions or None)."""
     out = []
-    for layer, st_ in enumerate(engine.layer_states(states)):
+    for layer, (lm, st_) in enumerate(engine.layer_methods(m, states)):  # lm: the layer's method (m.at(layer))
         sel = None
-        if m.recalls:
-            sel = np.asarray(_selected(m, layer, st_, q))
-        out.append((jax.tree.map(np.asarray, st_), np.asarray(m.tokens_held(st_)), m.memory_bytes(st_), sel))
+        if m.recalls:  # a recall method's full layers run full, whose selection is every stored position
+            sel = np.asarray(_selected(lm, layer, st_, q))
+        out.append((jax.tree.map(np.asarray, st_), np.asarray(lm.tokens_held(st_)), lm.memory_bytes(st_), sel))
     return out
 
 

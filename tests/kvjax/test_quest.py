@@ -16,7 +16,7 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
-from kvjax.methods.base import Capacity, SlotCache
+from kvjax.methods.base import Capacity
 from kvjax.methods.quest import Quest, QuestState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -174,31 +174,15 @@ def test_covering_budget_equals_full_attention():
 
 
 def test_layers_below_n_full_are_full():
-    """``n_full = 1``: layer 0 is Full's state and outputs (at a budget that compresses layer 1), layer 1
-    selects; ``selected_positions`` of the full layer is every stored position."""
-    hq, hkv, lengths, t, steps = 4, 2, (30, 17), 32, 4
+    """``n_full = 1`` is a per-layer plan: ``at(0)`` is ``full`` (the engine builds and runs layer 0 as a full
+    layer: tests/kvjax/test_layers.py), ``at(1)`` Quest itself; building layer 0 from Quest directly is refused
+    with the fix, since it would compress a layer the plan keeps full."""
     quest = Quest(budget=0.25, page_size=4, n_full=1)
-    full = methods.get("full")
-    s0, (q, k, v) = run_prefill(quest, hq, hkv, lengths, t, steps, layer=0)
-    s1, _ = run_prefill(quest, hq, hkv, lengths, t, steps, layer=1)
-    assert isinstance(s0, SlotCache) and isinstance(s1, QuestState)
-    sf = full.init(model_cfg(hq, hkv), 2, Capacity(t, steps), 0, jnp.float32)
-    sf = full.prefill(sf, 0, *(jnp.asarray(x) for x in (q, k, v)), jnp.asarray(lengths))
-    rng = np.random.default_rng(4)
-    pos = jnp.asarray(lengths)
-    for _ in range(steps):
-        qn, kn, vn = (jnp.asarray(x) for x in new_token(rng, 2, hq, hkv))
-        sel = np.asarray(quest.selected_positions(s0, 0, qn))
-        for bi in range(2):
-            assert np.flatnonzero(sel[bi, 0]).tolist() == list(range(int(pos[bi])))
-        o0, s0 = quest.decode(s0, 0, qn, kn, vn, pos)
-        of, sf = full.decode(sf, 0, qn, kn, vn, pos)
-        o1, s1 = quest.decode(s1, 1, qn, kn, vn, pos)
-        np.testing.assert_array_equal(np.asarray(o0), np.asarray(of))
-        assert not np.allclose(np.asarray(o1), np.asarray(of), atol=1e-4)  # layer 1 really compresses
-        assert quest.bytes_read_per_step(s0, hq) == full.bytes_read_per_step(sf, hq)
-        np.testing.assert_array_equal(np.asarray(quest.tokens_held(s0)), np.asarray(quest.tokens_held(s1)))
-        pos = pos + 1
+    assert quest.at(0) == methods.get("full") and quest.at(1) is quest and quest.at(5) is quest
+    with pytest.raises(ValueError, match=r"n_full=1 full layers: build and run it with method.at\(0\)"):
+        quest.init(model_cfg(4, 2), 2, Capacity(32, 4), 0, jnp.float32)
+    s1, _ = run_prefill(quest, 4, 2, (30, 17), 32, 4, layer=1)
+    assert isinstance(s1, QuestState)
 
 
 # ------------------------------------------------------------------------------------ end to end

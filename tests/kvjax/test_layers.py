@@ -1,0 +1,120 @@
+"""Per-layer plans as composition (``kvjax.methods.layers.FullFirst``, ``methods.get(..., full_layers=N)``,
+``Method.at``): the reference is ``full`` itself. A plan's full layers hold and read what ``full`` does and give
+its outputs; a plan whose every layer is full gives full's greedy tokens; unrolled and scanned engines agree; the
+layer plan never mixes the full layers into the inner method's scanned run; and the misuses say how to fix them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import engine, methods, model as M
+from kvjax.config import ModelConfig
+from kvjax.loading import Model
+from kvjax.methods.base import Capacity
+from kvjax.methods.layers import FullFirst
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig("llama", 256, 64, 128, LAYERS, 4, 2, 16, max_position_embeddings=512)
+    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+
+
+def prompts():
+    rng = np.random.RandomState(3)
+    return [list(rng.randint(1, 255, size=n)) for n in (45, 21)]
+
+
+def _layer_held(model, method, ids, scan=False):
+    """(tokens held per layer ``[L, B]``, bytes read per layer) after prefill."""
+    cfg, b = model.config, len(ids)
+    cap = Capacity(64, 4)
+    lengths = jnp.asarray([len(x) for x in ids], jnp.int32)
+    tokens = jnp.asarray([x + [0] * (64 - len(x)) for x in ids], jnp.int32)
+    params = M.stack_layers(model.params) if scan else model.params
+    states = engine.init_states(cfg, method, b, cap, jnp.float32, scan_layers=scan)
+    states, logits = engine.prefill(cfg, method, params, tokens, lengths, states)
+    per = engine.layer_methods(method, states)
+    held = np.stack([np.asarray(m.tokens_held(s)) for m, s in per])
+    read = [m.bytes_read_per_step(s, cfg.num_heads) for m, s in per]
+    return held, read, np.asarray(logits)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "chunkkv", "streaming_llm"])
+def test_full_layers_hold_and_read_what_full_does(tiny, name):
+    opts = {"chunkkv": dict(chunk_size=4, reuse=2)}.get(name, {})
+    plan = methods.get(name, budget=0.25, full_layers=2, **opts)
+    assert isinstance(plan, FullFirst) and plan.name == name and plan.budget == 0.25
+    assert plan.at(0) == plan.at(1) == methods.get("full") and plan.at(2) == methods.get(name, budget=0.25, **opts)
+    ids = prompts()
+    held, read, _ = _layer_held(tiny, plan, ids)
+    full_held, full_read, _ = _layer_held(tiny, methods.get("full"), ids)
+    inner_held, inner_read, _ = _layer_held(tiny, methods.get(name, budget=0.25, **opts), ids)
+    np.testing.assert_array_equal(held[:2], full_held[:2])  # the first two layers hold every prompt token
+    assert read[:2] == full_read[:2]
+    np.testing.assert_array_equal(held[2:], inner_held[2:])  # the others what the method alone holds there
+    assert read[2:] == inner_read[2:]
+    assert np.all(held[2:] < full_held[2:]) and all(r < f for r, f in zip(read[2:], full_read[2:]))  # compressed
+
+
+def test_every_layer_full_is_full(tiny):
+    """``full_layers`` = the depth: the greedy tokens, tokens held and bytes are full's (a budget that compresses
+    every layer of the inner method otherwise), unrolled and scanned."""
+    ids = prompts()
+    want = kvjax.generate(tiny, ids, methods.get("full"), max_new_tokens=6, driver="scan", stop_at_eos=False)
+    plan = methods.get("snapkv", budget=0.2, full_layers=LAYERS)
+    got = kvjax.generate(tiny, ids, plan, max_new_tokens=6, driver="scan", stop_at_eos=False)
+    assert got.tokens == want.tokens
+    assert [s["tokens_held"] for s in got.stats] == [s["tokens_held"] for s in want.stats]
+    inner = kvjax.generate(tiny, ids, methods.get("snapkv", budget=0.2), max_new_tokens=6, stop_at_eos=False)
+    assert inner.stats[0]["tokens_held"] < want.stats[0]["tokens_held"]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
+def test_scanned_equals_unrolled_and_the_plan_splits_at_the_full_layers(tiny, name):
+    opts = {"chunkkv": dict(chunk_size=4, reuse=2)}.get(name, {})
+    n = 2 if name == "chunkkv" else 1  # chunkkv's layer 1 follows layer 0
+    plan = methods.get(name, budget=0.25, full_layers=n, **opts)
+    runs = engine.layer_plan(tiny.config, plan, 2, Capacity(64, 4), jnp.float32)
+    assert [(r.start, r.stop) for r in runs] == [(0, n), (n, LAYERS)]
+    ids = prompts()
+    held_u, read_u, logits_u = _layer_held(tiny, plan, ids)
+    held_s, read_s, logits_s = _layer_held(tiny, plan, ids, scan=True)
+    np.testing.assert_array_equal(held_u, held_s)
+    assert read_u == read_s
+    np.testing.assert_allclose(logits_u, logits_s, atol=1e-5)
+
+
+def test_recall_methods_n_full_is_the_same_plan(tiny):
+    """ClusterKV's and Quest's ``n_full`` answer ``at`` as ``FullFirst`` does: the same tokens through ``generate``."""
+    ids = prompts()
+    for name, opts in (
+        ("quest", dict(page_size=4)),
+        ("clusterkv", dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1)),
+    ):
+        own = methods.get(name, budget=0.3, n_full=2, **opts)
+        composed = methods.get(name, budget=0.3, n_full=0, full_layers=2, **opts)
+        a = kvjax.generate(tiny, ids, own, max_new_tokens=5, driver="scan", stop_at_eos=False)
+        b = kvjax.generate(tiny, ids, composed, max_new_tokens=5, driver="scan", stop_at_eos=False)
+        assert a.tokens == b.tokens, name
+        assert [s["tokens_held"] for s in a.stats] == [s["tokens_held"] for s in b.stats]
+
+
+def test_misuse_says_how_to_fix_it(tiny):
+    plan = methods.get("snapkv", budget=0.25, full_layers=1)
+    st = plan.init(tiny.config, 1, Capacity(32, 2), 0, jnp.float32)  # a static layer resolves itself
+    with pytest.raises(TypeError, match=r"method.at\(layer\).tokens_held"):
+        plan.tokens_held(st)
+    with pytest.raises(TypeError, match="static int layer"):
+        jax.jit(lambda s, l: plan.decode(s, l, *[jnp.zeros((1, h, 16)) for h in (4, 2, 2)], jnp.zeros(1, int)))(st, 0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="full_layers"):
+            methods.get("snapkv", budget=0.25, full_layers=bad)
+    with pytest.raises(ValueError, match="full_layers a multiple of its reuse"):
+        methods.get("chunkkv", budget=0.25, reuse=2, full_layers=1)
