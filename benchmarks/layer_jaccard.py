@@ -32,6 +32,7 @@ from tqdm import tqdm
 import kvjax
 from kvjax import analysis, assets, engine, methods
 from kvjax.methods.base import Capacity
+from kvjax.methods.layers import same_as_previous
 
 
 def essay_batch(model, lengths):
@@ -69,7 +70,7 @@ def selection_only(model, method, batch, bucket, key):
         out = []
         for layer, st in enumerate(states):
             m = method.at(layer)  # the layer's method (a per-layer plan)
-            prev = out[-1] if out and method.at(layer - 1) == m else None
+            prev = out[-1] if same_as_previous(method, layer) else None
             out.append(m.prefill(st, layer, q * (1 + layer), k, v, lengths, previous=prev))
         return tuple(out)
 

@@ -255,8 +255,9 @@ def build(cfg, var: Variant, layers, batch, n, cap, dtype, seed=0) -> Run:
     run, prev = Run(var.label, var.method, var.budget, []), None
     for layer in layers:
         q, k, v = _prompt_jit(jax.random.PRNGKey(seed * 1000 + layer), batch, n, cfg, dtype)
-        st = jax.block_until_ready(var.method.at(layer).init(cfg, batch, cap, layer, dtype))
-        kw = {"previous": prev} if var.method.at(layer).reuses_previous_layer else {}
+        m = var.method.at(layer)
+        st = jax.block_until_ready(m.init(cfg, batch, cap, layer, dtype))
+        kw = {"previous": prev} if m.reuses_previous_layer else {}
         jax.block_until_ready((q, k, v))
         t0 = time.perf_counter()
         st = jax.block_until_ready(var.prefills[layer](st, q=q, k=k, v=v, lengths=lengths, **kw))

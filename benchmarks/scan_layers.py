@@ -44,6 +44,7 @@ import numpy as np
 from kvjax import engine, methods, model as M
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
+from kvjax.methods.layers import same_as_previous
 from kvjax.sampling import Greedy
 
 #: Options that make the windowed methods compress at short prompts (as the tests use).
@@ -79,7 +80,7 @@ def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 
         )
         m = method.at(layer)  # the layer's method (ClusterKV's and Quest's first layers run full)
         st = m.init(cfg, 1, cap, layer, jnp.float32)
-        kw = {"previous": prev} if m.reuses_previous_layer and method.at(layer - 1) == m else {}
+        kw = {"previous": prev} if m.reuses_previous_layer and same_as_previous(method, layer) else {}
         prev = jax.jit(functools.partial(m.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
         per.append(prev)
     plan = engine.layer_plan(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]

@@ -49,6 +49,7 @@ from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
+from kvjax.methods.layers import same_as_previous
 
 
 def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int, recalls: bool = False):
@@ -130,7 +131,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
 
         def attend(layer, x, q, k, v, out):
             m = method.at(layer)  # the layer's method (a per-layer plan's full layers run full)
-            prev = out[-1][2] if out and method.at(layer - 1) == m else None
+            prev = out[-1][2] if same_as_previous(method, layer) else None
             _, ref, _ = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
             st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, method.recalls)
             return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n), rec)]

@@ -39,6 +39,7 @@ from kvjax.budget import warn_small_budget
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, LayerContext
+from kvjax.methods.layers import same_as_previous
 from kvjax.prefill_attention import default_impl as default_prefill_impl
 from kvjax.sampling import Greedy
 
@@ -76,10 +77,10 @@ def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) 
     ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer, rounded to a
     multiple of an eighth of its budget) gives runs of 2-3 layers. A run's layers also share their method
     (``method.at(layer)``: a per-layer plan's full layers never join a run of the inner method's)."""
-    sigs = [
-        (method.at(l), _layer_signature(jax.eval_shape(lambda l=l: method.at(l).init(cfg, batch, capacity, l, dtype))))
-        for l in range(cfg.num_layers)
-    ]
+    sigs = []
+    for l in range(cfg.num_layers):
+        m = method.at(l)
+        sigs.append((m, _layer_signature(jax.eval_shape(lambda: m.init(cfg, batch, capacity, l, dtype)))))
     runs, start = [], 0
     for l in range(1, cfg.num_layers + 1):
         if l == cfg.num_layers or sigs[l] != sigs[start]:
@@ -168,7 +169,7 @@ def _method_layers(cfg: ModelConfig, method, params, x, positions, states, step,
     for st in states:
         m = method.at(layer)
         reuse = m.reuses_previous_layer
-        prev = prev if layer > 0 and method.at(layer - 1) == m else None
+        prev = prev if same_as_previous(method, layer) else None
         if not isinstance(st, Stacked):
 
             def attend(l, x, q, k, v, c, m=m, reuse=reuse, prev=prev):

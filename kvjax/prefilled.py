@@ -23,6 +23,7 @@ from flax import struct
 
 from kvjax import model as M
 from kvjax.config import ModelConfig
+from kvjax.methods.layers import same_as_previous
 
 
 @struct.dataclass
@@ -94,7 +95,7 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
     for st in states:
         m = method.at(layer)  # the layer's method (a scanned segment's layers share it)
         reuse = m.reuses_previous_layer
-        prev = prev if layer > 0 and method.at(layer - 1) == m else None
+        prev = prev if same_as_previous(method, layer) else None
         if not isinstance(st, Stacked):
             prev = one(m, layer, st, pre.q[layer], pre.k[layer], pre.v[layer], prev if reuse else None)
             new.append(prev)

@@ -40,7 +40,7 @@ from kvjax.methods.base import (
     evicting_budget,
     rows_at,
 )
-from kvjax.methods.full import Full
+from kvjax.methods.layers import full_below, refuse_full_layer
 
 
 #: Rows per window of the decode step's run reads (``kernels_pallas.decode_attention.decode_attention_runs``).
@@ -205,14 +205,10 @@ class ClusterKV(Method):
 
     def at(self, layer: int) -> Method:
         """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
-        return Full() if layer < self.n_full else self
+        return full_below(self.n_full, layer, self)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
-        if layer < self.n_full:
-            raise ValueError(
-                f"layer {layer} is one of clusterkv's n_full={self.n_full} full layers: build and run it with "
-                f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
-            )
+        refuse_full_layer(self, layer)
         p = capacity.prompt_len
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
             raise ValueError(

@@ -29,6 +29,27 @@ def _static(layer, what: str) -> int:
     return layer
 
 
+def full_below(n_full: int, layer: int, method: Method) -> Method:
+    """``full`` for the layers below ``n_full``, else ``method``: the rule :class:`FullFirst` and ClusterKV's and
+    Quest's ``n_full`` share."""
+    return Full() if layer < n_full else method
+
+
+def refuse_full_layer(method: Method, layer: int) -> None:
+    """ValueError where ``method.init`` is asked for a layer its own ``n_full`` gives to ``full``, with the fix."""
+    if method.at(layer) is not method:
+        raise ValueError(
+            f"layer {layer} is one of {method.name}'s n_full={method.n_full} full layers: build and run it with "
+            f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
+        )
+
+
+def same_as_previous(method: Method, layer: int) -> bool:
+    """Whether ``layer`` runs the same method as the layer before it (``method.at``): only then does it get that
+    layer's state as ``previous`` (ChunkKV's index reuse never reaches across a plan's boundary)."""
+    return layer > 0 and method.at(layer - 1) == method.at(layer)
+
+
 @dataclasses.dataclass(frozen=True)
 class FullFirst(Method):
     """Layers ``< n_full`` keep and attend the full cache (``full``); the others run ``inner``."""
@@ -50,7 +71,7 @@ class FullFirst(Method):
             )
 
     def at(self, layer: int) -> Method:
-        return Full() if _static(layer, "FullFirst.at") < self.n_full else self.inner.at(layer)
+        return full_below(self.n_full, _static(layer, "FullFirst.at"), self.inner.at(layer))
 
     # ---- the inner method's name, budget and capabilities ----
     name = property(lambda self: self.inner.name)

@@ -38,7 +38,7 @@ from kvjax.methods.base import (
     rows_at,
 )
 from kvjax.methods import threshold as th
-from kvjax.methods.full import Full
+from kvjax.methods.layers import full_below, refuse_full_layer
 
 
 #: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
@@ -175,14 +175,10 @@ class Quest(Method):
 
     def at(self, layer: int) -> Method:
         """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
-        return Full() if layer < self.n_full else self
+        return full_below(self.n_full, layer, self)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
-        if layer < self.n_full:
-            raise ValueError(
-                f"layer {layer} is one of quest's n_full={self.n_full} full layers: build and run it with "
-                f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
-            )
+        refuse_full_layer(self, layer)
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
         slots = capacity.prompt_len + capacity.max_new_tokens
         n_pages = -(-slots // self.page_size)
