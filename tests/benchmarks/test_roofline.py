@@ -111,6 +111,37 @@ def test_tiny_run(roofline, tmp_path):
     assert merged.with_suffix(".png").exists()
 
 
+def test_group_size_writes_each_piece(roofline, tmp_path):
+    """--group-size 1: each variant is planned, timed beside its own full and written before the next is
+    compiled (a run cut short keeps what it timed); the ratios compare rows of the same piece."""
+    out = tmp_path / "g.json"
+    argv = TINY + ["--lengths", "128", "--methods", "full,snapkv,streaming_llm", "--group-size", "1", "--out", str(out)]
+    written = []
+    real = roofline._run_piece
+
+    def spy(*a, **kw):
+        got = real(*a, **kw)
+        written.append([r["label"] for r in json.loads(out.read_text())["rows"]])
+        return got
+
+    roofline._run_piece = spy
+    try:
+        assert roofline.main(argv) == 0
+    finally:
+        roofline._run_piece = real
+    assert written == [["full", "snapkv@0.2"], ["full", "snapkv@0.2", "full", "streaming_llm@0.2"]]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["label"], r["group"], r["full_row"]) for r in rows] == [
+        ("full", 0, 0),
+        ("snapkv@0.2", 0, 0),
+        ("full", 1, 2),
+        ("streaming_llm@0.2", 1, 2),
+    ]
+    assert rows[3]["efficiency"] == pytest.approx(
+        (rows[3]["step_s"] / rows[2]["step_s"]) / (rows[3]["bytes_read"] / rows[2]["bytes_read"])
+    )
+
+
 def test_skips_with_reasons(roofline, tmp_path):
     out = tmp_path / "mem.json"
     assert (
