@@ -32,13 +32,19 @@ pieces (``--lengths 8k,16k``, ...) and merge them with ``--report a.json,b.json`
 
 Timing: the states of a group of variants are built first; then ``--rounds`` rounds each run ``--steps`` steps of
 every variant in a rotated order (compile and the first round excluded) and the step time is the median over rounds,
-so a change in machine load hits every variant alike. ``full`` runs in every group, so every ratio compares rows of
-the same run (one group unless memory forces more, see below). Per row (JSON keys in brackets):
+so a change in machine load hits every variant alike. By default (``--timing loop``) a variant's ``--steps`` steps
+are one compiled program (a ``fori_loop``, as the engine's decode loop runs them), so the fixed cost of a call
+(dispatch and argument handling: a large share of a compressed step on a GPU) is paid once per round; ``--timing
+calls`` calls the step once per step, as runs before 2026-11-26 did (on this CPU at 16k the loop is 0.3 ms a step
+faster for every variant alike: full 10.6 vs 11.7 ms, quest@0.2 4.0 vs 4.4 ms). ``full`` runs in every group, so
+every ratio compares rows of the same run (one group unless memory forces more, see below). Per row (JSON keys in
+brackets):
 
 - step time [``step_s``], and the method's own bytes read per step [``bytes_read``]: the sum over layers of
   ``method.bytes_read_per_step`` (the K/V blocks, codes, centroids, scores... each method counts);
-- XLA's ``cost_analysis()["bytes accessed"]`` of the compiled step [``xla_bytes``] beside it (XLA:CPU counts a
-  dynamic-update-slice's whole operand, so it over-counts in-place writes);
+- with ``--timing calls``, XLA's ``cost_analysis()["bytes accessed"]`` of the compiled step [``xla_bytes``] beside
+  it (XLA:CPU counts a dynamic-update-slice's whole operand, so it over-counts in-place writes; with ``--timing
+  loop`` it is null: the cost analysis counts a loop's body once);
 - achieved GB/s [``gbs``] = bytes / step time; the header has the machine's measured read bandwidth (a sum over
   512 MiB) and copy bandwidth (an in-place ``x + 1``: read + write) [``read_gbs``, ``copy_gbs``];
 - **efficiency** [``efficiency``] = (step time / full's step time) / (bytes read / full's bytes read)
@@ -154,6 +160,7 @@ class Run:
     step: object = None
     prefill_s: float = 0.0
     xla_bytes: float | None = None
+    steps: int = 1  # decode steps per call of ``step``
 
 
 def _prompt(key, batch, n, cfg, dtype):
@@ -360,8 +367,12 @@ def decode_inputs(cfg, batch, dtype, seed=7):
     )
 
 
-def compile_step(run: Run, layers, args, pos) -> None:
-    """Compile the donated decode step over every layer ahead of time; record XLA's bytes accessed."""
+def compile_step(run: Run, layers, args, pos, steps: int = 1) -> None:
+    """Compile the donated decode step over every layer ahead of time. ``steps == 1`` (``--timing calls``): one step
+    per call, and XLA's bytes accessed recorded; ``steps > 1`` (``--timing loop``): ``steps`` steps in one program
+    (a ``fori_loop``, positions advancing), as the engine's decode loop runs them, so a call's fixed cost (dispatch,
+    argument handling: tens of microseconds, a large share of a compressed step on a GPU) is paid once per
+    ``steps``; XLA's cost analysis counts a loop body once, so ``xla_bytes`` is not recorded."""
     method = run.method
 
     def step(states, q, k, v, pos):
@@ -370,10 +381,19 @@ def compile_step(run: Run, layers, args, pos) -> None:
             o, st = method.at(layer).decode(st, layer, q, k, v, pos)
             outs.append(o)
             new.append(st)
-        return sum(o.sum() for o in outs), new
+        return sum(o.astype(jnp.float32).sum() for o in outs), new
 
-    run.step = jax.jit(step, donate_argnums=0).lower(run.states, *args, pos).compile()
-    run.xla_bytes = xla_bytes(run.step)
+    def loop(states, q, k, v, pos):
+        def body(i, carry):
+            total, st = carry
+            out, st = step(st, q, k, v, pos + i)
+            return total + out, st
+
+        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((), jnp.float32), states))
+
+    run.steps = steps
+    run.step = jax.jit(step if steps == 1 else loop, donate_argnums=0).lower(run.states, *args, pos).compile()
+    run.xla_bytes = xla_bytes(run.step) if steps == 1 else None
 
 
 def xla_bytes(compiled) -> float | None:
@@ -388,7 +408,8 @@ def xla_bytes(compiled) -> float | None:
 
 def time_runs(runs: list[Run], args, n, steps: int, rounds: int, progress=print) -> dict[str, float]:
     """Median step seconds per run label: ``rounds`` rounds (after one warm-up round) of ``steps`` steps of every
-    run, the order rotated each round. Positions advance from ``n`` (the method's next token)."""
+    run, the order rotated each round. Positions advance from ``n`` (the method's next token). A run compiled
+    with ``steps`` steps in one program (``compile_step``) is called once per round."""
     times = {r.label: [] for r in runs}
     pos0 = jnp.full((args[0].shape[0],), n, jnp.int32)
     used = {r.label: 0 for r in runs}
@@ -396,9 +417,9 @@ def time_runs(runs: list[Run], args, n, steps: int, rounds: int, progress=print)
         order = runs[rnd % len(runs) :] + runs[: rnd % len(runs)]
         for r in order:
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(steps // r.steps):
                 out, r.states = r.step(r.states, *args, pos0 + used[r.label])
-                used[r.label] += 1
+                used[r.label] += r.steps
             jax.block_until_ready(out)
             if rnd:
                 times[r.label].append((time.perf_counter() - t0) / steps)
@@ -714,6 +735,7 @@ def header(args, cfg, limit) -> dict:
         "first_layer": args.first_layer,
         "steps": args.steps,
         "rounds": args.rounds,
+        "timing": args.timing,
         "memory_limit_bytes": limit,
         "max_prefill_s": args.max_prefill_s,
         "calibration_len": args.calibration_len,
@@ -745,6 +767,13 @@ def parse_args(argv):
     p.add_argument("--first-layer", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="decode steps per variant per round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--timing",
+        choices=("loop", "calls"),
+        default="loop",
+        help="loop: the --steps steps in one compiled program (as the engine's decode loop; a call's fixed cost "
+        "paid once); calls: one call per step (records XLA's bytes accessed)",
+    )
     p.add_argument(
         "--group-size",
         type=int,
@@ -917,7 +946,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
         dargs = decode_inputs(cfg, batch, dtype)
         pos = jnp.full((batch,), n, jnp.int32)
         for r in runs:
-            compile_step(r, layers, dargs, pos)
+            compile_step(r, layers, dargs, pos, args.steps if args.timing == "loop" else 1)
         times = time_runs(runs, dargs, n, args.steps, args.rounds)
         block = []
         for r, v in zip(runs, [full] + group):

@@ -58,9 +58,10 @@ got = normalise(decode_attention(q, k, k, impl='pallas_gpu'))
 want = normalise(decode_attention_reference(q, k, k))
 print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got - want).max()))
 "
-    # every method with its kernels against its XLA path (a tiny random model: no GGUF needed)
+    # every method with its kernels against its XLA path (a tiny random model: no GGUF needed). -n 6: on the H200
+    # of 2026-11-26 six ran in 60 s, eleven at once (-n 11) finished none in 130 s
     TAIL=30 KVJAX_UNVERIFIED_KERNELS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false phase method_tests 130 python3 -m pytest \
-      tests/accelerator/test_methods.py -m accelerator -v -rfE -n 11 -p no:cacheprovider $TO --tb=short \
+      tests/accelerator/test_methods.py -m accelerator -v -rfE -n 6 -p no:cacheprovider $TO --tb=short \
       --junitxml "$R/method_tests.xml"
     ;;
   run)
@@ -69,7 +70,7 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     export KVJAX_UNVERIFIED_KERNELS=1
     # 1. every method on the embedded SmolLM2 against the CPU golden file; -v names each outcome as it lands
     TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase embedded_tests 170 python3 -m pytest \
-      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 11 -p no:cacheprovider $TO --tb=short \
+      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 6 -p no:cacheprovider $TO --tb=short \
       --junitxml "$R/embedded_tests.xml"
     # 2. decode-attention kernel: bandwidth and block skipping at 32k and 128k slots, batch 1 and 8, the fixed
     #    cost of a jitted call subtracted (--loop 16)

@@ -57,6 +57,7 @@ def test_tiny_run(roofline, tmp_path):
         "load_average_1min",
         "read_gbs",
         "copy_gbs",
+        "timing",
         "layers",
         "memory_limit_bytes",
         "max_prefill_s",
@@ -85,7 +86,7 @@ def test_tiny_run(roofline, tmp_path):
             "load_average_1min",
         ):
             assert key in r, key
-        assert r["step_s"] > 0 and r["bytes_read"] > 0 and r["xla_bytes"] > 0
+        assert r["step_s"] > 0 and r["bytes_read"] > 0 and r["xla_bytes"] is None  # --timing loop: not counted
         assert rows[r["full_row"]] is full
         # independent recomputation from the stored times and bytes
         assert r["efficiency"] == pytest.approx((r["step_s"] / full["step_s"]) / (r["bytes_read"] / full["bytes_read"]))
@@ -115,7 +116,8 @@ def test_group_size_writes_each_piece(roofline, tmp_path):
     """--group-size 1: each variant is planned, timed beside its own full and written before the next is
     compiled (a run cut short keeps what it timed); the ratios compare rows of the same piece."""
     out = tmp_path / "g.json"
-    argv = TINY + ["--lengths", "128", "--methods", "full,snapkv,streaming_llm", "--group-size", "1", "--out", str(out)]
+    argv = TINY + ["--lengths", "128", "--methods", "full,snapkv,streaming_llm", "--group-size", "1", "--timing"]
+    argv += ["calls", "--out", str(out)]
     written = []
     real = roofline._run_piece
 
@@ -137,6 +139,7 @@ def test_group_size_writes_each_piece(roofline, tmp_path):
         ("full", 1, 2),
         ("streaming_llm@0.2", 1, 2),
     ]
+    assert all(r["xla_bytes"] > 0 for r in rows)  # --timing calls: XLA's bytes of each compiled step
     assert rows[3]["efficiency"] == pytest.approx(
         (rows[3]["step_s"] / rows[2]["step_s"]) / (rows[3]["bytes_read"] / rows[2]["bytes_read"])
     )
