@@ -137,6 +137,18 @@ def live_trips(lengths, c: int):
     return (jnp.max(lengths).astype(jnp.int32) + c - 1) // c
 
 
+def chunk_loop(trips, c: int, s: int, body, init):
+    """``lax.fori_loop(0, trips, body, init)`` over chunks of ``c`` of ``s`` slots; when one chunk covers them all
+    (``c >= s``: :func:`live_chunk`'s default on GPU/TPU) the body once, ``body(0, init)``, and no loop. On a GPU a
+    loop with a dynamic trip count is a while loop whose predicate the host reads back before every iteration (a
+    synchronisation that stalls the step's queue), so a loop of at most one trip is the body alone. The body must
+    leave what it does not take (rows past the lengths: :func:`live_rows`'s ``fresh``) untouched, so the trip that
+    the loop would have skipped (``trips == 0``) changes nothing."""
+    if c >= s:
+        return body(0, init)
+    return jax.lax.fori_loop(0, trips, body, init)
+
+
 def attend_with_scores(q, k, v, valid, lengths, *, start=None, chunk: int | None = None):
     """One pass over the live chunks of K and V: the partials of attention over the taking-part slots and, as a
     by-product of the same ``q·k``, every slot's scaled score (H2O accumulates the weights ``exp(s - m) / l``).
@@ -191,5 +203,7 @@ def attend_with_scores(q, k, v, valid, lengths, *, start=None, chunk: int | None
         jnp.zeros((b, hkv), jnp.int32),
         jnp.broadcast_to(lengths[:, None], (b, hkv)),
     )
+    # a loop even of one trip (not chunk_loop): H2O writes the victim's slot of K, V and the positions after this
+    # read, at an index the read decides, and straight-line XLA copies those buffers twice to order the two
     (o, m, l), sc, taken, free = jax.lax.fori_loop(0, live_trips(lengths, c), body, init)
     return (o.reshape(b, hq, d), m.reshape(b, hq), l.reshape(b, hq)), sc, taken, free

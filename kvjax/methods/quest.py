@@ -56,9 +56,12 @@ def _top_pages(score, cur, keep, topk: int):
     return th.top_set(keys, jnp.broadcast_to(cand, keys.shape), jnp.minimum(keep, topk)[:, None], topk)
 
 
-def _score_chunk(h: int, d: int, itemsize: int) -> int:
-    """Pages per scoring chunk: about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 16."""
-    return max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 16)
+def _score_chunk(h: int, d: int, itemsize: int, n_pages: int) -> int:
+    """Pages per scoring chunk: on CPU about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 16;
+    elsewhere every page at once (one pass, no loop: :func:`kvjax.attention.chunk_loop`). At most ``n_pages``."""
+    if jax.default_backend() != "cpu":
+        return n_pages
+    return min(max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 16), n_pages)
 
 
 @struct.dataclass
@@ -245,7 +248,7 @@ class Quest(Method):
         qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
         qp, qn = jnp.mean(jnp.maximum(qg, 0.0), axis=2), jnp.mean(jnp.minimum(qg, 0.0), axis=2)  # [B, Hkv, D]
         cur = jnp.asarray(t, jnp.int32) // self.page_size  # candidates: pages [0, cur)
-        c = min(_score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize), n_pages)
+        c = _score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize, n_pages)
         hi = jax.lax.Precision.HIGHEST
 
         def body(i, buf):
@@ -257,7 +260,7 @@ class Quest(Method):
             return jax.lax.dynamic_update_slice_in_dim(buf, u, start, axis=2)
 
         buf = jnp.full((b, h, n_pages), -jnp.inf, jnp.float32)
-        score = jax.lax.fori_loop(0, (jnp.max(cur) + c - 1) // c, body, buf)
+        score = attention.chunk_loop((jnp.max(cur) + c - 1) // c, c, n_pages, body, buf)
         cand = jnp.arange(n_pages)[None, None, :] < cur[:, None, None]
         return jnp.where(cand, score, -jnp.inf)
 
@@ -372,8 +375,8 @@ class Quest(Method):
         for bi in range(b):
             blocks[bi, :, : keep[bi]] = np.arange(keep[bi])
             blocks[bi, :, -1] = -1 if (state.shrink and shrunk[bi]) else cur[bi]
-        c = min(_score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize), n_pages)
-        chunks = -(-int(np.max(t // ps)) // c)  # group_scores' trip count
+        c = _score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize, n_pages)
+        chunks = 1 if c >= n_pages else -(-int(np.max(t // ps)) // c)  # group_scores' trips (chunk_loop)
         scored = np.full_like(cur, min(chunks * c, n_pages) + 1) if state.topk else np.ones_like(cur)
         window = 0
         if state.shrink:

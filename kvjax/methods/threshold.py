@@ -13,16 +13,37 @@
   value, then the n-th set bit inside it), so nothing of the size of the slot axis is sorted, searched per
   output or scattered: ``O(W + k)`` after the pass that packs the bits.
 
+On an accelerator :func:`kth_key` takes ``tau`` from one sort of the keys and a prefix sum of their weights instead
+of the 32 counts (``KVJAX_KTH_KEY``, :func:`kth_key_method`): the same ``tau``, but XLA runs each of the
+bisection's 32 trips as a loop iteration with its own kernel launches, which on the H200 of 2026-11-26 left the
+recall methods' steps 9-46x their bytes (benchmarks/results/roofline_h200_32k_b8.txt), while on a CPU the sort was
+the largest op of their steps (the reason for the bisection).
+
 The positions come out ascending (``lax.top_k`` orders by value; a set is the same set). Shapes: keys, weights
 ``[..., N]``; words ``[..., W]`` (slot ``s`` is bit ``s % 32`` of word ``s // 32``); counts ``[...]`` int32.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 _SIGN = 0x80000000
+#: Environment variable choosing :func:`kth_key`'s method: "bisect" or "sort" (unset: by backend).
+ENV_KTH_KEY = "KVJAX_KTH_KEY"
+KTH_KEY_METHODS = ("bisect", "sort")
+
+
+def kth_key_method() -> str:
+    """How :func:`kth_key` finds ``tau`` (read at trace time): ``$KVJAX_KTH_KEY`` if set, else "bisect" on the CPU
+    backend (32 weighted counts: XLA:CPU's sort was the recall steps' largest op) and "sort" on GPU/TPU (one sort
+    and a prefix sum instead of a 32-trip loop). Both give the same ``tau`` (tests/kvjax/test_threshold.py)."""
+    how = os.environ.get(ENV_KTH_KEY) or ("bisect" if jax.default_backend() == "cpu" else "sort")
+    if how not in KTH_KEY_METHODS:
+        raise ValueError(f"{ENV_KTH_KEY}={how!r} is not one of {KTH_KEY_METHODS}; unset it to choose by backend")
+    return how
 
 
 def sortable(x: jnp.ndarray) -> jnp.ndarray:
@@ -35,19 +56,27 @@ def sortable(x: jnp.ndarray) -> jnp.ndarray:
 def kth_key(keys: jnp.ndarray, weights: jnp.ndarray, k: jnp.ndarray):
     """``(tau [...] uint32, above [...] int32)``: ``tau`` the largest key with ``sum(weights[keys >= tau]) >=
     k``, ``above = sum(weights[keys > tau])``. keys ``[..., N]`` uint32, weights ``[..., N]`` int32 (``>= 0``),
-    k broadcastable to ``keys.shape[:-1]``. Built from the top bit down (32 weighted counts). When the total
-    weight is below ``k``, ``tau = 0`` (below every real key: everything is kept); ``k <= 0`` gives
-    ``tau = 0xFFFFFFFF`` and keeps nothing."""
+    k broadcastable to ``keys.shape[:-1]``. When the total weight is below ``k``, ``tau = 0`` (below every real
+    key: everything is kept); ``k <= 0`` gives ``tau = 0xFFFFFFFF`` and keeps nothing. By :func:`kth_key_method`:
+    built from the top bit down (32 weighted counts), or read off the keys sorted in descending order at the first
+    position whose prefix weight reaches ``k`` (a key of positive weight, so the same ``tau``)."""
     k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), keys.shape[:-1])
+    weights = weights.astype(jnp.int32)
+    if kth_key_method() == "sort":
+        desc, w = jax.lax.sort((~keys, weights), dimension=keys.ndim - 1, num_keys=1)  # ~: descending keys
+        j = jnp.sum(jnp.cumsum(w, axis=-1) < k[..., None], axis=-1)  # first prefix >= k; N: total below k
+        at = ~jnp.take_along_axis(desc, jnp.minimum(j, keys.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        tau = jnp.where(k <= 0, jnp.uint32(0xFFFFFFFF), jnp.where(j < keys.shape[-1], at, jnp.uint32(0)))
+    else:
 
-    def count(t):
-        return jnp.sum(jnp.where(keys >= t[..., None], weights, 0), axis=-1)
+        def count(t):
+            return jnp.sum(jnp.where(keys >= t[..., None], weights, 0), axis=-1)
 
-    def bit(i, tau):
-        trial = tau | jnp.left_shift(jnp.uint32(1), jnp.asarray(31 - i, jnp.uint32))
-        return jnp.where(count(trial) >= k, trial, tau)
+        def bit(i, tau):
+            trial = tau | jnp.left_shift(jnp.uint32(1), jnp.asarray(31 - i, jnp.uint32))
+            return jnp.where(count(trial) >= k, trial, tau)
 
-    tau = jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1], jnp.uint32))
+        tau = jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1], jnp.uint32))
     above = jnp.sum(jnp.where(keys > tau[..., None], weights, 0), axis=-1)
     return tau, above.astype(jnp.int32)
 

@@ -212,3 +212,27 @@ def test_runs_plan_bytes_count_distinct_rows():
     ln = np.array([[[40, 3, 0], [17, 0, 0]]])  # 40 rows, 3 -> a 16-row window, 0 -> nothing; 17 rows
     row = 2 * 8 * 4
     assert runs_plan_bytes(k, st, ln, block_size=16, num_heads=4) == (40 + 16 + 17) * row + 4 * 8 * 4 + 4 * 10 * 4
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_run_windows_without_a_search_loop_on_accelerators(seed, monkeypatch):
+    """``run_windows`` finds each window's run by a binary search on CPU and by comparing every window with every
+    run end on GPU/TPU (no loop): the same windows, here with the backend faked for that one function."""
+    from kernels_pallas.decode_attention import xla
+
+    r = np.random.default_rng(seed)
+    b, hkv, g, s, bs = 2, 2, 3, 57, 4
+    starts, lens = _random_runs(r, b, hkv, g, s, per_query=bool(seed % 2))
+    want = xla.run_windows(jnp.asarray(starts), jnp.asarray(lens), bs, -(-s // bs) + starts.shape[-1])
+
+    def jaxpr():  # a fresh function: make_jaxpr caches a function's trace
+        return str(
+            jax.make_jaxpr(lambda st, ln: xla.run_windows(st, ln, bs, 30))(jnp.asarray(starts), jnp.asarray(lens))
+        )
+
+    assert "scan" in jaxpr()  # the CPU's binary search
+    monkeypatch.setattr(xla.jax, "default_backend", lambda: "gpu")
+    got = xla.run_windows(jnp.asarray(starts), jnp.asarray(lens), bs, -(-s // bs) + starts.shape[-1])
+    assert "scan" not in jaxpr() and "while" not in jaxpr()
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -51,7 +51,25 @@ def test_attend_with_scores_matches_the_reference(seed, chunk):
         np.testing.assert_array_equal(np.asarray(free)[bi], first)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7])
+@pytest.mark.parametrize("lengths", [(0, 0), (5, 0)])
+def test_one_pass_equals_the_loop_when_nothing_is_live(lengths):
+    """``attention.chunk_loop`` runs the body once where one chunk covers the buffer, also when the loop would
+    have run no trip (every length 0): the result is the loop's (the empty partial, nothing taken)."""
+    r = np.random.default_rng(0)
+    b, hkv, g, s, d = 2, 2, 2, 12, 8
+    q = jnp.asarray(r.normal(size=(b, hkv * g, d)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(b, hkv, s, d)), jnp.float32) for _ in range(2))
+    valid, lengths = jnp.ones((b, hkv, s), bool), jnp.asarray(lengths, jnp.int32)
+    one = attention.attend_with_scores(q, k, v, valid, lengths, chunk=s)
+    loop = attention.attend_with_scores(q, k, v, valid, lengths, chunk=5)
+    for x, y in zip(jax.tree.leaves((one[0], one[2], one[3])), jax.tree.leaves((loop[0], loop[2], loop[3]))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    for bi, n in enumerate(np.asarray(lengths)):  # scores: defined below the length (the visited rows past it vary)
+        np.testing.assert_allclose(np.asarray(one[1])[bi, ..., :n], np.asarray(loop[1])[bi, ..., :n], rtol=1e-6)
+    assert np.asarray(one[2])[1].sum() == 0 and float(np.asarray(one[0][2])[1].max()) == 0.0  # nothing taken
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 1000])  # 1000: one pass, no loop (GPU/TPU; attention.chunk_loop)
 @pytest.mark.parametrize("budget,recent", [(0.5, 0.5), (0.5, 0), (20, 3)])
 def test_h2o_decode_in_chunks_matches_reference(budget, recent, chunk):
     """``decode_partial`` with small chunks (many loop steps, a shifted last chunk) keeps, scores and attends
@@ -124,14 +142,19 @@ def _spanning(fn, args, s: int) -> list[tuple[str, str, tuple]]:
     return out
 
 
+@pytest.mark.parametrize("prompt", [8194, 40], ids=["chunks", "one-chunk"])
 @pytest.mark.parametrize("name", ["h2o", "less"])
-def test_step_copies_nothing_and_spans_no_slot_loop(name):
+def test_step_copies_nothing_and_spans_no_slot_loop(name, prompt):
     """The compiled step (H2O, and LESS around it) has no ``copy`` of a slot-sized buffer, and every instruction
     spanning the ``S`` slots is an in-place update (scatter or dynamic-update-slice) or the step's score scratch
-    ``[B, Hkv, G, S]`` being initialised: the loops read cache-sized chunks."""
+    ``[B, Hkv, G, S]`` being initialised: the loops read cache-sized chunks. With one chunk covering the buffer (a
+    short cache; on GPU/TPU every cache) the score update and victim search run once without a loop
+    (``attention.chunk_loop``), but the read of K and V stays a loop: straight-line, XLA copies K, V and the
+    positions twice each, since the victim's slot, written after the read, depends on it. (A copy of the score
+    scratch ``[B, Hkv, G, S]`` is there with one chunk either way.)"""
     cfg = tb.model_cfg(8, 2)
     m = methods.get(name, budget=0.5) if name == "h2o" else methods.get(name, budget=0.5, rank=4, hidden=16)
-    st = m.init(cfg, 1, Capacity(8194, 4), 0, jnp.float32)
+    st = m.init(cfg, 1, Capacity(prompt, 4), 0, jnp.float32)
     s = (st if name == "h2o" else st.sparse).k.shape[2]
     q = jax.ShapeDtypeStruct((1, 8, tb.D), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, 2, tb.D), jnp.float32)
@@ -139,6 +162,9 @@ def test_step_copies_nothing_and_spans_no_slot_loop(name):
     found = _spanning(lambda st, q, k, v, p: m.decode(st, 0, q, k, v, p), (st, q, kv, kv, pos), s)
     assert found
     copies = [f for f in found if f[0] == "copy"]
+    if prompt < 8194:  # one chunk: no copy of the cache (K, V, positions); the score update spans the slots
+        assert not [f for f in copies if f[2] in ((1, 2, s, tb.D), (1, 2, s))], copies
+        return
     assert not copies, copies
     scratch = [f for f in found if f[2] == (1, 2, 4, s) and "broadcast" in f[1]]
     other = [f for f in found if f not in scratch and not re.search("scatter|dynamic-update-slice", f[1] + f[0])]

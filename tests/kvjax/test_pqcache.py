@@ -18,6 +18,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods import kmeans as km
+from kvjax.methods import pqcache as pqcache_mod
 from kvjax.methods.base import Capacity
 from kvjax.methods.pqcache import PQCache
 
@@ -175,10 +176,17 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
 
 @pytest.mark.parametrize("score_table", [True, False], ids=["table", "slots"])
 @pytest.mark.parametrize("hq,budget", [(4, 4), (2, 0.5)], ids=["gqa2-int", "mha"])
-def test_long_decode_matches_reference(score_table, hq, budget):
+@pytest.mark.parametrize("scan", [None, 32, "one-pass"], ids=["cpu", "32-slot-chunks", "gpu-one-pass"])
+def test_long_decode_matches_reference(score_table, hq, budget, scan, monkeypatch):
     """Decode long enough that generated tokens leave the window and become candidates (``t - W`` passes the
     prompt), on both scoring paths (per code tuple with counted candidates, per slot): outputs and retrieved
-    sets equal the reference's, and the tuple counts equal a count of the candidates' codes at every step."""
+    sets equal the reference's, and the tuple counts equal a count of the candidates' codes at every step. As the
+    CPU runs it (one chunk of codes at these sizes), with the code pass in a loop over 32-slot chunks (the CPU at
+    long contexts), and as GPU/TPU run it (one pass, the window read as one slice per sequence)."""
+    if scan == "one-pass":
+        monkeypatch.setattr(pqcache_mod, "_one_pass", lambda: True)
+    elif scan:
+        monkeypatch.setattr(pqcache_mod, "_scan_chunk", lambda sc: min(scan, sc))
     t, steps, hkv, lengths = 24, 12, 2, (24, 17)
     method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=5, score_table=score_table)
     assert method.uses_table() == score_table

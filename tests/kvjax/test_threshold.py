@@ -19,8 +19,18 @@ def _tied_scores(rng, shape, distinct):
     return values[rng.integers(0, distinct, size=shape)]
 
 
+@pytest.fixture(params=th.KTH_KEY_METHODS)
+def how(request, monkeypatch):
+    """Each of kth_key's methods (the CPU's bisection, the accelerators' sort), forced here on the CPU. jit caches a
+    function's trace across wrappers, and the method is read at trace time: the caches are cleared around."""
+    monkeypatch.setenv(th.ENV_KTH_KEY, request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("distinct", [3, 9, 1000])
-def test_top_set_is_top_k_set(distinct):
+def test_top_set_is_top_k_set(distinct, how):
     rng = np.random.default_rng(distinct)
     b, h, n, width = 3, 2, 96, 40
     x = _tied_scores(rng, (b, h, n), distinct)
@@ -53,7 +63,7 @@ def _take_reference(score, size, bsel):
 
 
 @pytest.mark.parametrize("distinct", [2, 5, 1000])
-def test_take_by_rank_matches_a_sorted_ranking(distinct):
+def test_take_by_rank_matches_a_sorted_ranking(distinct, how):
     rng = np.random.default_rng(10 + distinct)
     b, h, c = 2, 3, 50
     score = _tied_scores(rng, (b, h, c), max(distinct, 2))
@@ -67,3 +77,34 @@ def test_take_by_rank_matches_a_sorted_ranking(distinct):
             want = _take_reference(score[bi, hi], size[bi, hi], int(bsel[bi, hi]))
             np.testing.assert_array_equal(got[bi, hi], want, err_msg=f"{bi},{hi}")
             assert got[bi, hi].sum() == min(int(bsel[bi, hi]), int(size[bi, hi].sum()))
+
+
+@pytest.mark.parametrize("distinct", [2, 7, 1000])
+def test_kth_key_against_numpy(distinct, how):
+    """``tau`` = the largest key whose weighted count of keys >= it reaches ``k`` (NumPy, by brute force over the
+    keys and 0), ``above`` = the weight strictly above it; zero weights, ``k <= 0`` and ``k`` above the total."""
+    rng = np.random.default_rng(20 + distinct)
+    x = _tied_scores(rng, (4, 64), max(distinct, 2))
+    w = rng.integers(0, 4, size=x.shape).astype(np.int32)
+    w[0, ::2] = 0
+    k = rng.integers(1, 60, size=4).astype(np.int32)
+    k[1], k[2] = 0, int(w[2].sum()) + 5
+    keys = np.asarray(th.sortable(jnp.asarray(x)))
+    tau, above = jax.jit(th.kth_key)(jnp.asarray(keys), jnp.asarray(w), jnp.asarray(k))
+    text = str(jax.make_jaxpr(th.kth_key)(jnp.asarray(keys), jnp.asarray(w), jnp.asarray(k)))
+    assert ("sort[" in text) == (how == "sort") and ("scan[" in text) == (how == "bisect")  # the path under test
+    for r in range(4):
+        cands = [t for t in np.unique(np.concatenate([keys[r], [0]])) if w[r][keys[r] >= t].sum() >= k[r]]
+        want = np.uint32(0xFFFFFFFF) if k[r] <= 0 else max(cands, default=0)  # total below k: 0
+        assert int(tau[r]) == int(want), (r, how)
+        assert int(above[r]) == int(w[r][keys[r] > want].sum())
+
+
+def test_kth_key_method_by_backend_and_variable(monkeypatch):
+    monkeypatch.delenv(th.ENV_KTH_KEY, raising=False)
+    assert th.kth_key_method() == ("bisect" if jax.default_backend() == "cpu" else "sort")
+    monkeypatch.setenv(th.ENV_KTH_KEY, "sort")
+    assert th.kth_key_method() == "sort"
+    monkeypatch.setenv(th.ENV_KTH_KEY, "heap")
+    with pytest.raises(ValueError, match="KVJAX_KTH_KEY='heap' is not one of"):
+        th.kth_key_method()
