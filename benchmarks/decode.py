@@ -137,7 +137,7 @@ def run_one(model, ids, method, steps, batch=1):
     }
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=assets.SMOLLM2_NAME)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
@@ -160,7 +160,36 @@ def main(argv=None):
         help="decode-attention kernel for every method (default: by backend; sets $KVJAX_DECODE_ATTENTION_IMPL)",
     )
     p.add_argument("--out", default="results/decode.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def _ratios(r: dict, base: dict, bandwidth) -> dict:
+    """``r`` with its ratios to ``full``'s row of the same length (``base``) and, given the device's ``bandwidth``
+    (GB/s), the fraction of it the step's bytes reach."""
+    r["speedup_vs_full"] = base["step_seconds"] / r["step_seconds"]
+    r["cache_ratio_vs_full"] = r["cache_bytes"] / base["cache_bytes"]
+    r["kv_read_ratio_vs_full"] = r["kv_bytes_read_per_step"] / base["kv_bytes_read_per_step"]
+    r["read_ratio_vs_full"] = r["bytes_read_per_step"] / base["bytes_read_per_step"]
+    if bandwidth:
+        r["bandwidth_fraction"] = r["bytes_read_per_step"] / r["step_seconds"] / (bandwidth * 1e9)
+    return r
+
+
+def _print_row(r: dict, bandwidth) -> None:
+    print(
+        f"{r['prompt_len']:6d} {r['method']:14s} step {r['step_seconds'] * 1e3:8.2f} ms  "
+        f"{r['tokens_per_second']:7.1f} tok/s  x{r['speedup_vs_full']:.2f} speed  "
+        f"cache {r['cache_bytes'] / 2**20:7.2f} MiB (x{r['cache_ratio_vs_full']:.2f})  "
+        f"held {r['tokens_held_per_seq']:7.1f} tok/seq  "
+        f"KV read {r['kv_bytes_read_per_step'] / 2**20:7.2f} MiB/step (x{r['kv_read_ratio_vs_full']:.2f})  "
+        f"total {r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
+        + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""),
+        flush=True,
+    )
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.impl:
         os.environ["KVJAX_DECODE_ATTENTION_IMPL"] = args.impl  # read by attention.attend at trace time
 
@@ -219,25 +248,10 @@ def main(argv=None):
                 print(f"{n:6d} {name:14s} skipped: {reason}", flush=True)
                 continue
             r = {"prompt_len": n, "method": name, **run_one(model, text_ids[:n], method, args.steps, args.batch)}
-            if name == "full":
-                base = r
-            r["speedup_vs_full"] = base["step_seconds"] / r["step_seconds"]
-            r["cache_ratio_vs_full"] = r["cache_bytes"] / base["cache_bytes"]
-            r["kv_read_ratio_vs_full"] = r["kv_bytes_read_per_step"] / base["kv_bytes_read_per_step"]
-            r["read_ratio_vs_full"] = r["bytes_read_per_step"] / base["bytes_read_per_step"]
-            if bandwidth:
-                r["bandwidth_fraction"] = r["bytes_read_per_step"] / r["step_seconds"] / (bandwidth * 1e9)
-            rows.append(r)
+            base = r if name == "full" else base
+            rows.append(_ratios(r, base, bandwidth))
             write()  # after every row, so an interrupted run keeps what it measured
-            print(
-                f"{n:6d} {name:14s} step {r['step_seconds'] * 1e3:8.2f} ms  {r['tokens_per_second']:7.1f} tok/s  "
-                f"x{r['speedup_vs_full']:.2f} speed  cache {r['cache_bytes'] / 2**20:7.2f} MiB "
-                f"(x{r['cache_ratio_vs_full']:.2f})  held {r['tokens_held_per_seq']:7.1f} tok/seq  "
-                f"KV read {r['kv_bytes_read_per_step'] / 2**20:7.2f} MiB/step (x{r['kv_read_ratio_vs_full']:.2f})  "
-                f"total {r['bytes_read_per_step'] / 2**20:7.1f} MiB/step"
-                + (f"  {100 * r['bandwidth_fraction']:.0f}% of HBM" if bandwidth else ""),
-                flush=True,
-            )
+            _print_row(r, bandwidth)
     print(f"wrote {args.out}")
 
 

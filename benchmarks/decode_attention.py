@@ -120,7 +120,7 @@ def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0):
     return q, k, v, order[..., :n_keep].astype(jnp.int32), n_keep, nb
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--slots", default="4096,16384,32768")
     p.add_argument("--batch", default="1,8")
@@ -144,7 +144,50 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/decode_attention.json")
     p.add_argument("--sweep", action="store_true", help="time every tuning candidate (tuning.CANDIDATES[impl])")
     p.add_argument("--max-candidates", type=int, default=None, help="with --sweep: only the first N (smoke runs)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _row(s, batch, keep, n_keep, nb, t_k, t_r, row_bytes, bs, peak) -> dict:
+    """One measured shape: the kernel's and the reference's seconds, the K/V bytes the kernel reads (``row_bytes``
+    per slot, ``n_keep`` of ``nb`` blocks of ``bs``) and the reference reads (all ``s`` slots), GB/s and ratios."""
+    kv_read = batch * row_bytes * min(n_keep * bs, s)
+    r = {
+        "slots": s,
+        "batch": batch,
+        "keep": keep,
+        "blocks_visited": n_keep,
+        "blocks": nb,
+        "skipped_fraction": 1 - n_keep / nb,
+        "kernel_seconds": t_k,
+        "reference_seconds": t_r,
+        "kv_bytes_read": kv_read,
+        "kernel_gbs": kv_read / t_k / 1e9,
+        "reference_gbs": batch * row_bytes * s / t_r / 1e9,
+        "speedup_vs_reference": t_r / t_k,
+    }
+    if peak:
+        r["kernel_hbm_fraction"] = r["kernel_gbs"] / peak
+        r["reference_hbm_fraction"] = r["reference_gbs"] / peak
+    return r
+
+
+def _print_row(r: dict, peak) -> None:
+    print(
+        f"S={r['slots']:6d} B={r['batch']:2d} keep={r['keep']:4.2f} kernel {r['kernel_seconds'] * 1e6:9.1f} us  "
+        f"ref {r['reference_seconds'] * 1e6:9.1f} us  x{r['speedup_vs_reference']:5.2f} vs ref  "
+        f"{r['kernel_gbs']:7.1f} GB/s"
+        + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
+        + (
+            f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{r['ideal_speedup_vs_kernel_full']:.2f})"
+            if "speedup_vs_kernel_full" in r
+            else ""
+        ),
+        flush=True,
+    )
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.sweep:
         return sweep(args)
 
@@ -175,43 +218,14 @@ def main(argv=None):
                 q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, bs)
                 t_k = _time_device(kernel, (q, k, v, bi), args.iters, args.loop)
                 t_r = _time_device(ref, (q, k, v, bi), args.iters, args.loop)
-                kv_read = batch * hkv * 2 * d * dtype.itemsize * min(n_keep * bs, s)
-                ref_read = batch * hkv * 2 * d * dtype.itemsize * s
-                r = {
-                    "slots": s,
-                    "batch": batch,
-                    "keep": keep,
-                    "blocks_visited": n_keep,
-                    "blocks": nb,
-                    "skipped_fraction": 1 - n_keep / nb,
-                    "kernel_seconds": t_k,
-                    "reference_seconds": t_r,
-                    "kv_bytes_read": kv_read,
-                    "kernel_gbs": kv_read / t_k / 1e9,
-                    "reference_gbs": ref_read / t_r / 1e9,
-                    "speedup_vs_reference": t_r / t_k,
-                }
-                if keep >= 1:
-                    full_t = t_k
+                r = _row(s, batch, keep, n_keep, nb, t_k, t_r, hkv * 2 * d * dtype.itemsize, bs, peak)
+                full_t = t_k if keep >= 1 else full_t
                 if full_t is not None:
                     r["speedup_vs_kernel_full"] = full_t / t_k
                     r["ideal_speedup_vs_kernel_full"] = nb / n_keep
-                if peak:
-                    r["kernel_hbm_fraction"] = r["kernel_gbs"] / peak
-                    r["reference_hbm_fraction"] = r["reference_gbs"] / peak
                 rows.append(r)
                 write()
-                print(
-                    f"S={s:6d} B={batch:2d} keep={keep:4.2f} kernel {t_k * 1e6:9.1f} us  ref {t_r * 1e6:9.1f} us  "
-                    f"x{r['speedup_vs_reference']:5.2f} vs ref  {r['kernel_gbs']:7.1f} GB/s"
-                    + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
-                    + (
-                        f"  x{r['speedup_vs_kernel_full']:.2f} vs keep=1 (ideal x{nb / n_keep:.2f})"
-                        if "speedup_vs_kernel_full" in r
-                        else ""
-                    ),
-                    flush=True,
-                )
+                _print_row(r, peak)
     print(f"wrote {args.out}")
 
 
@@ -244,6 +258,23 @@ def in_blocks_of(blocks, block_size: int):
         r = 128 // block_size
         return (blocks[..., None] * r + jnp.arange(r)).reshape(*blocks.shape[:-1], -1)
     return blocks * 128 // block_size
+
+
+def _fastest_per_shape(rows, shapes, peak) -> list[dict]:
+    """The fastest candidate's row at each shape (printed), of the rows that ran there."""
+    per_shape = []
+    for s, batch, keep in shapes:
+        ok = [r for r in rows if (r["slots"], r["batch"], r["keep"]) == (s, batch, keep) and "seconds" in r]
+        if ok:
+            f = min(ok, key=lambda r: r["seconds"])
+            per_shape.append(f)
+            print(
+                f"S={s:6d} B={batch:2d} keep={keep:4.2f} fastest: block {f['block_size']} warps {f['num_warps']} "
+                f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
+                f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
+                flush=True,
+            )
+    return per_shape
 
 
 def sweep(args) -> int:
@@ -304,18 +335,7 @@ def sweep(args) -> int:
             total += t
         totals[cand] = total
     ran = {c: t for c, t in totals.items() if np.isfinite(t)}  # candidates that ran at every shape
-    per_shape = []
-    for s, batch, keep in shapes:
-        ok = [r for r in rows if (r["slots"], r["batch"], r["keep"]) == (s, batch, keep) and "seconds" in r]
-        if ok:
-            f = min(ok, key=lambda r: r["seconds"])
-            per_shape.append(f)
-            print(
-                f"S={s:6d} B={batch:2d} keep={keep:4.2f} fastest: block {f['block_size']} warps {f['num_warps']} "
-                f"stages {f['num_stages']} programs {f['target_programs']}  {f['seconds'] * 1e6:8.1f} us  "
-                f"{f['gbs']:7.1f} GB/s" + (f" ({100 * f['hbm_fraction']:4.1f}% of HBM)" if peak else ""),
-                flush=True,
-            )
+    per_shape = _fastest_per_shape(rows, shapes, peak)
     chosen = None
     if ran:
         chosen = dataclasses.replace(

@@ -84,6 +84,61 @@ def selection_only(model, method, batch, bucket, key):
     return once
 
 
+def _jaccard(model, configs, ids, bucket: int, w: int) -> dict:
+    """Adjacent-layer Jaccard of each config's kept prompt positions (with and without the last ``w``, the
+    window), printed as a table."""
+    out = {}
+    for name, m in tqdm(configs.items(), desc="jaccard"):
+        kept = analysis.kept_prompt_positions(model, m, ids, prompt_len=bucket)
+        with_win = analysis.adjacent_layer_jaccard(kept)
+        no_win = analysis.adjacent_layer_jaccard(kept, exclude_last=w)
+        out[name] = {
+            "method": repr(m),
+            "mean_with_window": float(with_win.mean()),
+            "mean_without_window": float(no_win.mean()),
+            "per_pair_with_window": with_win.round(4).tolist(),
+            "per_pair_without_window": no_win.round(4).tolist(),
+            "kept_per_head_mean": float(kept.counts().mean()),
+        }
+    print("\nadjacent-layer Jaccard (mean over layer pairs, sequences, KV heads):")
+    print(f"{'method':16s} {'with window':>12s} {'without':>10s}")
+    for name, r in out.items():
+        print(f"{name:16s} {100 * r['mean_with_window']:11.2f}% {100 * r['mean_without_window']:9.2f}%")
+    return out
+
+
+def _reuse_timing(model, args, ids, tokens, lengths, bucket: int) -> dict:
+    """Seconds of ChunkKV's prefill with index reuse 1 and 2 (and full's, ``--with-full``), engine prefill and
+    selection alone, interleaved so machine-load drift hits every config alike: label -> config -> runs."""
+    w, c = args.window, args.chunk_size
+    r1 = methods.get("chunkkv", budget=args.budget, window=w, chunk_size=c, reuse=1)
+    r2 = methods.get("chunkkv", budget=args.budget, window=w, chunk_size=c, reuse=2)
+    full = methods.get("full")
+    timing = {}
+    for label, fn in (("engine_prefill", lambda m: time_prefill(model, m, tokens, lengths, bucket)),):
+        todo = (("full", full),) if args.with_full else ()
+        todo += (("reuse1", r1), ("reuse2", r2))
+        runs = {key: [] for key, _ in todo}
+        for _, m in todo:
+            fn(m)  # compile + warm
+        for _ in tqdm(range(args.repeats), desc="prefill timing"):
+            for key, m in todo:  # interleaved, so machine-load drift hits every config alike
+                runs[key].append(fn(m))
+        timing[label] = runs
+    sel = {
+        key: selection_only(model, m, len(ids), bucket, jax.random.PRNGKey(0))
+        for key, m in (("reuse1", r1), ("reuse2", r2))
+    }
+    runs = {"reuse1": [], "reuse2": []}
+    for key in sel:
+        sel[key](lengths)
+    for _ in tqdm(range(args.repeats), desc="selection timing"):
+        for key in sel:
+            runs[key].append(sel[key](lengths))
+    timing["selection_only_all_layers"] = runs
+    return timing
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="1024,960", help="prompt length of each essay (comma separated)")
@@ -124,49 +179,8 @@ def main(argv=None):
         f"jax {jax.__version__} on {jax.devices()[0]}; essays {names}, lengths {lengths_list}, budget "
         f"{args.budget}, window {w}, chunk {c}"
     )
-    for name, m in tqdm(configs.items(), desc="jaccard"):
-        kept = analysis.kept_prompt_positions(model, m, ids, prompt_len=bucket)
-        with_win = analysis.adjacent_layer_jaccard(kept)
-        no_win = analysis.adjacent_layer_jaccard(kept, exclude_last=w)
-        result["jaccard"][name] = {
-            "method": repr(m),
-            "mean_with_window": float(with_win.mean()),
-            "mean_without_window": float(no_win.mean()),
-            "per_pair_with_window": with_win.round(4).tolist(),
-            "per_pair_without_window": no_win.round(4).tolist(),
-            "kept_per_head_mean": float(kept.counts().mean()),
-        }
-    print("\nadjacent-layer Jaccard (mean over layer pairs, sequences, KV heads):")
-    print(f"{'method':16s} {'with window':>12s} {'without':>10s}")
-    for name, r in result["jaccard"].items():
-        print(f"{name:16s} {100 * r['mean_with_window']:11.2f}% {100 * r['mean_without_window']:9.2f}%")
-
-    # ---- reuse timing (same run) ----
-    r1 = methods.get("chunkkv", budget=args.budget, window=w, chunk_size=c, reuse=1)
-    r2 = methods.get("chunkkv", budget=args.budget, window=w, chunk_size=c, reuse=2)
-    full = methods.get("full")
-    timing = {}
-    for label, fn in (("engine_prefill", lambda m: time_prefill(model, m, tokens, lengths, bucket)),):
-        todo = (("full", full),) if args.with_full else ()
-        todo += (("reuse1", r1), ("reuse2", r2))
-        runs = {key: [] for key, _ in todo}
-        for _, m in todo:
-            fn(m)  # compile + warm
-        for _ in tqdm(range(args.repeats), desc="prefill timing"):
-            for key, m in todo:  # interleaved, so machine-load drift hits every config alike
-                runs[key].append(fn(m))
-        timing[label] = runs
-    sel = {
-        key: selection_only(model, m, len(ids), bucket, jax.random.PRNGKey(0))
-        for key, m in (("reuse1", r1), ("reuse2", r2))
-    }
-    runs = {"reuse1": [], "reuse2": []}
-    for key in sel:
-        sel[key](lengths)
-    for _ in tqdm(range(args.repeats), desc="selection timing"):
-        for key in sel:
-            runs[key].append(sel[key](lengths))
-    timing["selection_only_all_layers"] = runs
+    result["jaccard"] = _jaccard(model, configs, ids, bucket, w)
+    timing = _reuse_timing(model, args, ids, tokens, lengths, bucket)
     result["timing_seconds"] = {
         label: {
             k: {"median": statistics.median(v), "min": min(v), "all": [round(x, 4) for x in v]} for k, v in runs.items()

@@ -408,7 +408,7 @@ def table(rows: list[dict], sides: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lengths", type=parse_lengths, default=parse_lengths("2k,4k,6k,7680"))
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts (1: both sides on one core)")
@@ -437,12 +437,69 @@ def main(argv=None) -> None:
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--logits", help=argparse.SUPPRESS)
     ap.add_argument("--random-context", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _row(args, sides, folder, meta, th: int, n: int) -> dict:
+    """One (threads, length) row: each side's prefill in its own worker process, and the logits of every side
+    against torch's."""
+    import numpy as np
+
+    row = dict(threads=th, length=n)
+    for side in sides:
+        logits = args.cache_dir / f"logits-{side}-{n}-{th}.npy"
+        argv = [
+            "--worker",
+            side,
+            "--weights",
+            str(folder),
+            "--length",
+            str(n),
+            "--threads",
+            str(th),
+            "--reps",
+            str(args.reps),
+            "--max-new",
+            str(args.max_new),
+            "--logits",
+            str(logits),
+            "--kvjax-source",
+            args.kvjax_source if not args.random else "folder",
+        ]
+        if side == "base":
+            if args.base_root is None:
+                raise ValueError("--sides base needs --base-root (a checkout of kvjax to compare against)")
+            argv[1] = "kvjax"
+        row[side] = _spawn(argv, args.timeout, args.base_root if side == "base" else ROOT)
+        base = side == "base"
+        row[side]["commit"] = (commit(args.base_root) or str(args.base_root)) if base else meta["commit"]
+        print(
+            f"  {side:5s} threads={th} n={n}: {row[side]['median_s']:.2f} s ({row[side]['median_cpu_s']:.2f} "
+            f"CPU s), prefill peak "
+            f"{row[side]['prefill_peak'] / MIB:.0f} MiB, process peak {row[side]['process_peak'] / MIB:.0f}"
+            " MiB",
+            flush=True,
+        )
+    if "torch" in sides:
+        b = np.load(args.cache_dir / f"logits-torch-{n}-{th}.npy")
+        for side in sides:
+            if side == "torch":
+                continue
+            a = np.load(args.cache_dir / f"logits-{side}-{n}-{th}.npy")
+            row[side].update(
+                max_abs_logit_diff=float(np.max(np.abs(a - b))),
+                same_argmax=bool(a.argmax() == b.argmax()),
+                time_ratio=row[side]["median_s"] / row["torch"]["median_s"],
+                memory_ratio=row[side]["prefill_peak"] / row["torch"]["prefill_peak"],
+            )
+    return row
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.worker:
         args.threads = int(args.threads)
         return worker(args)
-
-    import numpy as np
 
     threads = [int(t) for t in args.threads.split(",")]
     sides = [s for s in args.sides.split(",") if s]
@@ -466,54 +523,7 @@ def main(argv=None) -> None:
     )
     for th in threads:
         for n in args.lengths:
-            row = dict(threads=th, length=n)
-            for side in sides:
-                logits = args.cache_dir / f"logits-{side}-{n}-{th}.npy"
-                argv = [
-                    "--worker",
-                    side,
-                    "--weights",
-                    str(folder),
-                    "--length",
-                    str(n),
-                    "--threads",
-                    str(th),
-                    "--reps",
-                    str(args.reps),
-                    "--max-new",
-                    str(args.max_new),
-                    "--logits",
-                    str(logits),
-                    "--kvjax-source",
-                    args.kvjax_source if not args.random else "folder",
-                ]
-                if side == "base":
-                    if args.base_root is None:
-                        raise ValueError("--sides base needs --base-root (a checkout of kvjax to compare against)")
-                    argv[1] = "kvjax"
-                row[side] = _spawn(argv, args.timeout, args.base_root if side == "base" else ROOT)
-                base = side == "base"
-                row[side]["commit"] = (commit(args.base_root) or str(args.base_root)) if base else meta["commit"]
-                print(
-                    f"  {side:5s} threads={th} n={n}: {row[side]['median_s']:.2f} s ({row[side]['median_cpu_s']:.2f} "
-                    f"CPU s), prefill peak "
-                    f"{row[side]['prefill_peak'] / MIB:.0f} MiB, process peak {row[side]['process_peak'] / MIB:.0f}"
-                    " MiB",
-                    flush=True,
-                )
-            if "torch" in sides:
-                b = np.load(args.cache_dir / f"logits-torch-{n}-{th}.npy")
-                for side in sides:
-                    if side == "torch":
-                        continue
-                    a = np.load(args.cache_dir / f"logits-{side}-{n}-{th}.npy")
-                    row[side].update(
-                        max_abs_logit_diff=float(np.max(np.abs(a - b))),
-                        same_argmax=bool(a.argmax() == b.argmax()),
-                        time_ratio=row[side]["median_s"] / row["torch"]["median_s"],
-                        memory_ratio=row[side]["prefill_peak"] / row["torch"]["prefill_peak"],
-                    )
-            rows.append(row)
+            rows.append(_row(args, sides, folder, meta, th, n))
             if args.out:
                 _write(args.out, meta, rows, started)
     print(table(rows, sides))

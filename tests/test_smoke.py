@@ -131,6 +131,29 @@ def test_generate_cli(tiny_path, capsys):
     assert "error:" not in err and "snapkv:" in err
 
 
+def test_generate_cli_full_layers_option(tiny_path, capsys, monkeypatch):
+    """``--option full_layers=N`` (any method): the first N layers run ``full`` (``methods.layers.FullFirst``), as
+    ``methods.get(name, full_layers=N)``; the generation runs through it."""
+    from kvjax import cli, engine
+
+    seen = []
+    stream = engine.stream
+
+    def spy(model, prompt, method, *a, **kw):
+        seen.append(method)
+        return stream(model, prompt, method, *a, **kw)
+
+    monkeypatch.setattr(engine, "stream", spy)
+    argv = ["generate", "--model", str(tiny_path), "--method", "snapkv", "--budget", "0.5"]
+    argv += ["--option", "full_layers=1", "--prompt", "Where is the Eiffel Tower? " * 4, "--max-new-tokens", "2"]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    (m,) = seen
+    assert type(m).__name__ == "FullFirst" and m.at(0).name == "full" and m.at(1).name == "snapkv"
+    assert m.at(1).budget == 0.5
+
+
 def test_eval_cell_with_a_method_option(tiny_path, tmp_path, monkeypatch):
     from eval import cli, harness
 

@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvjax-train-less", description=__doc__.replace("``", ""), formatter_class=HelpFormatter
     )
+    for add in (_data_args, _kernel_args, _training_args, _run_args):
+        add(p)
+    return p
+
+
+def _data_args(p) -> None:
+    """Where the run writes, the model, and the training text."""
     p.add_argument(
         "--out",
         required=True,
@@ -50,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-dataset", default=None, help="a Hugging Face dataset name (e.g. allenai/c4), streamed")
     p.add_argument("--hf-split", default="train", help="split of --hf-dataset")
     p.add_argument("--hf-field", default="text", help="text field of --hf-dataset")
+
+
+def _kernel_args(p) -> None:
+    """The sparse policy LESS wraps and the kernels' shape."""
     p.add_argument("--policy", choices=("h2o", "lambda"), default="h2o", help="the sparse policy LESS wraps")
     p.add_argument(
         "--budget",
@@ -62,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=8, help="rank R of the low-rank state")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the kernel MLPs")
     p.add_argument("--dropout", type=float, default=0.3, help="dropout of the kernel MLPs")
+
+
+def _training_args(p) -> None:
+    """The optimisation: epochs, batches, sequences, learning rate, layers, the loss's attention."""
     p.add_argument("--epochs", type=int, default=40, help="training epochs")
     p.add_argument("--batch", type=int, default=2, help="sequences per training step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
@@ -94,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="query rows per attention block in the loss (memory linear in --seq-len); 0: unchunked",
     )
+
+
+def _run_args(p) -> None:
+    """The capture on disk, checkpoints, merging, seed, mesh, resume and progress."""
     p.add_argument(
         "--shard-mb",
         type=float,
@@ -130,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def main(argv=None) -> int:
@@ -144,12 +162,57 @@ def run(args) -> int:
     import kvjax
     from kvjax.methods import less as L
     from train_less import data
-    from train_less.trainer import TrainConfig, check_mesh, make_mesh, merge_parts, train
+    from train_less.trainer import check_mesh, make_mesh, merge_parts, train
 
     if args.merge:
         meta = merge_parts(args.out)
         print(json.dumps({"out": args.out, "layers_trained": meta["layers_trained"], "parts": meta["parts"]}))
         return 0
+
+    tc = _train_config(args)
+    mesh = None if args.mesh is None else make_mesh(args.mesh)
+    if mesh is not None:
+        check_mesh(mesh, tc.batch)
+    t0 = time.perf_counter()
+    model = kvjax.load_model(args.model)
+    if model.tokenizer is None:
+        raise ValueError(f"model={args.model!r} was loaded without a tokenizer; LESS training needs one to read text")
+    tokens = data.sequences(model.tokenizer, _sources(args), tc.seq_len, tc.num_seqs)
+    try:
+        layers = L.parse_layers(args.layers, model.config.num_layers)
+    except ValueError as e:
+        raise ValueError(f"--layers: {e}") from None
+    print(
+        f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
+        f"budget {tc.budget_tokens}, R={tc.rank}, layers {L.format_layers(layers)} of "
+        f"{model.config.num_layers}",
+        file=sys.stderr,
+    )
+    meta = train(
+        model.config,
+        model.params,
+        tokens,
+        tc,
+        args.out,
+        model_name=model.name,
+        resume=args.resume,
+        progress=not args.no_progress,
+        mesh=mesh,
+        layers=layers,
+        shard_mb=args.shard_mb,
+        capture_dir=args.capture_dir,
+        keep_capture=args.keep_capture,
+        checkpoint_every=args.checkpoint_every,
+        capture_batch=args.capture_batch,
+    )
+    print(json.dumps(_summary(args, meta, time.perf_counter() - t0)))
+    return 0
+
+
+def _train_config(args):
+    """The parsed arguments as a :class:`~train_less.trainer.TrainConfig` (``--budget`` as a fraction of
+    ``--seq-len`` made tokens), the run's own options checked."""
+    from train_less.trainer import TrainConfig
 
     if isinstance(args.budget, float):  # a fraction of the training sequence length, in tokens
         from kvjax.budget import budget_tokens
@@ -188,66 +251,36 @@ def run(args) -> int:
                 f"--data {path}: no such file or folder; pass text files, jsonl files ('text' "
                 "per line) or folders of them, or leave --data out for the embedded corpus"
             )
-    mesh = None if args.mesh is None else make_mesh(args.mesh)
-    if mesh is not None:
-        check_mesh(mesh, tc.batch)
-    t0 = time.perf_counter()
-    model = kvjax.load_model(args.model)
-    if model.tokenizer is None:
-        raise ValueError(f"model={args.model!r} was loaded without a tokenizer; LESS training needs one to read text")
+    return tc
+
+
+def _sources(args) -> dict:
+    """The training text: ``--data`` files, a streamed ``--hf-dataset``, or the embedded corpus."""
+    from train_less import data
+
     if args.data:
-        sources = {str(p): data.read_source(p) for p in args.data}
-    elif args.hf_dataset:
-        sources = {args.hf_dataset: data.hf_source(args.hf_dataset, args.hf_split, args.hf_field)}
-    else:
-        sources = data.default_sources()
-    tokens = data.sequences(model.tokenizer, sources, tc.seq_len, tc.num_seqs)
-    try:
-        layers = L.parse_layers(args.layers, model.config.num_layers)
-    except ValueError as e:
-        raise ValueError(f"--layers: {e}") from None
-    print(
-        f"kvjax-train-less: {model.name}, {tokens.shape[0]} sequences x {tc.seq_len} tokens, policy {tc.policy} "
-        f"budget {tc.budget_tokens}, R={tc.rank}, layers {L.format_layers(layers)} of "
-        f"{model.config.num_layers}",
-        file=sys.stderr,
-    )
-    meta = train(
-        model.config,
-        model.params,
-        tokens,
-        tc,
-        args.out,
-        model_name=model.name,
-        resume=args.resume,
-        progress=not args.no_progress,
-        mesh=mesh,
-        layers=layers,
-        shard_mb=args.shard_mb,
-        capture_dir=args.capture_dir,
-        keep_capture=args.keep_capture,
-        checkpoint_every=args.checkpoint_every,
-        capture_batch=args.capture_batch,
-    )
+        return {str(p): data.read_source(p) for p in args.data}
+    if args.hf_dataset:
+        return {args.hf_dataset: data.hf_source(args.hf_dataset, args.hf_split, args.hf_field)}
+    return data.default_sources()
+
+
+def _summary(args, meta, seconds) -> dict:
+    """The one JSON line a run prints: where, epochs, time, layers and the mean validation losses."""
 
     def mean(key):
         vals = [v for v in meta[key] if v is not None]
         return sum(vals) / len(vals)
 
-    print(
-        json.dumps(
-            {
-                "out": args.out,
-                "epochs_done": meta["epochs_done"],
-                "wall_seconds": time.perf_counter() - t0,
-                "layers_trained": meta["layers_trained"],
-                "val_loss_mean": mean("val_loss"),
-                "val_loss_sparse_mean": mean("val_loss_sparse"),
-                "val_loss_baseline_plus_mean": mean("val_loss_baseline_plus"),
-            }
-        )
-    )
-    return 0
+    return {
+        "out": args.out,
+        "epochs_done": meta["epochs_done"],
+        "wall_seconds": seconds,
+        "layers_trained": meta["layers_trained"],
+        "val_loss_mean": mean("val_loss"),
+        "val_loss_sparse_mean": mean("val_loss_sparse"),
+        "val_loss_baseline_plus_mean": mean("val_loss_baseline_plus"),
+    }
 
 
 if __name__ == "__main__":

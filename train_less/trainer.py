@@ -348,6 +348,32 @@ def merge_parts(out_dir) -> dict:
     return meta
 
 
+def _capture(cfg, params, tokens, tc, run_dir, sel, capture_dir, capture_batch, shard_mb, progress, mesh, model_name):
+    """``(store, folder)``: the activation capture :func:`train` reads, in ``capture_dir`` (default
+    ``run_dir/capture``), one folder per process when there are several, ``capture_batch`` sequences per forward
+    pass rounded up to a multiple of the mesh's ``data`` size."""
+    cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
+    if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
+        cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
+    dp = S.axis_size(mesh, S.DATA)
+    store = capture(
+        cfg,
+        params,
+        tokens,
+        (tc.less, tc.baseline_plus),
+        cap_dir,
+        layers=sel,
+        mask=tc.mask,
+        batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp,
+        store_dtype=tc.store_dtype,
+        shard_mb=shard_mb,
+        progress=progress,
+        mesh=mesh,
+        model_name=model_name,
+    )
+    return store, cap_dir
+
+
 def train(
     cfg,
     params,
@@ -401,24 +427,8 @@ def train(
     if rec.epoch >= end:
         ckpt.close()
         return json.loads((run_dir / L.CONFIG_FILE).read_text())
-    cap_dir = Path(capture_dir) if capture_dir is not None else run_dir / "capture"
-    if jax.process_count() > 1:  # every process reads the whole capture back: one folder each, no shared writes
-        cap_dir = cap_dir.with_name(f"{cap_dir.name}-process{jax.process_index()}")
-    dp = S.axis_size(mesh, S.DATA)
-    store = capture(
-        cfg,
-        params,
-        tokens,
-        (tc.less, tc.baseline_plus),
-        cap_dir,
-        layers=sel,
-        mask=tc.mask,
-        batch=-(-(capture_batch or max(tc.batch, 4)) // dp) * dp,
-        store_dtype=tc.store_dtype,
-        shard_mb=shard_mb,
-        progress=progress,
-        mesh=mesh,
-        model_name=model_name,
+    store, cap_dir = _capture(
+        cfg, params, tokens, tc, run_dir, sel, capture_dir, capture_batch, shard_mb, progress, mesh, model_name
     )
     lay = _Layers(cfg, tc, sel, params, kparams, opt, store, mesh, steps_per_epoch)
     if mesh is not None:  # replicated, as the kernels (_Layers)
