@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import re
 
 import numpy as np
@@ -21,25 +20,22 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
+from kvjax.methods.base import Capacity, LayerContext
 from tiny_models import save_tiny_llama
 
 pytestmark = pytest.mark.smoke
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-#: Per-method options that make the tiny model exercise the method's own code: ClusterKV and Quest keep their first
-#: ``n_full`` layers full (2 by default: every layer here).
-OPTIONS = {"clusterkv": {"n_full": 0}, "quest": {"n_full": 0, "page_size": 4}}
-
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    """A tiny random Llama (1 layer, GQA 4/2) with the embedded SmolLM2 tokenizer, as a local HF folder."""
+    """A tiny random Llama (2 layers, GQA 4/2) with the embedded SmolLM2 tokenizer, as a local HF folder."""
     return save_tiny_llama(
         tmp_path_factory.mktemp("tiny-smoke"),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
@@ -93,19 +89,23 @@ def test_every_help_shows_defaults_and_method_names():
 @pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")  # 0.5 of 40 tokens is below Chelsea's windows
 @pytest.mark.parametrize("name", methods.names())
 def test_every_method_generates(tiny, name):
-    """Each method at budget 0.5 generates the tokens asked for, reports its bytes, and (where it evicts in
-    prefill) holds at most ``ceil(0.5 n)`` of the ``n`` prompt tokens. (That a method keeping every token
-    generates what ``full`` does is tests/kvjax/test_engine.py's, for every method.)"""
+    """Each method at budget 0.5 and its small options (``methods.small``: its own code runs on a two-layer model
+    and a 40-token prompt) generates the tokens asked for, reports its bytes, and after prefill holds at most what
+    its budget contract says (``held(n, 0)`` of each layer's method, averaged over the layers as the stats are).
+    (That a method keeping every token generates what ``full`` does is tests/kvjax/test_engine.py's, for every
+    method.)"""
     rng = np.random.RandomState(0)
     prompt = [int(t) for t in rng.randint(3, 2000, size=40)]
-    method = methods.get(name, **({} if name == "full" else {"budget": 0.5}), **OPTIONS.get(name, {}))
+    method = methods.small(name, **({} if name == "full" else {"budget": 0.5}))
     out = engine.generate(tiny, [prompt], method, max_new_tokens=4, stop_at_eos=False)
     s = out.stats[0]
     assert len(out.tokens[0]) == 4 and s["cache_bytes"] > 0 and s["bytes_read_per_step"] > 0
-    # Recall methods keep every token; Chelsea compresses during decode; PyramidKV's per-layer budgets average to
-    # the budget over layers, and this model's one layer takes the pyramid's largest.
-    if name not in ("full", "chelsea", "pyramidkv") and not methods.REGISTRY[name].recalls:
-        assert s["tokens_held_prefill"] <= math.ceil(0.5 * len(prompt)), (name, s)
+    layers, cap = tiny.config.num_layers, Capacity(engine.bucket_length(len(prompt)), 4)  # generate's capacity
+    ctx = [LayerContext(layer, layers, cap, tiny.config) for layer in range(layers)]
+    contract = sum(method.at(c.layer).held(len(prompt), 0, c) for c in ctx) / layers
+    assert s["tokens_held_prefill"] <= contract + 1e-6, (name, s, contract)
+    if not method.recalls and name != "full":
+        assert contract < len(prompt)  # it compresses here
 
 
 def test_generate_cli(tiny_path, capsys):

@@ -122,6 +122,22 @@ class Method(abc.ABC):
     #: Every sequence holds exactly :meth:`held` tokens; False: at most that many (ChunkKV, whose chunk that
     #: straddles the window is cut there).
     holds_exactly: ClassVar[bool] = True
+    #: The Pallas kernels (``kernels_pallas``) a decode step calls on an accelerator, sorted: the decode attention
+    #: for most; a method with kernels of its own besides it takes an ``impl`` option for them (Chelsea, PQCache,
+    #: ClusterKV); none for a step that attends on its XLA path (H2O, LESS: the weights come with the scores).
+    #: The export and accelerator tests check the compiled step holds exactly these.
+    step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention",)
+
+    #: XLA's ``cost_analysis()["bytes accessed"]`` of one compiled decode step over what :meth:`bytes_read_per_step`
+    #: declares, on tests/kvjax/test_measured.py's tiny model (prompts that fill the bucket): the band it must fall
+    #: in. XLA counts an in-place scatter as the whole buffer read and written, and loops and branches whole;
+    #: docs/interface.md#measured-against-xla says what each method's band holds.
+    xla_bytes_band: ClassVar[tuple[float, float]] = (3.0, 5.0)
+
+    @classmethod
+    def own_kernels(cls) -> tuple[str, ...]:
+        """The method's own Pallas kernels (``step_kernels`` besides the decode attention): set by its ``impl``."""
+        return tuple(k for k in cls.step_kernels if k != "decode_attention")
 
     @classmethod
     def small_options(cls) -> dict:

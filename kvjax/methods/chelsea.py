@@ -125,6 +125,8 @@ class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 
     name: ClassVar[str] = "chelsea"
+    xla_bytes_band: ClassVar[tuple[float, float]] = (13.0, 21.0)  # base.Method.xla_bytes_band
+    step_kernels: ClassVar[tuple[str, ...]] = ("chunk_best_match", "decode_attention")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     budget: float | int = 0.2
     n_sink: int = 16

@@ -113,6 +113,8 @@ def take_by_rank(score, size, bsel):
 @dataclasses.dataclass(frozen=True)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
+    xla_bytes_band: ClassVar[tuple[float, float]] = (26.0, 40.0)  # base.Method.xla_bytes_band
+    step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # prompt-side tokens attended, sinks included (the paper's B: 256..2048)

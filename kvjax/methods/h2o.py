@@ -53,6 +53,7 @@ from kvjax.methods.select import accumulated_attention, accumulated_scores, topk
 @dataclasses.dataclass(frozen=True)
 class H2O(SlotMethod):
     name: ClassVar[str] = "h2o"
+    step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
     attends_prompt: ClassVar[bool] = True  # the prompt's attention and its scores in one pass

@@ -83,6 +83,8 @@ class FullFirst(Method):
     has_decode_partial = property(lambda self: False)
     holds_exactly = property(lambda self: self.inner.holds_exactly)
     offloads = property(lambda self: self.inner.offloads)
+    step_kernels = property(lambda self: self.inner.step_kernels)
+    xla_bytes_band = property(lambda self: self.inner.xla_bytes_band)
 
     def min_legal_budget(self) -> int:
         return self.inner.min_legal_budget()

@@ -103,6 +103,8 @@ class Less(Method):
     """
 
     name: ClassVar[str] = "less"
+    xla_bytes_band: ClassVar[tuple[float, float]] = (2.5, 4.5)  # base.Method.xla_bytes_band
+    step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     policy: str = "h2o"
     budget: float | int = 0.1

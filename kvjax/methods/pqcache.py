@@ -191,6 +191,8 @@ def _row_chunk(k) -> int:
 @dataclasses.dataclass(frozen=True)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
+    xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 15.0)  # base.Method.xla_bytes_band
+    step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention", "pq_lookup")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
     budget: float | int = 0.2  # r: fraction of the non-sink prompt tokens (local + retrieved), or a count

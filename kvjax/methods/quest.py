@@ -82,6 +82,7 @@ class QuestState:
 @dataclasses.dataclass(frozen=True)
 class Quest(Method):
     name: ClassVar[str] = "quest"
+    xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 14.0)  # base.Method.xla_bytes_band
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)

@@ -8,8 +8,8 @@ sequences of odd lengths in a 64-token bucket, the prefill and 6 greedy decode s
 ``small_options`` (``methods.small``) make it compress at these lengths (ClusterKV re-clusters and Chelsea re-compresses
 inside the decode steps). Both runs are fed the reference run's tokens, so every step compares like with like:
 logits within 1e-3 (absolute and relative; float32, the kernels' dots at ``HIGHEST``) and the same greedy
-tokens. The compiled decode step is checked to contain the expected Pallas kernels (tests/kernels_pallas/
-test_export.py's table), so the comparison is never reference against reference.
+tokens. The compiled decode step is checked to contain the expected Pallas kernels (the method's declared
+``step_kernels``), so the comparison is never reference against reference.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +29,6 @@ from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_pallas"))
-import test_export as tex  # noqa: E402
 
 pytestmark = pytest.mark.accelerator
 
@@ -53,7 +49,7 @@ def run(monkeypatch, params, name, impl, feed=None):
     Pallas kernels in the compiled decode step). ``feed``: the tokens to decode (default: this run's argmax)."""
     monkeypatch.setenv(ENV_IMPL, impl)
     opts = {} if name == "full" else {"budget": 0.3}
-    if name in tex.KERNEL_IMPL:
+    if methods.REGISTRY[name].own_kernels():
         opts["impl"] = impl
     m = methods.small(name, **opts)
     rng = np.random.default_rng(1)
@@ -84,6 +80,6 @@ def test_method_with_kernels_matches_reference(monkeypatch, params, name):
     assert len(set(want_tokens.ravel().tolist())) > 3  # the tokens depend on the input (no collapse)
     logits, tokens, kernels = run(monkeypatch, params, name, IMPL, feed=want_tokens)
     if not DRY_RUN:
-        assert kernels == sorted(tex.STEP_KERNELS.get(name, ("decode_attention",))), kernels
+        assert kernels == sorted(methods.REGISTRY[name].step_kernels), kernels
     np.testing.assert_allclose(logits, want_logits, rtol=TOL, atol=TOL, err_msg=f"{name} on {IMPL}")
     np.testing.assert_array_equal(tokens, want_tokens, err_msg=f"{name} on {IMPL}")

@@ -147,16 +147,16 @@ MODELS = {  # a few layers of each; random weights, only their shapes are used
     ),
 }
 # The kernels each method's decode step calls. H2O and LESS attend in pure JAX (they need per-slot weights);
-# ClusterKV's window of 32 makes the step re-cluster (cosine K-means) within the 63 decode steps.
-STEP_KERNELS = {
-    "chelsea": ("chunk_best_match", "decode_attention"),
-    "pqcache": ("decode_attention", "pq_lookup"),
-    "clusterkv": ("centroid_update", "cosine_assign", "decode_attention"),
-    "h2o": (),
-    "less": (),
-}
-METHOD_OPTIONS = {"full": {}, "clusterkv": {"budget": 256, "window": 32}, "quest": {"budget": 256}}
-KERNEL_IMPL = ("chelsea", "pqcache", "clusterkv")  # the methods with an ``impl`` option for their own kernel
+#: Decode steps of the exported loop: past ClusterKV's 320-token window, so the step re-clusters (its K-means
+#: kernels) as every method's default options run it.
+STEPS = 330
+
+
+def step_method(name: str, impl: str):
+    """``name`` at its default options, budget 0.2 of the 1024-token bucket (none for ``full``), ``impl`` for its
+    own kernels (``Method.own_kernels``)."""
+    opts = {"impl": impl} if methods.REGISTRY[name].own_kernels() else {}
+    return methods.get(name, **opts) if name == "full" else methods.get(name, budget=0.2, **opts)
 
 
 @pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)
@@ -164,18 +164,18 @@ KERNEL_IMPL = ("chelsea", "pqcache", "clusterkv")  # the methods with an ``impl`
 @pytest.mark.parametrize("name", methods.names())
 def test_decode_step_exports(monkeypatch, platform, impl, suffix, model, name):
     """``engine._decode_step`` (the body of ``engine.decode_step`` and of the compiled loop) for 2 sequences,
-    a 1024-token bucket and 63 decode steps. The decode-attention impl is chosen by ``KVJAX_DECODE_ATTENTION_IMPL``
-    (``impl=None`` would pick ``xla`` by this CPU backend), the methods' own kernels by their ``impl`` option."""
+    a 1024-token bucket and ``STEPS`` decode steps. The decode-attention impl is chosen by
+    ``KVJAX_DECODE_ATTENTION_IMPL`` (``impl=None`` would pick ``xla`` by this CPU backend), the methods' own kernels
+    by their ``impl`` option."""
     cfg, dtype = MODELS[model]
     monkeypatch.setenv(ENV_IMPL, impl)
-    opts = dict(METHOD_OPTIONS.get(name, {"budget": 0.2}), **({"impl": impl} if name in KERNEL_IMPL else {}))
-    method = methods.get(name, **opts)
+    method = step_method(name, impl)
     b = 2
     params = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
-    states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(1024, 63), dtype))
+    states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(1024, STEPS), dtype))
     token = pos = S((b,), jnp.int32)
     step = functools.partial(engine._decode_step, cfg, method)  # a fresh function: no trace cached under xla
-    want = STEP_KERNELS.get(name, ("decode_attention",))
+    want = methods.REGISTRY[name].step_kernels
     if not want:
         text = jax.export.export(jax.jit(step), platforms=[platform])(params, states, token, pos).mlir_module()
         assert "tpu_custom_call" not in text and "triton" not in text

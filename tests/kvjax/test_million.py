@@ -31,9 +31,6 @@ CFG = kvjax.ModelConfig(
     num_kv_heads=2,
     head_dim=16,
 )
-#: Options that make every layer of the tiny model compress (recall methods: only layer 0 full) and keep LESS's
-#: kernels small.
-OPTIONS = {"clusterkv": dict(n_full=1), "quest": dict(n_full=1), "less": dict(hidden=64)}
 
 
 def traced(fn, *arrays):
@@ -166,7 +163,7 @@ def test_method_counts_are_exact_in_int32():
 def test_prefill_and_decode_trace_at_a_million_tokens(name):
     """``jax.eval_shape`` of the engine's prefill and one decode step for a 2^20-token bucket (nothing is
     compiled or run): every method builds its state, compresses and decodes at fixed shapes there."""
-    m = methods.get(name, **OPTIONS.get(name, {}))
+    m = methods.small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
     cap = Capacity(MILLION, 8)
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, cap, jnp.float32))
@@ -184,8 +181,8 @@ def test_prefill_and_decode_trace_at_a_million_tokens(name):
 # ---- prefill memory is linear in T ----------------------------------------------------------------------
 
 
-def prefill_temp_bytes(name: str, t: int) -> int:
-    m = methods.get(name, **OPTIONS.get(name, {}))
+def prefill_temp_bytes(name: str, t: int, m=None) -> int:
+    m = m or methods.small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, Capacity(t, 8), jnp.float32))
     lowered = jax.jit(engine._prefill, static_argnums=(0, 1)).lower(
@@ -213,5 +210,6 @@ def test_clusterkv_prefill_memory_is_linear():
     """ClusterKV clusters into ``C0 = L / 80`` centroids: the CPU assignment's similarity block ``[N, L, C0]`` was
     quadratic in T (900 MiB of temp at 2^16 against full's 119); tiled over rows it grows like full's prefill."""
     full = [prefill_temp_bytes("full", t) for t in (16384, 32768)]
-    a, b = (prefill_temp_bytes("clusterkv", t) for t in (16384, 32768))
+    m = methods.get("clusterkv", n_full=1)  # the paper's L / 80 centroids, layer 1 clustered
+    a, b = (prefill_temp_bytes("clusterkv", t, m) for t in (16384, 32768))
     assert b <= 2.1 * a and b - a <= 2 * (full[1] - full[0]), (a, b, full)

@@ -25,22 +25,13 @@ from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
 
-OPTIONS = {  # small windows so every method compresses at these lengths (as the budget contract tests)
-    "chelsea": dict(n_sink=2, n_recent=4, chunk=8, interval=4),
-    "pqcache": dict(sink=2, bits=4),
-    "clusterkv": dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1),
-    "quest": dict(page_size=4, n_full=1),
-    "less": dict(hidden=16),
-    "chunkkv": dict(reuse=2),  # index reuse inside the scanned body (a lax.cond on the traced layer)
-}
 BUCKET, STEPS = 64, 4
 
 
 def method(name, budget=0.3, **extra):
-    opts = {**OPTIONS.get(name, {}), **extra}
-    if name != "full":
-        opts["budget"] = budget
-    return methods.get(name, **opts)
+    """``name`` at its small options (``methods.small``: every method compresses at these lengths, as in the
+    budget-contract tests), then ``extra``."""
+    return methods.small(name, **extra) if name == "full" else methods.small(name, budget=budget, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +70,12 @@ SLOW = ("pyramidkv", "pqcache", "clusterkv", "quest")
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()]
+    "name,extra",
+    [pytest.param(n, {}, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()]
+    + [pytest.param("chunkkv", {"reuse": 2}, id="chunkkv-reuse2")],  # index reuse in the body: a cond on the layer
 )
-def test_scan_matches_unrolled(tiny, name):
-    m = method(name)
+def test_scan_matches_unrolled(tiny, name, extra):
+    m = method(name, **extra)
     ref, ref_states = run(tiny, m, scan=False)
     got, states = run(tiny, m, scan=True)
     if name != "pyramidkv":  # PyramidKV's slot count differs per layer: its layers stay unrolled (test_layer_plan)
