@@ -112,12 +112,19 @@ def attend_with_weights(q, k, v, valid, lengths=None):
     return (o, m, l), p / jnp.where(lg > 0, lg, 1.0)[..., None]
 
 
+def one_pass() -> bool:
+    """Whether a decode step reads its buffers in one pass (GPU/TPU) rather than in the CPU's loops over cache-sized
+    chunks: a GPU runs each trip of a loop after a host synchronisation (:func:`chunk_loop`). Read at trace time;
+    every chunk size of the methods' steps follows it."""
+    return jax.default_backend() != "cpu"
+
+
 def live_chunk(s: int, b: int, hkv: int, d: int, itemsize: int, chunk: int | None = None) -> int:
     """Slots per step of a loop over the live slots: ``chunk`` if given, else on CPU a cache-sized chunk
-    (``kernels_pallas.decode_attention.xla.chunk_rows``), elsewhere all ``S`` at once (one fused pass); at most
+    (``kernels_pallas.decode_attention.xla.chunk_rows``), elsewhere all ``S`` at once (:func:`one_pass`); at most
     ``S``."""
     if chunk is None:
-        chunk = chunk_rows(b, hkv, d, itemsize) if jax.default_backend() == "cpu" else s
+        chunk = s if one_pass() else chunk_rows(b, hkv, d, itemsize)
     return int(max(min(chunk, s), 1))
 
 
@@ -147,6 +154,12 @@ def chunk_loop(trips, c: int, s: int, body, init):
     if c >= s:
         return body(0, init)
     return jax.lax.fori_loop(0, trips, body, init)
+
+
+def chunk_trips(live: int, c: int, s: int) -> int:
+    """On the host, the trips :func:`chunk_loop` makes over ``live`` rows in chunks of ``c`` of ``s``: one where a
+    chunk covers them (the body runs once, live rows or not), else ``ceil(live / c)`` (for the byte counts)."""
+    return 1 if c >= s else -(-int(live) // c)
 
 
 def attend_with_scores(q, k, v, valid, lengths, *, start=None, chunk: int | None = None):

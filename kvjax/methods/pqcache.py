@@ -155,15 +155,10 @@ def _attend_rows(q, k, v, idx, ok, chunk: int):
     return attention.chunk_loop(trips, c, idx.shape[-1], body, _empty_partial(q))
 
 
-def _one_pass() -> bool:
-    """On GPU/TPU the step makes one pass where the CPU loops over cache-sized chunks: a GPU runs each trip of a
-    loop with its own launches after a host synchronisation (:func:`kvjax.attention.chunk_loop`)."""
-    return jax.default_backend() != "cpu"
-
-
 def _scan_chunk(sc: int) -> int:
-    """Slots per chunk of the code pass over ``sc`` slots: ``_SCAN_CHUNK`` on CPU, every slot in one pass."""
-    return sc if _one_pass() else min(_SCAN_CHUNK, sc)
+    """Slots per chunk of the code pass over ``sc`` slots: ``_SCAN_CHUNK`` on CPU, every slot in one pass
+    (:func:`kvjax.attention.one_pass`)."""
+    return sc if attention.one_pass() else min(_SCAN_CHUNK, sc)
 
 
 def _attend_window(q, k, v, lo, hi, width: int):
@@ -557,7 +552,7 @@ class PQCache(Method):
             if state.window:
                 hi = jnp.minimum(t, kc.shape[2])
                 lo = jnp.maximum(t - w, state.sink)
-                if _one_pass():
+                if attention.one_pass():
                     part = attention.merge(part, _attend_window(q, kc, vc, lo, hi, state.window))
                 else:
                     part = attention.merge(part, _attend_range(q, kc, vc, lo, hi, min(chunk, state.window)))
@@ -680,7 +675,7 @@ class PQCache(Method):
             out["lut"] = 2 * b * hq * self.m * self.num_centroids * 4
             if self.uses_table():
                 c = _scan_chunk(sc)
-                scanned = sc if c >= sc else min(-(-int(end.max()) // c) * c, sc)
+                scanned = min(attention.chunk_trips(end.max(), c, sc) * c, sc)
                 out["codes"] = b * h * self.m * scanned
                 out["table"] = b * h * self.num_tuples * 4 * (2 + g)
             else:
@@ -705,14 +700,14 @@ class PQCache(Method):
                 c = min(chunk, state.window, s)
                 span = max(int(np.minimum(t, s).max() - np.maximum(t - w, state.sink).min()), 0)
                 trips = -(-span // c)
-                if _one_pass():  # _attend_window: one slice of the window's width per sequence
+                if attention.one_pass():  # _attend_window: one slice of the window's width per sequence
                     c, trips = min(state.window, s), 1
                 calls, rows = calls + trips, rows + trips * c
                 out["kv"] += b * h * trips * c * 2 * d * item
             if state.topk:
                 c = min(chunk, state.topk)
                 got = np.minimum(kk, np.maximum(end - state.sink, 0))
-                trips = 1 if c >= state.topk else -(-int(got.max()) // c)  # chunk_loop: one chunk, one trip
+                trips = attention.chunk_trips(got.max(), c, state.topk)
                 calls, rows = calls + trips, rows + trips * c
                 out["kv"] += b * h * trips * c * 2 * d * item
             out["attention"] = calls * qo + b * h * rows

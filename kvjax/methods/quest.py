@@ -59,7 +59,7 @@ def _top_pages(score, cur, keep, topk: int):
 def _score_chunk(h: int, d: int, itemsize: int, n_pages: int) -> int:
     """Pages per scoring chunk: on CPU about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 16;
     elsewhere every page at once (one pass, no loop: :func:`kvjax.attention.chunk_loop`). At most ``n_pages``."""
-    if jax.default_backend() != "cpu":
+    if attention.one_pass():
         return n_pages
     return min(max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 16), n_pages)
 
@@ -377,7 +377,7 @@ class Quest(Method):
             blocks[bi, :, : keep[bi]] = np.arange(keep[bi])
             blocks[bi, :, -1] = -1 if (state.shrink and shrunk[bi]) else cur[bi]
         c = _score_chunk(h, d, np.dtype(state.kmin.dtype).itemsize, n_pages)
-        chunks = 1 if c >= n_pages else -(-int(np.max(t // ps)) // c)  # group_scores' trips (chunk_loop)
+        chunks = attention.chunk_trips(np.max(t // ps), c, n_pages)  # group_scores' trips
         scored = np.full_like(cur, min(chunks * c, n_pages) + 1) if state.topk else np.ones_like(cur)
         window = 0
         if state.shrink:

@@ -30,6 +30,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from kvjax import attention
+
 _SIGN = 0x80000000
 #: Environment variable choosing :func:`kth_key`'s method: "bisect" or "sort" (unset: by backend).
 ENV_KTH_KEY = "KVJAX_KTH_KEY"
@@ -40,7 +42,7 @@ def kth_key_method() -> str:
     """How :func:`kth_key` finds ``tau`` (read at trace time): ``$KVJAX_KTH_KEY`` if set, else "bisect" on the CPU
     backend (32 weighted counts: XLA:CPU's sort was the recall steps' largest op) and "sort" on GPU/TPU (one sort
     and a prefix sum instead of a 32-trip loop). Both give the same ``tau`` (tests/kvjax/test_threshold.py)."""
-    how = os.environ.get(ENV_KTH_KEY) or ("bisect" if jax.default_backend() == "cpu" else "sort")
+    how = os.environ.get(ENV_KTH_KEY) or ("sort" if attention.one_pass() else "bisect")
     if how not in KTH_KEY_METHODS:
         raise ValueError(f"{ENV_KTH_KEY}={how!r} is not one of {KTH_KEY_METHODS}; unset it to choose by backend")
     return how

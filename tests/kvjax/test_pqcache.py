@@ -184,7 +184,7 @@ def test_long_decode_matches_reference(score_table, hq, budget, scan, monkeypatc
     CPU runs it (one chunk of codes at these sizes), with the code pass in a loop over 32-slot chunks (the CPU at
     long contexts), and as GPU/TPU run it (one pass, the window read as one slice per sequence)."""
     if scan == "one-pass":
-        monkeypatch.setattr(pqcache_mod, "_one_pass", lambda: True)
+        monkeypatch.setattr(pqcache_mod.attention, "one_pass", lambda: True)
     elif scan:
         monkeypatch.setattr(pqcache_mod, "_scan_chunk", lambda sc: min(scan, sc))
     t, steps, hkv, lengths = 24, 12, 2, (24, 17)
