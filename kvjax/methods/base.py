@@ -43,6 +43,8 @@ Optional capabilities are declared here with their defaults; the engine, eval an
 - ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
   scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
+- ``recompresses`` (ClassVar bool, default False): some decode steps re-compress the whole cache (Chelsea's
+  rounds), so those steps compute over every slot of the layer.
 - ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
   stored and each decode step attends to a query-dependent selection; it implements
   ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
@@ -127,6 +129,10 @@ class Method(abc.ABC):
     #: ClusterKV); none for a step that attends on its XLA path (H2O, LESS: the weights come with the scores).
     #: The export and accelerator tests check the compiled step holds exactly these.
     step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention",)
+    #: Some decode steps re-compress the whole cache (Chelsea's merge round every ``interval`` steps): those steps
+    #: compute over every slot of the layer's K/V, not only through the decode attention's chunks. The scan test
+    #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
+    recompresses: ClassVar[bool] = False
 
     #: XLA's ``cost_analysis()["bytes accessed"]`` of one compiled decode step over what :meth:`bytes_read_per_step`
     #: declares, on tests/kvjax/test_measured.py's tiny model (prompts that fill the bucket): the band it must fall

@@ -128,6 +128,7 @@ class Chelsea(Method):
     xla_bytes_band: ClassVar[tuple[float, float]] = (13.0, 21.0)  # base.Method.xla_bytes_band
     step_kernels: ClassVar[tuple[str, ...]] = ("chunk_best_match", "decode_attention")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
+    recompresses: ClassVar[bool] = True  # a merge round every `interval` steps (base.Method.recompresses)
     budget: float | int = 0.2
     n_sink: int = 16
     n_recent: int = 64

@@ -85,6 +85,7 @@ class FullFirst(Method):
     offloads = property(lambda self: self.inner.offloads)
     step_kernels = property(lambda self: self.inner.step_kernels)
     xla_bytes_band = property(lambda self: self.inner.xla_bytes_band)
+    recompresses = property(lambda self: self.inner.recompresses)
 
     def min_legal_budget(self) -> int:
         return self.inner.min_legal_budget()

@@ -34,10 +34,29 @@ def method(name, budget=0.3, **extra):
     return methods.small(name, **extra) if name == "full" else methods.small(name, budget=budget, **extra)
 
 
+TINY = ModelConfig("llama", 256, 64, 128, 4, 4, 2, 16, max_position_embeddings=512)
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig("llama", 256, 64, 128, 4, 4, 2, 16, max_position_embeddings=512)
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+    return Model(TINY, M.random_params(TINY, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+
+
+def scans(m, cfg=TINY, cap=Capacity(BUCKET, STEPS + 1)) -> bool:
+    """Whether some run of ``m``'s layer plan on ``cfg`` holds more than one layer (a scanned stack): not where the
+    states differ per layer (PyramidKV's slot count per layer, at the tiny model's sizes)."""
+    return any(len(r) > 1 for r in engine.layer_plan(cfg, m, 3, cap, jnp.float32))
+
+
+def slow(name: str) -> bool:
+    """The default run checks the methods whose scanned body differs most (index reuse under lax.cond, merged slots,
+    stacked learned kernels) and the simple ones; the recall methods (slow to compile) and the methods whose layers
+    stay unrolled at the tiny model's sizes with --runslow."""
+    return methods.REGISTRY[name].recalls or not scans(method(name))
+
+
+def marks(name: str):
+    return pytest.mark.slow if slow(name) else ()
 
 
 def prompts():
@@ -64,22 +83,17 @@ def run(model: Model, m, scan: bool, mesh=None):
     return np.stack(out), states
 
 
-#: The default run checks the methods whose scanned body differs most (index reuse under lax.cond, merged slots,
-#: stacked learned kernels) and the simple ones; the recall methods and PyramidKV (unrolled anyway) with --runslow.
-SLOW = ("pyramidkv", "pqcache", "clusterkv", "quest")
-
-
 @pytest.mark.parametrize(
     "name,extra",
-    [pytest.param(n, {}, marks=pytest.mark.slow if n in SLOW else ()) for n in methods.names()]
+    [pytest.param(n, {}, marks=marks(n)) for n in methods.names()]
     + [pytest.param("chunkkv", {"reuse": 2}, id="chunkkv-reuse2")],  # index reuse in the body: a cond on the layer
 )
 def test_scan_matches_unrolled(tiny, name, extra):
     m = method(name, **extra)
     ref, ref_states = run(tiny, m, scan=False)
     got, states = run(tiny, m, scan=True)
-    if name != "pyramidkv":  # PyramidKV's slot count differs per layer: its layers stay unrolled (test_layer_plan)
-        assert any(isinstance(s, engine.Stacked) for s in states), "nothing was scanned"
+    # a stack wherever the plan has a run of layers (not PyramidKV's slot count per layer: test_layer_plan)
+    assert any(isinstance(s, engine.Stacked) for s in states) == scans(m), states
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
     per = engine.layer_states(states)
@@ -212,28 +226,24 @@ def _computing_ops(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-#: Scanned decode loops checked for in-place updates (every method that scans; ``pyramidkv`` stays unrolled: a
-#: slot count per layer). ClusterKV's window clustering and Chelsea's decode rounds are ``while_loop``s (0 or 1 /
-#: 0 or more rounds) ordered after the attention, so their K/V stay in the stack too.
-IN_PLACE = ("full", "streaming_llm", "snapkv", "chunkkv", "h2o", "less", "pqcache", "quest", "clusterkv", "chelsea")
-#: Methods whose decode step reads its whole K (and V) with a dense product rather than through the decode attention's
-#: chunks (H2O's weights for the accumulated scores; LESS wraps H2O), or computes over the whole cache in a round
-#: that runs on some steps only (Chelsea's merge and compaction): those ops have K/V's shape; no copy still holds.
-DENSE_READ = ("h2o", "less", "chelsea")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in IN_PLACE])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=marks(n)) for n in methods.names()])
 def test_scanned_loop_updates_the_stack_in_place(name):
     """The compiled decode loop of a scanned layer stack writes each layer's new token into the stacked cache in place,
     as the unrolled loop writes its per-layer buffers (test_engine.py::test_loop_updates_cache_in_place): no copy of
     the stacked K/V or per-slot leaves ``[L, B, Hkv, S, ...]``, and no K/V slice ``[B, Hkv, S, D]`` of a layer computed
     or copied, per layer and step (the decode attention reads ``chunk < S`` rows at a time straight from the stack).
-    Shapes at which the
-    attention's chunk (256 rows) is shorter than every cache; nothing is allocated (abstract states)."""
+    Shapes at which the attention's chunk (256 rows) is shorter than every cache; nothing is allocated (abstract
+    states). Every layer
+    runs the method (a method's own full first layers, ``n_full``, are set to none: an unstacked full layer writes
+    a ``[B, Hkv, S, D]`` buffer in place, which this test cannot tell from a slice). A method that re-compresses the
+    whole cache on some steps (``recompresses``: Chelsea's merge round) computes values of a layer's K/V shape
+    there; no copy still holds."""
     cfg = ModelConfig("llama", 256, 64, 128, 4, 16, 8, 128, max_position_embeddings=4096)
-    extra = {"quest": dict(n_full=0), "clusterkv": dict(n_full=0), "less": dict(hidden=16)}.get(name, {})
-    m = method(name, budget=0.6, **extra)
+    m = method(name, budget=0.6)
+    if "n_full" in {f.name for f in dataclasses.fields(m)}:
+        m = dataclasses.replace(m, n_full=0)
     cap, b = Capacity(512, 37), 2
+    assert scans(m, cfg, cap), "this method's layers do not stack at these sizes; choose others"
     states = jax.eval_shape(lambda: engine.init_states(cfg, m, b, cap, jnp.float32, scan_layers=True))
     assert [type(s) for s in states] == [engine.Stacked], states
     params = jax.eval_shape(lambda: M.stack_layers(M.random_params(cfg, jax.random.PRNGKey(0))))
@@ -248,6 +258,6 @@ def test_scanned_loop_updates_the_stack_in_place(name):
     stacks = {x.shape for x in leaves if x.ndim >= 4 and x.shape[3] == slots}  # K, V and per-slot [L, B, Hkv, S]
     copied = [(op, sh) for op, sh in ops if op == "copy" and sh in stacks]
     assert copied == [], copied
-    if name not in DENSE_READ:
+    if not m.recompresses:
         sliced = [(op, sh) for op, sh in ops if sh in kv]
         assert sliced == [], sliced
