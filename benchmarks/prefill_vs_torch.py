@@ -35,6 +35,15 @@ larger of the two: the whole process). MiB.
 
 **Agreement.** The last-position logits of both sides are compared (max abs difference, same argmax).
 
+**Work.** ``prefill_flops``: the prefill's useful floating-point operations, counted from the Hugging Face
+``config.json`` (2 per multiply-add): the projections and the MLP at every prompt position, the causal attention
+(``QK^T`` and ``PV`` over the ``n (n + 1) / 2`` visible pairs of each query head) and the LM head at the last
+position. Each worker also times its own library's float32 matrix product at the same thread count
+(``matmul_peak``: a 2048 x 2048 x 2048 product, best of 5; ``jnp.dot`` under ``jit`` on the kvjax side,
+``torch.mm`` on the other): the rate the core reaches on the work a prefill is made of. ``gflops`` is
+``prefill_flops / median_s`` and ``of_peak`` its share of that rate: a prefill at 90% of its core's matrix rate
+cannot get much faster without doing less work.
+
 Output: a table and a JSON with the jax / torch / transformers versions, the device, the commit and the command.
 It is a benchmark, not a test: at one thread the full 2k-7.68k sweep takes about 5 minutes per thread count.
 """
@@ -216,6 +225,34 @@ def export(folder: Path, random_context: int | None, layers: int | None = None) 
 # ------------------------------------------------------------------------------------------------------ workers
 
 
+def prefill_flops(hf: dict, n: int) -> float:
+    """Floating-point operations of an ``n``-token prefill of a Llama-style model (``hf``: its config.json), 2 per
+    multiply-add: projections and MLP at every position, causal attention over the visible pairs, LM head at the
+    last position (module docstring, "Work")."""
+    h, layers, hq = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
+    hkv, d = hf.get("num_key_value_heads") or hq, hf.get("head_dim") or h // hq
+    per_token = layers * (h * hq * d * 2 + 2 * h * hkv * d + 3 * h * hf["intermediate_size"])  # q, o; k, v; MLP
+    attention = layers * hq * d * 2 * n * (n + 1) / 2  # QK^T and PV, one multiply-add per pair and dimension each
+    return 2.0 * (per_token * n + attention + h * hf["vocab_size"])
+
+
+PEAK_N = 2048  # matmul_peak's square product
+
+
+def matmul_peak(run, reps: int = 5) -> float:
+    """GFLOP/s of the best of ``reps`` calls of ``run()`` (a ``PEAK_N``-cubed float32 matrix product that returns
+    once the result is ready), after one untimed call."""
+    run()
+    best = min(_timed(run) for _ in range(reps))
+    return 2.0 * PEAK_N**3 / best / 1e9
+
+
+def _timed(run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
 def worker_kvjax(args) -> dict:
     import gc
 
@@ -262,8 +299,12 @@ def worker_kvjax(args) -> dict:
         del states, logits
         gc.collect()
     np.save(args.logits, last)
+    a = jax.random.normal(jax.random.PRNGKey(0), (PEAK_N, PEAK_N), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    peak = matmul_peak(lambda: dot(a, a).block_until_ready())
     return dict(
         side="kvjax",
+        matmul_peak_gflops=peak,
         bucket=bucket,
         load_s=load_s,
         first_call_s=first,
@@ -312,8 +353,12 @@ def worker_torch(args) -> dict:
         del cache, logits
         gc.collect()
     np.save(args.logits, last)
+    a = torch.randn(PEAK_N, PEAK_N, dtype=torch.float32)
+    with torch.inference_mode():
+        peak = matmul_peak(lambda: torch.mm(a, a))
     return dict(
         side="torch",
+        matmul_peak_gflops=peak,
         load_s=load_s,
         times=times,
         cpu_times=cpu,
@@ -386,16 +431,21 @@ def ensure_weights(cache: Path, random_context: int | None, layers: int | None =
 
 
 def table(rows: list[dict], sides: list[str]) -> str:
-    """One line per (threads, length): each side's median seconds and prefill peak MiB, and each kvjax side's
-    ratios to torch (time, memory) and logit agreement."""
+    """One line per (threads, length): each side's median seconds, prefill peak MiB and GFLOP/s (with its share of
+    the side's own matrix-product rate), and each kvjax side's ratios to torch (time, memory) and logit
+    agreement."""
     ours = [s for s in sides if s != "torch"]
-    head = f"{'threads':>7} {'tokens':>7} " + " ".join(f"{s + ' s':>9} {s + ' MiB':>10}" for s in sides)
+    head = f"{'threads':>7} {'tokens':>7} " + " ".join(
+        f"{s + ' s':>9} {s + ' MiB':>10} {'GFLOP/s':>8} {'of peak':>7}" for s in sides
+    )
     if "torch" in sides:
         head += " | " + " ".join(f"{s + '/torch t':>14} {'mem':>5} {'max|dlogit|':>11}" for s in ours)
     lines = [head, "-" * len(head)]
     for r in rows:
         line = f"{r['threads']:>7} {r['length']:>7} " + " ".join(
-            f"{r[s]['median_s']:>9.2f} {r[s]['prefill_peak'] / MIB:>10.0f}" for s in sides
+            f"{r[s]['median_s']:>9.2f} {r[s]['prefill_peak'] / MIB:>10.0f} {r[s]['gflops']:>8.1f} "
+            f"{r[s]['of_peak']:>7.0%}"
+            for s in sides
         )
         if "torch" in sides:
             t = r["torch"]
@@ -480,6 +530,10 @@ def _row(args, sides, folder, meta, th: int, n: int) -> dict:
             " MiB",
             flush=True,
         )
+    flops = prefill_flops(json.loads((Path(folder) / "config.json").read_text()), n)
+    for side in sides:
+        gflops = flops / row[side]["median_s"] / 1e9
+        row[side].update(prefill_gflop=flops / 1e9, gflops=gflops, of_peak=gflops / row[side]["matmul_peak_gflops"])
     if "torch" in sides:
         b = np.load(args.cache_dir / f"logits-torch-{n}-{th}.npy")
         for side in sides:

@@ -58,7 +58,12 @@ brackets):
   computes the attention with its scores, as in the engine, so ``ttft_s = prefill_s``); [``ttft_ratio``] = TTFT /
   full's TTFT; compression's share [``compress_share``] = (TTFT - full's TTFT) / TTFT. Each is one run, compile
   excluded (ahead-of-time compiled). A real model's TTFT adds
-  the projections and MLPs, which every method pays alike, so these ratios are upper bounds of the model's.
+  the projections and MLPs, which every method pays alike, so these ratios are upper bounds of the model's;
+- with ``--model-ttft``, the model's: [``dense_s``] one layer's position-wise prefill work at the same prompt (the
+  engine's ``layer_qkv_blocks`` and ``layer_finish_blocks``: norms, q/k/v/o projections, RoPE and the MLP in
+  512-token blocks, on random weights of the 8B layer's shapes; the attention left out), measured once per
+  (context, batch, dtype), and [``model_ttft_ratio``] = ``(layers x dense_s + TTFT) / (layers x dense_s + full's
+  TTFT)``: the TTFT ratio of a model whose every layer is the benchmarked one (embedding and LM head left out).
 
 Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and the reason in ``skipped``):
 
@@ -289,11 +294,33 @@ def time_attention(cfg, layers, batch, n, dtype, seed=0) -> float:
     return total
 
 
+def time_dense(cfg, batch, n, dtype, seed=0) -> float:
+    """Seconds of one layer's position-wise prefill work over an ``n``-token prompt (``--model-ttft``): the engine's
+    ``layer_qkv_blocks`` then ``layer_finish_blocks`` on random weights of ``cfg``'s layer shapes (hidden size,
+    heads, intermediate size), with q standing in for the attention output between them (compiled ahead of time,
+    one run)."""
+    one = dataclasses.replace(cfg, num_layers=1, vocab_size=256, sliding_windows=cfg.sliding_windows[:1])
+    lp = M.layer_params(M.random_params(one, jax.random.PRNGKey(seed), dtype), 0)
+    x = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, n, cfg.hidden_size), dtype)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+    block = M.TOKEN_BLOCK if n % M.TOKEN_BLOCK == 0 else n
+
+    def dense(lp, x, positions):
+        q, _, _ = M.layer_qkv_blocks(cfg, lp, x, positions, n, block)
+        return M.layer_finish_blocks(cfg, lp, x, q, n, block)
+
+    fn = jax.jit(dense).lower(lp, x, positions).compile()
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(lp, x, positions))
+    return time.perf_counter() - t0
+
+
 class PrefillClock:
     """The prefill-time cap: the largest measured prefill per (name, dtype), and a quadratic estimate from it."""
 
     def __init__(self):
         self.refs: dict = {}
+        self.dense: dict = {}  # (context, batch, dtype) -> time_dense seconds (--model-ttft)
 
     def record(self, name, dtype, n, batch, seconds_per_layer) -> None:
         ref = self.refs.get((name, dtype))
@@ -466,6 +493,10 @@ def add_ratios(rows: list[dict], full_index: int) -> None:
             r["compress_share"] = (r["ttft_s"] - full["ttft_s"]) / r["ttft_s"]
         else:
             r["ttft_ratio"] = r["compress_share"] = None
+        dense = r["layers"] * r["dense_s"] if r.get("dense_s") is not None else None
+        r["model_ttft_ratio"] = (
+            (dense + r["ttft_s"]) / (dense + full["ttft_s"]) if dense is not None and r["ttft_ratio"] else None
+        )
 
 
 def _f(x, fmt, suffix=""):
@@ -478,6 +509,8 @@ def table(rows: list[dict]) -> str:
         f"{'method':22s} {'step ms':>8s} {'MiB/step':>9s} {'XLA MiB':>8s} {'GB/s':>6s} {'time/full':>9s} "
         f"{'bytes/full':>10s} {'eff':>5s} {'speedup':>7s} {'TTFT s':>8s} {'TTFT x':>6s} {'comp%':>6s}"
     )
+    model = any(r.get("model_ttft_ratio") is not None for r in rows)
+    head += f" {'model TTFT x':>12s}" if model else ""
     lines = []
     for key in dict.fromkeys((r["context"], r["batch"], r["dtype"]) for r in rows):
         block = [r for r in rows if (r["context"], r["batch"], r["dtype"]) == key]
@@ -493,10 +526,17 @@ def table(rows: list[dict]) -> str:
                 f"{r['time_ratio']:9.3f} {r['bytes_ratio']:10.3f} {r['efficiency']:5.2f} {r['speedup']:7.2f} "
                 f"{_f(r.get('ttft_s'), '8.2f'):>8s} {_f(r.get('ttft_ratio'), '6.2f'):>6s} "
                 f"{_f(r.get('compress_share'), '6.1%'):>6s}"
+                + (f" {_f(r.get('model_ttft_ratio'), '12.3f'):>12s}" if model else "")
             )
         skipped_ttft = next((r.get("ttft_skipped") for r in block if r.get("ttft_skipped")), None)
         if skipped_ttft:
             lines.append(f"(TTFT not measured: {skipped_ttft})")
+        dense = next((r["dense_s"] for r in block if r.get("dense_s") is not None), None)
+        if dense is not None:
+            lines.append(
+                f"(model TTFT x: each layer adds {dense:.2f} s of projections and MLP, measured, to every method's "
+                "attention-only TTFT)"
+            )
     return "\n".join(lines)
 
 
@@ -795,6 +835,11 @@ def parse_args(argv):
     )
     p.add_argument("--calibration-len", type=int, default=4096, help="prompt of the prefill-time calibration")
     p.add_argument(
+        "--model-ttft",
+        action="store_true",
+        help="also time one layer's projections and MLP at each prompt and report the model-level TTFT ratio",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
     p.add_argument("--tiny", action="store_true", help="a 4-head, 32-dim config (smoke tests)")
@@ -938,6 +983,9 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
             print("  timing the causal prefill attention", flush=True)
             attention_s = time_attention(cfg, layers, batch, n, dtype)
             clock.record("attention", dt, n, batch, attention_s / len(layers))
+            if args.model_ttft:
+                print("  timing one layer's projections and MLP", flush=True)
+                clock.dense[(n, batch, dt)] = time_dense(cfg, batch, n, dtype)
         runs = []
         for v in [full] + group:
             print(f"  {v.label}: prefill", flush=True)
@@ -974,6 +1022,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                     "attention_s": attention_s,
                     "ttft_s": ttft,
                     "ttft_skipped": ttft_skip,
+                    "dense_s": clock.dense.get((n, batch, dt)),
                     "state_bytes": int(sum(tree_bytes(st) for st in r.states)),
                     "estimated_state_bytes": v.state_bytes,
                     "prefill_temp_bytes": v.prefill_temp,

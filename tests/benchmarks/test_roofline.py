@@ -45,7 +45,8 @@ TINY = [
 
 def test_tiny_run(roofline, tmp_path):
     out = tmp_path / "r.json"
-    assert roofline.main(TINY + ["--lengths", "256", "--methods", "full,snapkv", "--out", str(out)]) == 0
+    argv = TINY + ["--lengths", "256", "--methods", "full,snapkv", "--model-ttft", "--out", str(out)]
+    assert roofline.main(argv) == 0
     data = json.loads(out.read_text())
     for key in (
         "jax_version",
@@ -95,11 +96,16 @@ def test_tiny_run(roofline, tmp_path):
         assert r["ttft_s"] == pytest.approx(r["attention_s"] + r["prefill_s"])
         assert r["ttft_ratio"] == pytest.approx(r["ttft_s"] / full["ttft_s"])
         assert r["compress_share"] == pytest.approx(1 - full["ttft_s"] / r["ttft_s"])
+        dense = r["layers"] * r["dense_s"]  # --model-ttft: the same measured dense layer added to every TTFT
+        assert r["dense_s"] > 0 and r["dense_s"] == full["dense_s"]
+        assert r["model_ttft_ratio"] == pytest.approx((dense + r["ttft_s"]) / (dense + full["ttft_s"]))
+        assert min(1, r["ttft_ratio"]) <= r["model_ttft_ratio"] <= max(1, r["ttft_ratio"])
     assert full["efficiency"] == pytest.approx(1.0) and full["compress_share"] == pytest.approx(0.0)
     assert rows[1]["bytes_ratio"] < 0.5  # snapkv at 0.2 reads a fraction of full's bytes
     pytest.importorskip("matplotlib")
     png, txt = out.with_suffix(".png"), out.with_suffix(".txt")
     assert png.stat().st_size > 0 and "PROJECTION (not a measurement)" in txt.read_text()
+    assert "model TTFT x" in txt.read_text()
     text = txt.read_text()
     png.unlink()
     txt.unlink()
