@@ -299,6 +299,7 @@ def time_dense(cfg, batch, n, dtype, seed=0) -> float:
     ``layer_qkv_blocks`` then ``layer_finish_blocks`` on random weights of ``cfg``'s layer shapes (hidden size,
     heads, intermediate size), with q standing in for the attention output between them (compiled ahead of time,
     one run)."""
+    print("  timing one layer's projections and MLP", flush=True)
     one = dataclasses.replace(cfg, num_layers=1, vocab_size=256, sliding_windows=cfg.sliding_windows[:1])
     lp = M.layer_params(M.random_params(one, jax.random.PRNGKey(seed), dtype), 0)
     x = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, n, cfg.hidden_size), dtype)
@@ -984,7 +985,6 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
             attention_s = time_attention(cfg, layers, batch, n, dtype)
             clock.record("attention", dt, n, batch, attention_s / len(layers))
             if args.model_ttft:
-                print("  timing one layer's projections and MLP", flush=True)
                 clock.dense[(n, batch, dt)] = time_dense(cfg, batch, n, dtype)
         runs = []
         for v in [full] + group:

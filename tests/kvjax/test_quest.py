@@ -76,17 +76,21 @@ def new_token(rng, b, hq, hkv):
     ],
     ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row", "gqa2-0.1-below-a-page", "mha-0.08-below-a-page"],
 )
-@pytest.mark.parametrize("chunk", [None, 2], ids=["one-pass", "2-page-chunks"])
-def test_prefill_decode_match_reference(hq, hkv, budget, lengths, chunk, monkeypatch):
+@pytest.mark.parametrize(
+    "chunk,whole", [(None, None), (2, False), (2, True)], ids=["one-pass", "2-page-chunks", "cpu-one-product"]
+)
+def test_prefill_decode_match_reference(hq, hkv, budget, lengths, chunk, whole, monkeypatch):
     """Page size 4, 9 decode steps (two or three page boundaries crossed). Per step: the page min/max of every
     live page (the current partial page included), the positions ``selected_positions`` announces before the
     step, the pages the step attends and its outputs all equal the reference; ``attended`` counts them (at most
     ``B_b``). The ``(37, 5)`` row at 12 tokens attends everything while its live tokens fit, then pages. Below a
     page (``B_b`` = 4 and 3 at 0.1; 3 and 1 at 0.08) the current page is cut to its most recent ``B_b`` tokens.
-    Pages are scored in one pass (what these sizes and GPU/TPU get: no loop) or in a loop over 2-page chunks (the
-    CPU at long contexts)."""
+    Pages are scored in one pass (what these sizes and GPU/TPU get: no loop), in a loop over 2-page chunks (the
+    CPU at long contexts where fewer than half the pages are candidates), or, chunked, by the CPU's one product
+    over every page (``lax.cond``: at least half are)."""
     if chunk:
         monkeypatch.setattr(quest_mod, "_score_chunk", lambda h, d, itemsize, n_pages: min(chunk, n_pages))
+        monkeypatch.setattr(quest_mod, "_whole", lambda cur, n_pages: cur * 0 == 0 if whole else cur * 0 == 1)
     ps, t, steps = 4, 40, 9
     method = Quest(budget=budget, page_size=ps, n_full=0)
     state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
