@@ -156,6 +156,28 @@ def chunk_loop(trips, c: int, s: int, body, init):
     return jax.lax.fori_loop(0, trips, body, init)
 
 
+def half_live(live, s: int):
+    """Whether at least half of ``s`` rows are live (``live``: a traced or host int): where a CPU pass over small
+    per-row data (Quest's page bounds, PQCache's codes) is cheaper as one product over every row than as a loop over
+    the live chunks (the loop's slices and writes cost more than reading the rest: :func:`live_pass`)."""
+    return 2 * live >= s
+
+
+def live_pass(live, c: int, s: int, body, init, whole):
+    """A pass over the ``live`` leading rows of ``s``: :func:`chunk_loop` over chunks of ``c``, or, where ``c < s``
+    (the CPU's chunks) and at least half the rows are live (:func:`half_live`), ``whole()``, which covers all ``s``
+    at once (a ``lax.cond``: both are compiled, one runs). :func:`live_pass_rows` counts its rows on the host."""
+    chunked = lambda: chunk_loop((live + c - 1) // c, c, s, body, init)  # noqa: E731
+    return chunked() if c >= s else jax.lax.cond(half_live(live, s), whole, chunked)
+
+
+def live_pass_rows(live: int, c: int, s: int) -> int:
+    """On the host, the rows :func:`live_pass` reads over ``live`` rows of ``s`` in chunks of ``c``."""
+    if c >= s or half_live(live, s):
+        return s
+    return min(chunk_trips(live, c, s) * c, s)
+
+
 def chunk_trips(live: int, c: int, s: int) -> int:
     """On the host, the trips :func:`chunk_loop` makes over ``live`` rows in chunks of ``c`` of ``s``: one where a
     chunk covers them (the body runs once, live rows or not), else ``ceil(live / c)`` (for the byte counts)."""

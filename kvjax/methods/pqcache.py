@@ -441,16 +441,16 @@ class PQCache(Method):
         return jnp.where(present[:, :, 0], th.sortable(agg), jnp.uint32(0))
 
     def _scan_codes(self, codes, keys, tau, sink: int, end):
-        """One pass over the candidates' codes in chunks (:func:`_scan_chunk`) up to ``max(end)``: each slot's
+        """One pass over the candidates' codes (:func:`kvjax.attention.live_pass`: chunks of :func:`_scan_chunk` up
+        to ``max(end)``, or every slot at once where at least half are candidates): each slot's
         tuple key looked up in ``keys [B, Hkv, K^m]``, compared with ``tau [B, Hkv]``. Returns the bit words
         ``(above, tied) [B, Hkv, S_c / 32]`` uint32 of the candidates ``[sink, end[b])`` (zero past them)."""
         b, h, _, sc = codes.shape
         c = _scan_chunk(sc)
         words = jnp.zeros((b, h, sc // _WORD), jnp.uint32)
 
-        def body(i, acc):
+        def scan(start, c, acc):  # the words of slots [start, start + c)
             above, tied = acc
-            start = jnp.minimum(i * c, sc - c)  # a clamped last chunk recomputes the same words
             key = jnp.take_along_axis(
                 keys, self._tuples(jax.lax.dynamic_slice_in_dim(codes, start, c, axis=3)), axis=-1
             )  # [B, Hkv, C]
@@ -459,7 +459,9 @@ class PQCache(Method):
             put = lambda w, bits: jax.lax.dynamic_update_slice_in_dim(w, th.pack_bits(bits), start // _WORD, 2)  # noqa
             return (put(above, cand & (key > tau[..., None])), put(tied, cand & (key == tau[..., None])))
 
-        return attention.chunk_loop((jnp.max(end) + c - 1) // c, c, sc, body, (words, words))
+        body = lambda i, acc: scan(jnp.minimum(i * c, sc - c), c, acc)  # noqa: E731 (a clamped last chunk: same words)
+        init = (words, words)
+        return attention.live_pass(jnp.max(end), c, sc, body, init, lambda: scan(0, sc, init))
 
     def _slot_keys(self, lut, codes, sink: int, end, d: int):
         """Per-slot path: ``(keys [B, Hkv, S_c] uint32, cand [B, 1, S_c] bool)`` from the lookup's scores
@@ -642,8 +644,9 @@ class PQCache(Method):
         counted once per pass that streams it (the bisection's 32 counts re-read a table that stays in cache:
         counted once).
 
-        - ``codes``: ``m`` bytes per slot the code pass visits (whole chunks of ``_SCAN_CHUNK`` slots up to the
-          largest candidate end of the batch) on the table path; on the per-slot path the lookup's reads (the
+        - ``codes``: ``m`` bytes per slot the code pass visits (:func:`kvjax.attention.live_pass`: every slot
+          where at least half are candidates, else whole chunks of ``_SCAN_CHUNK`` slots up to the largest
+          candidate end of the batch) on the table path; on the per-slot path the lookup's reads (the
           Pallas kernels stop at the candidate end, the XLA reference reads all ``S_c`` slots);
         - ``centroids`` (read for the LUT) and ``lut`` (float32, written then read);
         - ``table`` (table path): per ``(b, h)`` the tuple counts, the per-query-head tuple scores and the tuple
@@ -674,8 +677,7 @@ class PQCache(Method):
             out["centroids"] = int(state.centroids.size * 4)
             out["lut"] = 2 * b * hq * self.m * self.num_centroids * 4
             if self.uses_table():
-                c = _scan_chunk(sc)
-                scanned = min(attention.chunk_trips(end.max(), c, sc) * c, sc)
+                scanned = attention.live_pass_rows(int(end.max()), _scan_chunk(sc), sc)
                 out["codes"] = b * h * self.m * scanned
                 out["table"] = b * h * self.num_tuples * 4 * (2 + g)
             else:

@@ -176,17 +176,23 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths):
 
 @pytest.mark.parametrize("score_table", [True, False], ids=["table", "slots"])
 @pytest.mark.parametrize("hq,budget", [(4, 4), (2, 0.5)], ids=["gqa2-int", "mha"])
-@pytest.mark.parametrize("scan", [None, 32, "one-pass"], ids=["cpu", "32-slot-chunks", "gpu-one-pass"])
+@pytest.mark.parametrize(
+    "scan", [None, 32, "whole", "one-pass"], ids=["cpu", "32-slot-chunks", "cpu-one-product", "gpu-one-pass"]
+)
 def test_long_decode_matches_reference(score_table, hq, budget, scan, monkeypatch):
     """Decode long enough that generated tokens leave the window and become candidates (``t - W`` passes the
     prompt), on both scoring paths (per code tuple with counted candidates, per slot): outputs and retrieved
     sets equal the reference's, and the tuple counts equal a count of the candidates' codes at every step. As the
     CPU runs it (one chunk of codes at these sizes), with the code pass in a loop over 32-slot chunks (the CPU at
-    long contexts), and as GPU/TPU run it (one pass, the window read as one slice per sequence)."""
+    long contexts, where fewer than half the code slots are candidates), the same chunks with the CPU's one
+    product over every slot (at least half are: ``lax.cond``), and as GPU/TPU run it (one pass, the window read
+    as one slice per sequence)."""
     if scan == "one-pass":
         monkeypatch.setattr(pqcache_mod.attention, "one_pass", lambda: True)
     elif scan:
-        monkeypatch.setattr(pqcache_mod, "_scan_chunk", lambda sc: min(scan, sc))
+        monkeypatch.setattr(pqcache_mod, "_scan_chunk", lambda sc: min(32, sc))
+        whole = scan == "whole"
+        monkeypatch.setattr(pqcache_mod.attention, "half_live", lambda live, s: live * 0 == (0 if whole else 1))
     t, steps, hkv, lengths = 24, 12, 2, (24, 17)
     method = PQCache(budget=budget, m=2, bits=3, sink=3, iters=5, score_table=score_table)
     assert method.uses_table() == score_table

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import engine, methods
+from kvjax import attention, engine, methods
 from kvjax.methods.base import Capacity
 from kvjax.methods import quest as quest_mod
 from kvjax.methods.quest import Quest, QuestState
@@ -90,7 +90,7 @@ def test_prefill_decode_match_reference(hq, hkv, budget, lengths, chunk, whole, 
     over every page (``lax.cond``: at least half are)."""
     if chunk:
         monkeypatch.setattr(quest_mod, "_score_chunk", lambda h, d, itemsize, n_pages: min(chunk, n_pages))
-        monkeypatch.setattr(quest_mod, "_whole", lambda cur, n_pages: cur * 0 == 0 if whole else cur * 0 == 1)
+        monkeypatch.setattr(attention, "half_live", lambda live, s: live * 0 == (0 if whole else 1))
     ps, t, steps = 4, 40, 9
     method = Quest(budget=budget, page_size=ps, n_full=0)
     state, (q, k, v) = run_prefill(method, hq, hkv, lengths, t, steps)
