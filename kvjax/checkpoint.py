@@ -109,8 +109,9 @@ def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.floa
     for file, items in by_file.items():
         tensors = _mapped(file)
         for path, hf, transpose in items:
-            t = tensors[hf].T if transpose else tensors[hf]  # cast and lay out on the host, one copy per tensor
-            flat[path] = jnp.asarray(np.ascontiguousarray(t.astype(dtype, copy=False)))
+            t = tensors[hf].T if transpose else tensors[hf]
+            # cast and laid out on the host in one copy (never a view of the mapped file) that goes to the device
+            flat[path] = jnp.asarray(np.array(t, dtype=dtype, order="C"))
         del tensors
     return assemble(flat, cfg.num_layers)
 

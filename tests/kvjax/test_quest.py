@@ -64,20 +64,31 @@ def new_token(rng, b, hq, hkv):
 # ------------------------------------------------------------------------------------ against the reference
 
 
+ROWS = [  # (id, hq, hkv, budget, lengths)
+    ("mha-0.5", 4, 4, 0.5, (37, 22)),
+    ("gqa2-0.5", 4, 2, 0.5, (37, 22)),
+    ("gqa4-0.3", 8, 2, 0.3, (40, 29)),
+    ("gqa2-count-dense-row", 4, 2, 12, (37, 5)),
+    ("gqa2-0.1-below-a-page", 4, 2, 0.1, (37, 22)),
+    ("mha-0.08-below-a-page", 4, 4, 0.08, (37, 9)),
+]
+MODES = [("one-pass", None, None), ("2-page-chunks", 2, False), ("cpu-one-product", 2, True)]
+
+
 @pytest.mark.parametrize(
-    "hq,hkv,budget,lengths",
+    "hq,hkv,budget,lengths,chunk,whole",
     [
-        (4, 4, 0.5, (37, 22)),
-        (4, 2, 0.5, (37, 22)),
-        (8, 2, 0.3, (40, 29)),
-        (4, 2, 12, (37, 5)),
-        (4, 2, 0.1, (37, 22)),
-        (4, 4, 0.08, (37, 9)),
+        pytest.param(
+            *row,
+            chunk,
+            whole,
+            id=f"{name}-{mode}",
+            # the one product by default on a GQA row above and below a page (the others with --runslow)
+            marks=pytest.mark.slow if whole and name not in ("gqa2-0.5", "gqa2-0.1-below-a-page") else (),
+        )
+        for name, *row in ROWS
+        for mode, chunk, whole in MODES
     ],
-    ids=["mha-0.5", "gqa2-0.5", "gqa4-0.3", "gqa2-count-dense-row", "gqa2-0.1-below-a-page", "mha-0.08-below-a-page"],
-)
-@pytest.mark.parametrize(
-    "chunk,whole", [(None, None), (2, False), (2, True)], ids=["one-pass", "2-page-chunks", "cpu-one-product"]
 )
 def test_prefill_decode_match_reference(hq, hkv, budget, lengths, chunk, whole, monkeypatch):
     """Page size 4, 9 decode steps (two or three page boundaries crossed). Per step: the page min/max of every
