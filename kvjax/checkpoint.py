@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 
 from kvjax.config import ModelConfig
 from kvjax.model import Params
@@ -71,8 +70,7 @@ def _shard_files(folder: Path) -> dict[str, Path]:
             )
         return files
     if single.is_file():
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
+        return {name: single for name in _header(single)[1]}
     raise FileNotFoundError(
         f"no safetensors weights in {folder}: expected model.safetensors or model.safetensors.index.json "
         "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
@@ -120,20 +118,26 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.
 _DTYPES.update(I32=np.int32, I16=np.int16, I8=np.int8, U8=np.uint8, BOOL=np.bool_)
 
 
+def _header(file: Path) -> tuple[int, dict]:
+    """A safetensors file's data offset and its tensors' ``{name: {dtype, shape, data_offsets}}`` (the 8-byte
+    little-endian header length, then the JSON header; its ``__metadata__`` left out)."""
+    with open(file, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
+
+
 def _mapped(file: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only numpy view of the file mapped into memory (the format: an
     8-byte little-endian header length, a JSON header of ``{name: {dtype, shape, data_offsets}}``, the data).
     Read this way, a weight's cast and transpose make one host copy that goes straight to the device, where the
     reader's framework arrays and a jax ``.T`` of each left ~180 MiB of freed buffers in the process (SmolLM2-135M,
     float32); bfloat16 comes through ``ml_dtypes`` (safetensors' numpy reader has no bfloat16)."""
-    with open(file, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + size)
+    start, header = _header(file)
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=start)
     out = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{file}: tensor {name!r} has dtype {info['dtype']}, which kvjax does not read")
         begin, end = info["data_offsets"]
