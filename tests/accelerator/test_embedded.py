@@ -3,10 +3,14 @@
 
 On the device (``JAX_PLATFORMS=cuda python3 -m pytest tests/accelerator -m accelerator``), each method runs with
 its default kernels (Pallas decode attention and the method's own kernels) in float32 at ``HIGHEST`` matmul
-precision, fed the CPU run's tokens. Tolerances: at every step and sequence whose CPU top-1/top-2 margin is at
-least ``MARGIN`` the greedy token is the CPU's (below it the arithmetic does not decide the token: summation order
-differs between backends); the CPU's top-``TOP`` logits within ``ATOL`` absolute. Near-ties in a method's own
-selection (top-k of scores, cluster assignment) are what could exceed these; a failure names the method and step.
+precision, fed the CPU run's tokens. Tolerances: the CPU's top-``TOP`` logits within ``atol`` absolute, and at every
+step and sequence whose CPU top-1/top-2 margin is at least ``2 atol`` (and ``MARGIN``) the greedy token is the CPU's
+(below it the arithmetic does not decide the token: summation order differs between backends). ``atol`` is
+``ATOL``, or ``SPREAD_X`` times the method's rounding spread where that is larger: how far weights perturbed by 8
+float32 ulps move the same CPU run (``embedded.spread``, in the golden file). Near-ties in a method's own selection
+(Chelsea's merge edges) make that spread 0.1 where ``full``'s is 1e-4: such a method changes what it keeps under
+any change of arithmetic, so no device can be held closer to the CPU than that. A failure names the method, the
+step and the deviation; the deviation is also recorded as the test's ``deviation`` property in the junit XML.
 
 On CPU (no marker), a change detector (the golden file is the CPU run's own output, so this checks that it did not
 change, not that it is right): the CPU run gives the same tokens and logits within 1e-3 (by default for three
@@ -28,7 +32,7 @@ import embedded  # noqa: E402
 
 from kvjax import methods  # noqa: E402
 
-MARGIN, ATOL = 0.05, 2e-2
+MARGIN, ATOL, SPREAD_X = 0.05, 2e-2, 2.0
 DEFAULT_CPU = ("full", "chelsea", "clusterkv")
 
 
@@ -79,7 +83,23 @@ def test_cpu_run_unchanged_since_the_golden_was_written(golden, name):
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("name", methods.names())
-def test_device_matches_cpu(golden, name):
+def test_device_matches_cpu(golden, name, record_property):
     want = golden["methods"][name]
     got = embedded.run(name, feed=want["tokens"][: embedded.STEPS])
-    compare(name, got, want, MARGIN, ATOL)
+    atol = tolerance(want)
+    record_property("deviation", round(embedded.deviation(got, want), 5))
+    record_property("atol", atol)
+    compare(name, got, want, max(MARGIN, 2 * atol), atol)
+
+
+def tolerance(want) -> float:
+    """The device test's ``atol`` for one method's golden entry (module docstring)."""
+    return max(ATOL, SPREAD_X * want["rounding_spread"])
+
+
+def test_tolerance_is_the_arithmetics_except_where_the_rounding_spread_says():
+    """The golden file's spreads: the methods without near-ties in their selection keep ``ATOL``; a spread that
+    loosens a method's tolerance is one the CPU run itself shows, not one this test chose."""
+    g = json.loads(embedded.GOLDEN.read_text())["methods"]
+    assert all("rounding_spread" in r for r in g.values()), "regenerate: embedded.py --write --spread-only"
+    assert tolerance(g["full"]) == ATOL and g["full"]["rounding_spread"] < 1e-3
