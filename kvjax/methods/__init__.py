@@ -40,6 +40,29 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
+def cover(*traits: str, any_true: bool = False) -> tuple[str, ...]:
+    """The first registered method (in registry order) of each combination of ``traits`` that occurs: the smallest
+    set in which every declared behaviour named appears. A trait is an attribute of each method at its defaults (a
+    capability of :class:`~kvjax.methods.base.Method` such as ``"recalls"`` or ``"attends_prompt"``, a field default
+    such as ``"n_full"``, ClusterKV's and Quest's full first layers, or ``"budget"``, None for ``full``), taken as
+    true or false. ``any_true``: only the combinations in which some trait holds. Tests choose their default-run
+    methods with it, so that a method added to the registry is picked where it brings a behaviour no other has.
+
+    >>> cover("recalls", "recompresses")
+    ('full', 'chelsea', 'pqcache')"""
+    defaults = {name: get(name) for name in REGISTRY}  # LESS's attends_prompt is its policy's: ask the instance
+    unknown = [t for t in traits if not any(hasattr(m, t) for m in defaults.values())]
+    if unknown:
+        raise ValueError(f"trait(s) {unknown} are declared by no registered method (see kvjax.methods.base)")
+    seen, out = set(), []
+    for name, method in defaults.items():
+        key = tuple(bool(getattr(method, t, None)) for t in traits)
+        if key not in seen and (any(key) or not any_true):
+            seen.add(key)
+            out.append(name)
+    return tuple(out)
+
+
 def get(name: str, full_layers: int = 0, **options):
     """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``).
     ``full_layers=N`` (any method): the first ``N`` layers keep the full cache, as

@@ -33,7 +33,7 @@ import embedded  # noqa: E402
 from kvjax import methods  # noqa: E402
 
 MARGIN, ATOL, SPREAD_X = 0.05, 2e-2, 2.0
-DEFAULT_CPU = ("full", "chelsea", "clusterkv")
+DEFAULT_CPU = methods.cover("recalls", "recompresses")  # full, Chelsea, PQCache; every method with --runslow
 
 
 @pytest.fixture(scope="module")

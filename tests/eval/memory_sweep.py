@@ -21,13 +21,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval import runner  # noqa: E402
-from kvjax import engine  # noqa: E402
+from kvjax import engine, methods  # noqa: E402
 from kvjax.config import ModelConfig  # noqa: E402
 from kvjax.loading import Model  # noqa: E402
 from kvjax.methods.base import Capacity  # noqa: E402
 from kvjax.model import random_params  # noqa: E402
 
-METHODS = ("full", "streaming_llm", "snapkv", "h2o")
+METHODS = methods.cover("budget", "has_decode_partial", "recalls")  # full, streaming_llm, snapkv, pqcache
 BUDGETS = (0.2, 0.4, 0.6)
 LENGTHS = (96, 400)  # one task per prompt length: buckets 128 and 512
 NEW = 4

@@ -7,6 +7,7 @@ each test, so the rest of the suite sees only the built-in methods."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,6 +45,27 @@ def test_one_small_file_registered_by_the_plugin_loader(knorm):
         methods.register(type("Full", (knorm,), {"name": "full", "__module__": "elsewhere"}))
     with pytest.raises(FileNotFoundError, match="missing.py"):
         methods.load_plugin("missing.py")
+
+
+def test_cover_picks_a_method_by_what_it_declares(knorm):
+    """``methods.cover``, by which the costly tests choose their default methods: each combination of the traits
+    that occurs in the registry once, by its first method; a new method joins only with a new combination."""
+    traits = ("recalls", "recompresses", "attends_prompt")
+    key = {n: tuple(bool(getattr(methods.get(n), t)) for t in traits) for n in methods.names()}
+    first = {}
+    for n in methods.names():
+        first.setdefault(key[n], n)
+    assert methods.cover(*traits) == tuple(first.values())
+    assert methods.cover(*traits) == ("full", "h2o", "chelsea", "pqcache") and "knorm" not in methods.cover(*traits)
+    assert methods.cover("recompresses", any_true=True) == ("chelsea",)
+
+    both = dataclasses.dataclass(frozen=True)(
+        type("KnormBoth", (knorm,), {"name": "knorm_both", "recalls": True, "recompresses": True})
+    )
+    methods.register(both)
+    assert methods.cover(*traits)[-1] == "knorm_both"
+    with pytest.raises(ValueError, match="recals"):
+        methods.cover("recals")
 
 
 @pytest.mark.parametrize("budget", [5, 0.25])

@@ -186,7 +186,7 @@ def test_bad_arguments():
 # ------------------------------------------------------------------------------------------------ memory in T
 
 CFG = ModelConfig("llama", 256, 64, 128, 1, 8, 2, 32, max_position_embeddings=1 << 17)
-DEFAULT_METHODS = ("full", "snapkv")
+DEFAULT_METHODS = methods.cover("reuses_previous_layer")  # full and a window-scored prefill (every one: --runslow)
 
 
 def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:

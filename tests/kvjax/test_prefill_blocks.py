@@ -87,7 +87,9 @@ def test_live_blocks_skip_padding():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sharding"))
 import test_sharded_generate as tsg  # noqa: E402
 
-DEFAULT_METHODS = ("full", "snapkv", "h2o", "pqcache")
+#: the default run: one method of each prefill kind (nothing scored, the prompt's attention scored, a window's
+#: queries scored with the previous layer's selection reused, keys quantised for recall); every method with --runslow
+DEFAULT_METHODS = methods.cover("attends_prompt", "reuses_previous_layer", "recalls")
 STEPS = 3
 
 

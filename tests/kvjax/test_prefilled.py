@@ -43,9 +43,10 @@ def _batch():
 
 
 #: scanned, by default: a method of each prefill kind (attends the prompt itself: h2o; reuses the previous layer's
-#: selection: chunkkv) and one with a single layer beside a stacked segment (clusterkv's full first layer); every
-#: other method with --runslow. Unrolled: the same two prefill kinds.
-FAST = ("h2o", "chunkkv", "clusterkv")
+#: selection: chunkkv) and a recall method (clusterkv's full first layer: a single layer beside a stacked segment);
+#: every other method with --runslow. Unrolled: the two prefill kinds.
+KINDS = methods.cover("attends_prompt", "reuses_previous_layer", any_true=True)
+FAST = KINDS + methods.cover("n_full", any_true=True)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +54,7 @@ FAST = ("h2o", "chunkkv", "clusterkv")
     [
         (True, FAST),
         pytest.param(True, tuple(n for n in methods.names() if n not in FAST), marks=pytest.mark.slow),
-        (False, ("h2o", "chunkkv")),
+        (False, KINDS),
     ],
 )
 @pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")

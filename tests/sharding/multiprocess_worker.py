@@ -28,8 +28,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: ``kvjax.methods.get`` arguments of the methods ``generate`` runs (snapkv runs through scripts/multihost.py).
-METHODS = {"pqcache": {"budget": 0.5}, "chelsea": {"budget": 0.5}}
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from kvjax import methods  # noqa: E402
+
+#: ``kvjax.methods.get`` arguments of the methods ``generate`` runs: one that recalls and one that re-compresses
+#: its cache (``methods.cover``; snapkv runs through scripts/multihost.py).
+METHODS = {name: {"budget": 0.5} for name in methods.cover("recalls", "recompresses", any_true=True)}
 MAX_NEW = 6
 #: The LESS training of step 4: a tiny random model; 20 sequences, 4 for validation, batch 8 -> 2 steps.
 LESS_MODEL = dict(

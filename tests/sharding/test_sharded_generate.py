@@ -73,9 +73,9 @@ def run_steps(model: Model, m, ids, mesh=None):
 
 
 #: Every method on every mesh with both head layouts is the thorough run (--runslow, ~4 min more on 2 cores).
-#: The default runs every method with 8 KV heads on data=2 x model=4, four with 2 KV heads (replicated) there,
-#: and Chelsea (the state the partitioner found hardest) on every mesh.
-REPLICATED_QUICK = ("full", "snapkv", "chelsea", "pqcache")
+#: The default runs every method with 8 KV heads on data=2 x model=4, REPLICATED_QUICK with 2 KV heads (replicated)
+#: there, and the methods that re-compress (Chelsea: the state the partitioner found hardest) on every mesh.
+REPLICATED_QUICK = methods.cover("recalls", "recompresses")  # full, one that recalls, one that re-compresses
 
 
 def mesh_cases():
@@ -83,7 +83,7 @@ def mesh_cases():
         for name in methods.names():
             for spec in MESHES:
                 quick = (spec == "data=2,model=4" and (kv_heads == 8 or name in REPLICATED_QUICK)) or (
-                    name == "chelsea" and kv_heads == 8
+                    methods.REGISTRY[name].recompresses and kv_heads == 8
                 )
                 yield pytest.param(
                     name,
