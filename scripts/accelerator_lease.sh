@@ -80,8 +80,9 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     export KVJAX_UNVERIFIED_KERNELS=1
     # the methods on the embedded SmolLM2 against the CPU golden file that no lease has passed yet (EMBEDDED=''
     # for all); -v names each outcome as it lands. 3rd lease, all 11 with -n 6: 8 passed in 170 s, Chelsea failed
-    # (its message lost to the limit; its tolerance is now its rounding spread's), PyramidKV and LESS unfinished
-    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false phase embedded_tests 170 python3 -m pytest \
+    # (its message lost to the limit; its tolerance is now its rounding spread's), PyramidKV and LESS unfinished.
+    # Each method's deviation lands in $R/embedded_<method>.json as soon as it has run
+    TAIL=40 XLA_PYTHON_CLIENT_PREALLOCATE=false KVJAX_ACCELERATOR_OUT="$R" phase embedded_tests 170 python3 -m pytest \
       tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 3 -p no:cacheprovider $TO --tb=line \
       -k "${EMBEDDED-chelsea or pyramidkv or less}" --junitxml "$R/embedded_tests.xml"
     # PQCache's step without its Pallas lookup (the 3rd lease: 3.5 ms, 4.8x full's, with the sort or the bisection)

@@ -18,7 +18,7 @@ import pytest
 
 import kvjax
 from kvjax import methods
-from kvjax.methods.base import Capacity
+from kvjax.methods.base import Capacity, SlotMethod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_baselines as ref  # noqa: E402
@@ -378,8 +378,11 @@ def test_budget_covering_everything_equals_full(hq, hkv, name, options):
 
 
 def test_fractional_budget_one_keeps_whole_prompt():
-    """budget=1.0 keeps the whole prompt for every method (the evicting ones then evict during decode)."""
-    for name in ("streaming_llm", "h2o", "snapkv", "pyramidkv"):
+    """budget=1.0 keeps the whole prompt for every slot-cache method with a budget (the evicting ones then evict
+    during decode)."""
+    slots = [n for n, c in methods.REGISTRY.items() if issubclass(c, SlotMethod) and c.budget is not None]
+    assert len(slots) >= 4, slots  # streaming_llm, h2o, snapkv, pyramidkv, chunkkv
+    for name in slots:
         first, _, data = run(methods.get(name, budget=1.0), 4, 2, steps=0)
         assert kept(first) == {(b, h): ref.full_keep(int(data[3][b])) for b in range(B) for h in range(2)}, name
 
