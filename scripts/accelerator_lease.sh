@@ -70,7 +70,7 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
       --group-size 2 --out "$R/roofline_gpu.json"
     # then every method with its kernels against its XLA path (a tiny random model: no GGUF needed). -n 6: on the H200
     # of 2026-11-26 six ran in 60 s, eleven at once (-n 11) finished none in 130 s
-    TAIL=30 KVJAX_UNVERIFIED_KERNELS=1 XLA_PYTHON_CLIENT_PREALLOCATE=false phase method_tests 120 python3 -m pytest \
+    TAIL=30 XLA_PYTHON_CLIENT_PREALLOCATE=false phase method_tests 120 python3 -m pytest \
       tests/accelerator/test_methods.py -m accelerator -v -rfE -n 6 -p no:cacheprovider $TO --tb=short \
       --junitxml "$R/method_tests.xml"
     ;;

@@ -2,7 +2,8 @@
 
 ``python3 tests/eval/memory_sweep.py sweep [--keep]``: ``kvjax-eval``'s runner over 20 configurations (full and
 three compressing methods at three budgets, on two prompt-length tasks) on a tiny random model.
-``python3 tests/eval/memory_sweep.py single METHOD BUDGET LENGTH``: one of those configurations alone.
+``python3 tests/eval/memory_sweep.py single METHOD BUDGET LENGTH``: one of those configurations alone;
+``largest``: the last method at the largest budget and prompt alone (what the test compares the sweep with).
 ``--keep`` stubs out the runner's release (what the runner did before it released finished configurations).
 Prints one JSON line: ``peak_mib`` (``ru_maxrss``), ``end_mib`` (RSS at the end, /proc/self/statm), ``configs``.
 """
@@ -78,14 +79,15 @@ def tiny_model() -> Model:
 def main(argv):
     model = tiny_model()
     if argv[0] == "single":
-        name, budget, length = argv[1], float(argv[2]), int(argv[3])
-        methods, budgets, lengths = [name], [budget], [length]
+        names, budgets, lengths = [argv[1]], [float(argv[2])], [int(argv[3])]
+    elif argv[0] == "largest":
+        names, budgets, lengths = [METHODS[-1]], [max(BUDGETS)], [max(LENGTHS)]
     else:
-        methods, budgets, lengths = list(METHODS), list(BUDGETS), list(LENGTHS)
+        names, budgets, lengths = list(METHODS), list(BUDGETS), list(LENGTHS)
         if "--keep" in argv:
             runner.release_compiled = lambda: None
     tasks = [dataclasses.replace(PromptTask(n), name=f"prompts{n}") for n in lengths]
-    results = runner.run(model, tasks, methods, budgets, progress=False)
+    results = runner.run(model, tasks, names, budgets, progress=False)
     print(
         json.dumps(
             {
