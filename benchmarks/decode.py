@@ -240,7 +240,7 @@ def main(argv=None):
         names = ["full"] + [m for m in names if m != "full"]  # the baseline of every ratio, in the same run
         base = None
         for name in names:
-            method = methods.get(name) if name == "full" else methods.get(name, budget=args.budget)
+            method = methods.at_budget(name, args.budget)
             reason = cannot_run(model, method, n, args.steps)
             if reason:  # a documented skip (e.g. chelsea's sink + recent exceed its budget at a short prompt)
                 rows.append({"prompt_len": n, "method": name, "skipped": reason})

@@ -168,10 +168,7 @@ def main(argv=None) -> int:
         )
         params = M.random_params(cfg, jax.random.PRNGKey(0), scale=0.1)
         for name in args.methods.split(","):
-            opts = dict(SMALL.get(name, {}))
-            if name != "full":
-                opts["budget"] = args.budget
-            method = methods.get(name, **opts)
+            method = methods.at_budget(name, args.budget, **SMALL.get(name, {}))
             res = {
                 layout: one(cfg, params, method, args.prompt, args.steps, layout == "scan", prefill=args.prefill)
                 for layout in ("unrolled", "scan")

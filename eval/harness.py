@@ -59,7 +59,7 @@ def method_grid(names: Sequence[str], budgets: Sequence, max_tokens: int | None 
     names, budgets = check_methods(names), check_budgets(budgets, max_tokens)
     grid = []
     for n in names:
-        grid.extend([(n, None)] if n == "full" else [(n, b) for b in budgets])
+        grid.extend([(n, b) for b in budgets] if methods.takes_budget(n) else [(n, None)])
     return grid
 
 

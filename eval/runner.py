@@ -274,6 +274,34 @@ def _run_batches(model, task, method, prepared, meta, shared, bar) -> list[dict]
     return out
 
 
+def _timing(task, name: str, budget, seconds: float, setting, note: str) -> dict:
+    """One entry of ``results["timings"]["runs"]``: a configuration's run of a task."""
+    return {"task": task.name, "method": name, "budget": budget, "seconds": seconds, "setting": setting, "note": note}
+
+
+def _run_config(model, tasks, method_names, budgets, options) -> dict:
+    """What :func:`run` records of its arguments in ``results["config"]``."""
+    return {
+        "model": model.name,
+        "dtype": str(model.dtype),
+        "methods": list(method_names),
+        "options": options,
+        "budgets": list(budgets),
+        "tasks": {t.name: dataclasses.asdict(t) for t in tasks},
+    }
+
+
+def _row_meta(task, name: str, budget, nominal, equal_bytes, second) -> dict:
+    """The fields every row of one configuration's run carries: task, method, budget and, in an equal-bytes
+    comparison, the nominal budget and the reference method (``second``: the second pass's)."""
+    meta = {"task": task.name, "method": name, "budget": budget}
+    if equal_bytes is not None:
+        meta.update(nominal_budget=nominal, equal_bytes_ref=equal_bytes)
+    if second is not None:
+        meta.update(nominal_budget=nominal, equal_bytes_ref=second, setting="equal_bytes")
+    return meta
+
+
 def run(
     model,
     tasks: Sequence[Any],
@@ -308,14 +336,9 @@ def run(
     results = report.new_results(
         {
             **(config or {}),
-            "model": model.name,
-            "dtype": str(model.dtype),
-            "methods": list(method_names),
-            "options": options,
-            "budgets": list(budgets),
+            **_run_config(model, tasks, method_names, budgets, options),
             "equal_bytes": equal_bytes,
             "equal_bytes_also": also_equal_bytes,
-            "tasks": {t.name: dataclasses.asdict(t) for t in tasks},
         }
     )
     results["timings"]["load_seconds"] = model.load_seconds
@@ -328,24 +351,14 @@ def run(
         for k, (task, name, budget, nominal, second) in enumerate(plan):
             method = harness.make_method(name, budget, options.get(name))
             t0 = time.perf_counter()
-            meta = {"task": task.name, "method": name, "budget": budget}
-            if equal_bytes is not None:
-                meta.update(nominal_budget=nominal, equal_bytes_ref=equal_bytes)
+            meta = _row_meta(task, name, budget, nominal, equal_bytes, second)
             if second is not None:
-                meta.update(nominal_budget=nominal, equal_bytes_ref=second, setting="equal_bytes")
                 same = done.get((task.name, name, budget))
                 if same is not None:  # the budget matching the reference's bytes is the nominal one: same run
                     results["rows"].extend({**r, **meta, "reused": "the nominal run's rows"} for r in same)
                     bar.update(len(prepared[task.name][1]))
                     results["timings"]["runs"].append(
-                        {
-                            "task": task.name,
-                            "method": name,
-                            "budget": budget,
-                            "seconds": 0.0,
-                            "setting": f"bytes of {second}",
-                            "note": "the nominal run's rows, reused",
-                        }
+                        _timing(task, name, budget, 0.0, f"bytes of {second}", "the nominal run's rows, reused")
                     )
                     continue
             first = len(results["rows"])
@@ -355,16 +368,9 @@ def run(
                 + ("" if second is None else f" (bytes of {second})")
             )
             results["rows"].extend(_run_batches(model, task, method, prepared[task.name], meta, shared, bar))
-            results["timings"]["runs"].append(
-                {
-                    "task": task.name,
-                    "method": name,
-                    "budget": budget,
-                    "seconds": time.perf_counter() - t0,
-                    "setting": second and f"bytes of {second}",
-                    "note": "a configuration's first batch includes compilation",
-                }
-            )
+            note = "a configuration's first batch includes compilation"
+            took = time.perf_counter() - t0
+            results["timings"]["runs"].append(_timing(task, name, budget, took, second and f"bytes of {second}", note))
             if second is None:
                 done[(task.name, name, budget)] = results["rows"][first:]
             if k + 1 == len(plan) or plan[k + 1][1:3] != (name, budget):

@@ -86,6 +86,33 @@ def default_text() -> str:
     return "\n\n".join(p.read_text(errors="replace") for p in sorted(assets.essays_dir().glob("*.txt")))
 
 
+def _check_args(cfg, window: int, ratio: float, n_sink: int, n_recent: int, chunk: int, keep_layers) -> None:
+    """ValueError naming the first :func:`calibrate` argument out of range for ``cfg``."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio={ratio} must be in [0, 1] (the share of KV heads kept full; 0.04 in the paper)")
+    if chunk < 2 or chunk % 2:
+        raise ValueError(f"chunk={chunk} must be an even integer >= 2")
+    if window <= n_sink + n_recent + 2:
+        raise ValueError(f"window={window} must exceed n_sink + n_recent + 2 = {n_sink + n_recent + 2}")
+    if window > cfg.max_position_embeddings:
+        raise ValueError(f"window={window} exceeds the model context {cfg.max_position_embeddings}; lower --window")
+    for layer in keep_layers:
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"keep_layers contains {layer}, outside the model's {cfg.num_layers} layers")
+
+
+def _calibration_ids(model, text_path, token_ids) -> np.ndarray:
+    """The calibration tokens: ``token_ids``, else ``text_path`` (default the embedded essays) tokenised."""
+    if token_ids is None:
+        if model.tokenizer is None:
+            raise ValueError("the model has no tokenizer; pass token_ids")
+        if text_path is not None and not Path(text_path).is_file():
+            raise FileNotFoundError(f"text={text_path!r}: no such file")
+        text = Path(text_path).read_text(errors="replace") if text_path is not None else default_text()
+        token_ids = model.tokenizer.encode(text, add_special_tokens=False)
+    return np.asarray(token_ids, np.int32)
+
+
 def calibrate(
     model,
     out,
@@ -111,26 +138,9 @@ def calibrate(
     from tqdm.auto import tqdm
 
     cfg = model.config
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio={ratio} must be in [0, 1] (the share of KV heads kept full; 0.04 in the paper)")
-    if chunk < 2 or chunk % 2:
-        raise ValueError(f"chunk={chunk} must be an even integer >= 2")
-    if window <= n_sink + n_recent + 2:
-        raise ValueError(f"window={window} must exceed n_sink + n_recent + 2 = {n_sink + n_recent + 2}")
-    if window > cfg.max_position_embeddings:
-        raise ValueError(f"window={window} exceeds the model context {cfg.max_position_embeddings}; lower --window")
-    for layer in keep_layers:
-        if not 0 <= layer < cfg.num_layers:
-            raise ValueError(f"keep_layers contains {layer}, outside the model's {cfg.num_layers} layers")
+    _check_args(cfg, window, ratio, n_sink, n_recent, chunk, keep_layers)
     source = "token_ids" if token_ids is not None else str(text_path) if text_path is not None else "embedded essays"
-    if token_ids is None:
-        if model.tokenizer is None:
-            raise ValueError("the model has no tokenizer; pass token_ids")
-        if text_path is not None and not Path(text_path).is_file():
-            raise FileNotFoundError(f"text={text_path!r}: no such file")
-        text = Path(text_path).read_text(errors="replace") if text_path is not None else default_text()
-        token_ids = model.tokenizer.encode(text, add_special_tokens=False)
-    ids = np.asarray(token_ids, np.int32)
+    ids = _calibration_ids(model, text_path, token_ids)
     count = min(windows, len(ids) // window)
     if count < 1:
         raise ValueError(

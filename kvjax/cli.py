@@ -185,9 +185,7 @@ def _method(name: str, budget, options=()):
     kw = dict(options)
     if "budget" in kw:
         raise ValueError("--option budget=... : set the budget with --budget")
-    if name != "full" and budget is not None:
-        kw["budget"] = budget
-    return methods.get(name, **kw)
+    return methods.get(name, **kw) if budget is None else methods.at_budget(name, budget, **kw)
 
 
 def _sampling(args):
@@ -234,7 +232,7 @@ def cmd_demo(args) -> int:
     import kvjax
     from kvjax import engine
 
-    chosen = {name: _method(name, None if name == "full" else args.budget) for name in args.methods.split(",")}
+    chosen = {name: _method(name, args.budget) for name in args.methods.split(",")}
     _check_new_tokens(args.max_new_tokens)
     model = kvjax.load_model(args.model)
     print(

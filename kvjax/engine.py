@@ -575,14 +575,7 @@ def generate(
     if prefilled is None:
         states, logits = _prefill_jit(cfg, method, model.params, tokens_d, lengths_d, states, mesh=mesh)
     else:
-        from kvjax import prefilled as P
-
-        if not P.same_batch(prefilled, tokens, lengths):
-            raise ValueError(
-                f"prefilled= is the prefill of another batch (tokens {tuple(prefilled.tokens.shape)}, "
-                f"these prompts pad to {tokens.shape}); pass prefill_once of the same padded prompts"
-            )
-        states, logits = P.compress(cfg, method, prefilled, states), prefilled.logits
+        states, logits = _compress_prefilled(cfg, method, prefilled, states, tokens, lengths)
     key, sub = jax.random.split(jax.random.PRNGKey(seed))
     first = sampling(logits, sub)
     first.block_until_ready()
@@ -597,10 +590,29 @@ def generate(
         out = S.to_host(out)
         steps = int(S.to_host(steps))
     t2 = time.perf_counter()
-    held_end = tokens_held(method, states)
-    held_end_bytes = held_bytes(method, states)
-    read = bytes_read_per_step(method, states, cfg.num_heads)
+    shared = dict(
+        prefill_seconds=t1 - t0, decode_seconds=t2 - t1, read=bytes_read_per_step(method, states, cfg.num_heads)
+    )
+    return _result(model, method, out, steps, eos, lengths_list, held_prefill, states, cache_bytes, shared)
 
+
+def _compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengths: np.ndarray):
+    """``generate(..., prefilled=)``: this method's compression of the model's prefill of the same padded batch
+    (ValueError for another batch's) -> ``(states, logits)``."""
+    from kvjax import prefilled as P
+
+    if not P.same_batch(prefilled, tokens, lengths):
+        raise ValueError(
+            f"prefilled= is the prefill of another batch (tokens {tuple(prefilled.tokens.shape)}, "
+            f"these prompts pad to {tokens.shape}); pass prefill_once of the same padded prompts"
+        )
+    return P.compress(cfg, method, prefilled, states), prefilled.logits
+
+
+def _result(model, method, out, steps: int, eos, lengths_list, held_prefill, states, cache_bytes, shared) -> Result:
+    """:func:`generate`'s :class:`Result`: each sequence's tokens up to EOS, its text and its stats (``shared``:
+    the prefill and decode seconds and the bytes read per step of the whole batch)."""
+    held_end, held_end_bytes, b = tokens_held(method, states), held_bytes(method, states), len(lengths_list)
     result = Result([], [], [])
     for i, n in enumerate(lengths_list):
         seq = until_eos([int(x) for x in out[i, :steps]], eos)
@@ -613,13 +625,13 @@ def generate(
                 "method": method.name,
                 "tokens_held_prefill": float(held_prefill[i]),
                 "tokens_held": float(held_end[i]),
-                "cache_bytes": cache_bytes // len(ids),
+                "cache_bytes": cache_bytes // b,
                 "held_bytes": int(held_end_bytes[i]),
-                "bytes_read_per_step": read // len(ids),
-                "prefill_seconds": t1 - t0,
-                "decode_seconds": t2 - t1,
+                "bytes_read_per_step": shared["read"] // b,
+                "prefill_seconds": shared["prefill_seconds"],
+                "decode_seconds": shared["decode_seconds"],
                 "decode_steps": steps,
-                "tokens_per_second": steps * len(ids) / max(t2 - t1, 1e-9),
+                "tokens_per_second": steps * b / max(shared["decode_seconds"], 1e-9),
             }
         )
     return result

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     prompts = args.prompt or [f"Count from {i} to {i + 5}:" for i in range(dp)]
     if model.tokenizer is None:  # a checkpoint without tokenizer files: token ids
         prompts = [[1 + (ord(c) % (model.config.vocab_size - 1)) for c in text] for text in prompts]
-    method = methods.get(args.method, **({} if args.method == "full" else {"budget": parse_budget(args.budget)}))
+    method = methods.at_budget(args.method, parse_budget(args.budget))
     out = kvjax.generate(model, prompts, method, args.max_new_tokens, stop_at_eos=False)
     if jax.process_index() == 0:
         print(f"process 0 of {jax.process_count()}: {sharding.describe(mesh, model.config)}")

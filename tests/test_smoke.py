@@ -96,7 +96,7 @@ def test_every_method_generates(tiny, name):
     method.)"""
     rng = np.random.RandomState(0)
     prompt = [int(t) for t in rng.randint(3, 2000, size=40)]
-    method = methods.small(name, **({} if name == "full" else {"budget": 0.5}))
+    method = methods.at_budget(name, 0.5, small_sizes=True)
     out = engine.generate(tiny, [prompt], method, max_new_tokens=4, stop_at_eos=False)
     s = out.stats[0]
     assert len(out.tokens[0]) == 4 and s["cache_bytes"] > 0 and s["bytes_read_per_step"] > 0
@@ -104,7 +104,7 @@ def test_every_method_generates(tiny, name):
     ctx = [LayerContext(layer, layers, cap, tiny.config) for layer in range(layers)]
     contract = sum(method.at(c.layer).held(len(prompt), 0, c) for c in ctx) / layers
     assert s["tokens_held_prefill"] <= contract + 1e-6, (name, s, contract)
-    if not method.recalls and name != "full":
+    if not method.recalls and methods.takes_budget(name):
         assert contract < len(prompt)  # it compresses here
 
 

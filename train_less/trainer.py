@@ -374,6 +374,31 @@ def _capture(cfg, params, tokens, tc, run_dir, sel, capture_dir, capture_batch, 
     return store, cap_dir
 
 
+def _report_epoch(bar, run_dir, out, tc, cfg, model_name, sel, rec, val, epoch: int, split, t0: float) -> None:
+    """After epoch ``epoch`` (checkpointed): its validation line on the progress bar, then (process 0) the run's
+    kernels file and JSON, and the merge of the per-layer-range runs into ``out``."""
+    bar.write(
+        f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
+        f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0])
+    )
+    if not S.is_primary():  # several processes: orbax saved collectively; process 0 writes the rest
+        return
+    summary = {
+        "epochs_done": epoch + 1,
+        "val_loss": rec.best_val.tolist(),
+        "best_epoch": rec.best_epoch.tolist(),
+        "val_loss_sparse": val[1].tolist(),
+        "val_loss_baseline_plus": val[2].tolist(),
+        "num_train_seqs": int(len(split[0])),
+        "num_val_seqs": int(len(split[1])),
+        "history": rec.history,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    _write_output(run_dir, tc, cfg, model_name, rec.best, sel, summary)
+    if run_dir != out:
+        merge_parts(out)
+
+
 def train(
     cfg,
     params,
@@ -446,33 +471,8 @@ def train(
             break
         val = lay.validate(val_idx)
         _end_epoch(lay, rec, epoch, run / steps_per_epoch, val)
-        bar.write(
-            f"epoch {epoch + 1}/{tc.epochs}: val loss mean {val[0].mean():.4e} (sparse {val[1].mean():.4e}, "
-            f"baseline+ {val[2].mean():.4e}); per layer " + " ".join(f"{v:.2e}" for v in val[0])
-        )
         ckpt.save((epoch + 1) * steps_per_epoch, lay.kernels(), lay.opt(), rec, epoch + 1, 0, None)
-        if S.is_primary():  # several processes: orbax saved collectively above; process 0 writes the rest
-            _write_output(
-                run_dir,
-                tc,
-                cfg,
-                model_name,
-                rec.best,
-                sel,
-                {
-                    "epochs_done": epoch + 1,
-                    "val_loss": rec.best_val.tolist(),
-                    "best_epoch": rec.best_epoch.tolist(),
-                    "val_loss_sparse": val[1].tolist(),
-                    "val_loss_baseline_plus": val[2].tolist(),
-                    "num_train_seqs": int(len(train_idx)),
-                    "num_val_seqs": int(len(val_idx)),
-                    "history": rec.history,
-                    "wall_seconds": time.perf_counter() - t0,
-                },
-            )
-            if run_dir != out:
-                merge_parts(out)
+        _report_epoch(bar, run_dir, out, tc, cfg, model_name, sel, rec, val, epoch, (train_idx, val_idx), t0)
     bar.close()
     ckpt.close()
     return _finish(run_dir, cap_dir, not stopped and end == tc.epochs and not keep_capture)

@@ -79,6 +79,25 @@ def get(name: str, full_layers: int = 0, **options):
     return cls(**options)
 
 
+def takes_budget(name: str) -> bool:
+    """Whether the method registered as ``name`` declares a ``budget`` field (every compressing method; ``full``
+    declares none). ValueError for an unregistered name."""
+    if name not in REGISTRY:
+        get(name)  # the unknown-name error
+    return "budget" in {f.name for f in dataclasses.fields(REGISTRY[name])}
+
+
+def at_budget(name: str, budget, *, small_sizes: bool = False, **options):
+    """The method ``name`` at ``budget`` (a fraction or a token count) with ``options``: ``get`` (``small`` with
+    ``small_sizes``), the budget passed only to a method that declares one (:func:`takes_budget`), so ``full`` comes
+    back as itself, the baseline a sweep over methods at one budget compares with.
+
+    >>> at_budget("full", 0.2), at_budget("snapkv", 0.2).budget
+    (Full(), 0.2)"""
+    build = small if small_sizes else get
+    return build(name, **({"budget": budget} if takes_budget(name) else {}), **options)
+
+
 def register(cls: type) -> type:
     """Add the method class ``cls`` to the registry under ``cls.name`` and return it (so it works as a class
     decorator). Then ``get(cls.name, ...)``, the command-line tools' ``--method`` (with ``--plugin``), the evaluation
@@ -148,9 +167,11 @@ __all__ = [
     "SlotMethod",
     "SnapKV",
     "StreamingLLM",
+    "at_budget",
     "get",
     "load_plugin",
     "names",
     "register",
     "small",
+    "takes_budget",
 ]

@@ -50,7 +50,8 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
   next decode step (the one whose new token goes at position ``filled``) would attend for the query ``q``, the
   new token itself excluded (sinks, windows, pages, clusters, retrieved tokens included). ``kvjax-eval
-  fidelity`` compares it with the exact top-B attention tokens (ClusterKV Fig. 11's recall).
+  fidelity`` compares it with the exact top-B attention tokens (ClusterKV Fig. 11's recall); and ``attended(n,
+  steps, ctx=LayerContext()) -> int``, how many tokens that step attends (``held``'s arguments).
 
 Budgets (:mod:`kvjax.budget`): a float ``b`` in ``(0, 1]`` gives each sequence ``ceil(b n)`` tokens of its own
 prompt ``n`` (exact integers), an int is a token count. A method never holds more than its budget; on a prompt
@@ -152,6 +153,12 @@ class Method(abc.ABC):
         build every registered method with these (``methods.get(name, **REGISTRY[name].small_options())``), so a
         new method is tested at its own small sizes with no table in the tests. Default: none needed."""
         return {}
+
+    @classmethod
+    def small_variants(cls) -> tuple[dict, ...]:
+        """Static options the property tests vary over :meth:`small_options` (each value compiles, so few): the
+        first is the one their fixed example runs. Default: the options as they are."""
+        return ({},)
 
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one

@@ -75,6 +75,10 @@ class ChunkKV(SlotMethod):
     mode: str = "prefix_exclusive"
     scorer: str | Scorer = "snapkv"
 
+    @classmethod
+    def small_variants(cls) -> tuple[dict, ...]:  # base.Method.small_variants: index reuse, a chunk of 3
+        return ({"reuse": 2}, {}, {"chunk_size": 3})
+
     def __post_init__(self):
         check_budget(self.budget)
         for field, value, fix in (

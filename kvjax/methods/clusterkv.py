@@ -190,10 +190,10 @@ class ClusterKV(Method):
         c0 = self.num_clusters if self.num_clusters is not None else max(1, lc // self.tokens_per_cluster)
         return min(c0, lc)
 
-    def attended(self, n: int, steps: int, max_new_tokens: int = 0) -> int:
+    def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Tokens (per query head) the decode step writing position ``n + steps`` attends: sinks + selected +
-        the unclustered window + the new token."""
-        s, bsel = self.split(n, max_new_tokens)
+        the unclustered window + the new token (a token budget covers ``ctx.capacity.max_new_tokens`` too)."""
+        s, bsel = self.split(n, ctx.capacity.max_new_tokens if ctx.capacity else 0)
         unclustered = steps % self.window
         return s + min(bsel, n - s + steps - unclustered) + unclustered + 1
 

@@ -123,6 +123,10 @@ class Less(Method):
     def small_options(cls) -> dict:  # base.Method.small_options: a 16-wide kernel hidden layer
         return dict(hidden=16)
 
+    @classmethod
+    def small_variants(cls) -> tuple[dict, ...]:  # base.Method.small_variants: both sparse policies
+        return ({"policy": "lambda"}, {"policy": "h2o"})
+
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a LESS sparse policy; choose 'h2o' or 'lambda'")

@@ -285,7 +285,7 @@ class PQCache(Method):
         """The authors' dense fallback applies to an ``n``-token prompt."""
         return self.dense_short and n - self.sink <= self.num_centroids
 
-    def attended(self, n: int, steps: int) -> int:
+    def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Tokens (per KV head) the decode step whose new token is at position ``n + steps`` attends to: sinks +
         local window + retrieved + the new token (``sink + W + k + 1`` once the prompt is long enough), or every
         token for a ``dense_short`` prompt. PQCache saves bandwidth, not memory: compare with :meth:`held`."""

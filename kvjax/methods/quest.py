@@ -159,7 +159,7 @@ class Quest(Method):
         bb = jnp.asarray(self.token_budget(lengths), jnp.int32)
         return bb < self.page_size, jnp.minimum(jnp.maximum(bb, 1), t % self.page_size + 1)
 
-    def attended(self, n: int, steps: int) -> int:
+    def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Tokens (per KV head) the decode step whose new token is at position ``t = n + steps`` attends in a
         compressed layer, the new token included: every live token (``t + 1``) while they fit the budget or its
         pages, else ``pages_b - 1`` whole pages plus the current page's ``t mod page_size + 1`` tokens; below one

@@ -48,10 +48,8 @@ def run(monkeypatch, params, name, impl, feed=None):
     """Prefill and STEPS decode steps with every kernel at ``impl``: (logits [STEPS+1, B, V], tokens, the
     Pallas kernels in the compiled decode step). ``feed``: the tokens to decode (default: this run's argmax)."""
     monkeypatch.setenv(ENV_IMPL, impl)
-    opts = {} if name == "full" else {"budget": 0.3}
-    if methods.REGISTRY[name].own_kernels():
-        opts["impl"] = impl
-    m = methods.small(name, **opts)
+    opts = {"impl": impl} if methods.REGISTRY[name].own_kernels() else {}
+    m = methods.at_budget(name, 0.3, small_sizes=True, **opts)
     rng = np.random.default_rng(1)
     tokens, lengths = engine.pad_prompts([list(rng.integers(1, 255, n)) for n in LENGTHS], BUCKET)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)

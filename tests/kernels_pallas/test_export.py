@@ -156,7 +156,7 @@ def step_method(name: str, impl: str):
     """``name`` at its default options, budget 0.2 of the 1024-token bucket (none for ``full``), ``impl`` for its
     own kernels (``Method.own_kernels``)."""
     opts = {"impl": impl} if methods.REGISTRY[name].own_kernels() else {}
-    return methods.get(name, **opts) if name == "full" else methods.get(name, budget=0.2, **opts)
+    return methods.at_budget(name, 0.2, **opts)
 
 
 @pytest.mark.parametrize("platform,impl,suffix", PLATFORMS)

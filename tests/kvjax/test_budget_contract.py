@@ -133,7 +133,7 @@ NEW = 5
 
 
 def _method(name, budget):
-    return methods.small(name, **({} if name == "full" else {"budget": budget}))
+    return methods.at_budget(name, budget, small_sizes=True)
 
 
 def _prompts(lengths, seed=0):
@@ -215,7 +215,7 @@ def test_short_prompts_work_within_the_contract(tiny, name):
             ctx = LayerContext(capacity=Capacity(n, NEW))  # Chelsea's B = R (n + Gamma), Gamma = NEW
             assert st["tokens_held_prefill"] <= m.held(n, 0, ctx) + 1e-6, (budget, n, st)
             assert st["tokens_held"] <= m.held(n, NEW - 1, ctx) + 1e-6, (budget, n, st)
-            if name != "full" and not m.recalls:  # recall methods keep every token stored
+            if methods.takes_budget(name) and not m.recalls:  # recall methods keep every token stored
                 assert st["tokens_held_prefill"] <= max(exact_tokens(budget, n), 1) + 1e-6 or name == "chelsea"
 
 

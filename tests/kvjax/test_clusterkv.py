@@ -23,7 +23,7 @@ import kvjax
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from kvjax.methods.base import Capacity
+from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.clusterkv import ClusterKV, cosine_kmeans
 from kvjax.model import random_params
 
@@ -259,7 +259,7 @@ def test_host_sizes():
     assert m2.split(50) == (4, 46) and m2.split(50, 60) == (4, 96)
     # sinks + min(bsel, clustered) + unclustered window + the new token
     assert m2.attended(50, 0) == 4 + 46 + 0 + 1 and m2.attended(500, 11) == 4 + 96 + 3 + 1
-    assert m2.attended(50, 19, 40) == 4 + 46 + 16 + 3 + 1
+    assert m2.attended(50, 19, LayerContext(capacity=Capacity(50, 40))) == 4 + 46 + 16 + 3 + 1
 
 
 @pytest.fixture(scope="module")

@@ -47,9 +47,7 @@ CAP = Capacity(BUCKET, NEW)
 
 
 def _method(name):
-    if name == "full":
-        return methods.get("full")
-    return methods.small(name, budget=BUDGET)
+    return methods.at_budget(name, BUDGET, small_sizes=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -192,7 +192,7 @@ DEFAULT_METHODS = methods.cover("reuses_previous_layer")  # full and a window-sc
 def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:
     """XLA's temp bytes for ``engine._prefill`` of CFG with ``name`` (budget 0.1) on a ``t``-token bucket,
     compiled for abstract inputs (nothing allocated)."""
-    method = methods.small(name, **({} if name == "full" else {"budget": 0.1}))
+    method = methods.at_budget(name, 0.1, small_sizes=True)
     params = jax.eval_shape(lambda: M.random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, method, batch, Capacity(t, 16), jnp.float32))
     s = jax.ShapeDtypeStruct

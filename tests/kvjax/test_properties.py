@@ -21,7 +21,7 @@ bf16, a budget from the smallest legal one to 1.0, fractions and token counts) a
   the evicting ones), Chelsea's merged counts add up to the tokens seen.
 
 Profiles (``KVJAX_HYPOTHESIS_PROFILE``): ``default`` (derandomized, the CI run: the method's fixed example and one
-generated one; Quest 5, the fewest that find its over-budget bug of 18dcc7d when it is put back) and
+generated one; a bug only more examples found gets a fixed case of its own, as Quest's of 18dcc7d) and
 ``thorough`` (40 random examples per method: ``KVJAX_HYPOTHESIS_PROFILE=thorough python3 -m pytest
 tests/kvjax/test_properties.py``).
 ``KVJAX_HYPOTHESIS_EXAMPLES=N`` overrides the examples per method, ``KVJAX_HYPOTHESIS_STATS=FILE`` writes the
@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
+from kvjax.methods import H2O, ChunkKV, ClusterKV, Quest, SnapKV, StreamingLLM
 from kvjax.methods.base import Capacity, LayerContext, SlotCache
 from kvjax.methods.chelsea import ChelseaState
 from kvjax.methods.clusterkv import ClusterState
@@ -59,27 +60,15 @@ from kvjax.model import random_params
 # profiles
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
-#: The CI run: derandomized (the same examples every run), one generated example per method besides the fixed one,
-#: and ``CI_EXAMPLES`` where more are needed to find a known bug (each example is a compile: more everywhere costs
-#: minutes of CPU the suite does not have).
+#: The CI run: derandomized (the same examples every run), one generated example per method besides the fixed one
+#: (each example is a compile: more costs minutes of CPU the suite does not have). A bug that only more examples
+#: found gets a fixed case of its own in the method's test file (Quest's fraction below one page, 18dcc7d, which the
+#: 5th derandomized example found: tests/kvjax/test_quest.py's below-a-page rows and
+#: test_quest_attends_at_most_its_budget).
 settings.register_profile("default", max_examples=1, derandomize=True, database=None, **_COMMON)
 settings.register_profile("thorough", max_examples=40, derandomize=False, **_COMMON)
 PROFILE = os.environ.get("KVJAX_HYPOTHESIS_PROFILE", "default")
 EXAMPLES = int(os.environ.get("KVJAX_HYPOTHESIS_EXAMPLES", "0")) or settings.get_profile(PROFILE).max_examples
-#: Generated examples per method in the default profile where one is not enough: Quest's 5 are the fewest that find
-#: its over-budget bug (fixed in 18dcc7d: a fraction whose B_b is below one page attended the whole current page).
-#: Put back, 1 to 4 derandomized examples pass (int budgets) and the 5th fails (budget=0.0292); the single generated
-#: example is the explicit case again (an int budget), which cannot find it. The derandomized sequence is fixed for
-#: this test's code, its settings and the hypothesis version: recount after changing any of them.
-CI_EXAMPLES = {"quest": 5}
-
-
-def examples(name: str) -> int:
-    """Generated examples for ``name``: ``KVJAX_HYPOTHESIS_EXAMPLES``, else the profile's (the default profile: at
-    least ``CI_EXAMPLES``)."""
-    if os.environ.get("KVJAX_HYPOTHESIS_EXAMPLES") or PROFILE != "default":
-        return EXAMPLES
-    return max(EXAMPLES, CI_EXAMPLES.get(name, 0))
 
 
 VERBOSE = os.environ.get("KVJAX_HYPOTHESIS_VERBOSE") == "1"  # print each static case (with -s)
@@ -112,8 +101,7 @@ class Case:
     options: tuple = ()  # extra static options, e.g. LESS's policy
 
     def method(self):
-        opts = dict(self.options, **({} if self.name == "full" else {"budget": self.budget}))
-        return methods.small(self.name, **opts)
+        return methods.at_budget(self.name, self.budget, small_sizes=True, **dict(self.options))
 
 
 def budgets(name: str, bucket: int):
@@ -149,18 +137,14 @@ def any_case(draw, name: str):
         kv_heads=kv_heads,
         head_dim=draw(st.sampled_from([16, 64, 128])),
         dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-        budget=draw(budgets(name, bucket)) if name != "full" else 0,
+        budget=draw(budgets(name, bucket)) if methods.takes_budget(name) else 0,
         options=draw(options(name)),
     )
 
 
 def options(name: str):
-    """Static options varied per method (sparingly: each value compiles)."""
-    if name == "less":
-        return st.sampled_from([(("policy", "h2o"),), (("policy", "lambda"),)])
-    if name == "chunkkv":
-        return st.sampled_from([(), (("reuse", 2),), (("chunk_size", 3),)])
-    return st.just(())
+    """Static options varied per method: its declared ``small_variants`` (sparingly: each value compiles)."""
+    return st.sampled_from([tuple(v.items()) for v in methods.REGISTRY[name].small_variants()])
 
 
 #: A dynamic draw: up to 4 prompt lengths (clipped to the bucket, the first ``batch`` used; 1 and the bucket
@@ -186,11 +170,9 @@ def explicit(name: str):
         dict(batch=2, bucket=32, ratio=4, kv_heads=1, head_dim=64, dtype="bfloat16", budget=1.0),
         dict(batch=4, bucket=32, ratio=1, kv_heads=2, head_dim=16, dtype="float32", budget=low),
     ]
-    opts = {"less": (("policy", "lambda"),), "chunkkv": (("reuse", 2),)}.get(name, ())
     row = dict(table[i % len(table)])
-    if name == "full":
-        row["budget"] = 0
-    case = Case(name, **row, options=opts)
+    row["budget"] = row["budget"] if methods.takes_budget(name) else 0
+    case = Case(name, **row, options=tuple(methods.REGISTRY[name].small_variants()[0].items()))
     draws = [([1, 64, 17, 40], 1), ([64, 3, 33, 64], 2)]
     return case, draws
 
@@ -288,11 +270,11 @@ def check(case: Case, m, cfg, snap, lens: list[int], steps: int):
             check_stored(case, m, state, b, n, steps, where)
             if sel is not None and not isinstance(state, SlotCache):  # recall: what a step attends
                 att = sel[b].sum(axis=-1)  # [Hq]
-                want = m.attended(n, steps, NEW) if case.name == "clusterkv" else m.attended(n, steps)
+                want = m.attended(n, steps, LayerContext(layer, NUM_LAYERS, Capacity(n, NEW)))
                 assert (att + 1 == want).all(), (where, b, n, att, want)
-                if case.name == "quest":  # at most B_b tokens (below a page: the current page cut to B_b)
+                if isinstance(m, Quest):  # at most B_b tokens (below a page: the current page cut to B_b)
                     assert want <= m.token_budget(n), (where, b, n, want)
-                if case.name == "clusterkv":  # B_b prompt-side tokens, sinks included, plus the window
+                if isinstance(m, ClusterKV):  # B_b prompt-side tokens, sinks included, plus the window
                     sinks, bsel = m.split(n, NEW)
                     assert want - (steps % m.window) - 1 <= sinks + bsel, (where, b, n, want)
                 assert not sel[b][:, n + steps :].any(), (where, b, "selects a position not yet written")
@@ -313,6 +295,7 @@ def per_head_held(state, b: int) -> np.ndarray:
 def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
     """Capacity and stored positions of sequence ``b``."""
     total = n + steps
+    state_in = state
     if isinstance(state, LessState):
         state = state.sparse
     if isinstance(state, SlotCache):
@@ -326,22 +309,21 @@ def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
             p = pos[live]
             assert len(set(p.tolist())) == len(p) and (p < total).all(), (where, b, h, sorted(p))
             stored = set(p.tolist())
-            name = m.sparse.name if case.name == "less" else case.name
-            if name == "full" or m.recalls:  # recall methods' full layers (n_full) are Full's
+            inner = m.sparse if isinstance(state_in, LessState) else m  # LESS: its eviction policy's slots
+            if inner.budget is None or m.recalls:  # full; recall methods' full layers (n_full) are Full's
                 assert stored == set(range(total)), (where, b, h)
-            elif name in ("snapkv", "pyramidkv", "chunkkv"):
+            elif isinstance(inner, (SnapKV, ChunkKV)):  # prompt compressed once (PyramidKV is a SnapKV)
                 assert set(range(n, total)) <= stored, (where, b, h, "a decoded token was dropped")
                 assert all(x < n for x in stored - set(range(n, total)))
-            elif name == "streaming_llm":
+            elif isinstance(inner, StreamingLLM):
                 budget = int(state.limit[b])
-                sk = m.sinks_for(budget) if case.name != "less" else m.sparse.sinks_for(budget)
+                sk = inner.sinks_for(budget)
                 want = (
                     set(range(total)) if total <= budget else set(range(sk)) | set(range(total - (budget - sk), total))
                 )
                 assert stored == want, (where, b, h, sorted(stored), sorted(want))
-            elif name == "h2o":
-                sparse = m.sparse if case.name == "less" else m
-                recent = sparse._recent(int(state.limit[b]))
+            elif isinstance(inner, H2O):
+                recent = inner._recent(int(state.limit[b]))
                 assert set(range(max(total - recent, 0), total)) <= stored, (where, b, h, "recent window")
     elif isinstance(state, ChelseaState):
         s = state.n.shape[-1]
@@ -391,7 +373,7 @@ def test_method_properties(name):
     stats = STATS.setdefault(name, {"examples": 0, "runs": 0, "cases": [], "seconds": 0.0, "cpu_seconds": 0.0})
     t0, c0 = time.perf_counter(), time.process_time()
 
-    @settings(settings.get_profile(PROFILE), max_examples=examples(name))
+    @settings(settings.get_profile(PROFILE), max_examples=EXAMPLES)
     @given(case=cases(name), draws=st.lists(DRAW, min_size=2, max_size=2))
     @example(*explicit(name))
     def prop(case, draws):

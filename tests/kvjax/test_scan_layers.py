@@ -31,7 +31,7 @@ BUCKET, STEPS = 64, 4
 def method(name, budget=0.3, **extra):
     """``name`` at its small options (``methods.small``: every method compresses at these lengths, as in the
     budget-contract tests), then ``extra``."""
-    return methods.small(name, **extra) if name == "full" else methods.small(name, budget=budget, **extra)
+    return methods.at_budget(name, budget, small_sizes=True, **extra)
 
 
 TINY = ModelConfig("llama", 256, 64, 128, 4, 4, 2, 16, max_position_embeddings=512)
