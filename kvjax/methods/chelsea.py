@@ -1,57 +1,17 @@
 """``chelsea``: KV-cache clustering by Chunked Soft Matching (Hu et al., 2025, arXiv:2506.11418).
 
-Algorithm 1 at fixed shapes; method details and the resolutions of what the paper leaves open follow
-``docs/notes/chelsea.md`` (section numbers below refer to the paper, A-numbers to the note).
+Algorithm 1 at fixed shapes: the prompt is merged to ``B_b`` slots per compressed KV head by rounds of chunked
+soft matching (:mod:`kvjax.methods.csm`); decode appends with count 1, attends with the ``log N`` bias (Eq. 2)
+and merges back to ``B_b`` every ``g`` steps; outlier heads (§5.4) keep their full cache. Resolutions of what the
+paper leaves open follow ``docs/notes/chelsea.md`` (A-numbers).
 
-- Budget (§5.1, A12, A13): per sequence, ``B_b = floor(R (n_b + Gamma))`` slots per compressed KV head, sinks
-  and recent included, with ``n_b`` the sequence's *own* prompt length (never the bucket) and ``Gamma =
-  max_new_tokens`` (a fraction ``budget=R``, exact integers: ``kvjax.budget.as_fraction`` / ``floor_mul``), or
-  ``B = budget`` (an int). With outlier heads and ``reallocate=True`` the compressed heads get the fraction
-  ``R_c = (R H - O) / (H - O)`` of ``n_b + Gamma`` (A12; the total stays ``R (n + Gamma)`` per head). ``R_c`` is
-  exact when its denominator is <= 10000, else it is rounded *down* to the 1/10000 grid (int32-safe, and the
-  budget stays a ceiling). ``B_b >= 1``. ``B_b`` lives in the state (``target [B]``); a sequence compresses when
-  it holds ``B_b + g`` slots. The same prompt in any bucket keeps the same merged slots and greedy output.
-- Short prompts: when ``B_b <= n_sink + n_recent`` the sequence's windows shrink to fit ``B_b - 1`` slots, the
-  recent window first (``n_recent_b = min(n_recent, B_b - 1)``, ``n_sink_b = min(n_sink, B_b - 1 -
-  n_recent_b)``), so at least one middle slot remains and every round can merge; the sequence is compressed to
-  exactly ``B_b`` like any other (the budget is a ceiling: after a Chelsea call no sequence holds more than
-  ``B_b``). The paper does not cover this case. Per-sequence windows are used (``csm_round`` with ``[B]``
-  sinks/recent) only when some prompt length in the bucket needs them; otherwise the static windows run.
-- Prefill (Alg. 1): prefill attention is full (the engine's); then, for every sequence with ``n_b >= B_b + g``,
-  one Chelsea call: CSM rounds (:mod:`kvjax.methods.csm`) with the ratio schedule
-  ``r_i = max(r_init - alpha min(m, i), r_floor)`` (App. C.2; presets ``PRESETS``) and merges
-  ``min(floor(r_i M_i), s_i - B_b)`` until the cache holds exactly ``B_b``. By default the rounds of a call run
-  as ``lax.while_loop``s over a few *levels* of shrinking size (one compiled round body per level, sized from
-  the host plan; :meth:`Chelsea._compress`) until every active sequence is at its budget (a shorter prompt has
-  a smaller ``B_b`` and may need more rounds), so a round costs what the cache holds by then;
-  ``unroll_rounds=True`` unrolls a static worst-case plan over every prompt length of the bucket at shrinking
-  sizes instead (one compile per round; identical results).
-- Decode (Alg. 1): the new token is appended with count 1 (in place), attention is
-  ``softmax(q K^T / sqrt(d) + log N) V`` (Eq. 2, through ``attention.attend``'s bias) over the live slots
-  (``lengths=``: ``length`` for the compressed heads, ``pos + 1`` for the outlier heads), and when the cache
-  reaches ``B_b + g`` slots a Chelsea call merges it back to ``B_b``. The call is the rounds' ``while_loop``
-  itself, not a ``lax.cond``: on the other ``g - 1`` steps it runs zero rounds and passes k, v, n through
-  untouched (a ``cond``'s identity branch copied them, and copies were also needed to order the attention's
-  reads before the in-place compression; a data dependency on the attention's output orders them now), so a
-  plain step reads K, V and the counts of the live slots once and writes one row. A compressing step adds one
-  CSM round at ``B_b + g`` slots (``g`` merges): the chunked similarity over the middle's keys, a top-``g``,
-  per-edge merges and one compaction gather of k, v, n (see ``benchmarks/roofline.py`` and the method docs
-  for its cost).
-- Outlier heads (§5.4, App. B): KV heads listed by ``outlier_heads`` (a JSON from ``kvjax calibrate-chelsea``
-  or a tuple of ``(layer, kv_head)``) keep their full cache in a separate ``[B, O, n + Gamma, D]`` buffer,
-  allocated only in layers that have outlier heads; their query heads attend there.
+Shapes (:class:`ChelseaState`, per layer): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``;
+n ``[B, Hc, S]`` float32 counts (0 = empty slot); target, seen, length ``[B]`` int32; ko, vo ``[B, O, n + Gamma,
+D]`` for the layer's outlier heads (zero-size when none). GQA native: the query heads of a group share their KV
+head's clusters (A10).
 
-Long prompts: every count is exact in traced int32 for ``n + Gamma < 2^31`` (the merge count ``floor(r M)`` and
-``B_b`` are computed split, :func:`kvjax.budget.floor_mul`; the token-count rule with outlier heads clips ``n +
-Gamma`` where ``B_b`` reaches its floor of 1 and needs ``c H < 2^31``); the host plans use numpy int64
-(``tests/kvjax/test_million.py``: traced counts against Python ints from 430k to 2^30 tokens). The outlier JSON
-is re-read on every use and its parse cached by content, so an edited file takes effect in a running process.
-
-State per layer (:class:`ChelseaState`): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``
-(``B_max``: the budget of a bucket-length prompt); target, seen ``[B]`` int32 (``B_b``, tokens seen);
-n ``[B, Hc, S]`` float32 counts (0 = empty slot); length ``[B]`` int32 occupied slots (at the front);
-ko, vo ``[B, O, n + Gamma, D]`` (``O = 0``: zero-size). GQA native: clustering, counts and the outlier decision
-are per KV head; the query heads of a group share them (A10).
+How each step follows the paper (budget, short prompts, prefill rounds, the decode-time merge without a copy,
+outlier heads, int32 exactness): ``docs/methods/chelsea.md``, "From the paper to the code".
 """
 
 from __future__ import annotations
