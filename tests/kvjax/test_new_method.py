@@ -47,6 +47,22 @@ def test_one_small_file_registered_by_the_plugin_loader(knorm):
         methods.load_plugin("missing.py")
 
 
+def test_at_budget_passes_the_budget_only_where_it_is_declared(knorm):
+    """``methods.at_budget`` (a sweep at one budget): a method with a ``budget`` field gets it, ``full`` (none)
+    comes back as itself; ``takes_budget`` is the field's presence, for the plugin too; an unknown name is the
+    registry's error; a bad budget is the method's own (validated once, in ``__post_init__``)."""
+    for n in methods.names():
+        declared = "budget" in {f.name for f in dataclasses.fields(methods.REGISTRY[n])}
+        assert methods.takes_budget(n) == declared == (methods.get(n).budget is not None), n
+    assert methods.at_budget("full", 0.2) == methods.get("full")
+    assert methods.at_budget("knorm", 8) == knorm(budget=8) and methods.at_budget("snapkv", 0.2).budget == 0.2
+    assert methods.at_budget("quest", 0.3, small_sizes=True) == methods.small("quest", budget=0.3)
+    with pytest.raises(ValueError, match="not registered"):
+        methods.at_budget("nope", 0.2)
+    with pytest.raises(ValueError, match="budget"):
+        methods.at_budget("snapkv", 1.5)
+
+
 def test_cover_picks_a_method_by_what_it_declares(knorm):
     """``methods.cover``, by which the costly tests choose their default methods: each combination of the traits
     that occurs in the registry once, by its first method; a new method joins only with a new combination."""
