@@ -102,7 +102,8 @@ def register(cls: type) -> type:
     """Add the method class ``cls`` to the registry under ``cls.name`` and return it (so it works as a class
     decorator). Then ``get(cls.name, ...)``, the command-line tools' ``--method`` (with ``--plugin``), the evaluation
     grid and the registry-driven tests know it. ValueError for a class that is not a dataclass subclassing
-    :class:`Method` with a ``name``, or a name another class already holds."""
+    :class:`Method` with a ``name``, or a name another class already holds. A class whose dataclass made its
+    ``__eq__`` (``eq=True``, the default) gets :class:`Method`'s, which tells ``budget=1`` from ``budget=1.0``."""
     if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls) and cls.name):
         raise ValueError(
             f"register({cls!r}): a method is a frozen dataclass subclassing kvjax.methods.Method with a non-empty "
@@ -114,6 +115,8 @@ def register(cls: type) -> type:
             f"method name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
             f"{cls.__qualname__} another name"
         )
+    if "__eq__" in cls.__dict__:  # the dataclass default compares values only (budget=1 == budget=1.0)
+        cls.__eq__, cls.__hash__ = Method.__eq__, Method.__hash__
     REGISTRY[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself
     return cls
 

@@ -97,9 +97,30 @@ class LayerContext:
     model_cfg: ModelConfig | None = None
 
 
+def _typed(value):
+    """``value`` with its type beside it (tuples and lists element by element), so that ``1`` and ``1.0`` differ."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_typed(x) for x in value)
+    return type(value), value
+
+
 class Method(abc.ABC):
     """The interface every cache method implements (see the module docstring). Subclasses are frozen
-    dataclasses; ``name`` is the registry name."""
+    dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
+    by :meth:`__eq__` / :meth:`__hash__` below; ``name`` is the registry name."""
+
+    def _key(self) -> tuple:
+        return type(self), tuple((f.name, _typed(getattr(self, f.name))) for f in dataclasses.fields(self))
+
+    def __eq__(self, other) -> bool:
+        """Equal when of one class with the same field values *of the same types*: ``budget=1`` (one token) and
+        ``budget=1.0`` (the whole prompt) are equal in Python but different methods. ``jax.jit`` keys its
+        compiled programs on a static method by this, so the dataclass default (``1 == 1.0``) ran the program
+        compiled for one budget for the other."""
+        return isinstance(other, Method) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     name: ClassVar[str] = ""
     #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).

@@ -80,7 +80,7 @@ def _parse_outlier_file(text: str, path: str) -> dict:
     return data
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 

@@ -56,7 +56,7 @@ from kvjax.methods.select import NEG_INF, append_window
 MODES = ("prefix_exclusive", "paper_literal")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ChunkKV(SlotMethod):
     """ChunkKV config. ``budget``: fraction of each prompt in (0, 1] or a token count, window included
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);

@@ -110,7 +110,7 @@ def take_by_rank(score, size, bsel):
     return jnp.where(keys > tau[..., None], size, jnp.where(keys == tau[..., None], cut, 0)).astype(jnp.int32)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
     xla_bytes_band: ClassVar[tuple[float, float]] = (26.0, 40.0)  # base.Method.xla_bytes_band

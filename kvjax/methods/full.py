@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from kvjax.methods.base import Capacity, LayerContext, SlotCache, SlotMethod, empty_slots, store_prompt
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Full(SlotMethod):
     name: ClassVar[str] = "full"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)

@@ -50,7 +50,7 @@ from kvjax.methods.base import (
 from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class H2O(SlotMethod):
     name: ClassVar[str] = "h2o"
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels

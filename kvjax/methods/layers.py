@@ -50,7 +50,7 @@ def same_as_previous(method: Method, layer: int) -> bool:
     return layer > 0 and method.at(layer - 1) == method.at(layer)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FullFirst(Method):
     """Layers ``< n_full`` keep and attend the full cache (``full``); the others run ``inner``."""
 

@@ -87,7 +87,7 @@ class LessState:
     kernels: Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Less(Method):
     """LESS config (static under jit).
 

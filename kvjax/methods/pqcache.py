@@ -183,7 +183,7 @@ def _row_chunk(k) -> int:
     return 1 << 30
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
     xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 15.0)  # base.Method.xla_bytes_band

@@ -79,7 +79,7 @@ class QuestState:
     shrink: bool = struct.field(pytree_node=False, default=False)  # a sequence may have B_b < page_size
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Quest(Method):
     name: ClassVar[str] = "quest"
     xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 14.0)  # base.Method.xla_bytes_band

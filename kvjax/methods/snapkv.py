@@ -42,7 +42,7 @@ from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SnapKV(SlotMethod):
     name: ClassVar[str] = "snapkv"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
@@ -114,7 +114,7 @@ def pyramid_budget(total, n, layer: int, num_layers: int, window, beta: int):
     return int(out) if np.ndim(out) == 0 else out
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256, typed=True)  # typed: budget 1 (a token) and 1.0 (the prompt) are two keys
 def _pyramid_slots(budget, window: int, beta: int, bucket: int, layer: int, num_layers: int) -> int:
     """Largest per-layer budget of any prompt length ``1..bucket`` (the static slot count)."""
     n = np.arange(1, bucket + 1, dtype=np.int64)
@@ -123,7 +123,7 @@ def _pyramid_slots(budget, window: int, beta: int, bucket: int, layer: int, num_
     return int(np.max(pyramid_budget(total, n, layer, num_layers, w, beta)))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
     beta: int = 20

@@ -31,7 +31,7 @@ from kvjax.methods.base import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class StreamingLLM(SlotMethod):
     name: ClassVar[str] = "streaming_llm"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)

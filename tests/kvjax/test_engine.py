@@ -121,6 +121,20 @@ def test_budget_covering_prompt_equals_full(tiny, name, options):
     assert got == full
 
 
+def test_a_one_token_budget_does_not_stand_in_for_the_whole_prompt(tiny):
+    """``budget=1`` (one token) then ``budget=1.0`` (the whole prompt) in one process: the second holds and
+    generates what ``full`` does. Before ``Method.__eq__`` compared field types, the two methods were equal, and
+    ``generate`` ran the one-token program compiled first for both (the same order in another test file made
+    test_budget_covering_prompt_equals_full fail under pytest-xdist)."""
+    model, _ = tiny
+    ps = prompts(2, [17, 30], seed=3)
+    full = engine.generate(model, ps, "full", max_new_tokens=6, driver="scan")
+    one = engine.generate(model, ps, methods.get("pyramidkv", budget=1), max_new_tokens=6, driver="scan")
+    whole = engine.generate(model, ps, methods.get("pyramidkv", budget=1.0), max_new_tokens=6, driver="scan")
+    assert [s["tokens_held_prefill"] for s in one.stats] == [1.0, 1.0]
+    assert [s["tokens_held_prefill"] for s in whole.stats] == [17.0, 30.0] and whole.tokens == full.tokens
+
+
 def test_compiles_once_per_bucket(tiny):
     model, _ = tiny
     method = methods.get("snapkv", budget=0.5)

@@ -63,6 +63,26 @@ def test_at_budget_passes_the_budget_only_where_it_is_declared(knorm):
         methods.at_budget("snapkv", 1.5)
 
 
+def test_a_token_count_and_a_fraction_are_different_methods(knorm):
+    """``budget=1`` (one token) and ``budget=1.0`` (the whole prompt) are equal in Python; as dataclass fields they
+    made two equal, equally hashed methods, so ``jax.jit`` (static methods) ran the program compiled for one for the
+    other (tests/kvjax/test_engine.py has the run). ``Method.__eq__``/``__hash__`` compare field types too, for the
+    built-in classes (``eq=False``) and for a plugin's (set by ``register``)."""
+    checked = []
+    for n in [n for n in methods.names() if methods.takes_budget(n)]:
+        try:
+            one = methods.get(n, budget=1)
+        except ValueError:  # a smallest legal count above 1 (Quest's page, ClusterKV's sinks): no collision
+            continue
+        whole = methods.get(n, budget=1.0)
+        assert one != whole and len({one, whole}) == 2, n
+        assert one == methods.get(n, budget=1) and hash(one) == hash(methods.get(n, budget=1)), n
+        checked.append(n)
+    assert "knorm" in checked and "snapkv" in checked
+    plan = methods.get("snapkv", budget=1, full_layers=2)  # FullFirst compares its inner method the same way
+    assert plan != methods.get("snapkv", budget=1.0, full_layers=2) and plan == methods.get("snapkv", 2, budget=1)
+
+
 def test_cover_picks_a_method_by_what_it_declares(knorm):
     """``methods.cover``, by which the costly tests choose their default methods: each combination of the traits
     that occurs in the registry once, by its first method; a new method joins only with a new combination."""
