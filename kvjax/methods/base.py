@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -109,7 +110,10 @@ class Method(abc.ABC):
     dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
     by :meth:`__eq__` / :meth:`__hash__` below; ``name`` is the registry name."""
 
+    @functools.cached_property
     def _key(self) -> tuple:
+        """The class and the typed field values, computed once (the fields are frozen): ``jax.jit`` hashes and
+        compares a static method on every dispatch, which the python driver does once per decode step."""
         return type(self), tuple((f.name, _typed(getattr(self, f.name))) for f in dataclasses.fields(self))
 
     def __eq__(self, other) -> bool:
@@ -117,10 +121,10 @@ class Method(abc.ABC):
         ``budget=1.0`` (the whole prompt) are equal in Python but different methods. ``jax.jit`` keys its
         compiled programs on a static method by this, so the dataclass default (``1 == 1.0``) ran the program
         compiled for one budget for the other."""
-        return isinstance(other, Method) and self._key() == other._key()
+        return self is other or (isinstance(other, Method) and self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._key)
 
     name: ClassVar[str] = ""
     #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).

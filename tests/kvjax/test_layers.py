@@ -46,9 +46,14 @@ def _layer_held(model, method, ids, scan=False):
     return held, read, np.asarray(logits)
 
 
+def _small(name):
+    """``name``'s test-size options with its first declared variant (ChunkKV: index reuse, so layer 1 follows 0)."""
+    return {**methods.REGISTRY[name].small_options(), **methods.REGISTRY[name].small_variants()[0]}
+
+
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "chunkkv", "streaming_llm"])
 def test_full_layers_hold_and_read_what_full_does(tiny, name):
-    opts = {**methods.REGISTRY[name].small_options(), **methods.REGISTRY[name].small_variants()[0]}
+    opts = _small(name)
     plan = methods.get(name, budget=0.25, full_layers=2, **opts)
     assert isinstance(plan, FullFirst) and plan.name == name and plan.budget == 0.25
     assert plan.at(0) == plan.at(1) == methods.get("full") and plan.at(2) == methods.get(name, budget=0.25, **opts)
@@ -78,7 +83,7 @@ def test_every_layer_full_is_full(tiny):
 
 @pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
 def test_scanned_equals_unrolled_and_the_plan_splits_at_the_full_layers(tiny, name):
-    opts = {**methods.REGISTRY[name].small_options(), **methods.REGISTRY[name].small_variants()[0]}
+    opts = _small(name)
     n = 2 if methods.REGISTRY[name].reuses_previous_layer else 1  # chunkkv's layer 1 follows layer 0
     plan = methods.get(name, budget=0.25, full_layers=n, **opts)
     runs = engine.layer_plan(tiny.config, plan, 2, Capacity(64, 4), jnp.float32)

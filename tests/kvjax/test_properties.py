@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from kvjax.methods import H2O, ChunkKV, ClusterKV, Quest, SnapKV, StreamingLLM
+from kvjax.methods import H2O, ChunkKV, ClusterKV, Less, Quest, SnapKV, StreamingLLM
 from kvjax.methods.base import Capacity, LayerContext, SlotCache
 from kvjax.methods.chelsea import ChelseaState
 from kvjax.methods.clusterkv import ClusterState
@@ -295,7 +295,7 @@ def per_head_held(state, b: int) -> np.ndarray:
 def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
     """Capacity and stored positions of sequence ``b``."""
     total = n + steps
-    state_in = state
+    inner = m.sparse if isinstance(m, Less) else m  # LESS: its eviction policy's slots
     if isinstance(state, LessState):
         state = state.sparse
     if isinstance(state, SlotCache):
@@ -309,7 +309,6 @@ def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
             p = pos[live]
             assert len(set(p.tolist())) == len(p) and (p < total).all(), (where, b, h, sorted(p))
             stored = set(p.tolist())
-            inner = m.sparse if isinstance(state_in, LessState) else m  # LESS: its eviction policy's slots
             if inner.budget is None or m.recalls:  # full; recall methods' full layers (n_full) are Full's
                 assert stored == set(range(total)), (where, b, h)
             elif isinstance(inner, (SnapKV, ChunkKV)):  # prompt compressed once (PyramidKV is a SnapKV)
