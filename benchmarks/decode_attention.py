@@ -4,16 +4,19 @@
         --out benchmarks/results/decode_attention.json
 
 For every (slots, batch, keep fraction) it times ``decode_attention`` with ``--impl`` (default: by backend)
-and the pure-JAX reference (``impl="xla"``, which reads every slot), both jitted, compile excluded: seconds per
+and the XLA path (``impl="xla"``, the CPU default, so on CPU the two are one program; ``reference_gbs`` counts all
+``S`` slots, as the path read before it gathered the listed blocks), both jitted, compile excluded: seconds per
 call = ``(T(loop) - T(1)) / (loop - 1)``, ``T(m)`` the median of ``--iters`` host-timed runs of a program that
 calls it ``m`` times in a loop (``--loop``, default 16), so the fixed cost of a jitted call (dispatch, launch,
 synchronisation: ~120 us on the H200 of ``benchmarks/results/decode_attention_h200.txt``, which was timed with
 ``--loop 1`` and so measured that cost more than the kernel below 32k slots x batch 8) is not counted as kernel
-time. ``keep < 1`` lists a random ``keep`` fraction of the slot blocks per (batch row, KV head) in
-``block_indices``. Reported: ``kv_bytes_read`` = bytes of K and V in the visited blocks (what the kernel must
-read), achieved bandwidth = kv_bytes_read / kernel time, its fraction of the device's peak HBM bandwidth
-(``benchmarks/decode.py``'s table, or ``--bandwidth-gbs``), the speedup over the reference, and the speedup over
-the same kernel at ``keep = 1`` (ideal: ``1 / keep``). JSON includes the jax version and the device.
+time. ``keep < 1`` lists a random ``keep`` fraction of the slot blocks per (batch row, KV head) in ``block_indices``;
+``--pattern random,adjacent`` adds a row listing the *first* ``keep`` fraction (the same blocks count and bytes from
+contiguous addresses: the two rows' difference is what the access pattern costs, e.g. on XLA:CPU, where the listed
+blocks are gathered). Reported: ``kv_bytes_read`` = bytes of K and V in the visited blocks (what the kernel must read),
+achieved bandwidth = kv_bytes_read / kernel time, its fraction of the device's peak HBM bandwidth
+(``benchmarks/decode.py``'s table, or ``--bandwidth-gbs``), the speedup over the reference, and the speedup over the
+same kernel at ``keep = 1`` (ideal: ``1 / keep``). JSON includes the jax version and the device.
 On CPU the default impl is ``xla``; ``--impl pallas_gpu --interpret`` runs a tiny smoke test.
 
 ``--sweep`` tunes the kernel (issue 17, point 4): it times every candidate of
@@ -107,7 +110,10 @@ def _write(args, header: dict, **results) -> None:
     out.write_text(json.dumps({**header, **results}, indent=2))
 
 
-def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0):
+def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0, pattern="random"):
+    """Random ``q [B, Hkv G, D]``, ``k, v [B, Hkv, S, D]`` and ``block_indices [B, Hkv, n_keep]`` (None when every
+    block is kept): ``pattern="random"`` lists a random ``keep`` fraction of the blocks per ``(b, h)``,
+    ``"adjacent"`` the first ``n_keep`` blocks (the same count and bytes, read from contiguous addresses)."""
     kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(kq, (batch, hkv * g, d), dtype)
     k = jax.random.normal(kk, (batch, hkv, s, d), dtype)
@@ -116,6 +122,8 @@ def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0):
     n_keep = max(1, int(round(keep * nb)))
     if n_keep >= nb:
         return q, k, v, None, nb, nb
+    if pattern == "adjacent":
+        return q, k, v, jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32), (batch, hkv, n_keep)), n_keep, nb
     order = jnp.argsort(jax.random.uniform(ks, (batch, hkv, nb)), axis=-1)
     return q, k, v, order[..., :n_keep].astype(jnp.int32), n_keep, nb
 
@@ -125,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", default="4096,16384,32768")
     p.add_argument("--batch", default="1,8")
     p.add_argument("--keep", default="1,0.5,0.25,0.1", help="fractions of slot blocks visited")
+    p.add_argument(
+        "--pattern",
+        default="random",
+        help="which blocks keep < 1 lists, comma-separated: random (per batch row and KV head), adjacent (the first "
+        "ones: same bytes from contiguous addresses, so the difference is the cost of the access pattern)",
+    )
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head (GQA)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -173,7 +187,8 @@ def _row(s, batch, keep, n_keep, nb, t_k, t_r, row_bytes, bs, peak) -> dict:
 
 def _print_row(r: dict, peak) -> None:
     print(
-        f"S={r['slots']:6d} B={r['batch']:2d} keep={r['keep']:4.2f} kernel {r['kernel_seconds'] * 1e6:9.1f} us  "
+        f"S={r['slots']:6d} B={r['batch']:2d} keep={r['keep']:4.2f} {r.get('pattern', ''):8s} "
+        f"kernel {r['kernel_seconds'] * 1e6:9.1f} us  "
         f"ref {r['reference_seconds'] * 1e6:9.1f} us  x{r['speedup_vs_reference']:5.2f} vs ref  "
         f"{r['kernel_gbs']:7.1f} GB/s"
         + (f" ({100 * r['kernel_hbm_fraction']:4.1f}% of HBM)" if peak else "")
@@ -184,6 +199,16 @@ def _print_row(r: dict, peak) -> None:
         ),
         flush=True,
     )
+
+
+def _keeps(args):
+    """``(keep, pattern)`` pairs in ``--keep`` order: each ``--pattern`` for a fraction below 1, one row at 1."""
+    patterns = [x.strip() for x in args.pattern.split(",") if x.strip()]
+    bad = sorted(set(patterns) - {"random", "adjacent"})
+    if bad or not patterns:
+        raise SystemExit(f"--pattern: {bad or 'empty'} is not one of random, adjacent (comma-separated)")
+    keeps = [float(x) for x in args.keep.split(",")]
+    return [(kp, pt) for kp in keeps for pt in (patterns if kp < 1 else patterns[:1])]
 
 
 def main(argv=None):
@@ -214,11 +239,12 @@ def main(argv=None):
     for s in [int(x) for x in args.slots.split(",")]:
         for batch in [int(x) for x in args.batch.split(",")]:
             full_t = None
-            for keep in [float(x) for x in args.keep.split(",")]:
-                q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, bs)
+            for keep, pattern in _keeps(args):
+                q, k, v, bi, n_keep, nb = _inputs(batch, hkv, g, s, d, dtype, keep, bs, pattern=pattern)
                 t_k = _time_device(kernel, (q, k, v, bi), args.iters, args.loop)
                 t_r = _time_device(ref, (q, k, v, bi), args.iters, args.loop)
                 r = _row(s, batch, keep, n_keep, nb, t_k, t_r, hkv * 2 * d * dtype.itemsize, bs, peak)
+                r["pattern"] = pattern if bi is not None else "all"
                 full_t = t_k if keep >= 1 else full_t
                 if full_t is not None:
                     r["speedup_vs_kernel_full"] = full_t / t_k

@@ -122,3 +122,22 @@ def test_sweep_block_lists_cover_the_listed_slots(block_size):
         else:
             assert w <= g and all(w & set(range(s, s + block_size)) for s in range(0, max(g) + 1, block_size) if s in g)
     assert bench.in_blocks_of(None, block_size) is None
+
+
+def test_adjacent_pattern_lists_the_first_blocks_and_rows_say_which(tmp_path):
+    """``--pattern random,adjacent``: one row per pattern below keep 1 (the same block count), one at keep 1."""
+    _, _, _, bi, n_keep, nb = bench._inputs(1, 2, 2, 1024, 32, jnp.float32, 0.25, 128, pattern="adjacent")
+    np.testing.assert_array_equal(np.asarray(bi), np.broadcast_to(np.arange(2), (1, 2, 2)))
+    assert (n_keep, nb) == (2, 8)
+    out = tmp_path / "pattern.json"
+    args = ["--slots", "1024", "--batch", "1", "--keep", "1,0.25", "--kv-heads", "2", "--group", "2"]
+    args += ["--head-dim", "32", "--dtype", "float32", "--iters", "1", "--loop", "1", "--out", str(out)]
+    bench.main([*args, "--pattern", "random,adjacent"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["keep"], r["pattern"], r["blocks_visited"]) for r in rows] == [
+        (1.0, "all", 8),
+        (0.25, "random", 2),
+        (0.25, "adjacent", 2),
+    ]
+    with pytest.raises(SystemExit, match="--pattern"):
+        bench.main([*args, "--pattern", "strided"])
