@@ -29,7 +29,7 @@ import numpy as np
 from kvjax import engine, methods
 from kvjax import model as M
 from kvjax import sharding as S
-from kvjax.budget import check_budget
+from kvjax.budget import check_budget, check_distinct
 from kvjax.methods.base import Capacity
 
 
@@ -46,11 +46,12 @@ def check_methods(names: Sequence[str]) -> list[str]:
 
 def check_budgets(budgets: Sequence, max_tokens: int | None = None) -> list:
     """Budgets as :func:`kvjax.budget.check_budget` defines them: a fraction of each prompt in (0, 1] (a float)
-    or a token count >= 1 (an int; at most ``max_tokens``, the model context, when given). Anything else is a
-    ValueError naming ``--budgets`` (nothing is clipped)."""
+    or a token count >= 1 (an int; at most ``max_tokens``, the model context, when given), each once
+    (:func:`kvjax.budget.check_distinct`). Anything else is a ValueError naming ``--budgets`` (nothing is clipped)."""
     out = [check_budget(b, "--budgets", max_tokens=max_tokens) for b in budgets]
     if not out:
         raise ValueError("budgets is empty; pass e.g. --budgets 0.2,0.5 or 0.2,256")
+    check_distinct(out, "--budgets")
     return out
 
 

@@ -126,7 +126,7 @@ def header(results: dict[str, Any]) -> str:
         f"# kvjax-eval results ({results.get('created', '')})",
         "",
         f"- model: `{cfg.get('model', '?')}`, dtype {cfg.get('dtype', '?')}; methods "
-        f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(f'{b:g}' for b in cfg.get('budgets', []))}"
+        f"{', '.join(cfg.get('methods', []))}; budgets {', '.join(_budget_text(b) for b in cfg.get('budgets', []))}"
         + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
         + (f"; budgets matched to the bytes `{cfg['equal_bytes']}` holds" if cfg.get("equal_bytes") else ""),
     ]
@@ -186,6 +186,13 @@ def load(path: str | Path) -> dict[str, Any]:
     if results.get("schema") != SCHEMA or "rows" not in results:
         raise ValueError(f"results={str(path)!r} is not a kvjax-eval results file (schema {SCHEMA!r})")
     return results
+
+
+def _budget_text(budget) -> str:
+    """:func:`kvjax.budget.budget_text` (imported here: this module loads without jax)."""
+    from kvjax.budget import budget_text
+
+    return budget_text(budget)
 
 
 def _config(row) -> tuple[str, float | int | None]:
@@ -325,7 +332,7 @@ def _budget_cell(results, groups, task, method, budget) -> str:
             if r["budget"] is not None and r["budget"] != budget
         }
     )
-    text = f"{budget:g}" + (" → " + ", ".join(f"{b:.4g}" for b in ran) if ran else "")
+    text = _budget_text(budget) + (" → " + ", ".join(f"{b:.4g}" for b in ran) if ran else "")
     ref = results.get("config", {}).get("equal_bytes")
     return f"{text} (bytes of {ref})" if ref and method not in ("full", ref) else text
 
@@ -562,7 +569,7 @@ def needle_figure(results: dict[str, Any]):
         im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_title(m if b is None else f"{m} @ {b:g}", fontsize=8)
+        ax.set_title(m if b is None else f"{m} @ {_budget_text(b)}", fontsize=8)
         if i // cols == nrows - 1 or i + cols >= len(configs):
             ax.set_xlabel("context (tokens)", fontsize=7)
         if i % cols == 0:

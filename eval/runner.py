@@ -19,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
+from kvjax.budget import budget_text
 from kvjax.engine import bucket_length, release_compiled
 from kvjax.methods.base import Capacity
 
@@ -183,7 +184,7 @@ def equal_bytes_grid(model, task, prepared, grid, ref: str, options: dict | None
                 options=options.get(name),
             )
         except ValueError as e:
-            print(f"[kvjax-eval] skip {name}@{b:g} on {task.name}: {e}")
+            print(f"[kvjax-eval] skip {name}@{budget_text(b)} on {task.name}: {e}")
             records.append(
                 {
                     "task": task.name,
@@ -364,7 +365,7 @@ def run(
             first = len(results["rows"])
             bar.set_postfix_str(
                 f"{task.name} {name}"
-                + ("" if budget is None else f"@{budget:g}")
+                + ("" if budget is None else f"@{budget_text(budget)}")
                 + ("" if second is None else f" (bytes of {second})")
             )
             results["rows"].extend(_run_batches(model, task, method, prepared[task.name], meta, shared, bar))

@@ -77,12 +77,38 @@ def parse_budget(text: str) -> Budget:
     return check_budget(value, name="--budget")
 
 
+def budget_text(budget: Budget) -> str:
+    """How a budget is shown in tables and logs: a token count as an integer (``256``, ``1``), a fraction with a
+    decimal point (``0.2``, ``1.0``), so the whole prompt (``1.0``) never reads as one token (``1``)."""
+    if isinstance(budget, float):
+        text = f"{budget:g}"
+        return text if any(c in text for c in ".en") else text + ".0"
+    return str(budget)
+
+
 def parse_budgets(text: str) -> list[Budget]:
     """Comma-separated budgets (``"0.2,0.5,256"``) for ``--budgets``."""
     parts = [p for p in str(text).split(",") if p.strip()]
     if not parts:
         raise ValueError(f"--budgets {text!r} is empty; pass e.g. 0.2,0.5 or 256,512")
-    return [parse_budget(p) for p in parts]
+    return check_distinct([parse_budget(p) for p in parts])
+
+
+def check_distinct(budgets: list[Budget], name: str = "--budgets") -> list[Budget]:
+    """``budgets`` unchanged if no two are equal, else a ValueError naming ``name``. Runs over several budgets
+    key their results by the budget's value, where ``1`` (one token) equals ``1.0`` (the whole prompt): the two
+    cannot share one run, and a repeated budget would run twice under one key."""
+    seen: dict = {}
+    for b in budgets:
+        if b in seen:
+            if type(seen[b]) is type(b):
+                raise ValueError(f"{name} lists {budget_text(b)} twice; pass each budget once")
+            raise ValueError(
+                f"{name} lists both 1 (one token) and 1.0 (the whole prompt), which compare equal where results "
+                "are keyed by budget; run them separately"
+            )
+        seen[b] = b
+    return budgets
 
 
 def floor_fraction(f: Fraction, max_denominator: int = MAX_DENOMINATOR) -> tuple[int, int]:

@@ -300,6 +300,7 @@ CASES = [
     ),
     # kvjax-eval
     Case("kvjax-eval", "kvjax-eval main --budgets 0.2,1.5", _cli(EVAL, "main", "--budgets", "0.2,1.5"), "--budgets"),
+    Case("kvjax-eval", "kvjax-eval main --budgets 1,1.0", _cli(EVAL, "main", "--budgets", "1,1.0"), "one token"),
     Case("kvjax-eval", "kvjax-eval main --methods full,nope", _cli(EVAL, "main", "--methods", "full,nope"), "nope"),
     Case(
         "kvjax-eval",

@@ -29,7 +29,7 @@ def test_kvjax_budget_bad(bad, capsys):
         assert code == 2 and "argument --budget:" in err and "--budget" in err.split("argument --budget:")[1]
 
 
-@pytest.mark.parametrize("bad", BAD + ["0.2,abc", ","])
+@pytest.mark.parametrize("bad", BAD + ["0.2,abc", ",", "0.2,256,0.2", "1,0.5,1.0"])
 def test_eval_budgets_bad(bad, capsys):
     code, err = _exit_code(eval_cli.main, ["needle", "--budgets", bad], capsys)
     assert code == 2 and "argument --budgets:" in err and "--budgets" in err.split("argument --budgets:")[1]

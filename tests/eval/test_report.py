@@ -310,3 +310,18 @@ def test_paired_difference_to_full_against_scipy():
     assert got["n"] == 4 and got["value"] == pytest.approx(d.mean())
     assert (got["lo"], got["hi"]) == (pytest.approx(lo), pytest.approx(hi))
     assert "| h2o | 0.2 |" in report.markdown_table(r) and "ΔNLL vs full, paired" in report.markdown_table(r)
+
+
+def test_whole_prompt_budget_is_not_shown_as_one_token():
+    """A fraction 1.0 is shown ``1.0`` and a token count 256 ``256`` (``:g`` showed 1.0 as ``1``, a token count)."""
+    r = _results()
+    for row in r["rows"]:
+        if row["budget"] == 0.5:
+            row["budget"] = 1.0
+        elif row["budget"] == 0.2:
+            row["budget"] = 256
+    lines = report.markdown_table(r).splitlines()
+    assert (
+        "| snapkv | 1.0 | 75.0 [30.1, 95.4] | 4 | 2.0 |" in lines
+        and "| snapkv | 256 | 50.0 [15.0, 85.0] | 4 | 2.0 |" in lines
+    )

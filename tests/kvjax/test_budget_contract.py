@@ -84,6 +84,24 @@ def test_parse_budget(text, want):
     assert got == want and type(got) is type(want)
 
 
+@pytest.mark.parametrize(
+    "b,text", [(0.2, "0.2"), (1.0, "1.0"), (1, "1"), (256, "256"), (0.125, "0.125"), (1e-4, "0.0001")]
+)
+def test_budget_text_tells_a_fraction_from_a_count(b, text):
+    assert kb.budget_text(b) == text
+
+
+def test_budgets_must_be_distinct():
+    """1 == 1.0 in Python: a run keyed by budget would merge one token with the whole prompt."""
+    assert kb.parse_budgets("0.2,256,1.0") == [0.2, 256, 1.0]
+    with pytest.raises(ValueError, match=r"--budgets lists both 1 \(one token\) and 1.0"):
+        kb.parse_budgets("1,0.5,1.0")
+    with pytest.raises(ValueError, match="--budgets lists 0.2 twice"):
+        kb.parse_budgets("0.2,0.2")
+    with pytest.raises(ValueError, match="--budgets lists 256 twice"):
+        kb.check_distinct([256, 0.5, 256])
+
+
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "abc", "1.5", "0.0", "-0.2", "", "true"])
 def test_parse_budget_rejects(bad):
     with pytest.raises(ValueError, match="--budget"):
