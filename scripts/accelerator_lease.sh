@@ -28,7 +28,7 @@
 # flax wheel in .dev2 in case the image's flax is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: accelerator_lease.sh env|run|verify|kernels}
+PART=${1:?usage: accelerator_lease.sh env|run|verify|kernels|profile}
 R=/tmp/lease_$PART
 rm -rf "$R" && mkdir -p "$R"
 export PYTHONPATH="$PWD:/tmp/dev1/site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -89,6 +89,13 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     TAIL=12 KVJAX_PQ_LOOKUP_IMPL=xla phase roofline_pq_xla 90 python3 benchmarks/roofline.py --lengths 32k \
       --batch 8 --dtypes bfloat16 --methods full,pqcache --budgets 0.2 --token-budgets 2048 --layers 2 --steps 8 \
       --rounds 3 --max-prefill-s inf --group-size 2 --out "$R/roofline_gpu_32k_pq_xla.json"
+    ;;
+  profile)  # where a decode step's and a prefill's device time goes, every method, one layer (issues 46 and 51)
+    TAIL=60 phase software 60 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
+    TAIL=400 phase profile "${PROFILE_S:-280}" python3 benchmarks/profile_step.py --length 32k --batch 8 \
+      --dtype bfloat16 --budgets 0.2 --token-budgets 2048 --steps 8 --prefill --top 10 \
+      --methods "${PROFILE_METHODS:-full,pqcache,clusterkv,quest,h2o,less,chelsea,snapkv,streaming_llm,chunkkv,pyramidkv}" \
+      --skip-done benchmarks/results/profile_h200_32k_b8.json --out "$R/profile_gpu_32k_b8.json"
     ;;
   kernels)  # decode-attention bandwidth and block skipping, a call's fixed cost subtracted (2nd lease: 58 s)
     TAIL=24 phase kernels 100 python3 benchmarks/decode_attention.py --slots 32768,131072 --batch 1,8 \
