@@ -295,8 +295,8 @@ def main(argv=None) -> int:
     sha = commit()
     data = {
         "benchmark": "profile_step",
-        "setting": "attention + cache only, one layer, "
-        f"{'tiny' if a.tiny else 'Llama-3.1-8B'} attention shapes ({cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim})",
+        "setting": f"attention + cache only, one layer, {'tiny' if a.tiny else 'Llama-3.1-8B'} attention shapes "
+        f"({cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim})",
         "jax_version": jax.__version__,
         "device": str(dev),
         "device_kind": dev.device_kind,
