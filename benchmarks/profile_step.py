@@ -250,7 +250,7 @@ def profile_variant(cfg, var: Variant, layer, batch, n, dtype, steps, do_prefill
         m = var.method.at(layer)
         st = jax.block_until_ready(m.init(cfg, batch, cap, layer, dtype))
         lengths = jnp.full((batch,), n, jnp.int32)
-        kw = {"previous": run.states[0]} if m.reuses_previous_layer else {}
+        kw = {"previous": None} if m.reuses_previous_layer else {}  # as compiled: the profiled layer alone
         compiled = var.prefills[layer]
         inner = getattr(compiled, "compiled", compiled)
         wall, tr, _ = profile_call(lambda: compiled(st, q=q, k=k, v=v, lengths=lengths, **kw))
