@@ -92,8 +92,12 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     ;;
   profile)  # where a decode step's and a prefill's device time goes, every method, one layer (issues 46 and 51)
     TAIL=60 phase software 60 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
-    # XLA's command buffers (CUDA graphs) hide which operation a kernel belongs to: off while profiling
-    TAIL=400 XLA_FLAGS="--xla_gpu_enable_command_buffer=" phase profile "${PROFILE_S:-280}" python3 benchmarks/profile_step.py --length 32k --batch 8 \
+    # XLA's command buffers (CUDA graphs) hide which operation a kernel belongs to: off while profiling (if the
+    # flag is known to this jaxlib)
+    NOCB="--xla_gpu_enable_command_buffer="
+    XLA_FLAGS="$NOCB" python3 -c "import jax; jax.numpy.ones(1).block_until_ready()" >/dev/null 2>&1 || NOCB=
+    echo "XLA_FLAGS for the profile: '$NOCB'"
+    TAIL=400 XLA_FLAGS="$NOCB" phase profile "${PROFILE_S:-280}" python3 benchmarks/profile_step.py --length 32k --batch 8 \
       --dtype bfloat16 --budgets 0.2 --token-budgets 2048 --steps 8 --prefill --top 10 \
       --methods "${PROFILE_METHODS:-full,pqcache,clusterkv,quest,h2o,less,chelsea,snapkv,streaming_llm,chunkkv,pyramidkv}" \
       --skip-done benchmarks/results/profile_h200_32k_b8.json --out "$R/profile_gpu_32k_b8.json"
