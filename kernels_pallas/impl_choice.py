@@ -2,7 +2,8 @@
 
 1. The kernel's environment variable (:data:`ENV_VARS`, e.g. ``KVJAX_DECODE_ATTENTION_IMPL=pallas_gpu``) names
    an implementation: it is used, verified or not (as an explicit ``impl=`` is).
-2. Else the backend's platform kernel (:data:`PLATFORM_IMPLS`: ``pallas_tpu`` / ``pallas_gpu``, for prefill
+2. Else, unless :data:`SLOWER_THAN_XLA` records the kernel as measured slower than the XLA path on that backend,
+   the backend's platform kernel (:data:`PLATFORM_IMPLS`: ``pallas_tpu`` / ``pallas_gpu``, for prefill
    ``splash`` / ``cudnn``) is used **only if it has been verified** on that backend: compiled on the hardware and
    checked against its reference by ``bash scripts/accelerator.sh tests``, which writes the record
    :data:`VERIFIED_FILE` (``kernels_pallas/verified.py``: per kernel and backend, the implementation, the
@@ -39,6 +40,19 @@ PLATFORM_IMPLS = {
     "chunked_similarity": {"tpu": "pallas_tpu", "gpu": "pallas_gpu"},
     "prefill_attention": {"tpu": "splash", "gpu": "cudnn"},
 }
+#: kernel -> backend -> why ``impl=None`` takes the XLA path there although the platform kernel is verified: the
+#: kernel was measured slower than the XLA path in the same setting (a verified kernel is correct, not necessarily
+#: fast). Only the kernel's environment variable or an explicit ``impl=`` then takes the kernel
+#: (``KVJAX_UNVERIFIED_KERNELS=1`` does not).
+SLOWER_THAN_XLA = {
+    "cosine_kmeans": {
+        "gpu": "H200, 32k tokens x batch 8, bf16 (benchmarks/results/profile_h200_32k_b8.txt, 2026-11-27): "
+        "ClusterKV's prefill spent 5.7 s a layer in the Triton kernels (cosine_assign_gpu 244 ms a call, "
+        "centroid_update_gpu 30 ms) against full's whole prefill attention's 0.13 s; the xla path is one matmul "
+        "and one fused arg-max per iteration",
+    },
+}
+
 #: kernel -> the environment variable that forces an implementation.
 ENV_VARS = {name: f"KVJAX_{name.upper()}_IMPL" for name in PLATFORM_IMPLS}
 #: kernel -> the tests of ``tests/accelerator`` that verify it (``file::name`` prefixes of the junit test ids).
@@ -89,7 +103,7 @@ def choose(kernel: str, impls: tuple[str, ...], fallback: str) -> str:
         return forced
     on = backend()
     platform = PLATFORM_IMPLS[kernel].get(on)
-    if platform is None:
+    if platform is None or on in SLOWER_THAN_XLA.get(kernel, {}):
         return fallback
     if os.environ.get(ALL_ENV) == "1" or verified(kernel, on) is not None:
         return platform
@@ -178,6 +192,11 @@ def table(record: dict | None = None) -> str:
             cells.append(
                 f"`{by[on]}`: "
                 + (f"verified {e['date']} on {e['device_kind']}, jax {e['jax']}" if e else "not verified (XLA path)")
+                + (
+                    "; slower than the XLA path, which `impl=None` takes"
+                    if on in SLOWER_THAN_XLA.get(kernel, {})
+                    else ""
+                )
             )
         rows.append(f"| {kernel} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

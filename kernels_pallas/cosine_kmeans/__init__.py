@@ -13,7 +13,9 @@ row); cvalid ``[N, C]`` bool (None: every centroid).
   similarity up to the row norm (the "semantic distance" of §III-B; rows need not be normalised); ties go to
   the lowest centroid index; an invalid row, and every row when no centroid is valid, gets the sentinel ``C``.
 - ``centroid_update -> (sums [N, C, D] float32, counts [N, C] int32)``: the member rows (as float32) summed
-  per label; labels outside ``[0, C)`` (the sentinel ``C`` included) are ignored. The kernels accumulate a
+  per label; labels outside ``[0, C)`` (the sentinel ``C`` included) are ignored. The xla path is a segment sum on
+  the CPU and, on a GPU or TPU, a one-hot matmul (``reference.centroid_update_onehot``: one large matmul per
+  iteration, exact for bfloat16 keys, deterministic; XLA's scatter-add runs on atomics there). The kernels accumulate a
   one-hot matmul (§IV-B's update kernel, Fig. 7, without atomics; method note ``docs/notes/clusterkv.md`` §7.3
   kernel B), so rows must be finite (``0 * inf`` is NaN even for ignored rows); the reference (``segment_sum``)
   does not need that.
@@ -26,8 +28,10 @@ set, else ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU where verified on the har
 (``kernels_pallas/verified.py``), else ``xla``. A Pallas failure is raised, never replaced by the reference
 silently.
 ``interpret=True`` runs a Pallas kernel in interpret mode (tests on CPU). ``block_l`` is the row tile
-(defaults in ``_common``: 512 on TPU, 64 on GPU, 512 for xla, whose assignment runs a tile at a time so its
-similarity block is ``[N, block_l, C]``, linear in L); pallas_tpu needs a multiple of 128 or ``>= L`` (checked by
+(defaults in ``_common``: 512 on TPU, 64 on GPU; for xla 512 on the CPU, and on a GPU or TPU as many rows as
+keep the ``[N, block_l, C]`` float32 similarity block under ``_common.ACCEL_BLOCK_BYTES`` (2 GiB): the whole of
+L at 32k tokens x batch 8, so an iteration is one matmul and one fused arg-max, not a loop of small tiles; its
+similarity block is linear in L either way); pallas_tpu needs a multiple of 128 or ``>= L`` (checked by
 ``tiling.check_block_shape``), pallas_gpu a power of two ``>= 16``. A ragged ``L`` (and on GPU a ``D`` that is
 not a power of two) is padded, one copy of ``x``; allocate ``L`` as a multiple of ``ROW_ALIGN`` (512) to
 avoid it.
@@ -43,6 +47,7 @@ from kernels_pallas.impl_choice import choose
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans._common import ROW_ALIGN
 from kernels_pallas.cosine_kmeans.reference import (
+    centroid_update_onehot,
     centroid_update_reference,
     cosine_assign_reference,
     new_centroids,
@@ -136,7 +141,8 @@ def cosine_assign(
     if x.shape[0] * x.shape[1] == 0:  # nothing to tile: the (empty) result has no values
         return cosine_assign_reference(x, centroids, valid, cvalid)
     if impl == "xla":
-        return _assign_xla(x, centroids, valid, cvalid, int(block_l or _common.XLA_BLOCK_L))
+        n, l, _ = x.shape
+        return _assign_xla(x, centroids, valid, cvalid, int(block_l or _common.xla_block_l(n, l, centroids.shape[1])))
     if impl == "pallas_tpu":
         from kernels_pallas.cosine_kmeans.pallas_tpu import cosine_assign_tpu
 
@@ -179,8 +185,13 @@ def centroid_update(
     impl = _check_impl(impl)
     check_update_inputs(x, labels, num_clusters, block_l)
     num_clusters = int(num_clusters)
-    if impl == "xla" or x.shape[0] * x.shape[1] == 0:  # no rows: zero sums and counts
+    if x.shape[0] * x.shape[1] == 0:  # no rows: zero sums and counts
         return centroid_update_reference(x, labels, num_clusters)
+    if impl == "xla":
+        if not _common.accelerated():  # the CPU: a segment sum, O(N L D)
+            return centroid_update_reference(x, labels, num_clusters)
+        n, l, _ = x.shape
+        return centroid_update_onehot(x, labels, num_clusters, int(block_l or _common.xla_block_l(n, l, num_clusters)))
     if impl == "pallas_tpu":
         from kernels_pallas.cosine_kmeans.pallas_tpu import centroid_update_tpu
 
@@ -215,6 +226,7 @@ __all__ = [
     "IMPLS",
     "ROW_ALIGN",
     "centroid_update",
+    "centroid_update_onehot",
     "centroid_update_reference",
     "cosine_assign",
     "cosine_assign_reference",

@@ -15,8 +15,12 @@ import jax.numpy as jnp
 
 from kernels_pallas.cosine_kmeans.reference import normalise_centroids
 
-#: Row tile of the pure-JAX assignment (``impl="xla"``, the CPU path): memory ``O(block x C)``, not ``O(L x C)``.
+#: Row tile of the pure-JAX assignment (``impl="xla"``) on the CPU: memory ``O(block x C)``, not ``O(L x C)``.
 XLA_BLOCK_L = 512
+#: On a GPU or TPU the xla path's row tile keeps its ``[N, block, C]`` float32 similarity (and the update's
+#: ``[N, C, block]`` one-hot) under this many bytes: few, large operations (each loop trip is a host round trip on
+#: a GPU), memory still linear in L.
+ACCEL_BLOCK_BYTES = 2 << 30
 #: Default row tile on TPU (method note ``docs/notes/clusterkv.md`` §7.3: ``tL = 256-512``); a multiple of 128
 #: (lane-dense labels).
 TPU_BLOCK_L = 512
@@ -30,6 +34,24 @@ GPU_BLOCK_C = 64
 GPU_MIN_DIM = 16
 #: Allocate ``L`` as a multiple of this to avoid the padding copy (every default tile divides it).
 ROW_ALIGN = 512
+
+
+def accelerated() -> bool:
+    """Whether the xla path runs in large blocks (a GPU or TPU; read at trace time through
+    :func:`kernels_pallas.impl_choice.backend`, which tests replace to force it on the CPU)."""
+    from kernels_pallas.impl_choice import backend
+
+    return backend() != "cpu"
+
+
+def xla_block_l(n: int, l: int, c: int) -> int:
+    """The xla path's row tile: :data:`XLA_BLOCK_L` on the CPU; on a GPU or TPU the most rows (a multiple of
+    :data:`ROW_ALIGN`, at least one) whose ``[n, rows, c]`` float32 block fits :data:`ACCEL_BLOCK_BYTES`, or all
+    ``l`` rows when they fit."""
+    if not accelerated():
+        return XLA_BLOCK_L
+    rows = ACCEL_BLOCK_BYTES // max(4 * n * c, 1)
+    return l if rows >= l else max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
 
 
 def round_up(x: int, m: int) -> int:

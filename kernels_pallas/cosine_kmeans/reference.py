@@ -70,6 +70,38 @@ def centroid_update_reference(x, labels, num_clusters: int):
     return sums.reshape(n, c + 1, d)[:, :c], counts.reshape(n, c + 1)[:, :c]
 
 
+@functools.partial(jax.jit, static_argnames=("num_clusters", "block_l"))
+def centroid_update_onehot(x, labels, num_clusters: int, block_l: int | None = None):
+    """:func:`centroid_update_reference` as one-hot matmuls (the accelerators' xla path): ``sums = OH^T @ x`` with
+    ``OH [N, L, C]`` the labels' one-hot, in row blocks of ``block_l`` (default all rows) summed. Bfloat16 keys
+    multiply a bfloat16 one-hot (exact products, float32 accumulation, the matrix unit's rate); other dtypes run in
+    float32 at ``HIGHEST``. Sums equal the reference's up to float32 summation order; counts are exact. Rows whose
+    label is outside ``[0, C)`` are zeroed first, so they need not be finite. No scatter (atomics on a GPU: a
+    nondeterministic order)."""
+    n, l, d = x.shape
+    c = num_clusters
+    bl = min(block_l or l, l)
+    nb = -(-l // bl)
+    dt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    lab = labels.astype(jnp.int32)
+    lab = jnp.pad(jnp.where((lab >= 0) & (lab < c), lab, c), ((0, 0), (0, nb * bl - l)), constant_values=c)
+    xs = jnp.pad(x, ((0, 0), (0, nb * bl - l), (0, 0)))
+    ids = jnp.arange(c, dtype=jnp.int32)
+
+    def block(i):
+        lb = jax.lax.dynamic_slice_in_dim(lab, i * bl, bl, axis=1)  # [N, bl]
+        xb = jax.lax.dynamic_slice_in_dim(xs, i * bl, bl, axis=1)  # [N, bl, D]
+        hit = lb[:, :, None] == ids  # [N, bl, C]
+        xb = jnp.where((lb < c)[..., None], xb, 0).astype(dt)
+        sums = jnp.einsum("nlc,nld->ncd", hit.astype(dt), xb, precision=HIGHEST, preferred_element_type=jnp.float32)
+        return sums, jnp.sum(hit, axis=1, dtype=jnp.int32)
+
+    if nb == 1:
+        return block(0)
+    sums, counts = jax.lax.map(block, jnp.arange(nb))
+    return sums.sum(axis=0), counts.sum(axis=0)
+
+
 def new_centroids(centroids, sums, counts) -> jnp.ndarray:
     """The update step: ``sums / counts`` (mean of the raw member rows) where ``counts > 0``, else the old
     centroid (an empty or invalid cluster keeps its centroid). ``[N, C, D]`` float32."""

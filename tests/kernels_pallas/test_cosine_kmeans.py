@@ -18,6 +18,7 @@ from kernels_pallas.cosine_kmeans import (
     default_impl,
     lloyd_step,
 )
+from kvjax.census import Census, loop_census
 
 # ---------------------------------------------------------------------------------------------- numpy float64
 
@@ -290,3 +291,81 @@ def test_bad_input():
             cosine_assign(x, cent, impl="pallas_gpu", interpret=True, block_l=bad)
         with pytest.raises(ValueError, match=f"block_l={bad} must be a power of two"):
             centroid_update(x, lab, 5, impl="pallas_gpu", interpret=True, block_l=bad)
+
+
+# ---------------------------------------------------------------------------------------------- accelerators' xla path
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """The kernels' backend reads as a GPU (the xla path's large blocks and one-hot update are traced)."""
+    from kernels_pallas import impl_choice
+
+    monkeypatch.setattr(impl_choice, "backend", lambda: "gpu")
+
+
+@pytest.mark.parametrize(
+    "name,dtype,block",
+    [("d48_c5", np.float32, None), ("d64_c130_outliers", jnp.bfloat16, None), ("d64_c130_outliers", np.float32, 128)],
+)
+def test_accelerator_xla_path_matches_numpy(on_gpu, name, dtype, block):
+    """On a GPU/TPU the xla path assigns in one block of all rows (or ``block`` rows) and sums by one-hot matmuls:
+    labels against numpy's float64 arg-max, sums and counts against numpy's loop (out-of-range labels ignored,
+    including a non-finite row's), the Lloyd step's new centroids against numpy's."""
+    from kernels_pallas.cosine_kmeans import _common
+
+    x, cent, valid, cvalid = make_case(name, dtype)
+    c = cent.shape[1]
+    assert _common.xla_block_l(3, x.shape[1], c) == x.shape[1]  # small: one block of every row
+    xj = jx(x, dtype)
+    lab = cosine_assign(xj, jx(cent), jx(valid), jx(cvalid), impl="xla", block_l=block)
+    assert_labels(lab, np_assign(x, cent, valid, cvalid), x, cent)
+    labels = np_assign(x, cent, valid, cvalid)
+    labels[:, ::19] = -1
+    labels[:, 7::29] = c + 3
+    xbad = np.array(x)
+    xbad[1, 7] = np.inf  # label c + 3: ignored, so it must not reach a sum (0 * inf)
+    sums, counts = centroid_update(jx(xbad, dtype), jx(labels, jnp.int32), c, impl="xla", block_l=block)
+    s, k, a = np_update(x, labels, c)
+    assert sums.dtype == jnp.float32 and counts.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(counts), k)
+    assert_sums(sums, s, a)
+    new, lab2 = lloyd_step(xj, jx(cent), jx(valid), jx(cvalid), impl="xla", block_l=block)
+    want_new, want_lab, _ = np_lloyd(x, cent, valid, cvalid)
+    if (np.asarray(lab2) == want_lab).all():
+        np.testing.assert_allclose(np.asarray(new), want_new, rtol=1e-4, atol=1e-5 * np.abs(x).max())
+
+
+def test_accelerator_xla_path_is_few_large_operations(on_gpu, monkeypatch):
+    """Traced for a GPU at ClusterKV's 32k-token, batch-8 shapes (N = 64 heads, C = 410): the assignment and the
+    update are each one matmul per block of rows, the blocks as large as ``ACCEL_BLOCK_BYTES`` allows (two blocks of
+    19,968 rows: two trips of one loop), no scatter (atomics on a GPU); with the whole ``L`` in budget, no loop."""
+    from kernels_pallas.cosine_kmeans import _common
+
+    x = jax.ShapeDtypeStruct((64, 32768, 128), jnp.bfloat16)
+    cent = jax.ShapeDtypeStruct((64, 410, 128), jnp.float32)
+    lab = jax.ShapeDtypeStruct((64, 32768), jnp.int32)
+
+    def census(fn, arg):
+        return loop_census(fn, x, arg), str(jax.make_jaxpr(fn)(x, arg))
+
+    assert _common.xla_block_l(64, 32768, 410) == 19968
+    steps = [(lambda x, c: cosine_assign(x, c, impl="xla"), cent), (lambda x, lab: centroid_update(x, lab, 410), lab)]
+    for fn, arg in steps:
+        got, text = census(fn, arg)
+        assert got == Census(scan_trips=2) and "scatter" not in text and text.count("dot_general") == 1
+    monkeypatch.setattr(_common, "ACCEL_BLOCK_BYTES", 4 << 30)
+    for fn, arg in steps:
+        got, text = census(fn, arg)
+        assert got == Census() and "scatter" not in text and text.count("dot_general") == 1
+
+
+def test_slower_kernel_is_not_the_default_on_gpu(on_gpu, monkeypatch):
+    """The Triton kernels are verified on a GPU but measured slower than the xla path (impl_choice.SLOWER_THAN_XLA):
+    impl=None takes xla there, also under KVJAX_UNVERIFIED_KERNELS=1; the kernel's own variable still takes it."""
+    monkeypatch.delenv("KVJAX_COSINE_KMEANS_IMPL", raising=False)
+    assert default_impl() == "xla"
+    monkeypatch.setenv("KVJAX_UNVERIFIED_KERNELS", "1")
+    assert default_impl() == "xla"
+    monkeypatch.setenv("KVJAX_COSINE_KMEANS_IMPL", "pallas_gpu")
+    assert default_impl() == "pallas_gpu"

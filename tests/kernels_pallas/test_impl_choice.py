@@ -54,8 +54,9 @@ def fake(monkeypatch):
     for var in (*IC.ENV_VARS.values(), IC.ALL_ENV):
         monkeypatch.delenv(var, raising=False)
 
-    def set_(backend, record=None):
+    def set_(backend, record=None, slower=None):
         monkeypatch.setattr(IC, "backend", lambda: backend)
+        monkeypatch.setattr(IC, "SLOWER_THAN_XLA", slower or {})
         monkeypatch.setattr(IC, "load_verified", lambda: record or {k: {"gpu": None, "tpu": None} for k in KERNELS})
 
     return set_
@@ -118,6 +119,24 @@ def test_a_verified_kernel_is_taken_on_its_backend_only(fake):
     assert da.default_impl() == "xla"
     fake("cpu", record)
     assert all(default() == xla for default, xla in KERNELS.values())
+
+
+def test_a_kernel_measured_slower_than_xla_is_not_the_default(fake, monkeypatch):
+    """Verified but recorded slower than the XLA path on that backend: impl=None takes xla there, without a warning
+    and also under KVJAX_UNVERIFIED_KERNELS=1; its own variable still takes it; other backends are unaffected."""
+    entry = {"impl": "pallas_gpu", "device_kind": "NVIDIA H200", "jax": "0.11.2", "date": "2026-11-26", "tests": "4/4"}
+    record = {k: {"gpu": None, "tpu": None} for k in KERNELS}
+    record["cosine_kmeans"]["gpu"] = record["decode_attention"]["gpu"] = entry
+    fake("gpu", record, {"cosine_kmeans": {"gpu": "measured"}})
+    assert (ck.default_impl(), da.default_impl()) == ("xla", "pallas_gpu")
+    monkeypatch.setenv(IC.ALL_ENV, "1")
+    assert ck.default_impl() == "xla"
+    monkeypatch.setenv(ck.ENV_IMPL, "pallas_gpu")
+    assert ck.default_impl() == "pallas_gpu"
+    monkeypatch.delenv(ck.ENV_IMPL)
+    fake("tpu", record, {"cosine_kmeans": {"gpu": "measured"}})
+    assert ck.default_impl() == "pallas_tpu"  # KVJAX_UNVERIFIED_KERNELS=1 still set
+    assert "slower than the XLA path" in IC.table()
 
 
 def test_explicit_impl_still_forces_the_kernel(fake, monkeypatch):

@@ -61,7 +61,19 @@ def _clustered_keys(rng, shape, centers=6, noise=0.15, outliers=True):
     return x.astype(np.float32)
 
 
-def test_kmeans_equals_the_reference():
+@pytest.fixture(params=["cpu", "accelerator"])
+def kmeans_path(request, monkeypatch):
+    """The CPU's K-means (row tiles, segment sums) or the GPU/TPU one (one block of rows, one-hot matmul sums),
+    forced here; the decode path stays the CPU's."""
+    from kernels_pallas.cosine_kmeans import _common
+
+    if request.param == "accelerator":
+        monkeypatch.setattr(_common, "accelerated", lambda: True)
+    yield request.param
+    jax.clear_caches()  # no program traced with the forced path is reused by later tests
+
+
+def test_kmeans_equals_the_reference(kmeans_path):
     rng = np.random.default_rng(0)
     x = _clustered_keys(rng, (3, 120, 16))
     m = ClusterKV(budget=64, sink=0, seed=5)
@@ -114,6 +126,22 @@ def _run_layer(method, hq, hkv, lengths, steps, seed=0, d=16, bucket=48):
 
 @pytest.mark.parametrize("hq,hkv,gqa", [(2, 2, "query"), (4, 2, "query"), (8, 2, "query"), (4, 2, "group_mean")])
 def test_decode_equals_the_reference(hq, hkv, gqa):
+    check_decode_equals_the_reference(hq, hkv, gqa)
+
+
+def test_decode_equals_the_reference_with_the_accelerator_kmeans(monkeypatch):
+    """The GPU/TPU K-means (forced) inside the method: prefill and decode-time window clustering, every output and
+    every attended position against the numpy reference."""
+    from kernels_pallas.cosine_kmeans import _common
+
+    monkeypatch.setattr(_common, "accelerated", lambda: True)
+    try:
+        check_decode_equals_the_reference(4, 2, "query")
+    finally:
+        jax.clear_caches()
+
+
+def check_decode_equals_the_reference(hq, hkv, gqa):
     lengths, steps = [45, 29], 11
     m = ClusterKV(
         budget=0.5, sink=3, tokens_per_cluster=6, window=4, window_clusters=2, n_full=0, gqa=gqa, iters=20, seed=1
