@@ -206,7 +206,7 @@ def parse_args(argv):
     p.add_argument(
         "--methods",
         default="full,quest,clusterkv,pqcache,chelsea,h2o,less,snapkv,chunkkv,streaming_llm,pyramidkv",
-        help="comma-separated registered method names (full always runs first)",
+        help="comma-separated registered method names (full only when named)",
     )
     p.add_argument("--budgets", type=_budgets, default=[0.2])
     p.add_argument("--token-budgets", type=_budgets, default=[2048], help="recall methods also at these")
@@ -214,9 +214,11 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=8, help="decode steps in the profiled program")
     p.add_argument("--prefill", action="store_true", help="also profile each method's one-layer prefill")
     p.add_argument("--top", type=int, default=8, help="source groups printed per variant")
+    p.add_argument("--tag", default="", help="appended to every label (e.g. the kernel choice an env var forced)")
     p.add_argument("--tiny", action="store_true", help="the 4-head test config (smoke tests)")
     p.add_argument("--skip-done", default=None, help="a JSON of an earlier run: skip its labels at this commit")
-    p.add_argument("--out", default="benchmarks/results/profile.json")
+    p.add_argument("--out", default="benchmarks/results/profile.json", help="written after every variant")
+    p.add_argument("--append", action="store_true", help="keep the rows of an existing --out (same setting)")
     p.add_argument("--report", default=None, help="print the tables of a written JSON and exit")
     a = p.parse_args(argv)
     if len(a.length) != 1:
@@ -314,9 +316,18 @@ def main(argv=None) -> int:
     if done:
         data["rows"] = [r for r in json.loads(Path(a.skip_done).read_text())["rows"] if r.get("status") == "ok"]
     out = Path(a.out)
+    if a.append and out.exists():
+        old = json.loads(out.read_text())
+        same = all(old.get(k) == data[k] for k in ("length", "batch", "dtype", "layer", "steps"))
+        if not same:
+            raise ValueError(f"--append: {out} holds another setting; write to another --out")
+        data["rows"] = old["rows"] + data["rows"]
     out.parent.mkdir(parents=True, exist_ok=True)
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
     for label, method, budget in variants(names, a.budgets, a.token_budgets, (1,)):
+        if label == "full" and "full" not in names:
+            continue
+        label += f" [{a.tag}]" if a.tag else ""
         if (label, "decode") in done:
             print(f"{label}: done at this commit, skipped", flush=True)
             continue

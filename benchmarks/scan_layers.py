@@ -57,6 +57,10 @@ SMALL = {
 
 
 def commit() -> str | None:
+    """The checkout's commit: ``$KVJAX_COMMIT`` if set (a copied tree whose .git is not this one's: a device
+    lease), else ``git rev-parse HEAD``."""
+    if os.environ.get("KVJAX_COMMIT"):
+        return os.environ["KVJAX_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
