@@ -43,6 +43,11 @@ def default_impl() -> str:
     return choose("accumulated_attention", IMPLS, "xla")
 
 
+def pallas_gpu_supports(head_dim: int) -> bool:
+    """Whether the GPU kernels tile this head_dim (Triton: a power of two, at least 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def check_inputs(q, k, v, lengths):
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"q {q.shape} and k {k.shape} must be [B, H, T, D]")
@@ -78,4 +83,5 @@ __all__ = [
     "band_plan",
     "default_impl",
     "loop_trips",
+    "pallas_gpu_supports",
 ]

@@ -163,6 +163,8 @@ def _bands(q, k, v, lengths, rows):
     from kernels_pallas import accumulated_attention as aa
 
     impl = aa.default_impl()
+    if impl == "pallas_gpu" and not aa.pallas_gpu_supports(q.shape[-1]):
+        impl = "xla"  # a head_dim Triton cannot tile (not a power of two >= 16): decided by shape, not by a failure
     opts = {"rows": rows} if impl == "xla" else {}
 
     def run(q, k, lengths, v):

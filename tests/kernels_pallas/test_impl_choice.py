@@ -196,3 +196,18 @@ def test_record_from_junit(tmp_path):
         IC.record_from_junit(tmp_path / "run.xml", path, on="cpu")
     assert "not verified (XLA path)" in IC.table()
     assert "`pallas_gpu`: verified 20" in IC.table(after) and "on NVIDIA H100 80GB HBM3" in IC.table(after)
+
+
+def test_a_kernel_without_a_tpu_kernel_is_recorded_on_gpu_only(tmp_path):
+    """``accumulated_attention`` has a GPU kernel only: its passing tests record it on a GPU; on a TPU (where they
+    skip) the record is left as it was and nothing fails for the missing platform kernel."""
+    path = tmp_path / "verified.py"
+    shutil.copy(IC.VERIFIED_FILE, path)
+    case = '<testcase classname="tests.accelerator.test_kernels" name="test_accumulated_attention_cases[f32-gqa2]"/>'
+    (tmp_path / "run.xml").write_text(f'<testsuites><testsuite name="pytest">{case}</testsuite></testsuites>')
+    after = IC.record_from_junit(tmp_path / "run.xml", path, device_kind="NVIDIA H100", on="gpu")
+    assert after["accumulated_attention"]["gpu"]["impl"] == "pallas_gpu"
+    assert after["accumulated_attention"]["gpu"]["tests"] == "1/1 passed"
+    after = IC.record_from_junit(tmp_path / "run.xml", path, device_kind="TPU v5e", on="tpu")
+    assert after["accumulated_attention"]["tpu"] is None
+    assert "no kernel (XLA path)" in IC.table(after)

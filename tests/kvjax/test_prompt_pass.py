@@ -145,6 +145,31 @@ def test_kept_tokens_identical_on_both_paths(name, hq, hkv, monkeypatch):
         np.testing.assert_allclose(np.asarray(o1)[b, :, :n], np.asarray(o2)[b, :, :n], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["h2o", "less"])
+def test_the_kernel_path_keeps_the_same_tokens(name, monkeypatch):
+    """``bands`` with the GPU kernels chosen (``KVJAX_ACCUMULATED_ATTENTION_IMPL=pallas_gpu``, run here in interpret
+    mode): H2O's and LESS's ``prefill_attend`` keep the tokens, and return the attention, of the CPU path."""
+    import kernels_pallas.accumulated_attention.pallas_gpu as gpu
+
+    kernel = gpu.accumulated_attention_gpu
+    monkeypatch.setattr(gpu, "accumulated_attention_gpu", lambda *a, **kw: kernel(*a, **{**kw, "interpret": True}))
+    q, k, v, lengths = (jnp.asarray(x) for x in tb.inputs(4, 2)[:4])
+    m = methods.get(name, budget=0.3, **({"hidden": 16} if name == "less" else {}))
+    got = {}
+    for path, impl in (("tiles", "xla"), ("bands", "pallas_gpu")):
+        monkeypatch.setenv(select.ENV_PROMPT_PASS, path)
+        monkeypatch.setenv(aa.ENV_IMPL, impl)
+        st = m.init(tb.model_cfg(4, 2), tb.B, Capacity(tb.T, tb.MAX_NEW), 0, jnp.float32)
+        got[path] = jax.jit(lambda st, *a: m.prefill_attend(st, 0, *a))(st, q, k, v, lengths)
+    sparse = (lambda s: s.sparse) if name == "less" else (lambda s: s)
+    (o1, s1), (o2, s2) = got["tiles"], got["bands"]
+    np.testing.assert_array_equal(np.asarray(sparse(s1).pos), np.asarray(sparse(s2).pos))
+    for u, w in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(w), atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(o1)[b, :, :n], np.asarray(o2)[b, :, :n], atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ loop census
 
 #: The prefill the census traces: Llama-3.1-8B attention shapes, 32k tokens, batch 8, bf16.
@@ -178,13 +203,14 @@ def census(closed) -> dict:
     return found
 
 
-def prefill_census(name: str, monkeypatch, path: str) -> dict:
+def prefill_census(name: str, monkeypatch, path: str, impl: str = "xla", **size) -> dict:
     """The census of ``name``'s one-layer ``prefill_attend`` traced abstractly (nothing allocated) for a GPU
-    (``jax.default_backend`` patched), the prompt pass forced to ``path``."""
-    c = CENSUS
+    (``jax.default_backend`` patched), the prompt pass forced to ``path`` and the kernel package to ``impl``; size:
+    :data:`CENSUS` overrides."""
+    c = dict(CENSUS, **size)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv(select.ENV_PROMPT_PASS, path)
-    monkeypatch.setenv(aa.ENV_IMPL, "xla")
+    monkeypatch.setenv(aa.ENV_IMPL, impl)
     cfg = ModelConfig("llama", 256, 4096, 14336, 1, c["hq"], c["hkv"], c["d"], max_position_embeddings=131072)
     m = methods.get(name, budget=0.2)
     st = jax.eval_shape(lambda: m.init(cfg, c["b"], Capacity(c["t"], 64), 0, jnp.bfloat16))
@@ -218,3 +244,11 @@ def test_prefill_loop_census_for_a_gpu(name, monkeypatch):
     assert got["cond"] == 0 and got["pallas_call"] == 0
     before = prefill_census(name, monkeypatch, "tiles")
     assert before["while"] == 3 and before["scan_trips"] == got["scan_trips"]
+
+
+@pytest.mark.parametrize("name", ["h2o", "less"])
+def test_the_kernel_prefill_traces_no_loop(name, monkeypatch):
+    """With the Pallas kernels (``pallas_gpu``: where verified, or forced) the prompt pass traces no while loop:
+    the forward and column-sum kernels' loops run on the device, inside the two ``pallas_call``s."""
+    got = prefill_census(name, monkeypatch, "bands", impl="pallas_gpu")
+    assert got == {"while": 0, "scan_trips": LESS_FOLD_TRIPS if name == "less" else 0, "cond": 0, "pallas_call": 2}
