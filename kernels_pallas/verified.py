@@ -47,6 +47,7 @@ VERIFIED = {
         },
         "tpu": None,
     },
+    "accumulated_attention": {"gpu": None, "tpu": None},
     "prefill_attention": {
         "gpu": {
             "impl": "cudnn",

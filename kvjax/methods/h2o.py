@@ -7,7 +7,9 @@ accumulated attention (softmax weights summed over every query so far; GQA: mean
 At prefill the scores are the column sums of the causal attention of all prompt queries
 (``select.accumulated_scores``: one ``q·k`` per causal score, memory linear in the prompt); H2O declares
 ``attends_prompt``, so the engine's prefill takes the prompt's attention from the same pass
-(``select.accumulated_attention`` via ``prefill_attend``) instead of attending twice. During decode the
+(``select.accumulated_attention`` via ``prefill_attend``) instead of attending twice (on the CPU in row blocks and
+cache-sized key tiles; on a GPU/TPU as ``kernels_pallas.accumulated_attention``: a few large tiles, or its Pallas
+kernels where verified; docs/kernels.md#accumulated_attention). During decode the
 new token is attended with the rest, its weights added to the scores, and then, when the sequence holds more than
 ``P`` tokens, the non-recent token with the lowest accumulated score is evicted (H2O's greedy ``real_drop`` step).
 One spare slot makes this exact at a fixed shape; a sequence's live slots are ``[0, P + 1)`` and decode reads only

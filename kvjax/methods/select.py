@@ -8,10 +8,12 @@ for a sequence whose length is within its budget. Ties in top-k go to the lower 
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
-from kvjax import sharding
+from kvjax import attention, sharding
 from kvjax.attention import NEG_INF
 from kvjax.methods.base import top_k
 
@@ -40,13 +42,42 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
 
 #: Query rows per block of :func:`accumulated_scores` (its score buffer holds ``G x rows x T`` float32 per head).
 SCORE_ROWS = 64
+#: How the prompt pass (:func:`accumulated_scores`, :func:`accumulated_attention`) runs: ``tiles`` (the CPU's row
+#: blocks and cache-sized key tiles per head group, :func:`_column_sums`) or ``bands`` (GPU/TPU: query bands against
+#: all their causal keys in large tiles, or the Pallas kernel where verified; ``kernels_pallas.accumulated_attention``).
+PROMPT_PASSES = ("tiles", "bands")
+ENV_PROMPT_PASS = "KVJAX_PROMPT_PASS"
+
+
+def prompt_pass_method(path: str | None = None) -> str:
+    """``path`` if given, else ``$KVJAX_PROMPT_PASS`` if set, else ``tiles`` on the CPU backend and ``bands`` on a
+    GPU/TPU (:func:`kvjax.attention.one_pass`: there every loop trip is a host round trip and every small tile a
+    kernel launch). Read at trace time. Both give the same scores and output to float32 rounding
+    (tests/kvjax/test_prompt_pass.py)."""
+    how = path or os.environ.get(ENV_PROMPT_PASS) or ("bands" if attention.one_pass() else "tiles")
+    if how not in PROMPT_PASSES:
+        raise ValueError(
+            f"{ENV_PROMPT_PASS} (or path=) {how!r} is not one of {PROMPT_PASSES}; unset it to choose by backend"
+        )
+    return how
 
 
 def accumulated_scores(
-    q, k, lengths, chunk: int = 512, rows: int | None = None, heads_at_once: bool | None = None
+    q,
+    k,
+    lengths,
+    chunk: int = 512,
+    rows: int | None = None,
+    heads_at_once: bool | None = None,
+    path: str | None = None,
 ) -> jnp.ndarray:
     """H2O accumulated attention ``[B, Hkv, T]``: column sums of the causal softmax over all real queries
     (averaged over each KV group's query heads).
+
+    path (:func:`prompt_pass_method`): ``bands`` (GPU/TPU) is ``kernels_pallas.accumulated_attention``: the Pallas
+    kernel where verified, else query bands against all their causal keys in tiles of up to 1 GiB (``rows``: query
+    rows per tile, default from that budget; ``chunk`` and ``heads_at_once`` unused): a few while loops of a few
+    hundred trips in all at 32k tokens, no per-head loops. ``tiles`` (CPU) is described below.
 
     One ``q·k`` per causal score (the ``T^2/2`` of one causal attention pass, once), memory linear in ``T``: per
     ``(sequence, KV head)`` (:func:`_column_sums`; split per device on a mesh) the queries go in blocks of ``rows``
@@ -62,22 +93,33 @@ def accumulated_scores(
     blocks) instead of one after another (``lax.map``: each sequence stops at its own length, and the buffer is one
     head's). None: one after another on CPU (the buffer, ``G x rows x T`` float32, 16 MiB at 16k tokens, stays
     small), together elsewhere (fewer, larger kernels; ``B x Hq x rows x T`` float32)."""
-    return _prompt_pass(q, k, None, lengths, chunk, rows, heads_at_once)[1]
+    return _prompt_pass(q, k, None, lengths, chunk, rows, heads_at_once, path)[1]
 
 
 def accumulated_attention(
-    q, k, v, lengths, chunk: int = 512, rows: int | None = None, heads_at_once: bool | None = None
+    q,
+    k,
+    v,
+    lengths,
+    chunk: int = 512,
+    rows: int | None = None,
+    heads_at_once: bool | None = None,
+    path: str | None = None,
 ):
     """The causal attention of the prompt and H2O's accumulated scores from the same probabilities: ``(out [B, Hq,
     T, D] in q.dtype, scores [B, Hkv, T] float32)``, as ``prefill_attention(q, k, v, lengths)`` and
     :func:`accumulated_scores` (up to float rounding; rows of padded queries are 0). Each query block's buffered
     ``exp`` tiles also give its output (``Σ_j f_j ⊙ (P_j V_j)``), so the pair costs one ``q·k`` and one ``P·v`` per
-    causal score: a prefill attention's work, where attention then :func:`accumulated_scores` do a second ``q·k``."""
-    return _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once)
+    causal score: a prefill attention's work, where attention then :func:`accumulated_scores` do a second ``q·k``.
+    path: as :func:`accumulated_scores` (``bands``: each tile's full rows give the output and the column sums)."""
+    return _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once, path)
 
 
-def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
+def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once, path=None):
     """(out or None, scores) of :func:`accumulated_attention` / :func:`accumulated_scores`."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if prompt_pass_method(path) == "bands":
+        return _bands(q, k, v, lengths, rows)
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -86,7 +128,6 @@ def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
     if c % r:
         raise ValueError(f"rows={r} must divide chunk={c} (query rows per block inside a key tile)")
     n = -(-t // c)
-    lengths = jnp.asarray(lengths, jnp.int32)
     at_once = heads_at_once if heads_at_once is not None else jax.default_backend() != "cpu"
 
     def run(q, k, lengths, *v):
@@ -113,6 +154,25 @@ def _prompt_pass(q, k, v, lengths, chunk, rows, heads_at_once):
 
     if v is None:
         return None, sharding.per_head(run, q, k, lengths)
+    return sharding.per_head(run, q, k, lengths, v)
+
+
+def _bands(q, k, v, lengths, rows):
+    """The ``bands`` prompt pass: ``kernels_pallas.accumulated_attention`` per device's heads (its Pallas kernel
+    where verified, else the banded XLA path with ``rows`` query rows per tile)."""
+    from kernels_pallas import accumulated_attention as aa
+
+    impl = aa.default_impl()
+    if impl == "pallas_gpu" and not aa.pallas_gpu_supports(q.shape[-1]):
+        impl = "xla"  # a head_dim Triton cannot tile (not a power of two >= 16): decided by shape, not by a failure
+    opts = {"rows": rows} if impl == "xla" else {}
+
+    def run(q, k, lengths, v):
+        out, acc = aa.accumulated_attention(q, k, v, lengths, impl=impl, **opts)
+        return acc if out is None else (out, acc)
+
+    if v is None:
+        return None, sharding.per_head(run, q, k, lengths, None)
     return sharding.per_head(run, q, k, lengths, v)
 
 

@@ -27,6 +27,7 @@ import pytest
 from kernels_pallas.decode_attention import decode_attention_reference, normalise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_pallas"))
+import test_accumulated_attention as taa  # noqa: E402
 import test_chunked_similarity as tcs  # noqa: E402
 import test_cosine_kmeans as tck  # noqa: E402
 import test_decode_attention as tda  # noqa: E402
@@ -139,3 +140,30 @@ def test_pq_lookup_model_shapes(heads):
 @pytest.mark.parametrize("name,dtype,tpu_block,gpu_block", tck.KERNEL_CASES)
 def test_cosine_kmeans_cases(name, dtype, tpu_block, gpu_block):
     tck.check_kernel(IMPL, name, dtype, tpu_block, gpu_block, interpret=INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------- accumulated attention
+# H2O's prompt pass: a GPU kernel only (a TPU runs the XLA path), so these skip on a TPU (and run the GPU kernel in
+# interpret mode in a dry run on CPU).
+gpu_only = pytest.mark.skipif(
+    jax.default_backend() == "tpu", reason="accumulated_attention has no TPU kernel (XLA path)"
+)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", taa.KERNEL_CASES, ids=taa.IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
+def test_accumulated_attention_cases(case, dtype):
+    taa.check_kernel("pallas_gpu", case, dtype=dtype, interpret=INTERPRET)
+
+
+@gpu_only
+@pytest.mark.parametrize("heads", tex.HEADS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
+@pytest.mark.parametrize("with_v", [True, False], ids=["attention", "scores"])
+def test_accumulated_attention_model_shapes(heads, dtype, with_v):
+    """SmolLM2's and Llama-3.1-8B's heads, 1087 tokens (a ragged last block), lengths (1087, 531), the default
+    blocks and Triton settings; against the XLA reference (NumPy is too slow at this size)."""
+    hq, hkv, d = tex.HEADS[heads]
+    case = ((1087, 531), hq, hkv, 1087, d, None, None)
+    taa.check_kernel("pallas_gpu", case, dtype=dtype, with_v=with_v, interpret=INTERPRET, blocks=False, numpy=False)

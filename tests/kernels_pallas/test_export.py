@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kernels_pallas.accumulated_attention import accumulated_attention
 from kernels_pallas.chunked_similarity import chunk_best_match
 from kernels_pallas.cosine_kmeans import lloyd_step
 from kernels_pallas.decode_attention import ENV_IMPL, decode_attention
@@ -108,6 +109,22 @@ def test_cosine_kmeans_exports(platform, impl, suffix, heads, dtype):
         args = (S((n, rows, d), dtype), S((n, c, d), jnp.float32), S((n, rows), jnp.bool_), S((n, c), jnp.bool_))
         f = functools.partial(lloyd_step, impl=impl)
         assert exported_kernels(f, args, platform) == [f"centroid_update_{suffix}", f"cosine_assign_{suffix}"]
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulated_attention_exports(heads, dtype):
+    """H2O's prompt pass (the causal forward with each row's log-sum-exp, then the column sums) for ``cuda``: a
+    4099-token prompt (a ragged last block) of 2 sequences, with ``v`` (attention and scores) and without (scores
+    only). No TPU kernel: a TPU runs the XLA path."""
+    hq, hkv, d = HEADS[heads]
+    b, t = 2, 4099
+    q, kv, n = S((b, hq, t, d), dtype), S((b, hkv, t, d), dtype), S((b,), jnp.int32)
+    both = functools.partial(accumulated_attention, impl="pallas_gpu")
+    scores = lambda q, k, n: accumulated_attention(q, k, None, n, impl="pallas_gpu")[1]  # noqa: E731
+    want = ["prompt_columns_gpu", "prompt_forward_gpu"]
+    assert exported_kernels(both, (q, kv, kv, n), "cuda") == want
+    assert exported_kernels(scores, (q, kv, n), "cuda") == want
 
 
 # ---------------------------------------------------------------------------------------------- decode step

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels_pallas.accumulated_attention as aa
 import kernels_pallas.chunked_similarity as cs
 import kernels_pallas.cosine_kmeans as ck
 import kernels_pallas.decode_attention as da
@@ -27,6 +28,7 @@ KERNELS = {
     "pq_lookup": (pq.default_impl, "xla"),
     "cosine_kmeans": (ck.default_impl, "xla"),
     "chunked_similarity": (cs.default_impl, "xla"),
+    "accumulated_attention": (aa.default_impl, "xla"),
     "prefill_attention": (P.default_impl, "chunked"),
 }
 PLATFORM = {
@@ -35,6 +37,7 @@ PLATFORM = {
         "pq_lookup": "pallas_gpu",
         "cosine_kmeans": "pallas_gpu",
         "chunked_similarity": "pallas_gpu",
+        "accumulated_attention": "pallas_gpu",
         "prefill_attention": "cudnn",
     },
     "tpu": {
@@ -42,6 +45,7 @@ PLATFORM = {
         "pq_lookup": "pallas_tpu",
         "cosine_kmeans": "pallas_tpu",
         "chunked_similarity": "pallas_tpu",
+        "accumulated_attention": None,  # no TPU kernel: the XLA path, no warning
         "prefill_attention": "splash",
     },
 }
@@ -65,9 +69,16 @@ def fake(monkeypatch):
 def test_the_shipped_record_and_its_documentation():
     record = IC.load_verified()
     assert set(record) == set(IC.PLATFORM_IMPLS) == set(IC.ENV_VARS) == set(IC.VERIFYING_TESTS) == set(KERNELS)
-    assert (da.ENV_IMPL, P.ENV_IMPL, pq.ENV_IMPL, ck.ENV_IMPL, cs.ENV_IMPL) == tuple(
+    assert (da.ENV_IMPL, P.ENV_IMPL, pq.ENV_IMPL, ck.ENV_IMPL, cs.ENV_IMPL, aa.ENV_IMPL) == tuple(
         IC.ENV_VARS[k]
-        for k in ("decode_attention", "prefill_attention", "pq_lookup", "cosine_kmeans", "chunked_similarity")
+        for k in (
+            "decode_attention",
+            "prefill_attention",
+            "pq_lookup",
+            "cosine_kmeans",
+            "chunked_similarity",
+            "accumulated_attention",
+        )
     )
     fields = {"impl", "device_kind", "jax", "date", "tests"}
     for kernel, by in record.items():
@@ -79,6 +90,9 @@ def test_the_shipped_record_and_its_documentation():
         row = next(line for line in doc.splitlines() if line.startswith("|") and f"`{IC.ENV_VARS[kernel]}`" in line)
         gpu, tpu = row.split("|")[3:5]
         for backend, cell in (("gpu", gpu), ("tpu", tpu)):
+            if PLATFORM[backend][kernel] is None:
+                assert "no TPU kernel" in cell and by[backend] is None, (kernel, backend, cell)
+                continue
             assert f"`{PLATFORM[backend][kernel]}`" in cell
             assert ("not verified" in cell) == (by[backend] is None), (kernel, backend, cell)
 
@@ -89,17 +103,19 @@ def test_unverified_kernels_take_the_xla_path_and_say_so_once(fake, caplog, monk
     with caplog.at_level(logging.WARNING, logger="kvjax.kernels"):
         for name, (default, xla) in KERNELS.items():
             assert default() == xla and default() == xla, name
-    assert len(caplog.records) == len(KERNELS)  # once per kernel, not per call
-    for rec, name in zip(caplog.records, KERNELS):
+    has = {name: by for name, by in KERNELS.items() if PLATFORM[backend][name]}  # kernels with one here
+    assert len(caplog.records) == len(has)  # once per kernel, not per call; none where there is no kernel
+    for rec, name in zip(caplog.records, has):
         msg = rec.getMessage()
         assert name in msg and PLATFORM[backend][name] in msg and f"{IC.ENV_VARS[name]}=" in msg, msg
     # the kernel's variable, or the one for all, forces the platform kernel
-    for name, (default, _) in KERNELS.items():
+    for name, (default, _) in has.items():
         monkeypatch.setenv(IC.ENV_VARS[name], PLATFORM[backend][name])
         assert default() == PLATFORM[backend][name]
         monkeypatch.delenv(IC.ENV_VARS[name])
     monkeypatch.setenv(IC.ALL_ENV, "1")
-    assert all(default() == PLATFORM[backend][name] for name, (default, _) in KERNELS.items())
+    assert all(default() == PLATFORM[backend][name] for name, (default, _) in has.items())
+    assert all(default() == xla for name, (default, xla) in KERNELS.items() if name not in has)
 
 
 def test_a_verified_kernel_is_taken_on_its_backend_only(fake):
@@ -199,3 +215,18 @@ def test_record_from_junit(tmp_path):
         IC.record_from_junit(tmp_path / "run.xml", path, on="cpu")
     assert "not verified (XLA path)" in IC.table()
     assert "`pallas_gpu`: verified 20" in IC.table(after) and "on NVIDIA H100 80GB HBM3" in IC.table(after)
+
+
+def test_a_kernel_without_a_tpu_kernel_is_recorded_on_gpu_only(tmp_path):
+    """``accumulated_attention`` has a GPU kernel only: its passing tests record it on a GPU; on a TPU (where they
+    skip) the record is left as it was and nothing fails for the missing platform kernel."""
+    path = tmp_path / "verified.py"
+    shutil.copy(IC.VERIFIED_FILE, path)
+    case = '<testcase classname="tests.accelerator.test_kernels" name="test_accumulated_attention_cases[f32-gqa2]"/>'
+    (tmp_path / "run.xml").write_text(f'<testsuites><testsuite name="pytest">{case}</testsuite></testsuites>')
+    after = IC.record_from_junit(tmp_path / "run.xml", path, device_kind="NVIDIA H100", on="gpu")
+    assert after["accumulated_attention"]["gpu"]["impl"] == "pallas_gpu"
+    assert after["accumulated_attention"]["gpu"]["tests"] == "1/1 passed"
+    after = IC.record_from_junit(tmp_path / "run.xml", path, device_kind="TPU v5e", on="tpu")
+    assert after["accumulated_attention"]["tpu"] is None
+    assert "no kernel (XLA path)" in IC.table(after)
