@@ -42,6 +42,7 @@ phase() {  # phase NAME LIMIT_S command...: runs it under a time limit, its outp
   timeout -k 5 "$limit" "$@" > "$R/$name.log" 2>&1; rc=$?
   echo "=== $name rc=$rc at $(( $(date +%s) - T0 )) s"
   tail -n "${TAIL:-6}" "$R/$name.log"
+  pack >/dev/null  # after every phase: a call cut at its limit still returns what ran
 }
 
 case "$PART" in
@@ -102,22 +103,31 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
       --methods "${PROFILE_METHODS:-full,pqcache,clusterkv,quest,h2o,less,chelsea,snapkv,streaming_llm,chunkkv,pyramidkv}" \
       --skip-done benchmarks/results/profile_h200_32k_b8.json --out "$R/profile_gpu_32k_b8.json"
     ;;
-  after)  # the prefill paths of issue 51 and the kernels against their XLA paths (about 5 min; KVJAX_COMMIT set)
-    TAIL=3 phase software 30 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
+  after)  # issue 51's prefill paths and the Triton kernels against their XLA paths (<= 5 min; KVJAX_COMMIT set)
+    TAIL=3 phase software 20 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
+    # H2O's/LESS's prompt-pass kernels verified and recorded (a later phase's impl=None then takes them)
+    TAIL=12 XLA_PYTHON_CLIENT_PREALLOCATE=false KVJAX_UNVERIFIED_KERNELS=1 phase verify_accumulated "${VERIFY_S:-95}" \
+      python3 -m pytest tests/accelerator/test_kernels.py -m accelerator -k accumulated -q -rfE -n 8 \
+      -p no:cacheprovider $TO --tb=line --junitxml "$R/kernel_tests_accumulated.xml"
+    phase record 20 python3 -m kernels_pallas.impl_choice record "$R/kernel_tests_accumulated.xml"
+    cp kernels_pallas/verified.py "$R/verified.py"
     # TTFT and decode step, 32k x batch 8 bf16, the methods whose prefill changed beside full (written per group)
-    TAIL=16 phase roofline_after "${ROOFLINE_S:-150}" python3 benchmarks/roofline.py --lengths 32k --batch 8 \
+    TAIL=16 phase roofline_after "${ROOFLINE_S:-100}" python3 benchmarks/roofline.py --lengths 32k --batch 8 \
       --dtypes bfloat16 --budgets 0.2 --token-budgets "" --layers 2 --steps 8 --rounds 3 --max-prefill-s inf \
       --methods "${AFTER_METHODS:-full,clusterkv,h2o,less}" --group-size 1 --out "$R/roofline_gpu_32k_after.json"
-    # each verified Triton kernel's method with its XLA path forced (the default's rows: profile_h200_32k_b8.json)
+    # each Triton kernel's method with its XLA path forced (the kernels' rows: profile_h200_32k_b8.json)
     NOCB="--xla_gpu_enable_command_buffer="
     XLA_FLAGS="$NOCB" python3 -c "import jax; jax.numpy.ones(1).block_until_ready()" >/dev/null 2>&1 || NOCB=
-    TAIL=40 XLA_FLAGS="$NOCB" KVJAX_PQ_LOOKUP_IMPL=xla KVJAX_CHUNKED_SIMILARITY_IMPL=xla phase profile_xla \
-      "${PROFILE_S:-70}" python3 benchmarks/profile_step.py --length 32k --batch 8 --dtype bfloat16 --budgets 0.2 \
-      --token-budgets 2048 --steps 8 --prefill --top 6 --methods pqcache,chelsea --tag xla \
+    TAIL=30 XLA_FLAGS="$NOCB" KVJAX_PQ_LOOKUP_IMPL=xla KVJAX_CHUNKED_SIMILARITY_IMPL=xla phase profile_xla \
+      "${PROFILE_S:-55}" python3 benchmarks/profile_step.py --length 32k --batch 8 --dtype bfloat16 --budgets 0.2 \
+      --token-budgets 2048 --steps 8 --prefill --top 5 --methods pqcache,chelsea --tag xla \
       --out "$R/profile_gpu_32k_b8_after.json"
-    TAIL=40 XLA_FLAGS="$NOCB" phase profile_after "${PROFILE_S:-70}" python3 benchmarks/profile_step.py --length 32k \
-      --batch 8 --dtype bfloat16 --budgets 0.2 --token-budgets "" --steps 8 --prefill --top 6 \
-      --methods clusterkv,h2o,less --append --out "$R/profile_gpu_32k_b8_after.json"
+    TAIL=30 XLA_FLAGS="$NOCB" phase profile_after "${PROFILE_S:-45}" python3 benchmarks/profile_step.py --length 32k \
+      --batch 8 --dtype bfloat16 --budgets 0.2 --token-budgets "" --steps 8 --prefill --top 5 \
+      --methods clusterkv,h2o --append --out "$R/profile_gpu_32k_b8_after.json"
+    TAIL=20 XLA_FLAGS="$NOCB" KVJAX_ACCUMULATED_ATTENTION_IMPL=xla phase profile_bands 30 python3 \
+      benchmarks/profile_step.py --length 32k --batch 8 --dtype bfloat16 --budgets 0.2 --token-budgets "" --steps 8 \
+      --prefill --top 5 --methods h2o --tag bands --append --out "$R/profile_gpu_32k_b8_after.json"
     ;;
   kernels)  # decode-attention bandwidth and block skipping, a call's fixed cost subtracted (2nd lease: 58 s)
     TAIL=24 phase kernels 100 python3 benchmarks/decode_attention.py --slots 32768,131072 --batch 1,8 \
