@@ -16,6 +16,14 @@
 #                                                                       # CPU run, then PQCache with its lookup on
 #                                                                       # the XLA path beside full
 #
+#   bash scripts/accelerator_lease.sh profile   # <= 5 min, no carry: every method's step and prefill profiled
+#                                               # (benchmarks/profile_step.py; 4th lease: 225 s)
+#   KVJAX_COMMIT=$(git rev-parse HEAD) bash scripts/accelerator_lease.sh after
+#                                               # <= 5 min: H2O's prompt-pass kernels verified and recorded, the
+#                                               # roofline of the changed prefills, the Triton kernels' methods with
+#                                               # their XLA paths (4th lease: 257 s; the kernels then failed 2/16)
+# Every phase packs what it wrote into $OUT/lease_<part>.tgz as it ends, so a call cut at its limit keeps it.
+#
 # The kernels' verifying tests (`bash scripts/accelerator.sh tests`, 104 s) passed in the first lease and are
 # recorded in kernels_pallas/verified.py; rerun them (part `verify`, ~3 min) after a change to a Pallas kernel.
 # The decode-attention bandwidth (part `kernels`, ~1 min) was measured in the second lease.

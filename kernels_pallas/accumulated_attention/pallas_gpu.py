@@ -36,6 +36,19 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 #: (block_q, block_k, num_warps, num_stages) by input dtype: bf16 tiles as FlashAttention-2's Triton kernel;
 #: float32 tiles halved (shared memory).
 DEFAULTS = {"bfloat16": (128, 64, 8, 2), "float16": (128, 64, 8, 2), "float32": (64, 32, 4, 1)}
+#: Shared memory the column kernel's tiles may take (the H200 gives a block 227 KiB; Triton adds its own): its query
+#: block is halved until the ``G`` query heads' ``[bq, D]`` tiles (one per pipeline stage) and the key block fit.
+#: At Llama-3.1-8B's heads (G = 4, D = 128) in bf16 the forward's 128-row block asked 273 KiB on the H200
+#: (2026-11-27: "Shared memory size limit exceeded: requested 279552, available: 232448"); it takes 64 rows.
+COLUMNS_SMEM = 160 << 10
+
+
+def columns_block_q(bq: int, bk: int, g: int, d: int, itemsize: int, stages: int) -> int:
+    """The column kernel's query block: ``bq`` halved (not below 16) while ``g`` heads' ``[bq, d]`` tiles per
+    pipeline stage plus the ``[bk, d]`` key block exceed :data:`COLUMNS_SMEM`."""
+    while bq > 16 and (g * bq * max(stages, 1) + bk) * d * itemsize > COLUMNS_SMEM:
+        bq //= 2
+    return bq
 
 
 def _pow2(x: int) -> bool:
@@ -169,8 +182,9 @@ def _call(q, k, v, lengths, *, interpret, block_q, block_k, num_warps, num_stage
         **_params(interpret, num_warps, num_stages),
     )(*args, lens)
     out, lse = (res[0], res[1]) if has_v else (None, res[0])
+    cbq = columns_block_q(block_q, block_k, g, d, jnp.dtype(q.dtype).itemsize, num_stages)
     acc = pl.pallas_call(
-        functools.partial(_columns_kernel, g=g, bq=block_q, bk=block_k, scale=scale),
+        functools.partial(_columns_kernel, g=g, bq=cbq, bk=block_k, scale=scale),
         grid=(b, hkv, tp // block_k),
         in_specs=[
             pl.BlockSpec((None, g, tp, d), lambda bi, hi, j: (bi, hi, 0, 0)),

@@ -97,3 +97,16 @@ def test_reference_default_impl_and_bad_blocks(monkeypatch):
     monkeypatch.setenv(aa.ENV_IMPL, "pallas_tpu")
     with pytest.raises(ValueError, match="KVJAX_ACCUMULATED_ATTENTION_IMPL='pallas_tpu' must be one of"):
         aa.default_impl()
+
+
+def test_columns_block_fits_shared_memory():
+    """The column kernel's query block at Llama-3.1-8B's heads in bf16: 128 rows asked 273 KiB of shared memory on an
+    H200 (limit 227 KiB); it takes 64. SmolLM2's heads and float32's blocks, which ran there, are kept."""
+    from kernels_pallas.accumulated_attention.pallas_gpu import COLUMNS_SMEM, columns_block_q
+
+    assert columns_block_q(128, 64, 4, 128, 2, 2) == 64
+    assert columns_block_q(128, 64, 3, 64, 2, 2) == 128
+    assert columns_block_q(64, 32, 4, 128, 4, 1) == 64
+    for g, d, size, stages in [(4, 128, 2, 2), (8, 128, 2, 2), (4, 256, 4, 2)]:
+        bq = columns_block_q(128, 64, g, d, size, stages)
+        assert bq == 16 or (g * bq * stages + 64) * d * size <= COLUMNS_SMEM
