@@ -231,4 +231,7 @@ def test_engine_prefill_takes_the_methods_attention(name, monkeypatch):
     two_pass, _ = prefill(m)
     jax.clear_caches()
     for a, b in zip(jax.tree.leaves(states), jax.tree.leaves(two_pass)):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6)
+        if jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_:  # kept positions, counts: exactly equal
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:  # layer 2's K/V derive from layer 1's attention output: float32 rounding, as the logits above
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-5)
