@@ -136,7 +136,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
             st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, method.recalls)
             return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n), rec)]
 
-        _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, [])
+        _, out = M.run_layers(cfg, params, M.embed(params, tokens, cfg), positions, attend, [])
         return out
 
     return jax.jit(run)
