@@ -48,9 +48,41 @@ CASES = {
         "Qwen2ForCausalLM",
         dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={**YARN5, "attention_factor": 1.3}),
     ),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
+    "gemma3-untied-yarn": (
+        "Gemma3ForCausalLM",
+        dict(
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=6,
+            layer_types=["full_attention", "sliding_attention"],
+            tie_word_embeddings=False,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {**YARN5, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
 }
 #: the case each family's engine tests (generate, every method) run on
-ENGINE_CASES = ["qwen3-yarn", "qwen3-window"]
+ENGINE_CASES = ["qwen3-yarn", "qwen3-window", "gemma3"]
 
 
 def build(arch, options, path, scale=1.0):
@@ -58,7 +90,7 @@ def build(arch, options, path, scale=1.0):
     initialises them to constants), so that each is checked."""
     torch.manual_seed(0)
     cls = getattr(transformers, arch)
-    model = cls(cls.config_class(**BASE, **options)).eval()
+    model = cls(cls.config_class(**{**BASE, **options})).eval()
     gemma = "Gemma" in arch  # (1 + w) norms: w around 0
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -158,3 +190,127 @@ def test_unsupported_options_name_themselves():
     ]:
         with pytest.raises(ValueError, match=match):
             kvjax.ModelConfig.from_hf({**common, **extra})
+
+
+# ------------------------------------------------------------------------------------------- hybrid local/global
+
+
+def test_window_ring_buffer_against_numpy_with_sinks():
+    """A local layer's :class:`Window` (prefill, then decode steps that wrap the ring) against a NumPy sliding-window
+    attention, with and without learned sinks."""
+    from kvjax.methods.base import Capacity
+    from kvjax.methods.hybrid import Window
+    from kvjax.sinks import layer_sinks
+    from ref_baselines import attend, attend_sink, window_keep
+
+    cfg = kvjax.ModelConfig("llama", 16, 16, 16, 1, 4, 2, 8, sliding_windows=(6,))
+    rng = np.random.RandomState(0)
+    b, hq, hkv, d, t, steps, w = 2, 4, 2, 8, 16, 9, 6
+    lengths = np.array([13, 4])
+    q = rng.randn(b, hq, t + steps, d).astype(np.float32)
+    k = rng.randn(b, hkv, t + steps, d).astype(np.float32)
+    v = rng.randn(b, hkv, t + steps, d).astype(np.float32)
+    method = Window(w)
+    for sinks in (None, rng.randn(hq).astype(np.float32)):
+        st = method.init(cfg, b, Capacity(t, steps), 0, jnp.float32)
+        assert st.k.shape[2] == w  # bounded by the window, whatever the bucket
+        st = method.prefill(st, 0, jnp.asarray(q[:, :, :t]), jnp.asarray(k[:, :, :t]), jnp.asarray(v[:, :, :t]), jnp.asarray(lengths))
+        for step in range(steps):
+            pos = lengths + step  # each sequence's next position; its k/v sit at that index of the arrays
+            take = lambda x: jnp.asarray(x[np.arange(b), :, pos])  # noqa: E731
+            with layer_sinks(None if sinks is None else jnp.asarray(sinks)):
+                out, st = method.decode(st, 0, take(q), take(k), take(v), jnp.asarray(pos))
+            for i in range(b):
+                keep = window_keep(int(pos[i]) + 1, w)
+                for h in range(hq):
+                    kv = h // (hq // hkv)
+                    args = (q[i, h, pos[i]], k[i, kv, keep], v[i, kv, keep])
+                    want = attend(*args) if sinks is None else attend_sink(*args, sinks[h])
+                    np.testing.assert_allclose(np.asarray(out[i, h]), want, atol=2e-5)
+            assert np.asarray(method.tokens_held(st)).tolist() == [min(p + 1, w) for p in pos]
+
+
+def test_hybrid_plan_holds_the_window_on_local_layers(built):
+    """Gemma-3-shaped (two local layers of window 8, one global): the local layers' states are ring buffers of 8
+    slots whatever the prompt; the method compresses the global layer only; held bytes, the budget contract and the
+    bytes read per step count both kinds; ``layer_plan`` says it; ``compress_local=True`` compresses every layer."""
+    from kvjax.methods.base import Capacity
+    from kvjax.methods.hybrid import Hybrid, Window, for_model
+
+    model, _, _ = built("gemma3", 3.0)
+    cfg = model.config
+    rng = np.random.RandomState(5)
+    ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (40, 21)]
+    snap = methods.small("snapkv", budget=12)
+    out = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False)
+    plan = for_model(cfg, snap)
+    assert isinstance(plan, Hybrid) and plan.at(0) == Window(8) and plan.at(2) == snap
+    stat = out.stats[0]
+    assert stat["layer_plan"] == "2 local layers: window ring buffers (8 tokens); 1 global layer: snapkv"
+    # held: min(n + steps, 8) on each local layer, snapkv's 12 + generated on the global one (mean over layers)
+    for s, n in zip(out.stats, (40, 21)):
+        assert s["tokens_held"] == pytest.approx((2 * 8 + 12 + 4) / 3)
+    cap = Capacity(64, 5)
+    want = engine.expected_held_bytes(cfg, snap, cap, jnp.float32, [40, 21], 4, batch=2)
+    assert [s["held_bytes"] for s in out.stats] == want.tolist()
+    states = engine.init_states(cfg, snap, 2, cap, jnp.float32)
+    assert [st.k.shape[2] for st in states[:2]] == [8, 8]  # ring buffers of the window, not the 64-token bucket
+    # compressing the local layers too: every layer runs snapkv
+    both = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, compress_local=True)
+    assert both.stats[0]["layer_plan"] == "3 layers: snapkv"
+    assert both.stats[0]["tokens_held"] == pytest.approx(12 + 4)
+    # full keeps everything on the global layer and the window on the local ones: what the model attends
+    full = engine.generate(model, ps, "full", max_new_tokens=5, driver="scan", stop_at_eos=False)
+    assert full.stats[0]["tokens_held"] == pytest.approx((2 * 8 + 44) / 3)
+    assert full.stats[0]["bytes_read_per_step"] > out.stats[0]["bytes_read_per_step"]
+
+
+def test_scan_layers_refuses_layers_that_differ(built):
+    model, _, path = built("gemma3", 3.0)
+    from kvjax.methods.base import Capacity
+
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        engine.init_states(model.config, methods.get("full"), 1, Capacity(32, 4), jnp.float32, scan_layers=True)
+
+
+def test_gemma3_spellings_agree():
+    """Gemma 3 in transformers 4.x (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` for the global layers,
+    ``sliding_window_pattern``) and 5.x (``rope_parameters`` per layer type, ``layer_types``)."""
+    common = {**BASE, "model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 16}
+    v4 = {**common, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    v5 = {**common, "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
+    assert a == b and a.sliding_windows == (8,) * 5 + (None,) and a.rope_local.theta == 1e4 and a.rope.factor == 8.0
+    for extra, match in [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                         ({"use_bidirectional_attention": True}, "use_bidirectional_attention")]:
+        with pytest.raises(ValueError, match=match):
+            kvjax.ModelConfig.from_hf({**v5, **extra})
+
+
+def test_gemma3_text_tower_of_the_multimodal_checkpoint(tmp_path):
+    """Gemma3ForConditionalGeneration: kvjax loads its text tower (the vision tower's tensors left out) and gives
+    the multimodal model's logits on text. (Its transformers class applies no final soft-cap, so the config has none,
+    as Gemma 3's released configs do.)"""
+    torch.manual_seed(0)
+    text = {**BASE, **CASES["gemma3"][1], "final_logit_softcapping": None}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    hf = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    ).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path)
+    model = kvjax.load_model(tmp_path, dtype=jnp.float32)
+    assert model.config.model_type == "gemma3" and model.config.sliding_windows == (8, 8, None)
+    ids = np.random.RandomState(1).randint(3, 100, size=(1, 30))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(ids)).logits.numpy()[0]
+    out = np.asarray(forward(model.config, model.params, jnp.asarray(ids)))[0]
+    assert np.abs(out - ref).max() < 1e-4
