@@ -80,9 +80,32 @@ CASES = {
             },
         ),
     ),
+    "gpt-oss": (
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=0.1,  # small enough that the clamps act on these weights
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 150000.0,
+            },
+        ),
+    ),
 }
-#: the case each family's engine tests (generate, every method) run on
-ENGINE_CASES = ["qwen3-yarn", "qwen3-window", "gemma3"]
+#: the cases the engine tests (generate, every method) run on, with the weight scale that makes their greedy
+#: continuations input-dependent (not one token repeated)
+ENGINE_CASES = {"qwen3-yarn": 3.0, "qwen3-window": 3.0, "gemma3": 3.0, "gpt-oss": 8.0}
 
 
 def build(arch, options, path, scale=1.0):
@@ -137,9 +160,9 @@ def test_logits_match_transformers_batched_with_padding(case, built):
     assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("case", ENGINE_CASES)
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_greedy_tokens_equal_transformers(case, built):
-    model, hf, _ = built(case, 3.0)
+    model, hf, _ = built(case, ENGINE_CASES[case])
     rng = np.random.RandomState(2)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (23, 11)]
     out = engine.generate(model, ps, "full", max_new_tokens=10, stop_at_eos=False)
@@ -154,9 +177,9 @@ def covering(name: str, total: int):
     return methods.small(name, **({"budget": total} if methods.takes_budget(name) else {}))
 
 
-@pytest.mark.parametrize("case", ENGINE_CASES)
+@pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_every_method_runs_and_a_covering_budget_gives_full(case, built):
-    model, _, _ = built(case, 3.0)
+    model, _, _ = built(case, ENGINE_CASES[case])
     rng = np.random.RandomState(3)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (30, 17)]
     full = engine.generate(model, ps, "full", max_new_tokens=6, driver="scan", stop_at_eos=False)
@@ -314,3 +337,62 @@ def test_gemma3_text_tower_of_the_multimodal_checkpoint(tmp_path):
         ref = hf(input_ids=torch.tensor(ids)).logits.numpy()[0]
     out = np.asarray(forward(model.config, model.params, jnp.asarray(ids)))[0]
     assert np.abs(out - ref).max() < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------------ gpt-oss
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_attention_with_sinks_against_numpy(window):
+    """The prefill attention with learned sinks, dense and in chunks (an online softmax whose sink joins at the
+    end), against NumPy: each row's softmax over its causal (windowed) keys and the head's sink logit."""
+    from kvjax.prefill_attention import chunked_attention, dense_attention, prefill_attention
+    from ref_baselines import attend_sink
+
+    rng = np.random.RandomState(0)
+    b, hq, hkv, t, d = 2, 4, 2, 24, 8
+    q, k, v = (rng.randn(b, h, t, d).astype(np.float32) for h in (hq, hkv, hkv))
+    sinks = rng.randn(hq).astype(np.float32)
+    lengths = np.array([24, 15])
+    args = tuple(jnp.asarray(x) for x in (q, k, v, lengths))
+    outs = [
+        dense_attention(*args, window, jnp.asarray(sinks)),
+        chunked_attention(*args, window, 8, jnp.asarray(sinks)),
+        prefill_attention(*args, window, impl=None, sinks=jnp.asarray(sinks)),
+    ]
+    for i in range(b):
+        for h in range(hq):
+            for row in range(lengths[i]):
+                keys = [s for s in range(row + 1) if window is None or row - s < window]
+                want = attend_sink(q[i, h, row], k[i, h // 2, keys], v[i, h // 2, keys], sinks[h])
+                for out in outs:
+                    np.testing.assert_allclose(np.asarray(out[i, h, row]), want, atol=2e-5)
+    with pytest.raises(ValueError, match="sinks"):
+        prefill_attention(*args, window, impl="splash", sinks=jnp.asarray(sinks))
+
+
+def test_gpt_oss_config_spellings_and_refusals():
+    common = {**BASE, "model_type": "gpt_oss", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 4, "sliding_window": 128, "num_local_experts": 8, "num_experts_per_tok": 2}
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}
+    v5 = {**common, "layer_types": ["sliding_attention", "full_attention"] * 2,
+          "rope_parameters": {**yarn, "rope_theta": 150000.0}}
+    v4 = {**common, "rope_theta": 150000.0, "rope_scaling": yarn}
+    a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
+    assert a == b and a.sliding_windows == (128, None, 128, None) and a.attention_sinks and a.num_experts == 8
+    assert not a.rope.truncate and a.attention_bias and a.o_bias
+    with pytest.raises(ValueError, match="quantization_config.*mxfp4"):
+        kvjax.ModelConfig.from_hf({**v5, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def test_gpt_oss_every_method_compresses(built):
+    """gpt-oss at budgets below the prompt: every method runs with sinks in its softmax (LESS's shared denominator,
+    Chelsea's merged slots included) and keeps what its budget says on the global layers."""
+    model, _, _ = built("gpt-oss", ENGINE_CASES["gpt-oss"])
+    rng = np.random.RandomState(4)
+    ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (40, 26)]
+    for name in ("streaming_llm", "snapkv", "chelsea", "less"):
+        out = engine.generate(model, ps, methods.small(name, budget=12), max_new_tokens=4, driver="scan")
+        assert all(len(t) == 4 for t in out.tokens), name
+        assert out.stats[0]["layer_plan"].startswith("2 local layers: window ring buffers (8 tokens)")
