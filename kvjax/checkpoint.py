@@ -25,10 +25,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 #: Where the text tower's ``model.*`` tensors live in a Gemma3ForConditionalGeneration checkpoint (transformers 5.x,
 #: 4.x), and its LM head.
-_TOWER_PREFIXES = (("model.language_model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"))
+_TOWER_PREFIXES = (
+    ("model.language_model.", "lm_head.weight"),
+    ("language_model.model.", "language_model.lm_head.weight"),
+)
 
 
-def expected_tensors(cfg: ModelConfig, prefix: str = "model.", head: str = "lm_head.weight") -> dict[tuple, tuple[str, bool]]:
+def expected_tensors(
+    cfg: ModelConfig, prefix: str = "model.", head: str = "lm_head.weight"
+) -> dict[tuple, tuple[str, bool]]:
     """Map params path -> (HF tensor name, transpose?) for every tensor ``cfg`` needs (``prefix``: where the
     decoder's tensors live, ``head``: the LM head's name)."""
     out: dict[tuple, tuple[str, bool]] = {

@@ -116,7 +116,7 @@ def moe_mlp(cfg: ModelConfig, lp: Params, h: jnp.ndarray) -> jnp.ndarray:
     and only the chosen experts compute."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])  # [N, H]
-    n, e, kk = x.shape[0], cfg.num_experts, cfg.experts_per_token
+    e, kk = cfg.num_experts, cfg.experts_per_token
     router = (x @ lp["router"] + lp["b_router"]).astype(jnp.float32)  # [N, E]
     top, idx = jax.lax.top_k(router, kk)  # [N, k]
     weights = jax.nn.softmax(top, axis=-1).astype(x.dtype)
@@ -395,7 +395,11 @@ def random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: fl
         lp.update({name: jnp.zeros(shape, dtype) for name, shape in biases.items()})
         lp.update({name: jnp.full((n,), identity, dtype) for name, n in norms.items()})
         layers.append(lp)
-    params = {"embed": normal((cfg.vocab_size, h)), "final_norm": jnp.full((h,), identity, dtype), "layers": tuple(layers)}
+    params = {
+        "embed": normal((cfg.vocab_size, h)),
+        "final_norm": jnp.full((h,), identity, dtype),
+        "layers": tuple(layers),
+    }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = normal((h, cfg.vocab_size))
     return params

@@ -41,8 +41,10 @@ def _yarn(rope: RopeConfig, dim: int) -> np.ndarray:
     """YaRN's blended inverse frequencies (Peng et al. 2023, eq. 18-20; ``_compute_yarn_parameters``)."""
 
     def correction_dim(rotations):
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(rope.theta)
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
         )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)

@@ -85,7 +85,9 @@ class PerLayerPlan(Method):
         return self.at(layer).init(model_cfg, batch, capacity, layer, dtype)
 
     def prefill(self, state, layer, q, k, v, lengths, previous=None):
-        return self.at(_static(layer, f"{type(self).__name__}.prefill")).prefill(state, layer, q, k, v, lengths, previous=previous)
+        return self.at(_static(layer, f"{type(self).__name__}.prefill")).prefill(
+            state, layer, q, k, v, lengths, previous=previous
+        )
 
     def prefill_attend(self, state, layer, q, k, v, lengths, previous=None):
         m = self.at(_static(layer, f"{type(self).__name__}.prefill_attend"))
@@ -104,9 +106,7 @@ class PerLayerPlan(Method):
         return self.at(layer).held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
 
     def _per_state(self, what: str):
-        raise TypeError(
-            f"{type(self).__name__}.{what}(state): ask the layer's method, method.at(layer).{what}(state)"
-        )
+        raise TypeError(f"{type(self).__name__}.{what}(state): ask the layer's method, method.at(layer).{what}(state)")
 
     def tokens_held(self, state):
         self._per_state("tokens_held")
@@ -143,4 +143,3 @@ class FullFirst(PerLayerPlan):
 
     def at(self, layer: int) -> Method:
         return full_below(self.n_full, _static(layer, "FullFirst.at"), self.inner.at(layer))
-

@@ -3,8 +3,6 @@ checkpoints built here with ``save_pretrained``: norms, biases and sinks randomi
 windows, batched with padding. Float32 logits within 1e-4, greedy tokens equal to ``hf.generate``, every registered
 method run on every family, and at a budget covering prompt + generated tokens every method gives full's tokens."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +39,11 @@ CASES = {
     ),
     "llama-yarn": (
         "LlamaForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={**YARN5, "beta_fast": 16.0, "truncate": False}),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={**YARN5, "beta_fast": 16.0, "truncate": False},
+        ),
     ),
     "mistral-yarn": ("MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=YARN5)),
     "qwen2-yarn": (
@@ -152,7 +154,9 @@ def test_logits_match_transformers_batched_with_padding(case, built):
     t = 40  # longer than every window of the cases (8) and the YaRN original context (16)
     ids = np.random.RandomState(1).randint(0, VOCAB, size=(2, t))
     lengths = np.array([t, 27])
-    out = np.asarray(jax.jit(forward, static_argnums=0)(model.config, model.params, jnp.asarray(ids), jnp.asarray(lengths)))
+    out = np.asarray(
+        jax.jit(forward, static_argnums=0)(model.config, model.params, jnp.asarray(ids), jnp.asarray(lengths))
+    )
     worst = 0.0
     for i, n in enumerate(lengths):
         ref = _hf_logits(hf, ids[i, :n])
@@ -195,8 +199,11 @@ def test_yarn_spellings_agree():
     """transformers 4.x (``rope_theta`` + ``rope_scaling``) and 5.x (``rope_parameters``) give one config."""
     common = {**BASE, "model_type": "qwen3", "num_attention_heads": 4, "num_key_value_heads": 2}
     v5 = {**common, "rope_parameters": {**YARN5, "beta_fast": 8.0}}
-    v4 = {**common, "rope_theta": 10000.0, "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 8.0,
-                                                             "original_max_position_embeddings": 16}}
+    v4 = {
+        **common,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 8.0, "original_max_position_embeddings": 16},
+    }
     a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
     assert a == b and a.rope.rope_type == "yarn" and a.rope.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
 
@@ -237,7 +244,9 @@ def test_window_ring_buffer_against_numpy_with_sinks():
     for sinks in (None, rng.randn(hq).astype(np.float32)):
         st = method.init(cfg, b, Capacity(t, steps), 0, jnp.float32)
         assert st.k.shape[2] == w  # bounded by the window, whatever the bucket
-        st = method.prefill(st, 0, jnp.asarray(q[:, :, :t]), jnp.asarray(k[:, :, :t]), jnp.asarray(v[:, :, :t]), jnp.asarray(lengths))
+        st = method.prefill(
+            st, 0, jnp.asarray(q[:, :, :t]), jnp.asarray(k[:, :, :t]), jnp.asarray(v[:, :, :t]), jnp.asarray(lengths)
+        )
         for step in range(steps):
             pos = lengths + step  # each sequence's next position; its k/v sit at that index of the arrays
             take = lambda x: jnp.asarray(x[np.arange(b), :, pos])  # noqa: E731
@@ -299,17 +308,37 @@ def test_scan_layers_refuses_layers_that_differ(built):
 def test_gemma3_spellings_agree():
     """Gemma 3 in transformers 4.x (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` for the global layers,
     ``sliding_window_pattern``) and 5.x (``rope_parameters`` per layer type, ``layer_types``)."""
-    common = {**BASE, "model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "num_hidden_layers": 6, "sliding_window": 8, "query_pre_attn_scalar": 16}
-    v4 = {**common, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6,
-          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
-    v5 = {**common, "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    common = {
+        **BASE,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 6,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 16,
+    }
+    v4 = {
+        **common,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "sliding_window_pattern": 6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    v5 = {
+        **common,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    }
     a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
     assert a == b and a.sliding_windows == (8,) * 5 + (None,) and a.rope_local.theta == 1e4 and a.rope.factor == 8.0
-    for extra, match in [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-                         ({"use_bidirectional_attention": True}, "use_bidirectional_attention")]:
+    for extra, match in [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ]:
         with pytest.raises(ValueError, match=match):
             kvjax.ModelConfig.from_hf({**v5, **extra})
 
@@ -320,8 +349,9 @@ def test_gemma3_text_tower_of_the_multimodal_checkpoint(tmp_path):
     as Gemma 3's released configs do.)"""
     torch.manual_seed(0)
     text = {**BASE, **CASES["gemma3"][1], "final_logit_softcapping": None}
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+    vision = dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     hf = transformers.Gemma3ForConditionalGeneration(
         transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
     ).eval()
@@ -372,12 +402,30 @@ def test_prefill_attention_with_sinks_against_numpy(window):
 
 
 def test_gpt_oss_config_spellings_and_refusals():
-    common = {**BASE, "model_type": "gpt_oss", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "num_hidden_layers": 4, "sliding_window": 128, "num_local_experts": 8, "num_experts_per_tok": 2}
-    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-            "original_max_position_embeddings": 4096}
-    v5 = {**common, "layer_types": ["sliding_attention", "full_attention"] * 2,
-          "rope_parameters": {**yarn, "rope_theta": 150000.0}}
+    common = {
+        **BASE,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 4,
+        "sliding_window": 128,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+    v5 = {
+        **common,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {**yarn, "rope_theta": 150000.0},
+    }
     v4 = {**common, "rope_theta": 150000.0, "rope_scaling": yarn}
     a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
     assert a == b and a.sliding_windows == (128, None, 128, None) and a.attention_sinks and a.num_experts == 8
@@ -396,3 +444,24 @@ def test_gpt_oss_every_method_compresses(built):
         out = engine.generate(model, ps, methods.small(name, budget=12), max_new_tokens=4, driver="scan")
         assert all(len(t) == 4 for t in out.tokens), name
         assert out.stats[0]["layer_plan"].startswith("2 local layers: window ring buffers (8 tokens)")
+
+
+@pytest.mark.parametrize(
+    "arch,options",
+    [
+        ("Qwen3ForCausalLM", dict(head_dim=16)),
+        ("Gemma3ForCausalLM", dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+        ("GptOssForCausalLM", dict(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2)),
+    ],
+)
+def test_kvjax_generate_runs_on_each_family(arch, options, tmp_path, capsys):
+    from tiny_models import save_tiny
+
+    from kvjax import cli
+
+    folder = save_tiny(tmp_path / "tiny", arch, **options)
+    argv = ["generate", "--model", str(folder), "--method", "snapkv", "--budget", "8", "--max-new-tokens", "3"]
+    assert cli.main([*argv, "--prompt", "the cat sat on the mat and looked at the dog for a while"]) == 0
+    err = capsys.readouterr().err
+    if arch != "Qwen3ForCausalLM":
+        assert "1 local layer: window ring buffers (4 tokens); 1 global layer: snapkv" in err
