@@ -465,3 +465,63 @@ def test_kvjax_generate_runs_on_each_family(arch, options, tmp_path, capsys):
     err = capsys.readouterr().err
     if arch != "Qwen3ForCausalLM":
         assert "1 local layer: window ring buffers (4 tokens); 1 global layer: snapkv" in err
+
+
+def _write_qwen3_gguf(hf, path):
+    """A GGUF file of ``hf`` (a Qwen3ForCausalLM) with llama.cpp's ``qwen3`` names and metadata, float32 tensors
+    (as ``convert_hf_to_gguf.py`` writes them: no q/k row permutation for this NeoX-RoPE architecture)."""
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, p in hf.state_dict().items():
+        x = p.numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", x)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", x)
+        elif name == "lm_head.weight":
+            if not c.tie_word_embeddings:  # a tied head is the embedding (llama.cpp then writes no output)
+                w.add_tensor("output.weight", x)
+        else:
+            layer, rest = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            w.add_tensor(f"blk.{layer}.{names[rest]}.weight", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_qwen3_gguf_matches_transformers(built, tmp_path):
+    pytest.importorskip("gguf")
+    _, hf, _ = built("qwen3-tied")
+    _write_qwen3_gguf(hf, tmp_path / "qwen3.gguf")
+    model = kvjax.load_model(tmp_path / "qwen3.gguf", dtype=jnp.float32, tokenizer=False)
+    assert model.config.model_type == "qwen3" and model.config.qk_norm and model.config.tie_word_embeddings
+    ids = np.random.RandomState(1).randint(0, VOCAB, size=(1, 30))
+    out = np.asarray(forward(model.config, model.params, jnp.asarray(ids)))[0]
+    assert np.abs(out - _hf_logits(hf, ids[0])).max() < 1e-4
