@@ -3,11 +3,17 @@
 Used for the embedded default model (SmolLM2-135M-Instruct, Q4_1). Tensors are dequantized with the ``gguf``
 package (to float32, then cast). llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that
 RoPE pairs are interleaved (``convert_hf_to_gguf.py: LlamaModel.permute``); we undo it so keys are in HF's
-``rotate_half`` layout again. ``general.architecture`` ``"llama"`` and ``"qwen3"`` are supported (Qwen3 is converted
-without the permutation, its RoPE being NeoX-style, i.e. ``rotate_half`` already, and adds ``attn_q_norm`` /
-``attn_k_norm``). Gemma 3 GGUF files are refused: their tokenizer is SentencePiece (``tokenizer.ggml.model`` =
-``llama``, which :class:`kvjax.tokenizer.GGUFTokenizer` does not read) and llama.cpp stores its norms as ``1 + w``
-and fixes its local RoPE base and window pattern in code rather than in the file; load its safetensors.
+``rotate_half`` layout again. ``general.architecture`` ``"llama"``, ``"qwen3"`` and ``"gemma3"`` are supported:
+
+- ``qwen3``: converted without the permutation (NeoX-style RoPE, i.e. ``rotate_half`` already), plus
+  ``attn_q_norm`` / ``attn_k_norm``;
+- ``gemma3``: no permutation either; llama.cpp stores every Gemma norm as ``1 + w`` (undone here, as transformers'
+  GGUF reader does), names the four norms ``attn_norm``, ``post_attention_norm``, ``ffn_norm`` (the pre-MLP one)
+  and ``post_ffw_norm``, and fixes in code what the file does not say: five local layers to one global
+  (``gemma3.attention.sliding_window`` the window), a local RoPE base of 10000, and scores scaled by
+  ``1/sqrt(head_dim)`` (``1/sqrt(hidden / heads)`` for the 62-layer 27B model). Its tokenizer is SentencePiece
+  (``tokenizer.ggml.model = "llama"``), which :class:`kvjax.tokenizer.GGUFTokenizer` does not read: load such a
+  file with ``tokenizer=False`` (token ids), or its Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -36,7 +42,19 @@ _LAYER_NAMES = {
 _ARCHS = {
     "llama": ("llama", {}, True),
     "qwen3": ("qwen3", {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}, False),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "attn_q_norm": "q_norm",
+            "attn_k_norm": "k_norm",
+            "post_attention_norm": "post_attn_norm",
+            "post_ffw_norm": "post_mlp_norm",
+        },
+        False,
+    ),
 }
+#: llama.cpp's Gemma 3 constants (``llama-model.cpp``): a global layer every 6, the local layers' RoPE base.
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
 def open_gguf(path: str | Path):
@@ -98,11 +116,28 @@ def config_from_gguf(reader) -> ModelConfig:
         rms_norm_eps=float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope=rope,
         max_position_embeddings=int(field(reader, f"{a}.context_length", 4096)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **(_gemma3(reader, hidden, heads, head_dim) if arch == "gemma3" else {}),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         checkpoint_dtype="gguf",
+    )
+
+
+def _gemma3(reader, hidden: int, heads: int, head_dim: int) -> dict:
+    """The Gemma 3 fields of :class:`ModelConfig` from a ``gemma3`` GGUF and llama.cpp's constants (module doc)."""
+    layers = int(field(reader, "gemma3.block_count"))
+    window = field(reader, "gemma3.attention.sliding_window")
+    windows = tuple(None if window is None or (i + 1) % _GEMMA3_PATTERN == 0 else int(window) for i in range(layers))
+    return dict(
+        sliding_windows=windows,
+        norm_style="gemma",
+        post_norms=True,
+        embed_scale=True,
+        query_pre_attn_scalar=float(hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim),
+        hidden_act="gelu_tanh",
+        rope_local=RopeConfig(theta=_GEMMA3_LOCAL_BASE),
     )
 
 
@@ -131,6 +166,8 @@ def load_gguf_params(reader, cfg: ModelConfig, dtype=jnp.float32) -> Params:
     for t in reader.tensors:
         w = _dequantize(t)
         parts = t.name.split(".")
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
         if t.name == "token_embd.weight":
             flat[("embed",)] = w
         elif t.name == "output_norm.weight":

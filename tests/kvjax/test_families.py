@@ -467,13 +467,37 @@ def test_kvjax_generate_runs_on_each_family(arch, options, tmp_path, capsys):
         assert "1 local layer: window ring buffers (4 tokens); 1 global layer: snapkv" in err
 
 
-def _write_qwen3_gguf(hf, path):
-    """A GGUF file of ``hf`` (a Qwen3ForCausalLM) with llama.cpp's ``qwen3`` names and metadata, float32 tensors
-    (as ``convert_hf_to_gguf.py`` writes them: no q/k row permutation for this NeoX-RoPE architecture)."""
+#: transformers' module names -> llama.cpp's tensor names (``blk.N.<name>.weight``)
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_NORMS = {
+    "qwen3": {"post_attention_layernorm": "ffn_norm"},
+    "gemma3": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+
+
+def _write_gguf(hf, path, arch):
+    """A GGUF file of ``hf`` with llama.cpp's ``arch`` names and metadata and float32 tensors, as
+    ``convert_hf_to_gguf.py`` writes them: no q/k row permutation for these NeoX-RoPE architectures, Gemma's norms
+    stored as ``1 + w``, a SentencePiece-style token list for Gemma (transformers' GGUF reader wants one)."""
     import gguf
 
     c = hf.config
-    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
@@ -482,24 +506,22 @@ def _write_qwen3_gguf(hf, path):
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
+    if arch == "gemma3":
+        w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        w.add_sliding_window(c.sliding_window)
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        w.add_token_scores([0.0] * c.vocab_size)
+        w.add_token_types([1] * c.vocab_size)
+    else:
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    names = {**GGUF_NAMES, **GGUF_NORMS[arch]}
     for name, p in hf.state_dict().items():
         x = p.numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            x = x + 1.0
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", x)
         elif name == "model.norm.weight":
@@ -519,9 +541,30 @@ def _write_qwen3_gguf(hf, path):
 def test_qwen3_gguf_matches_transformers(built, tmp_path):
     pytest.importorskip("gguf")
     _, hf, _ = built("qwen3-tied")
-    _write_qwen3_gguf(hf, tmp_path / "qwen3.gguf")
+    _write_gguf(hf, tmp_path / "qwen3.gguf", "qwen3")
     model = kvjax.load_model(tmp_path / "qwen3.gguf", dtype=jnp.float32, tokenizer=False)
     assert model.config.model_type == "qwen3" and model.config.qk_norm and model.config.tie_word_embeddings
     ids = np.random.RandomState(1).randint(0, VOCAB, size=(1, 30))
     out = np.asarray(forward(model.config, model.params, jnp.asarray(ids)))[0]
     assert np.abs(out - _hf_logits(hf, ids[0])).max() < 1e-4
+
+
+def test_gemma3_gguf_matches_transformers(tmp_path):
+    """A Gemma 3 GGUF (llama.cpp's names and conventions: norms stored as 1 + w, five local layers to one global,
+    a local RoPE base of 10000, scores scaled by 1/sqrt(head_dim)) read by kvjax gives the model's logits; the same
+    file read by transformers' GGUF loader gives them too, so the file follows the conventions both read."""
+    pytest.importorskip("gguf")
+    options = dict(
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=256, sliding_window=8,
+        query_pre_attn_scalar=256,
+    )  # fmt: skip
+    hf = build("Gemma3ForCausalLM", options, tmp_path / "hf")
+    _write_gguf(hf, tmp_path / "g3.gguf", "gemma3")
+    model = kvjax.load_model(tmp_path / "g3.gguf", dtype=jnp.float32, tokenizer=False)
+    assert model.config.sliding_windows == (8,) * 5 + (None,) and model.config.rope_local.theta == 10000.0
+    ids = np.random.RandomState(1).randint(3, 100, size=(1, 30))
+    ref = _hf_logits(hf, ids[0])
+    out = np.asarray(forward(model.config, model.params, jnp.asarray(ids)))[0]
+    assert np.abs(out - ref).max() < 1e-4
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="g3.gguf", dtype=torch.float32)
+    assert np.abs(_hf_logits(theirs.eval(), ids[0]) - ref).max() < 1e-4
