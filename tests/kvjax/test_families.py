@@ -82,6 +82,13 @@ CASES = {
             },
         ),
     ),
+    "mistral-v0.1-window": ("MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    "qwen2-window": (
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        ),
+    ),
     "gpt-oss": (
         "GptOssForCausalLM",
         dict(
@@ -164,9 +171,14 @@ def test_logits_match_transformers_batched_with_padding(case, built):
     assert worst < 1e-4, worst
 
 
-@pytest.mark.parametrize("case", list(ENGINE_CASES))
+#: and the greedy test also on Mistral v0.1's and Qwen2's windows (every layer, and the layers past
+#: max_window_layers), which follow the same rule: ring buffers of the window, prompts longer than it
+GREEDY_CASES = {**ENGINE_CASES, "mistral-v0.1-window": 3.0, "qwen2-window": 8.0}
+
+
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
 def test_greedy_tokens_equal_transformers(case, built):
-    model, hf, _ = built(case, ENGINE_CASES[case])
+    model, hf, _ = built(case, GREEDY_CASES[case])
     rng = np.random.RandomState(2)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (23, 11)]
     out = engine.generate(model, ps, "full", max_new_tokens=10, stop_at_eos=False)
@@ -568,3 +580,17 @@ def test_gemma3_gguf_matches_transformers(tmp_path):
     assert np.abs(out - ref).max() < 1e-4
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="g3.gguf", dtype=torch.float32)
     assert np.abs(_hf_logits(theirs.eval(), ids[0]) - ref).max() < 1e-4
+
+
+def test_fidelity_probes_a_hybrid_model_as_the_engine_runs_it(built):
+    """eval's fidelity probe on a hybrid model: the local layers run (and are referenced by) their ring buffers, so
+    their error is 0 whatever the method; the global layer's is the method's."""
+    from eval import fidelity
+
+    model, _, _ = built("gemma3", 3.0)
+    ids = list(np.random.RandomState(0).randint(2, VOCAB - 2, size=40))
+    full = fidelity.probe(model, ids, methods.get("full"), probes=4)
+    snap = fidelity.probe(model, ids, methods.small("snapkv", budget=12), probes=4)
+    assert full["rel_error"] == [0.0, 0.0, 0.0]
+    assert snap["rel_error"][:2] == [0.0, 0.0] and snap["rel_error"][2] > 0
+    assert snap["tokens_held"] == pytest.approx((8 + 8 + 12) / 3)

@@ -213,7 +213,6 @@ def test_errors(tiny):
         engine.init_states(windows, Full(), 3, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
 
 
-
 def _computing_ops(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     """(op, dims) of every instruction of a compiled program that computes or copies a value (parameters, tuples,
     bitcasts, loops and tuple elements only alias their operands)."""
