@@ -594,3 +594,20 @@ def test_fidelity_probes_a_hybrid_model_as_the_engine_runs_it(built):
     assert full["rel_error"] == [0.0, 0.0, 0.0]
     assert snap["rel_error"][:2] == [0.0, 0.0] and snap["rel_error"][2] > 0
     assert snap["tokens_held"] == pytest.approx((8 + 8 + 12) / 3)
+
+
+def test_hybrid_plan_is_bucket_independent_and_compiles_once(built):
+    """The same prompts in two buckets keep the same tokens and generate the same output on a hybrid model (the
+    ring buffers' contents follow each prompt's own length); a second batch of the same shapes compiles nothing."""
+    model, _, _ = built("gemma3", 3.0)
+    rng = np.random.RandomState(6)
+    ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (37, 12)]
+    snap = methods.small("snapkv", budget=10)
+    a = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, prompt_len=64)
+    b = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, prompt_len=128)
+    assert a.tokens == b.tokens
+    assert [s["tokens_held"] for s in a.stats] == [s["tokens_held"] for s in b.stats]
+    before = dict(engine.TRACE_COUNTS)
+    other = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (50, 9)]
+    engine.generate(model, other, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, prompt_len=64)
+    assert dict(engine.TRACE_COUNTS) == before
