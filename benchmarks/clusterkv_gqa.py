@@ -35,7 +35,7 @@ def capture(params, tokens):
     def attend(layer, x, q, k, v, out):
         return M.causal_attention(q, k, v), out + [(q, k, v)]
 
-    return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(tokens.shape[1])[None], attend, [])[1]
+    return M.run_layers(cfg, params, M.embed(params, tokens, cfg), jnp.arange(tokens.shape[1])[None], attend, [])[1]
 
 
 @jax.jit

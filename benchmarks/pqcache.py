@@ -103,7 +103,7 @@ def layer_qks(model, ids, nq: int):
             qs = jnp.moveaxis(q[:, :, n + 1 - nq : n + 1].astype(jnp.float32), 2, 0)
             return attn, out + ((qs, k[:, :, :n].astype(jnp.float32)),)
 
-        return M.run_layers(cfg, params, M.embed(params, tokens), jnp.arange(len(ids))[None], attend, ())[1]
+        return M.run_layers(cfg, params, M.embed(params, tokens, cfg), jnp.arange(len(ids))[None], attend, ())[1]
 
     yield from run(model.params, jnp.asarray([ids]))
 

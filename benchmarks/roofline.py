@@ -5,6 +5,8 @@
     python benchmarks/roofline.py                               # the whole grid (below): many hours on 2 CPU cores
     python benchmarks/roofline.py --report benchmarks/results/roofline_cpu.json   # redraw table, plot, projection
     python benchmarks/roofline.py --report a.json,b.json --out merged.json        # runs made in pieces, as one
+    python benchmarks/roofline.py --shape gemma3 --layers 6 --first-layer 0 --lengths 32k   # Gemma-3-shaped, hybrid
+    python benchmarks/roofline.py --shape gemma3-global --layers 6 --first-layer 0 --lengths 32k  # every layer global
 
 **Setting: attention + cache only.** Llama-3.1-8B's attention shapes (32 query / 8 KV heads x 128), no weights,
 no MLP, no projections. Each of ``--layers`` layers (numbered from ``--first-layer``, default 2: past ClusterKV's
@@ -65,6 +67,14 @@ brackets):
   (context, batch, dtype), and [``model_ttft_ratio``] = ``(layers x dense_s + TTFT) / (layers x dense_s + full's
   TTFT)``: the TTFT ratio of a model whose every layer is the benchmarked one (embedding and LM head left out).
 
+**Hybrid models** (``--shape gemma3``): Gemma-3-12B's attention shapes (16 query / 8 KV heads x 256, 48 layers) with
+its layer pattern, five local layers of a 1024-token window to one global; with ``--layers 6 --first-layer 0`` the
+benchmarked layers are one period of it. Every variant runs as ``kvjax.methods.hybrid.for_model`` plans it on that
+model (a ring buffer of the window on each local layer, the method on the global one; ``full`` keeps everything on
+the global layer only), so bytes read and step time count both kinds of layer, and the causal prefill attention of a
+local layer is windowed; each row's ``layer_plan`` says what its layers held. ``--shape gemma3-global`` is the same
+model with every layer global (what a cache without the hybrid plan holds), the comparison.
+
 Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and the reason in ``skipped``):
 
 - **memory**: before anything is allocated, each variant's states (``jax.eval_shape`` of its ``init``, per layer)
@@ -111,6 +121,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import TINY  # noqa: E402
 from e2e import LLAMA31_8B, PAPERS, context_label, parse_contexts, variants  # noqa: E402
+from kvjax.methods.hybrid import describe as describe_plan, for_model  # noqa: E402
 from scan_layers import commit  # noqa: E402
 
 from kvjax import methods  # noqa: E402
@@ -136,9 +147,30 @@ QUICK = {
 }
 
 
-def attention_config(tiny: bool = False):
-    """The model config the methods see: the 8B's heads, head dim, depth and context (nothing else is used)."""
-    return TINY_ATTENTION if tiny else LLAMA31_8B
+#: ``--shape gemma3``: Gemma-3-12B's attention shapes and layer pattern (five local layers of a 1024-token window to
+#: one global); ``gemma3-global``: the same with every layer global.
+GEMMA3_12B_GLOBAL = dataclasses.replace(
+    LLAMA31_8B,
+    model_type="gemma3_text",
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=256,
+    num_layers=48,
+    hidden_size=3840,
+    intermediate_size=15360,
+    vocab_size=262208,
+    sliding_windows=(None,) * 48,
+)
+GEMMA3_12B = dataclasses.replace(
+    GEMMA3_12B_GLOBAL, sliding_windows=tuple(1024 if (i + 1) % 6 else None for i in range(48))
+)
+SHAPES = {"llama-3.1-8b": LLAMA31_8B, "gemma3": GEMMA3_12B, "gemma3-global": GEMMA3_12B_GLOBAL}
+
+
+def attention_config(tiny: bool = False, shape: str = "llama-3.1-8b"):
+    """The model config the methods see: the 8B's (or ``shape``'s) heads, head dim, depth, context and layer windows
+    (nothing else is used)."""
+    return TINY_ATTENTION if tiny else SHAPES[shape]
 
 
 @dataclasses.dataclass
@@ -281,12 +313,16 @@ def build(cfg, var: Variant, layers, batch, n, cap, dtype, seed=0) -> Run:
 
 
 def time_attention(cfg, layers, batch, n, dtype, seed=0) -> float:
-    """Seconds of the causal prefill attention over every layer's prompt (compiled ahead of time, one run each)."""
+    """Seconds of the causal prefill attention over every layer's prompt (compiled ahead of time, one run each; a
+    local layer's windowed)."""
     lengths = jnp.full((batch,), n, jnp.int32)
-    total, fn = 0.0, None
+    total, fns = 0.0, {}
     for layer in layers:
         q, k, v = jax.block_until_ready(_prompt_jit(jax.random.PRNGKey(seed * 1000 + layer), batch, n, cfg, dtype))
-        fn = fn or jax.jit(M.causal_attention).lower(q, k, v, lengths).compile()
+        w = cfg.sliding_windows[layer]
+        if w not in fns:
+            fns[w] = jax.jit(functools.partial(M.causal_attention, sliding_window=w)).lower(q, k, v, lengths).compile()
+        fn = fns[w]
         t0 = time.perf_counter()
         jax.block_until_ready(fn(q, k, v, lengths))
         total += time.perf_counter() - t0
@@ -763,7 +799,7 @@ def header(args, cfg, limit) -> dict:
     dev = jax.devices()[0]
     return {
         "benchmark": "roofline",
-        "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else 'Llama-3.1-8B'} attention "
+        "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else args.shape} attention "
         f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
         "jax_version": jax.__version__,
         "device": str(dev),
@@ -844,6 +880,13 @@ def parse_args(argv):
         "--quick", action="store_true", help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
     p.add_argument("--tiny", action="store_true", help="a 4-head, 32-dim config (smoke tests)")
+    p.add_argument(
+        "--shape",
+        default="llama-3.1-8b",
+        choices=sorted(SHAPES),
+        help="attention shapes: Llama-3.1-8B's, or Gemma-3-12B's with its local/global layers (gemma3) or with "
+        "every layer global (gemma3-global)",
+    )
     p.add_argument("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
     p.add_argument("--out", default="benchmarks/results/roofline_cpu.json")
     p.add_argument(
@@ -930,7 +973,9 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     dtype = jnp.dtype(dt)
     cap = Capacity(n, args.steps * (args.rounds + 1) + 1)
     base = {"context": n, "batch": batch, "dtype": dt, "layers": len(layers)}
-    vars_ = [Variant(label, m, b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))]
+    vars_ = [
+        Variant(label, for_model(cfg, m), b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))
+    ]
     print(f"== {context_label(n)} B={batch} {dt}: planning {len(vars_)} variants", flush=True)
     size = args.group_size or len(vars_)
     attention_s = None
@@ -1014,6 +1059,12 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                     "budget": r.budget,
                     "group": done + gi,
                     "status": "ok",
+                    "layer_plan": describe_plan(
+                        dataclasses.replace(
+                            cfg, num_layers=len(layers), sliding_windows=tuple(cfg.sliding_windows[l] for l in layers)
+                        ),
+                        r.method.inner if hasattr(r.method, "windows") else r.method,
+                    ),
                     "step_s": times[r.label],
                     "bytes_read": int(read),
                     "xla_bytes": r.xla_bytes,
@@ -1048,7 +1099,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(data, indent=1, default=str))
             report(data, Path(args.out))
         return 0
-    cfg = attention_config(args.tiny)
+    cfg = attention_config(args.tiny, args.shape)
     if args.first_layer + args.layers > cfg.num_layers:
         raise ValueError(
             f"--first-layer {args.first_layer} + --layers {args.layers} exceeds the model's "

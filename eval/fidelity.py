@@ -49,6 +49,7 @@ from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
+from kvjax.methods.hybrid import for_model
 from kvjax.methods.layers import same_as_previous
 
 
@@ -119,7 +120,9 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     """jit(params, tokens [1, n + probes]) -> per layer (full outputs, method outputs, method state, weights,
     top-B recall ``[P, 1, Hq]`` or None), the whole model in one compiled function (teacher-forced with full
     attention, as the engine's prefill); traced under ``mesh`` (:func:`kvjax.sharding.tracing`) when given."""
-    full = methods.get("full")
+    # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
+    # are its ring buffer of the window (kvjax.methods.hybrid), so the probes measure the global layers' methods
+    method, full = for_model(cfg, method), for_model(cfg, methods.get("full"))
     cap = Capacity(n, probes + 1)
 
     def run(params, tokens):
@@ -132,11 +135,13 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
         def attend(layer, x, q, k, v, out):
             m = method.at(layer)  # the layer's method (a per-layer plan's full layers run full)
             prev = out[-1][2] if same_as_previous(method, layer) else None
-            _, ref, _ = _layer(full, layer, full.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
+            f = full.at(layer)
+            _, ref, _ = _layer(f, layer, f.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
             st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, method.recalls)
-            return M.causal_attention(q, k, v), out + [(ref, o, st, full_weights(q, k, n), rec)]
+            attn = M.causal_attention(q, k, v, None, cfg.sliding_windows[layer])
+            return attn, out + [(ref, o, st, full_weights(q, k, n), rec)]
 
-        _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, [])
+        _, out = M.run_layers(cfg, params, M.embed(params, tokens, cfg), positions, attend, [])
         return out
 
     return jax.jit(run)
@@ -161,6 +166,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     "topb_recall": [L] | None, "tokens_held", "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
+    method = for_model(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
     if probes < 1:
         raise ValueError(f"probes={probes} must be >= 1")
     n = len(ids) - probes

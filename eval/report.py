@@ -130,6 +130,8 @@ def header(results: dict[str, Any]) -> str:
         + (f"; also at the bytes of `{cfg['equal_bytes_also']}`" if cfg.get("equal_bytes_also") else "")
         + (f"; budgets matched to the bytes `{cfg['equal_bytes']}` holds" if cfg.get("equal_bytes") else ""),
     ]
+    if cfg.get("layers"):
+        lines.append(f"- layers: {cfg['layers']}")
     for t, spec in tasks.items():
         size = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name",))
         lines.append(f"- {t}: {size}; n per cell {'/'.join(map(str, per_task.get(t, []))) or '-'}")

@@ -22,6 +22,8 @@ from eval import harness, needle, perplexity, report
 from kvjax.budget import budget_text
 from kvjax.engine import bucket_length, release_compiled
 from kvjax.methods.base import Capacity
+from kvjax.methods.full import Full
+from kvjax.methods.hybrid import describe as describe_plan, for_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +266,7 @@ def _run_batches(model, task, method, prepared, meta, shared, bar) -> list[dict]
     """Every batch of one task under one method: its rows, each with its batch's seconds (``shared``: the model's
     prefill of each batch computed once for every configuration)."""
     out = []
+    method = for_model(model.config, method)  # a hybrid model: ring buffers on its local layers
     for i, batch in enumerate(prepared[1]):
         tb = time.perf_counter()
         pre = shared.get(task, prepared, i, batch) if shared else None
@@ -289,6 +292,9 @@ def _run_config(model, tasks, method_names, budgets, options) -> dict:
         "options": options,
         "budgets": list(budgets),
         "tasks": {t.name: dataclasses.asdict(t) for t in tasks},
+        # what each kind of layer holds: on a hybrid model, ring buffers of the window on the local layers and the
+        # method (named in each row) on the global ones
+        "layers": describe_plan(model.config, Full()).replace(": full", ": the method"),
     }
 
 

@@ -25,8 +25,9 @@ from kernels_pallas.decode_attention import (
     decode_attention,
     decode_attention_runs,
     merge,
-    normalise,
 )
+from kernels_pallas.decode_attention import normalise as _normalise
+from kvjax import sinks as _sinks
 from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
@@ -41,6 +42,19 @@ __all__ = [
     "scores",
     "token_partial",
 ]
+
+
+_CURRENT = object()
+
+
+def normalise(partial, sinks=_CURRENT) -> jnp.ndarray:
+    """Softmax-normalised output ``[B, Hq, D]`` float32 of partials ``(o, m, l)`` (zero where no slot took part).
+    With attention sinks (``sinks [Hq]``; default: the sinks of the layer being run, :mod:`kvjax.sinks`, None on a
+    model without them) each head's sink logit joins the denominator: ``o / (l + exp(sink - m))``."""
+    sinks = _sinks.current() if sinks is _CURRENT else sinks
+    if sinks is None:
+        return _normalise(partial)
+    return _sinks.normalise_with_sinks(partial, sinks)
 
 
 def scores(q: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:

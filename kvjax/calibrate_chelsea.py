@@ -76,7 +76,7 @@ def _window_fractions(cfg, probe: _Probe, params, tokens):
         )
         return M.causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), out + (frac,)
 
-    _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, ())
+    _, out = M.run_layers(cfg, params, M.embed(params, tokens, cfg), positions, attend, ())
     return jnp.stack(out)
 
 

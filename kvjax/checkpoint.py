@@ -21,16 +21,29 @@ from kvjax.model import Params
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
-    """Map params path -> (HF tensor name, transpose?) for every tensor ``cfg`` needs."""
+#: Tensors of a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration) outside its text tower: left out.
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+#: Where the text tower's ``model.*`` tensors live in a Gemma3ForConditionalGeneration checkpoint (transformers 5.x,
+#: 4.x), and its LM head.
+_TOWER_PREFIXES = (
+    ("model.language_model.", "lm_head.weight"),
+    ("language_model.model.", "language_model.lm_head.weight"),
+)
+
+
+def expected_tensors(
+    cfg: ModelConfig, prefix: str = "model.", head: str = "lm_head.weight"
+) -> dict[tuple, tuple[str, bool]]:
+    """Map params path -> (HF tensor name, transpose?) for every tensor ``cfg`` needs (``prefix``: where the
+    decoder's tensors live, ``head``: the LM head's name)."""
     out: dict[tuple, tuple[str, bool]] = {
-        ("embed",): ("model.embed_tokens.weight", False),
-        ("final_norm",): ("model.norm.weight", False),
+        ("embed",): (prefix + "embed_tokens.weight", False),
+        ("final_norm",): (prefix + "norm.weight", False),
     }
     if not cfg.tie_word_embeddings:
-        out[("lm_head",)] = ("lm_head.weight", True)
+        out[("lm_head",)] = (head, True)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         layer = {
             "attn_norm": (p + "input_layernorm.weight", False),
             "mlp_norm": (p + "post_attention_layernorm.weight", False),
@@ -38,10 +51,32 @@ def expected_tensors(cfg: ModelConfig) -> dict[tuple, tuple[str, bool]]:
             "wk": (p + "self_attn.k_proj.weight", True),
             "wv": (p + "self_attn.v_proj.weight", True),
             "wo": (p + "self_attn.o_proj.weight", True),
-            "w_gate": (p + "mlp.gate_proj.weight", True),
-            "w_up": (p + "mlp.up_proj.weight", True),
-            "w_down": (p + "mlp.down_proj.weight", True),
         }
+        if cfg.num_experts:
+            layer.update(
+                router=(p + "mlp.router.weight", True),
+                b_router=(p + "mlp.router.bias", False),
+                experts_gate_up=(p + "mlp.experts.gate_up_proj", False),
+                experts_b_gate_up=(p + "mlp.experts.gate_up_proj_bias", False),
+                experts_down=(p + "mlp.experts.down_proj", False),
+                experts_b_down=(p + "mlp.experts.down_proj_bias", False),
+            )
+        else:
+            layer.update(
+                w_gate=(p + "mlp.gate_proj.weight", True),
+                w_up=(p + "mlp.up_proj.weight", True),
+                w_down=(p + "mlp.down_proj.weight", True),
+            )
+        if cfg.post_norms:  # Gemma 3: four norms a layer
+            layer.update(
+                post_attn_norm=(p + "post_attention_layernorm.weight", False),
+                mlp_norm=(p + "pre_feedforward_layernorm.weight", False),
+                post_mlp_norm=(p + "post_feedforward_layernorm.weight", False),
+            )
+        if cfg.qk_norm:
+            layer.update(q_norm=(p + "self_attn.q_norm.weight", False), k_norm=(p + "self_attn.k_norm.weight", False))
+        if cfg.attention_sinks:
+            layer["sinks"] = (p + "self_attn.sinks", False)
         if cfg.attention_bias:
             for n in "qkv":
                 layer[f"b{n}"] = (p + f"self_attn.{n}_proj.bias", False)
@@ -81,7 +116,17 @@ def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.floa
     """Read a HF folder's safetensors into the params pytree of ``kvjax.model`` in ``dtype``."""
     folder = Path(folder)
     files = _shard_files(folder)
-    expected = expected_tensors(cfg)
+    prefix, head = "model.", "lm_head.weight"
+    if cfg.model_type == "gemma3":  # the text tower of Gemma3ForConditionalGeneration
+        found = [(p, h) for p, h in _TOWER_PREFIXES if p + "embed_tokens.weight" in files]
+        if not found:
+            raise ValueError(
+                f"checkpoint {folder} is a gemma3 (multimodal) config but holds no text tower "
+                f"({' or '.join(p + 'embed_tokens.weight' for p, _ in _TOWER_PREFIXES)})"
+            )
+        prefix, head = found[0]
+        files = {n: f for n, f in files.items() if not n.startswith(_VISION_PREFIXES)}
+    expected = expected_tensors(cfg, prefix, head)
     wanted = {hf for hf, _ in expected.values()}
     missing = sorted(wanted - files.keys())
     if missing:
@@ -92,7 +137,7 @@ def load_safetensors_params(folder: str | Path, cfg: ModelConfig, dtype=jnp.floa
     extra = sorted(
         n
         for n in files.keys() - wanted
-        if not n.endswith(_IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+        if not n.endswith(_IGNORED_SUFFIXES) and not (n == head and cfg.tie_word_embeddings)
     )
     if extra:
         raise ValueError(
@@ -177,6 +222,17 @@ def check_shapes(cfg: ModelConfig, params: Params) -> None:
         "b_gate": (f,),
         "b_up": (f,),
         "b_down": (h,),
+        "q_norm": (d,),
+        "k_norm": (d,),
+        "post_attn_norm": (h,),
+        "post_mlp_norm": (h,),
+        "sinks": (cfg.num_heads,),
+        "router": (h, cfg.num_experts),
+        "b_router": (cfg.num_experts,),
+        "experts_gate_up": (cfg.num_experts, h, 2 * f),
+        "experts_b_gate_up": (cfg.num_experts, 2 * f),
+        "experts_down": (cfg.num_experts, f, h),
+        "experts_b_down": (cfg.num_experts, h),
     }
     problems = [
         f"{k}: {tuple(v.shape)} != {want[k]}" for k, v in params.items() if k != "layers" and tuple(v.shape) != want[k]

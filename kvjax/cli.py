@@ -212,6 +212,11 @@ def cmd_generate(args) -> int:
     if model.mesh is not None:
         print(f"[kvjax] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     engine.check_method(model.config, method)
+    if model.config.is_hybrid:
+        from kvjax.methods.hybrid import describe, for_model
+
+        method = for_model(model.config, method, args.compress_local)
+        print(f"[kvjax] layers: {describe(model.config, method)}", file=sys.stderr)
     chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
     t0 = time.perf_counter()
     shown = False
@@ -350,6 +355,12 @@ def _add_generate(sub) -> None:
         action="store_true",
         help="stack the layers and run them as one compiled loop body (compiles a deep model faster; "
         "each decode step then copies each layer's cache slice once)",
+    )
+    g.add_argument(
+        "--compress-local",
+        action="store_true",
+        help="on a model with sliding-window (local) layers (Gemma 3, gpt-oss, Mistral v0.1), run the method on "
+        "them too instead of a ring buffer of their window",
     )
     g.set_defaults(func=cmd_generate)
 

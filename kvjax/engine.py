@@ -39,6 +39,7 @@ from kvjax.budget import warn_small_budget
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, LayerContext
+from kvjax.methods.hybrid import for_model
 from kvjax.methods.layers import same_as_previous
 from kvjax.prefill_attention import default_impl as default_prefill_impl
 from kvjax.sampling import Greedy
@@ -77,6 +78,7 @@ def layer_plan(cfg: ModelConfig, method, batch: int, capacity: Capacity, dtype) 
     ``n_full=2`` on 30 layers: ``(range(0, 2), range(2, 30))``; PyramidKV (a slot count per layer, rounded to a
     multiple of an eighth of its budget) gives runs of 2-3 layers. A run's layers also share their method
     (``method.at(layer)``: a per-layer plan's full layers never join a run of the inner method's)."""
+    method = for_model(cfg, method)
     sigs = []
     for l in range(cfg.num_layers):
         m = method.at(l)
@@ -98,7 +100,17 @@ def init_states(
     ``scan_layers=True``: every run of two or more consecutive layers with agreeing states (:func:`layer_plan`)
     becomes one :class:`Stacked` segment, which ``prefill``/``decode_step`` run as one compiled loop body; the
     tuple then holds segments and single-layer states in layer order (:func:`layer_states` lists them per layer).
-    The method must declare ``traced_layer`` (all built-in methods do)."""
+    The method must declare ``traced_layer`` (all built-in methods do).
+
+    On a model with local (sliding-window) layers the method runs as :func:`kvjax.methods.hybrid.for_model` plans
+    it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
+    measures that take no config, :func:`memory_bytes`, :func:`held_bytes`, ...; ``generate`` does)."""
+    method = for_model(cfg, method)
+    if scan_layers and cfg.layers_differ:
+        raise ValueError(
+            "scan_layers=True needs layers alike, but this model's layers differ in window/RoPE "
+            f"(sliding_windows={cfg.sliding_windows}); load it with scan_layers=False"
+        )
     if scan_layers and not method.traced_layer:
         raise ValueError(
             f"scan_layers=True needs a method that accepts a traced layer index (traced_layer=True); "
@@ -214,7 +226,8 @@ def method_prefill(cfg: ModelConfig, method, layer, st, q, k, v, lengths, previo
     """One layer's ``(attention output or None, new state)`` of ``method``'s prefill: ``prefill_attend`` for a method
     that attends the prompt itself (on layers without a sliding window, with the chunked prefill attention), else
     ``(None, prefill(...))`` and the caller computes the causal attention."""
-    if method.attends_prompt and _sliding_window(cfg, layer) is None and default_prefill_impl() == "chunked":
+    one_pass = method.attends_prompt and not cfg.attention_sinks  # its own attention takes no sinks
+    if one_pass and _sliding_window(cfg, layer) is None and default_prefill_impl() == "chunked":
         return method.prefill_attend(st, layer, q, k, v, lengths, previous=previous)  # one pass (H2O)
     return None, method.prefill(st, layer, q, k, v, lengths, previous=previous)
 
@@ -232,6 +245,7 @@ def _prefill(cfg: ModelConfig, method, params, tokens, lengths, states, mesh=Non
 
 
 def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
+    method = for_model(cfg, method)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
 
@@ -241,7 +255,7 @@ def _prefill_body(cfg, method, params, tokens, lengths, states, mesh):
         return (M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)) if attn is None else attn), st
 
     x, new_states = _method_layers(
-        cfg, method, params, M.embed(params, tokens), positions, states, step, mesh, live=jnp.max(lengths)
+        cfg, method, params, M.embed(params, tokens, cfg), positions, states, step, mesh, live=jnp.max(lengths)
     )
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, H]
     return new_states, M.logits(cfg, params, last)[:, 0]
@@ -252,7 +266,7 @@ def _sliding_window(cfg: ModelConfig, layer):
     the model's layers."""
     if isinstance(layer, int):
         return cfg.sliding_windows[layer]
-    if len(set(cfg.sliding_windows)) > 1:
+    if cfg.layers_differ:
         raise ValueError(
             "scan_layers does not support models whose layers have different sliding windows; "
             "load the model with scan_layers=False"
@@ -268,13 +282,15 @@ def _decode_step(cfg: ModelConfig, method, params, states, token, pos, mesh=None
 
 
 def _decode_body(cfg, method, params, states, token, pos, mesh):
+    method = for_model(cfg, method)
+
     def step(m, layer, x, q, k, v, st, previous):
         q, k, v = _qkv(mesh, q[:, :, 0], k[:, :, 0], v[:, :, 0])
         out, st = m.decode(st, layer, q, k, v, pos)
         return out[:, :, None], st
 
     x, new_states = _method_layers(
-        cfg, method, params, M.embed(params, token[:, None]), pos[:, None], states, step, mesh
+        cfg, method, params, M.embed(params, token[:, None], cfg), pos[:, None], states, step, mesh
     )
     return M.logits(cfg, params, x)[:, 0], new_states
 
@@ -400,6 +416,7 @@ def expected_held_bytes(
     :func:`held_bytes` measures at the end of a generation of ``steps + 1`` tokens, for every method whose
     contract is exact (``kvjax-eval --equal-bytes`` matches methods on it). ``batch``: the batch the state is
     built for (state without a batch axis, e.g. a step count, is split over it, as :func:`held_bytes` does)."""
+    method = for_model(cfg, method)
     states = jax.eval_shape(lambda: init_states(cfg, method, batch, capacity, dtype))
     total = np.zeros(len(lengths))
     for layer, (m, st) in enumerate(layer_methods(method, states)):
@@ -486,13 +503,6 @@ def _check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_n
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
             f"of {cfg.max_position_embeddings} tokens; shorten the prompt or generate fewer tokens"
         )
-    windows = [w for w in cfg.sliding_windows if w is not None]
-    if windows and longest + max_new_tokens > min(windows):
-        raise ValueError(
-            f"this model uses sliding-window attention ({min(windows)} tokens) and prompt + "
-            f"max_new_tokens = {longest + max_new_tokens} exceeds it; the engine's caches do not "
-            "implement the window yet, so keep generations within it"
-        )
 
 
 def until_eos(tokens: list[int], eos) -> list[int]:
@@ -539,6 +549,7 @@ def generate(
     stop_at_eos: bool = True,
     on_token=None,
     prefilled=None,
+    compress_local: bool = False,
 ) -> Result:
     """Generate continuations of ``prompts`` with a (compressed) KV cache.
 
@@ -548,7 +559,10 @@ def generate(
     (exactly ``max_new_tokens``) or ``"python"`` (streams: ``on_token(step, tokens[B])`` after every step).
     prompt_len: the prompt bucket (default: next power of two). prefilled: the model's prefill of this very
     batch (:func:`kvjax.prefilled.prefill_once` of the padded prompts), which this method then only compresses
-    (``prefill_seconds`` is then the compression's). Returns a :class:`Result`.
+    (``prefill_seconds`` is then the compression's). compress_local: on a model with local (sliding-window)
+    layers, run the method on them too instead of their ring buffers of the window
+    (:mod:`kvjax.methods.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). Returns a
+    :class:`Result`.
     """
     from kvjax import methods as methods_lib
 
@@ -558,6 +572,7 @@ def generate(
         raise ValueError(f"driver={driver!r} must be 'while', 'scan' or 'python'")
     sampling = sampling or Greedy()
     cfg = model.config
+    method = for_model(cfg, method, compress_local)
     ids = prepare_prompts(model, prompts, chat)
     lengths_list = [len(s) for s in ids]
     bucket = prompt_len or bucket_length(max(lengths_list))
@@ -623,6 +638,7 @@ def _result(model, method, out, steps: int, eos, lengths_list, held_prefill, sta
                 "prompt_tokens": n,
                 "new_tokens": len(seq),
                 "method": method.name,
+                "layer_plan": describe_plan(model.config, method),
                 "tokens_held_prefill": float(held_prefill[i]),
                 "tokens_held": float(held_end[i]),
                 "cache_bytes": cache_bytes // b,
@@ -635,6 +651,13 @@ def _result(model, method, out, steps: int, eos, lengths_list, held_prefill, sta
             }
         )
     return result
+
+
+def describe_plan(cfg: ModelConfig, method) -> str:
+    """What each kind of layer holds under ``method`` (:func:`kvjax.methods.hybrid.describe`)."""
+    from kvjax.methods.hybrid import describe
+
+    return describe(cfg, method)
 
 
 def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token):

@@ -1,4 +1,4 @@
-"""The Llama-family decoder as pure functions over a params pytree.
+"""The decoder (Llama family, Qwen3, Gemma 3, gpt-oss) as pure functions over a params pytree.
 
 Params layout (weights stored ``[in, out]``, i.e. transposed from PyTorch's ``[out, in]``)::
 
@@ -6,6 +6,13 @@ Params layout (weights stored ``[in, out]``, i.e. transposed from PyTorch's ``[o
      "layers": ({"attn_norm": [H], "wq": [H, Hq*D], "wk": [H, Hkv*D], "wv": [H, Hkv*D], "wo": [Hq*D, H],
                  "bq"/"bk"/"bv": [..] and "bo": [H] when the config has biases,
                  "mlp_norm": [H], "w_gate": [H, F], "w_up": [H, F], "w_down": [F, H]}, ...)}
+
+and, where the config asks for them: ``"q_norm"``/``"k_norm"`` ``[D]`` (``qk_norm``: Qwen3, Gemma 3),
+``"post_attn_norm"``/``"post_mlp_norm"`` ``[H]`` (``post_norms``: Gemma 3, whose ``mlp_norm`` is its
+``pre_feedforward_layernorm``), ``"sinks"`` ``[Hq]`` (``attention_sinks``: gpt-oss) and, for a mixture-of-experts
+MLP (gpt-oss) in place of ``w_gate``/``w_up``/``w_down``: ``"router"`` ``[H, E]``, ``"b_router"`` ``[E]``,
+``"experts_gate_up"`` ``[E, H, 2F]`` (gate and up interleaved, as the checkpoint has them),
+``"experts_b_gate_up"`` ``[E, 2F]``, ``"experts_down"`` ``[E, F, H]``, ``"experts_b_down"`` ``[E, H]``.
 
 A layer is split in two halves so that a KV-cache method can sit between them (docs/architecture.md#the-model):
 ``layer_qkv`` gives post-RoPE ``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]``; the method attends; and
@@ -26,15 +33,24 @@ import jax.numpy as jnp
 from kvjax.config import ModelConfig
 from kvjax.prefill_attention import ATTENTION_CHUNK, prefill_attention
 from kvjax.rope import apply_rope, cos_sin
+from kvjax.sinks import current as current_sinks, layer_sinks
 
 Params = dict[str, Any]
+_CURRENT = object()
 
 
-def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """RMSNorm computed in float32, cast back to ``x.dtype`` before the weight (as transformers does)."""
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float, style: str = "llama") -> jnp.ndarray:
+    """RMSNorm computed in float32. ``style="llama"``: cast back to ``x.dtype`` before the weight (as transformers'
+    Llama does); ``"gemma"``: times ``1 + weight`` in float32, then cast (Gemma 3)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if style == "gemma":
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, x, weight):
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_style)
 
 
 def _linear(x, w, b=None):
@@ -42,42 +58,114 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
-    """Token embeddings ``[B, T, H]`` for ``tokens [B, T]``."""
-    return jnp.take(params["embed"], tokens, axis=0)
+def embed(params: Params, tokens: jnp.ndarray, cfg: ModelConfig | None = None) -> jnp.ndarray:
+    """Token embeddings ``[B, T, H]`` for ``tokens [B, T]``, times sqrt(hidden_size) (in the weights' dtype) where
+    ``cfg.embed_scale`` (Gemma 3). Pass the model's ``cfg``: without it no scale is applied (right for every family
+    but Gemma 3)."""
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if cfg is not None and cfg.embed_scale:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    return x
 
 
-def layer_qkv(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray):
-    """Pre-norm, projections and RoPE for one layer.
+def _static_layer(cfg: ModelConfig, layer) -> int:
+    """A layer index usable for the per-layer config (RoPE): a static int, or any layer of a model whose layers are
+    alike (a traced index from a scanned loop)."""
+    if isinstance(layer, int):
+        return layer
+    if layer is not None and cfg.layers_differ:
+        raise ValueError(
+            "a scanned layer loop (scan_layers=True) needs layers alike, but this model's layers differ in "
+            f"window/RoPE (sliding_windows={cfg.sliding_windows}); load it with scan_layers=False"
+        )
+    return 0
 
-    x: residual stream ``[B, T, H]``; positions: ``[B, T]`` int. Returns post-RoPE
-    ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` and ``v [B, Hkv, T, D]`` in ``x.dtype``.
+
+def layer_qkv(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, layer=None):
+    """Pre-norm, projections, QK-norm (where the config has it) and RoPE for one layer.
+
+    x: residual stream ``[B, T, H]``; positions: ``[B, T]`` int; layer: the layer's index (its RoPE where local
+    and global layers differ, Gemma 3; None: layer 0's). Returns post-RoPE ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``
+    and ``v [B, Hkv, T, D]`` in ``x.dtype``. With ``query_pre_attn_scalar`` q comes back multiplied by
+    :attr:`~kvjax.config.ModelConfig.q_scale`, so that every attention's ``1/sqrt(D)`` gives the model's scale.
     """
     b, t, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = _norm(cfg, x, lp["attn_norm"])
     q = _linear(h, lp["wq"], lp.get("bq")).reshape(b, t, cfg.num_heads, cfg.head_dim).transpose(0, 2, 1, 3)
     k = _linear(h, lp["wk"], lp.get("bk")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
     v = _linear(h, lp["wv"], lp.get("bv")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
-    cos, sin = cos_sin(cfg.rope, cfg.head_dim, positions, x.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    if cfg.qk_norm:
+        q, k = _norm(cfg, q, lp["q_norm"]), _norm(cfg, k, lp["k_norm"])
+    rope = cfg.layer_rope(_static_layer(cfg, layer))
+    cos, sin = cos_sin(rope, cfg.head_dim, positions, x.dtype)
+    q = apply_rope(q, cos, sin)
+    if cfg.q_scale != 1.0:
+        q = q * jnp.asarray(cfg.q_scale, q.dtype)
+    return q, apply_rope(k, cos, sin), v
+
+
+def _act(cfg: ModelConfig, gate):
+    return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+
+
+def moe_mlp(cfg: ModelConfig, lp: Params, h: jnp.ndarray) -> jnp.ndarray:
+    """gpt-oss's mixture-of-experts MLP of ``h [..., H]``: the router's top-k experts per token, their softmax
+    weights over the k logits, each expert's clamped SwiGLU ``(clip(up, -l, l) + 1) * g * sigmoid(alpha g)`` with
+    ``g = min(gate, l)`` (gate and up interleaved in ``experts_gate_up``) and biases. The tokens' (token, expert)
+    pairs are sorted by expert and run as grouped matmuls (``lax.ragged_dot``): each expert's weights are read once
+    and only the chosen experts compute."""
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])  # [N, H]
+    e, kk = cfg.num_experts, cfg.experts_per_token
+    router = (x @ lp["router"] + lp["b_router"]).astype(jnp.float32)  # [N, E]
+    top, idx = jax.lax.top_k(router, kk)  # [N, k]
+    weights = jax.nn.softmax(top, axis=-1).astype(x.dtype)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]  # [N k] sorted
+    token = order // kk
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x[token]  # [N k, H]
+    gu = jax.lax.ragged_dot(xs, lp["experts_gate_up"], sizes) + lp["experts_b_gate_up"][expert]
+    gate, up = gu[..., ::2], gu[..., 1::2]
+    gate = jnp.minimum(gate, cfg.swiglu_limit)
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    act = (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
+    out = jax.lax.ragged_dot(act, lp["experts_down"], sizes) + lp["experts_b_down"][expert]
+    out = out * weights.reshape(-1)[order][:, None]
+    y = jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+    return y.reshape(shape)
+
+
+def mlp(cfg: ModelConfig, lp: Params, h: jnp.ndarray) -> jnp.ndarray:
+    """The layer's MLP of the normed residual ``h [..., H]``: gated (SiLU or GELU-tanh), or the experts."""
+    if cfg.num_experts:
+        return moe_mlp(cfg, lp, h)
+    gate = _linear(h, lp["w_gate"], lp.get("b_gate"))
+    up = _linear(h, lp["w_up"], lp.get("b_up"))
+    return _linear(_act(cfg, gate) * up, lp["w_down"], lp.get("b_down"))
 
 
 def layer_finish(cfg: ModelConfig, lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
-    """Output projection, residual, MLP. ``attn [B, Hq, T, D]`` (normalised) -> new residual ``[B, T, H]``."""
+    """Output projection, residual, MLP. ``attn [B, Hq, T, D]`` (normalised) -> new residual ``[B, T, H]``.
+    With ``post_norms`` (Gemma 3) the attention's and the MLP's outputs are normed before their residual adds."""
     b, _, t, _ = attn.shape
     o = attn.astype(x.dtype).transpose(0, 2, 1, 3).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    x = x + _linear(o, lp["wo"], lp.get("bo"))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = _linear(h, lp["w_gate"], lp.get("b_gate"))
-    up = _linear(h, lp["w_up"], lp.get("b_up"))
-    return x + _linear(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"))
+    o = _linear(o, lp["wo"], lp.get("bo"))
+    x = x + (_norm(cfg, o, lp["post_attn_norm"]) if cfg.post_norms else o)
+    out = mlp(cfg, lp, _norm(cfg, x, lp["mlp_norm"]))
+    return x + (_norm(cfg, out, lp["post_mlp_norm"]) if cfg.post_norms else out)
 
 
 def logits(cfg: ModelConfig, params: Params, x: jnp.ndarray) -> jnp.ndarray:
-    """Final norm and LM head: ``[B, T, H]`` -> float32 logits ``[B, T, V]``."""
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    """Final norm and LM head: ``[B, T, H]`` -> float32 logits ``[B, T, V]`` (soft-capped, ``c tanh(z / c)``, where
+    the config has ``final_logit_softcap``)."""
+    h = _norm(cfg, x, params["final_norm"])
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (h @ w).astype(jnp.float32)
+    z = (h @ w).astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        z = cfg.final_logit_softcap * jnp.tanh(z / cfg.final_logit_softcap)
+    return z
 
 
 def causal_attention(
@@ -89,6 +177,7 @@ def causal_attention(
     chunk: int = ATTENTION_CHUNK,
     *,
     impl: str | None = None,
+    sinks=_CURRENT,
 ) -> jnp.ndarray:
     """Causal attention with GQA (no repeated KV), softmax in float32: the prefill attention.
 
@@ -98,8 +187,10 @@ def causal_attention(
     impl: ``"chunked"`` (pure JAX: dense for ``T <= chunk``, above that query chunks with an online softmax over
     key chunks, memory linear in T), ``"cudnn"`` (GPU), ``"splash"`` (TPU) or None: ``$KVJAX_PREFILL_ATTENTION_IMPL``,
     else by backend, cuDNN only for float16/bfloat16 inputs (:mod:`kvjax.prefill_attention` has the rules).
+    sinks: ``[Hq]`` sink logits or None; default: the sinks of the layer being run (:mod:`kvjax.sinks`).
     """
-    return prefill_attention(q, k, v, lengths, sliding_window, impl=impl, chunk=chunk)
+    sinks = current_sinks() if sinks is _CURRENT else sinks
+    return prefill_attention(q, k, v, lengths, sliding_window, impl=impl, chunk=chunk, sinks=sinks)
 
 
 def is_stacked(params: Params) -> bool:
@@ -146,14 +237,14 @@ def _live_blocks(live, c: int, t: int):
     return jnp.clip((jnp.asarray(live, jnp.int32) + c - 1) // c, 0, t // c)
 
 
-def layer_qkv_blocks(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, live, c: int):
+def layer_qkv_blocks(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndarray, live, c: int, layer=None):
     """:func:`layer_qkv` over ``c``-token blocks of ``x [B, T, H]``, only those before ``live`` (traced int: the
     longest sequence's real tokens). Returns q, k, v as ``layer_qkv`` does; rows of blocks past ``live`` are 0."""
     t = x.shape[1]
 
     def block(i):
         xs = jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=1)
-        return layer_qkv(cfg, lp, xs, jax.lax.dynamic_slice_in_dim(positions, i * c, c, axis=1))
+        return layer_qkv(cfg, lp, xs, jax.lax.dynamic_slice_in_dim(positions, i * c, c, axis=1), layer)
 
     # zero buffers made from a zero that depends on x (0 * (x != x), which XLA does not fold): plain zeros would
     # be allocated at the start of the program, for every layer at once
@@ -190,13 +281,14 @@ def layer_step(cfg: ModelConfig, lp: Params, x: jnp.ndarray, positions: jnp.ndar
     tokens only (:func:`layer_qkv_blocks`, :func:`layer_finish_blocks`): bucket padding costs no projection or
     MLP work and no ``[T, intermediate]`` buffer is held. Rows past ``live`` are then meaningless (finite)."""
     c = _token_blocks(x.shape[1], live)
-    if c is None:
-        q, k, v = layer_qkv(cfg, lp, x, positions)
+    with layer_sinks(lp.get("sinks")):  # the layer's attention (prefill and decode) takes its sinks
+        if c is None:
+            q, k, v = layer_qkv(cfg, lp, x, positions, layer)
+            attn, carry = attend(layer, x, q, k, v, carry)
+            return layer_finish(cfg, lp, x, attn), carry
+        q, k, v = layer_qkv_blocks(cfg, lp, x, positions, live, c, layer)
         attn, carry = attend(layer, x, q, k, v, carry)
-        return layer_finish(cfg, lp, x, attn), carry
-    q, k, v = layer_qkv_blocks(cfg, lp, x, positions, live, c)
-    attn, carry = attend(layer, x, q, k, v, carry)
-    return layer_finish_blocks(cfg, lp, x, attn, live, c), carry
+        return layer_finish_blocks(cfg, lp, x, attn, live, c), carry
 
 
 def run_layers(
@@ -257,30 +349,41 @@ def forward(
     def dense(layer, x, q, k, v, carry):
         return causal_attention(q, k, v, lengths, cfg.sliding_windows[layer]), carry
 
-    x, _ = run_layers(cfg, params, embed(params, tokens), positions, dense)
+    x, _ = run_layers(cfg, params, embed(params, tokens, cfg), positions, dense)
     return logits(cfg, params, x)
 
 
 def random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
-    """Random weights in the layout above (normal with std ``scale``; norms 1, biases 0): a dummy model for
-    benchmarks and tests whose cost, not output, matters."""
-    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    """Random weights in the layout above (normal with std ``scale``; norms the identity, biases and sinks 0): a
+    dummy model for benchmarks and tests whose cost, not output, matters."""
+    h, d, f, e = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.num_experts
     shapes = {
         "wq": (h, cfg.num_heads * d),
         "wk": (h, cfg.num_kv_heads * d),
         "wv": (h, cfg.num_kv_heads * d),
         "wo": (cfg.num_heads * d, h),
-        "w_gate": (h, f),
-        "w_up": (h, f),
-        "w_down": (f, h),
     }
+    if e:
+        shapes.update(router=(h, e), experts_gate_up=(e, h, 2 * f), experts_down=(e, f, h))
+    else:
+        shapes.update(w_gate=(h, f), w_up=(h, f), w_down=(f, h))
     biases = {}
     if cfg.attention_bias:
-        biases.update(bq=cfg.num_heads * d, bk=cfg.num_kv_heads * d, bv=cfg.num_kv_heads * d)
+        biases.update(bq=(cfg.num_heads * d,), bk=(cfg.num_kv_heads * d,), bv=(cfg.num_kv_heads * d,))
     if cfg.o_bias:
-        biases["bo"] = h
+        biases["bo"] = (h,)
     if cfg.mlp_bias:
-        biases.update(b_gate=f, b_up=f, b_down=h)
+        biases.update(b_gate=(f,), b_up=(f,), b_down=(h,))
+    if cfg.attention_sinks:
+        biases["sinks"] = (cfg.num_heads,)
+    if e:
+        biases.update(b_router=(e,), experts_b_gate_up=(e, 2 * f), experts_b_down=(e, h))
+    norms = {"attn_norm": h, "mlp_norm": h}
+    if cfg.qk_norm:
+        norms.update(q_norm=d, k_norm=d)
+    if cfg.post_norms:
+        norms.update(post_attn_norm=h, post_mlp_norm=h)
+    identity = 0.0 if cfg.norm_style == "gemma" else 1.0  # gemma norms scale by (1 + w)
     keys = iter(jax.random.split(key, cfg.num_layers * len(shapes) + 2))
 
     def normal(shape):
@@ -289,10 +392,14 @@ def random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: fl
     layers = []
     for _ in range(cfg.num_layers):
         lp = {name: normal(shape) for name, shape in shapes.items()}
-        lp.update({name: jnp.zeros((n,), dtype) for name, n in biases.items()})
-        lp.update(attn_norm=jnp.ones((h,), dtype), mlp_norm=jnp.ones((h,), dtype))
+        lp.update({name: jnp.zeros(shape, dtype) for name, shape in biases.items()})
+        lp.update({name: jnp.full((n,), identity, dtype) for name, n in norms.items()})
         layers.append(lp)
-    params = {"embed": normal((cfg.vocab_size, h)), "final_norm": jnp.ones((h,), dtype), "layers": tuple(layers)}
+    params = {
+        "embed": normal((cfg.vocab_size, h)),
+        "final_norm": jnp.full((h,), identity, dtype),
+        "layers": tuple(layers),
+    }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = normal((h, cfg.vocab_size))
     return params

@@ -134,17 +134,27 @@ def prefill_attention(
     chunk: int = ATTENTION_CHUNK,
     block_size: int = SPLASH_BLOCK,
     interpret: bool = False,
+    sinks=None,
 ):
     """Causal GQA attention over a right-padded prompt: ``[B, Hq, T, D]`` in ``q.dtype`` (module docstring).
 
     chunk: ``chunked``'s query/key chunk; block_size: ``splash``'s block (a multiple of 128); interpret: run
-    ``splash`` in Pallas interpret mode.
+    ``splash`` in Pallas interpret mode. sinks: ``[Hq]`` learned sink logits (gpt-oss, :mod:`kvjax.sinks`) that join
+    every row's softmax denominator, or None; attention with sinks runs the pure-JAX ``chunked`` path (cuDNN's and
+    splash's kernels take no sink term: naming one of them with sinks is a ValueError).
     """
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS} or None (chosen by backend)")
     check_inputs(q, k, v, lengths, sliding_window)
     source = "impl='cudnn'" if impl is not None else f"{ENV_IMPL}=cudnn"
     explicit = impl or env_impl(ENV_IMPL, IMPLS)
+    if sinks is not None:
+        if explicit not in (None, "chunked"):
+            raise ValueError(
+                f"prefill attention impl={explicit!r} takes no attention sinks; use impl='chunked' (or None) for a "
+                "model with sinks (gpt-oss)"
+            )
+        explicit = "chunked"
     impl = explicit or default_impl()
     if impl == "cudnn":
         why = cudnn_ineligible(q, k, v)
@@ -162,8 +172,8 @@ def prefill_attention(
             )
         return per_head(kernel, q, k, v, n, batch_only=(3,))
     if q.shape[2] <= chunk:
-        return dense_attention(q, k, v, lengths, sliding_window)
-    return chunked_attention(q, k, v, lengths, sliding_window, chunk)
+        return dense_attention(q, k, v, lengths, sliding_window, sinks)
+    return chunked_attention(q, k, v, lengths, sliding_window, chunk, sinks)
 
 
 # ----------------------------------------------------------------------------------------- chunked (reference)
@@ -178,8 +188,9 @@ def _causal_mask(qpos, kpos, lengths, sliding_window):
     return mask[None] & (kpos[None, None, :] < lengths[:, None, None])
 
 
-def dense_attention(q, k, v, lengths=None, sliding_window=None):
-    """The whole ``[T, T]`` score matrix at once (``chunked`` below ``chunk`` tokens)."""
+def dense_attention(q, k, v, lengths=None, sliding_window=None, sinks=None):
+    """The whole ``[T, T]`` score matrix at once (``chunked`` below ``chunk`` tokens); ``sinks [Hq]``: an extra
+    logit per query head in every row's softmax (its value zero)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     lengths = jnp.full((b,), t) if lengths is None else lengths
@@ -188,7 +199,13 @@ def dense_attention(q, k, v, lengths=None, sliding_window=None):
     pos = jnp.arange(t)
     mask = _causal_mask(pos, pos, lengths, sliding_window)
     scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    w = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        w = jax.nn.softmax(scores, axis=-1)
+    else:
+        sk = sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+        top = jnp.maximum(scores.max(axis=-1, keepdims=True), sk)
+        e = jnp.exp(scores - top)
+        w = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sk - top))
     out = jnp.einsum("bhgts,bhsd->bhgtd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, hq, t, d).astype(q.dtype)
 
@@ -203,7 +220,7 @@ def live_chunks(lengths, t: int, chunk: int):
     return jnp.clip((longest + chunk - 1) // chunk, 0, n).astype(jnp.int32)
 
 
-def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = ATTENTION_CHUNK):
+def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = ATTENTION_CHUNK, sinks=None):
     """Flash-style causal attention in ``chunk``-token blocks; memory ``O(B * Hq * chunk * (chunk + D))`` beyond
     the output, which takes the place of q.
 
@@ -213,7 +230,8 @@ def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = A
     ``[lo, i)`` unmasked (``lo``: the window's first block; with a window those blocks are masked to it).
     Keys past a sequence's length are not masked: by causality only that sequence's padded queries see them.
     The output is written block by block over a copy of q, so no separate ``[B, Hq, T, D]`` buffer lives beside
-    it; rows of query blocks past the longest prompt keep q's values (meaningless, finite)."""
+    it; rows of query blocks past the longest prompt keep q's values (meaningless, finite). ``sinks [Hq]``: a
+    sink logit per query head joins each row's denominator at the end (:mod:`kvjax.sinks`)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -257,8 +275,15 @@ def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = A
             return o * c[..., None] + pv(p, vj), m_new, l * c + p.sum(axis=-1)
 
         lo = 0 if sliding_window is None else jnp.maximum(0, (i * chunk - sliding_window + 1) // chunk)
-        o, _, l = jax.lax.fori_loop(lo, i, key_block, (o, m, l))
-        return jax.lax.dynamic_update_index_in_dim(out, (o / l[..., None]).astype(out.dtype), i, axis=3)
+        o, m, l = jax.lax.fori_loop(lo, i, key_block, (o, m, l))
+        if sinks is None:
+            o = o / l[..., None]
+        else:  # scores are unscaled here: the running max in the softmax's units is m * scale
+            sk = sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
+            top = jnp.maximum(m * scale, sk)
+            c = jnp.exp(m * scale - top)
+            o = o * (c / (l * c + jnp.exp(sk - top)))[..., None]
+        return jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), i, axis=3)
 
     out = jax.lax.fori_loop(0, live, query_block, qc)  # [B, Hkv, G, n, C, D]
     return out.reshape(b, hq, n * chunk, d)[:, :, :t]

@@ -53,7 +53,7 @@ def _capture(cfg: ModelConfig, params, tokens, lengths) -> Prefilled:
 
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    x = M.embed(params, tokens)
+    x = M.embed(params, tokens, cfg)
     shapes = jax.eval_shape(lambda: M.layer_qkv(cfg, M.layer_params(params, 0), x, positions))
     bufs = tuple(jnp.zeros((cfg.num_layers,) + a.shape, a.dtype) for a in shapes)
 
@@ -87,6 +87,9 @@ def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
     from kvjax.engine import TRACE_COUNTS, Stacked, method_prefill, segment_previous
 
     TRACE_COUNTS["compress"] += 1
+    from kvjax.methods.hybrid import for_model
+
+    method = for_model(cfg, method)
 
     def one(m, layer, st, q, k, v, previous):  # what engine._prefill's step does with the layer's q, k, v
         return method_prefill(cfg, m, layer, st, q, k, v, pre.lengths, previous)[1]

@@ -3,7 +3,13 @@
 from pathlib import Path
 
 
-def save_tiny_llama(path, **config) -> Path:
+def save_tiny(path, arch: str = "LlamaForCausalLM", **config) -> Path:
+    """:func:`save_tiny_llama` for any transformers causal-LM class ``arch`` (``Qwen3ForCausalLM``,
+    ``Gemma3ForCausalLM``, ``GptOssForCausalLM``, ...) with the same tokenizer and sizes."""
+    return save_tiny_llama(path, arch=arch, **config)
+
+
+def save_tiny_llama(path, arch: str = "LlamaForCausalLM", **config) -> Path:
     """A random Llama (``config`` overrides: sizes, heads, layers) with the embedded SmolLM2 tokenizer and chat
     template, written to ``path`` with ``save_pretrained``; weights x3 so next-token logits are peaked and depend
     on the input (away from a uniform distribution)."""
@@ -32,7 +38,8 @@ def save_tiny_llama(path, **config) -> Path:
         num_key_value_heads=4,
         max_position_embeddings=512,
     )
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=len(tok), **{**sizes, **config})).eval()
+    cls = getattr(transformers, arch)
+    hf = cls(cls.config_class(vocab_size=len(tok), **{**sizes, **config})).eval()
     with torch.no_grad():
         for p in hf.parameters():
             if p.ndim == 2:

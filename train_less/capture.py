@@ -62,7 +62,9 @@ def _capture_batch(cfg, policies, layers, mask, store_dtype, params, tokens):
             out = out + ((x.astype(store_dtype), jnp.stack([p.eviction_times(q, k, mask) for p in policies], 1)),)
         return M.causal_attention(q, k, v), out
 
-    _, out = M.run_layers(cfg, params, M.embed(params, tokens), positions, attend, (), layers=range(max(layers) + 1))
+    _, out = M.run_layers(
+        cfg, params, M.embed(params, tokens, cfg), positions, attend, (), layers=range(max(layers) + 1)
+    )
     # [B, Lsel, S, H], [B, Lsel, P, Hkv, S]
     return jnp.stack([x for x, _ in out], 1), jnp.stack([e for _, e in out], 1)
 

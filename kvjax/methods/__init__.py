@@ -23,6 +23,7 @@ from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
+from kvjax.methods.hybrid import Hybrid, Window, for_model
 from kvjax.methods.layers import FullFirst
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
@@ -159,6 +160,7 @@ __all__ = [
     "ClusterKV",
     "Full",
     "H2O",
+    "Hybrid",
     "LayerContext",
     "Less",
     "Method",
@@ -171,6 +173,8 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "at_budget",
+    "Window",
+    "for_model",
     "get",
     "load_plugin",
     "names",

@@ -446,7 +446,7 @@ class Chelsea(Method):
         qc = _heads(q4, comp).reshape(b, len(comp) * g, d)
         if comp:
             part = attention.attend(qc, kk, vv, valid, bias=bias, lengths=length)
-            o_c = attention.normalise(part).reshape(b, len(comp), g, d)
+            o_c = attention.normalise(part, sinks=_head_sinks(comp, g)).reshape(b, len(comp), g, d)
         else:  # every KV head of this layer is an outlier head
             o_c = jnp.zeros((b, 0, g, d), jnp.float32)
         new = state.replace(seen=(pos + 1).astype(jnp.int32))
@@ -456,7 +456,8 @@ class Chelsea(Method):
             vo = rows_at(state.vo, p, _heads(v, out))
             ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])
             qo = _heads(q4, out).reshape(b, len(out) * g, d)
-            o_o = attention.normalise(attention.attend(qo, ko, vo, ovalid, lengths=(pos + 1).astype(jnp.int32)))
+            o_o = attention.attend(qo, ko, vo, ovalid, lengths=(pos + 1).astype(jnp.int32))
+            o_o = attention.normalise(o_o, sinks=_head_sinks(out, g))
             o_o = o_o.reshape(b, len(out), g, d)
             inv = np.argsort(np.asarray(comp + out))
             o = jnp.concatenate([o_c, o_o], axis=1)[:, inv]
@@ -596,3 +597,14 @@ def _heads(x, heads: tuple) -> jnp.ndarray:
     if tuple(heads) == tuple(range(x.shape[1])):
         return x
     return x[:, np.asarray(heads, np.int32)]
+
+
+def _head_sinks(kv_heads, g: int):
+    """The layer's attention sinks (:mod:`kvjax.sinks`) of the query heads of ``kv_heads`` (each KV head's ``g``
+    query heads, in order), or None on a model without sinks."""
+    from kvjax import sinks
+
+    s = sinks.current()
+    if s is None:
+        return None
+    return s[np.asarray([h * g + j for h in kv_heads for j in range(g)], np.int32)]

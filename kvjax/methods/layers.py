@@ -50,28 +50,12 @@ def same_as_previous(method: Method, layer: int) -> bool:
     return layer > 0 and method.at(layer - 1) == method.at(layer)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class FullFirst(Method):
-    """Layers ``< n_full`` keep and attend the full cache (``full``); the others run ``inner``."""
+class PerLayerPlan(Method):
+    """A per-layer plan over an ``inner`` method (a field of the subclass): :meth:`at` says which method runs each
+    layer; every other answer is the inner method's, and what takes a state must be asked of ``plan.at(layer)``.
+    :class:`FullFirst` and :class:`kvjax.methods.hybrid.Hybrid` are plans."""
 
-    n_full: int
     inner: Method
-
-    def __post_init__(self):
-        if isinstance(self.n_full, bool) or not isinstance(self.n_full, int) or self.n_full < 0:
-            raise ValueError(
-                f"full_layers={self.n_full!r} must be an int >= 0 (leading layers that keep the full cache)"
-            )
-        if not isinstance(self.inner, Method):
-            raise ValueError(f"FullFirst(inner={self.inner!r}): inner must be a kvjax method")
-        if self.n_full and not self.inner.starts_at(self.n_full):
-            raise ValueError(
-                f"full_layers={self.n_full}: {self.inner.name}'s layer {self.n_full} reuses the layer before it, which "
-                f"is full; use full_layers a multiple of its reuse (or reuse=1)"
-            )
-
-    def at(self, layer: int) -> Method:
-        return full_below(self.n_full, _static(layer, "FullFirst.at"), self.inner.at(layer))
 
     # ---- the inner method's name, budget and capabilities ----
     name = property(lambda self: self.inner.name)
@@ -101,17 +85,19 @@ class FullFirst(Method):
         return self.at(layer).init(model_cfg, batch, capacity, layer, dtype)
 
     def prefill(self, state, layer, q, k, v, lengths, previous=None):
-        return self.at(_static(layer, "FullFirst.prefill")).prefill(state, layer, q, k, v, lengths, previous=previous)
+        return self.at(_static(layer, f"{type(self).__name__}.prefill")).prefill(
+            state, layer, q, k, v, lengths, previous=previous
+        )
 
     def prefill_attend(self, state, layer, q, k, v, lengths, previous=None):
-        m = self.at(_static(layer, "FullFirst.prefill_attend"))
+        m = self.at(_static(layer, f"{type(self).__name__}.prefill_attend"))
         return m.prefill_attend(state, layer, q, k, v, lengths, previous=previous)
 
     def decode(self, state, layer, q, k, v, pos):
-        return self.at(_static(layer, "FullFirst.decode")).decode(state, layer, q, k, v, pos)
+        return self.at(_static(layer, f"{type(self).__name__}.decode")).decode(state, layer, q, k, v, pos)
 
     def selected_positions(self, state, layer, q):
-        return self.at(_static(layer, "FullFirst.selected_positions")).selected_positions(state, layer, q)
+        return self.at(_static(layer, f"{type(self).__name__}.selected_positions")).selected_positions(state, layer, q)
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return self.at(ctx.layer).held(n, steps, ctx)
@@ -120,7 +106,7 @@ class FullFirst(Method):
         return self.at(layer).held_overhead_bytes(model_cfg, batch, capacity, layer, dtype)
 
     def _per_state(self, what: str):
-        raise TypeError(f"FullFirst.{what}(state): ask the layer's method, method.at(layer).{what}(state)")
+        raise TypeError(f"{type(self).__name__}.{what}(state): ask the layer's method, method.at(layer).{what}(state)")
 
     def tokens_held(self, state):
         self._per_state("tokens_held")
@@ -133,3 +119,27 @@ class FullFirst(Method):
 
     def state_axes(self, state):
         self._per_state("state_axes")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FullFirst(PerLayerPlan):
+    """Layers ``< n_full`` keep and attend the full cache (``full``); the others run ``inner``."""
+
+    n_full: int
+    inner: Method
+
+    def __post_init__(self):
+        if isinstance(self.n_full, bool) or not isinstance(self.n_full, int) or self.n_full < 0:
+            raise ValueError(
+                f"full_layers={self.n_full!r} must be an int >= 0 (leading layers that keep the full cache)"
+            )
+        if not isinstance(self.inner, Method):
+            raise ValueError(f"FullFirst(inner={self.inner!r}): inner must be a kvjax method")
+        if self.n_full and not self.inner.starts_at(self.n_full):
+            raise ValueError(
+                f"full_layers={self.n_full}: {self.inner.name}'s layer {self.n_full} reuses the layer before it, which "
+                f"is full; use full_layers a multiple of its reuse (or reuse=1)"
+            )
+
+    def at(self, layer: int) -> Method:
+        return full_below(self.n_full, _static(layer, "FullFirst.at"), self.inner.at(layer))

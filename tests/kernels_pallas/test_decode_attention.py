@@ -215,3 +215,34 @@ def test_kvjax_attend_routes_through_decode_attention():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="impl='bogus'"):
         attention.attend(q, k, v, kw["valid"], impl="bogus")
+
+
+@pytest.mark.parametrize("impl", ("reference", "xla") + tuple(PALLAS))
+@pytest.mark.parametrize("case", ("g1_odd_valid_bias_lengths", "g8_empty_and_full_mask_tpu_legal"))
+def test_learned_sinks_join_every_kernels_softmax(impl, case):
+    """gpt-oss's attention sinks (kvjax.sinks): a sink logit per query head merged into each kernel's partials before
+    normalising equals a NumPy softmax with the sink as one more logit (its value zero); an empty row stays 0."""
+    from kvjax.attention import normalise as normalise_sinks
+
+    q, k, v, kw = _case(case)
+    b, hq, d = q.shape
+    sinks = jnp.asarray(np.random.RandomState(7).randn(hq).astype(np.float32))
+    if impl == "reference":
+        part = decode_attention_reference(q, k, v, **kw)
+    else:
+        part = decode_attention(q, k, v, **kw, impl=impl, interpret=impl != "xla")
+    got = np.asarray(normalise_sinks(part, sinks=sinks))
+    s = k.shape[2]
+    mask = np.ones((b, k.shape[1], s), bool) if kw.get("valid") is None else np.asarray(kw["valid"]).astype(bool)
+    if kw.get("lengths") is not None:
+        mask &= np.arange(s)[None, None, :] < np.asarray(kw["lengths"])[:, None, None]
+    bias = np.zeros(mask.shape) if kw.get("bias") is None else np.asarray(kw["bias"], np.float64)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for bi in range(b):
+        for hi in range(hq):
+            h = hi // (hq // k.shape[1])
+            sel = mask[bi, h]
+            sc = np.append(kn[bi, h][sel] @ qn[bi, hi] / np.sqrt(d) + bias[bi, h][sel], float(sinks[hi]))
+            p = np.exp(sc - sc.max())
+            want = p[:-1] @ vn[bi, h][sel] / p.sum()
+            np.testing.assert_allclose(got[bi, hi], want, rtol=1e-5, atol=1e-5)

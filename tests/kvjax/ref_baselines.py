@@ -42,6 +42,19 @@ def attend(qvec: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray
     return p @ values
 
 
+def attend_sink(qvec: np.ndarray, keys: np.ndarray, values: np.ndarray, sink: float) -> np.ndarray:
+    """:func:`attend` with a learned sink logit (gpt-oss): ``softmax([q·k/sqrt(D)..., sink])`` without the sink's
+    own (zero) value, float64."""
+    qvec, keys, values = (np.asarray(x, np.float64) for x in (qvec, keys, values))
+    p = softmax(np.append(keys @ qvec / math.sqrt(qvec.shape[-1]), sink))
+    return p[:-1] @ values
+
+
+def window_keep(num_tokens: int, window: int) -> list[int]:
+    """A sliding-window layer after ``num_tokens`` tokens: the positions ``t - s < window`` of the last token ``t``."""
+    return list(range(max(0, num_tokens - window), num_tokens))
+
+
 def group_of(hq: int, hkv: int) -> int:
     assert hq % hkv == 0
     return hq // hkv

@@ -223,13 +223,13 @@ def test_bad_input(tmp_path):
         kvjax.load_model(tmp_path / "sh")
     with pytest.raises(ValueError, match="gemma"):
         kvjax.ModelConfig.from_hf({**BASE, "model_type": "gemma", "num_attention_heads": 4})
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="longrope"):
         kvjax.ModelConfig.from_hf(
             {
                 **BASE,
                 "model_type": "llama",
                 "num_attention_heads": 4,
-                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+                "rope_scaling": {"rope_type": "longrope", "factor": 4.0},
             }
         )
     _write_gguf(tmp_path / "gpt2.gguf", "gpt2")

@@ -209,10 +209,8 @@ def test_errors(tiny):
     with pytest.raises(ValueError, match="traced_layer"):
         engine.init_states(tiny.config, Mine(), 1, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
     windows = dataclasses.replace(tiny.config, sliding_windows=(None, None, 16, 16))  # Qwen2's per-layer windows
-    tokens, lengths = engine.pad_prompts(prompts(), BUCKET)
-    states = engine.init_states(windows, Full(), 3, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
-    with pytest.raises(ValueError, match="sliding windows"):
-        engine.prefill(windows, Full(), M.stack_layers(tiny.params), jnp.asarray(tokens), jnp.asarray(lengths), states)
+    with pytest.raises(ValueError, match="differ in window.*scan_layers=False"):  # before anything is allocated
+        engine.init_states(windows, Full(), 3, Capacity(BUCKET, 4), jnp.float32, scan_layers=True)
 
 
 def _computing_ops(hlo: str) -> list[tuple[str, tuple[int, ...]]]:

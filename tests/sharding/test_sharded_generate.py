@@ -216,3 +216,42 @@ def test_bad_meshes_name_the_axis_and_the_fix(models):
     other = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("x", "model"))
     with pytest.raises(ValueError, match="axis 'x' is unknown"):
         kvjax.shard(model, other)
+
+
+def _hybrid(kind: str) -> Model:
+    """A tiny Gemma-3-like (QK-norm, (1 + w) and post norms, local/global RoPE, soft-cap) or gpt-oss-like (sinks,
+    experts) model with sliding-window layers, random weights and sinks."""
+    from kvjax.config import RopeConfig
+
+    common = dict(max_position_embeddings=512)
+    if kind == "gemma3":
+        cfg = ModelConfig(
+            "gemma3_text", 256, 64, 128, 3, 8, 8, 16, sliding_windows=(8, 8, None), qk_norm=True,
+            norm_style="gemma", post_norms=True, embed_scale=True, query_pre_attn_scalar=24.0, hidden_act="gelu_tanh",
+            final_logit_softcap=30.0, rope=RopeConfig(theta=1e6), rope_local=RopeConfig(theta=1e4), **common,
+        )  # fmt: skip
+    else:
+        cfg = ModelConfig(
+            "gpt_oss", 256, 64, 128, 2, 8, 8, 16, sliding_windows=(8, None), attention_bias=True, o_bias=True,
+            attention_sinks=True, num_experts=4, experts_per_token=2, **common,
+        )  # fmt: skip
+    params = random_params(cfg, jax.random.PRNGKey(3), scale=0.15)
+    keys = jax.random.split(jax.random.PRNGKey(4), cfg.num_layers)
+    layers = tuple(
+        {**lp, **({"sinks": jax.random.normal(k, (cfg.num_heads,))} if cfg.attention_sinks else {})}
+        for lp, k in zip(params["layers"], keys)
+    )
+    return Model(cfg, {**params, "layers": layers}, None, f"tiny-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss"])
+def test_hybrid_models_sharded_equal_one_device(kind):
+    """Local layers' ring buffers, sinks and experts split over a 2x4 mesh give one device's tokens."""
+    model = _hybrid(kind)
+    ids = prompts(2)
+    sharded = sharding.shard(model, "data=2,model=4")
+    for name in ("full", "snapkv"):
+        one = engine.generate(model, ids, method(name), max_new_tokens=STEPS, driver="scan", stop_at_eos=False)
+        split = engine.generate(sharded, ids, method(name), max_new_tokens=STEPS, driver="scan", stop_at_eos=False)
+        assert split.tokens == one.tokens, name
+        assert one.stats[0]["layer_plan"].endswith(f"1 global layer: {name}")
