@@ -16,6 +16,7 @@ survive. Every other mutant must be killed.
     python3 scripts/mutations.py --subset ci          # a fixed handful of fast ones (a few minutes)
     python3 scripts/mutations.py --only chelsea-no-log-bias,h2o-unaccumulated
     python3 scripts/mutations.py --list               # ids, files, descriptions
+    python3 scripts/mutations.py --only ... --tests tests/kvjax/test_chelsea.py::test_decode_outputs_match_reference
     python3 scripts/mutations.py --out benchmarks/results/mutations.json   # + mutations.md beside it
 
 Exit status: 0 when every non-equivalent mutant was killed (and no equivalent one was), 1 otherwise.
@@ -108,6 +109,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "B = ceil(R (n + Gamma)) instead of floor (the budget is no longer a ceiling)",
     ),
     M(
+        "chelsea-outlier-misses-new-token",
+        "kvjax/methods/chelsea.py",
+        "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])",
+        "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] < pos[:, None, None], ko.shape[:3])",
+        T_CHELSEA,
+        "an outlier head (full cache) does not attend the new token itself",
+    ),
+    M(
         "chunked-similarity-ab-swapped",
         "kernels_pallas/chunked_similarity/reference.py",
         "return kc[..., 0, :], kc[..., 1, :], vc[..., 0], vc[..., 1]",
@@ -174,6 +183,24 @@ MUTANTS: tuple[Mutant, ...] = (
         T_DECODE_ATT,
         "GQA groups interleaved: query head i attends KV head i % Hkv instead of i // G",
     ),
+    M(
+        "pallas-tpu-decode-no-rescale",
+        "kernels_pallas/decode_attention/pallas_tpu.py",
+        "o_ref[...] = alpha * o_ref[...] + pv",
+        "o_ref[...] = o_ref[...] + pv",
+        ("tests/kernels_pallas/test_decode_attention.py",),
+        "the TPU kernel (interpret mode) does not rescale its output accumulator when the running max grows",
+        k="pallas",
+    ),
+    M(
+        "pallas-gpu-decode-sum-not-rescaled",
+        "kernels_pallas/decode_attention/pallas_gpu.py",
+        "return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)",
+        "return alpha[:, None] * o + pv, m_new, l + jnp.sum(p, axis=1)",
+        ("tests/kernels_pallas/test_decode_attention.py",),
+        "the GPU kernel (interpret mode) does not rescale its running sum when the running max grows",
+        k="pallas",
+    ),
     # ---- the model --------------------------------------------------------------------------------------------
     M(
         "rope-decode-position-off-by-one",
@@ -220,18 +247,26 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "prefill-attention-no-scale",
         "kvjax/prefill_attention.py",
-        'scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))',
-        'scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32)',
+        '"bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))',
+        '"bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32)',
         ("tests/kvjax/test_causal_attention.py", "tests/kvjax/test_parity.py"),
         "the dense prefill attention loses 1/sqrt(D)",
     ),
     M(
         "mlp-gelu-not-silu",
         "kvjax/model.py",
-        "return x + _linear(jax.nn.silu(gate) * up, lp[\"w_down\"], lp.get(\"b_down\"))",
-        "return x + _linear(jax.nn.gelu(gate) * up, lp[\"w_down\"], lp.get(\"b_down\"))",
+        'return x + _linear(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"))',
+        'return x + _linear(jax.nn.gelu(gate) * up, lp["w_down"], lp.get("b_down"))',
         ("tests/kvjax/test_parity.py",),
         "the MLP's gate activation is GELU instead of SiLU",
+    ),
+    M(
+        "engine-prefill-positions-shifted",
+        "kvjax/engine.py",
+        "positions = jnp.broadcast_to(jnp.arange(t), (b, t))",
+        "positions = jnp.broadcast_to(jnp.arange(t) + 1, (b, t))",
+        ("tests/kvjax/test_engine.py",),
+        "the prompt's RoPE positions start at 1 while decode continues from the prompt length",
     ),
     # ---- the budget arithmetic (kvjax/budget.py) ---------------------------------------------------------------
     M(
@@ -273,8 +308,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "h2o-gqa-sum",
         "kvjax/methods/h2o.py",
-        "w = (jnp.exp(jax.lax.dynamic_slice_in_dim(sc, start, c, axis=3) - m[..., None]) / den[..., None]).mean(axis=2)",
-        "w = (jnp.exp(jax.lax.dynamic_slice_in_dim(sc, start, c, axis=3) - m[..., None]) / den[..., None]).sum(axis=2)",
+        "/ den[..., None]).mean(axis=2)",
+        "/ den[..., None]).sum(axis=2)",
         ("tests/kvjax/test_h2o_step.py",),
         "H2O's decode weights summed over the group's query heads, not averaged (prompt scores stay means)",
     ),
@@ -297,8 +332,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "streaming-one-sink-fewer",
         "kvjax/methods/streaming.py",
-        "return jnp.minimum(self.sinks, jnp.maximum(s - 1, 0)) if hasattr(s, \"shape\") else min(self.sinks, max(s - 1, 0))",
-        "return jnp.minimum(self.sinks - 1, jnp.maximum(s - 1, 0)) if hasattr(s, \"shape\") else min(self.sinks - 1, max(s - 1, 0))",
+        "return jnp.minimum(self.sinks, jnp.maximum(s - 1, 0)) if",
+        "return jnp.minimum(self.sinks - 1, jnp.maximum(s - 1, 0)) if",
         T_BASE,
         "StreamingLLM keeps one attention sink fewer (and one more recent token)",
         k="streaming",
@@ -339,6 +374,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "qpos = lengths[:, None] - window - 1 + jnp.arange(window)",
         T_BASE,
         "SnapKV's observation window is shifted one query back",
+        k="snapkv",
+    ),
+    M(
+        "snapkv-window-one-short",
+        "kvjax/methods/select.py",
+        "return jnp.minimum(window, budgets).astype(jnp.int32)",
+        "return jnp.minimum(window - 1, budgets).astype(jnp.int32)",
+        T_BASE,
+        "the kept recent window is one token shorter than the observation window",
         k="snapkv",
     ),
     M(
@@ -385,6 +429,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/kvjax/test_chunkkv.py",),
         "ChunkKV keeps ceil((P - w) / c) chunks (over the budget) instead of floor",
     ),
+    M(
+        "chunkkv-reuse-ignored",
+        "kvjax/methods/chunkkv.py",
+        "return self.reuse == 1 or layer % self.reuse == 0",
+        "return True or layer % self.reuse == 0",
+        ("tests/kvjax/test_chunkkv.py",),
+        "layer-wise index reuse silently off: every layer selects its own chunks (Alg. 2 not followed)",
+    ),
     # ---- Quest -------------------------------------------------------------------------------------------------
     M(
         "quest-kmin-kmax-swapped",
@@ -412,6 +464,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/kvjax/test_quest.py",),
         "GQA: the bound of the group's mean query instead of the mean of the query heads' bounds",
     ),
+    M(
+        "quest-current-page-dropped",
+        "kvjax/methods/quest.py",
+        "return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current], axis=-1)",
+        "return jnp.concatenate([jnp.where(ok, idx, -1).astype(jnp.int32), current * 0 - 1], axis=-1)",
+        ("tests/kvjax/test_quest.py",),
+        "Quest does not attend the current (incomplete) page, the new token's own",
+    ),
     # ---- PQCache -----------------------------------------------------------------------------------------------
     M(
         "pq-lookup-mean",
@@ -437,7 +497,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "agg = sum_small_axis(p, 2)",
         ("tests/kvjax/test_pqcache.py",),
         "GQA: the group's per-head softmax weights are summed unnormalised",
-        k="match_reference",
+        k="reference",
+    ),
+    M(
+        "pq-kmeans-includes-sinks",
+        "kvjax/methods/pqcache.py",
+        "valid = (pos[None, :] >= self.sink) & (pos[None, :] < lengths[:, None])",
+        "valid = (pos[None, :] >= 0) & (pos[None, :] < lengths[:, None])",
+        ("tests/kvjax/test_pqcache.py",),
+        "the prompt's K-means (codebooks and codes) also takes the sink tokens",
+        k="reference",
     ),
     # ---- ClusterKV and the cosine K-means references -----------------------------------------------------------
     M(
@@ -447,6 +516,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "qg = qg.max(axis=2, keepdims=True)",
         ("tests/kvjax/test_clusterkv.py",),
         "GQA group_mean: clusters ranked by the element-wise max of the group's queries instead of their mean",
+    ),
+    M(
+        "clusterkv-window-clustered-late",
+        "kvjax/methods/clusterkv.py",
+        "full = jnp.all(t + 1 - state.clustered >= self.window)",
+        "full = jnp.all(t + 1 - state.clustered > self.window)",
+        ("tests/kvjax/test_clusterkv.py",),
+        "decode clusters its window of new tokens one step late",
     ),
     M(
         "cosine-assign-dot-product",
@@ -472,6 +549,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "lse = lse_sp + 0 * log_lr",
         ("tests/kvjax/test_less.py",),
         "LESS's normaliser leaves out the low-rank state's phi(q)·z (Eq. 3's denominator)",
+    ),
+    M(
+        "less-state-order-flipped",
+        "kvjax/methods/less.py",
+        "if self.evicts_before_attending:",
+        "if not self.evicts_before_attending:",
+        ("tests/kvjax/test_less.py",),
+        "LESS folds the evicted pair into H, z after attending where its policy evicts before, and vice versa",
     ),
     M(
         "less-z-not-updated",
@@ -627,6 +712,11 @@ def main(argv=None) -> int:
     ap.add_argument("--subset", choices=["ci", "all"], default="all", help="ci: a fixed handful of fast mutants")
     ap.add_argument("--out", help="write the report as JSON here and as markdown beside it (.md)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per mutant (a timeout counts as killed)")
+    ap.add_argument(
+        "--tests",
+        help="space-separated pytest arguments run for every chosen mutant instead of its own tests (which "
+        "mutants does this one test kill?)",
+    )
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--check", action="store_true", help="only check that every snippet occurs once, run nothing")
     args = ap.parse_args(argv)
@@ -644,6 +734,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown mutant ids: {unknown}; see --list")
         chosen = [m for m in chosen if m.id in want]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests.split()), k=None) for m in chosen]
     if args.list:
         for m in chosen:
             eq = " [equivalent]" if m.equivalent else ""
