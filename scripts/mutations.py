@@ -199,7 +199,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "return alpha[:, None] * o + pv, m_new, l + jnp.sum(p, axis=1)",
         ("tests/kernels_pallas/test_decode_attention.py",),
         "the GPU kernel (interpret mode) does not rescale its running sum when the running max grows",
-        k="pallas",
+        k="pallas or gpu",
+    ),
+    M(
+        "pallas-gpu-decode-output-not-rescaled",
+        "kernels_pallas/decode_attention/pallas_gpu.py",
+        "return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)",
+        "return o + pv, m_new, alpha * l + jnp.sum(p, axis=1)",
+        ("tests/kernels_pallas/test_decode_attention.py",),
+        "the GPU kernel (interpret mode) does not rescale its output accumulator when the running max grows",
+        k="pallas or gpu",
     ),
     # ---- the model --------------------------------------------------------------------------------------------
     M(
