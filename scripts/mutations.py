@@ -57,6 +57,7 @@ T_CHELSEA = ("tests/kvjax/test_chelsea.py",)
 T_DECODE_ATT = ("tests/kernels_pallas/test_decode_attention.py", "tests/kernels_pallas/test_decode_attention_xla.py")
 T_PARITY = ("tests/kvjax/test_parity.py", "tests/kvjax/test_engine.py")
 T_BASE = ("tests/kvjax/test_baselines.py",)
+K_BUDGET = "mul or exact or trap or overflow or four_decimals or counts"  # the arithmetic tests of the budget file
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---- Chelsea (kvjax/methods/chelsea.py, csm.py) ------------------------------------------------------------
@@ -285,16 +286,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "return (n // q) * p + ((n % q) * p) // q",
         ("tests/kvjax/test_budget_contract.py",),
         "a fractional budget keeps floor(b n) tokens instead of ceil(b n)",
-        k="not every_method and not public_api",
+        k=K_BUDGET,
     ),
     M(
         "budget-floor-rounded-up",
         "kvjax/budget.py",
         "return (n // q) * p + ((n % q) * p) // q",
         "return (n // q) * p + ((n % q) * p + q - 1) // q",
-        ("tests/kvjax/test_budget_contract.py",) + T_CHELSEA,
+        ("tests/kvjax/test_budget_contract.py",),
         "floor_mul rounds up (Chelsea's budget, PQCache's split, merge counts overshoot)",
-        k="not every_method and not public_api",
+        k=K_BUDGET,
     ),
     M(
         "budget-fraction-rounded-up",
@@ -303,7 +304,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "f = Fraction(math.ceil(f * MAX_DENOMINATOR), MAX_DENOMINATOR)",
         ("tests/kvjax/test_budget_contract.py",),
         "a fraction with more than four decimals is rounded up to the 1/10000 grid (budget above the ceiling)",
-        k="not every_method and not public_api",
+        k=K_BUDGET,
     ),
     # ---- baselines: H2O, StreamingLLM, SnapKV, PyramidKV ------------------------------------------------------
     M(
