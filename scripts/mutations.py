@@ -580,7 +580,14 @@ MUTANTS: tuple[Mutant, ...] = (
 
 #: ``--subset ci``: a fixed handful of fast mutants across a method, a kernel reference, the budget and the model
 #: (each killed within seconds of its test file's start), so the check itself cannot rot.
-CI = ("chelsea-no-log-bias", "decode-ref-length-mask-ignored", "budget-ceil-rounded-down", "h2o-recent-off-by-one")
+CI = (
+    "chelsea-no-log-bias",
+    "decode-ref-length-mask-ignored",
+    "budget-ceil-rounded-down",
+    "h2o-recent-off-by-one",
+    "rope-decode-position-off-by-one",
+    "quest-kmin-kmax-swapped",
+)
 
 
 def copy_tree(dst: Path) -> None:
@@ -618,6 +625,9 @@ def check(mutant: Mutant, root: Path) -> tuple[str, int]:
         )
     if mutant.original == mutant.replacement:
         raise SystemExit(f"mutant {mutant.id}: replacement equals the original")
+    for t in mutant.tests:
+        if not t.startswith("-") and not (root / t.split("::")[0]).is_file():
+            raise SystemExit(f"mutant {mutant.id}: its test file {t} does not exist")
     return text, line_of(text, mutant.original)
 
 
@@ -728,7 +738,9 @@ def main(argv=None) -> int:
         "mutants does this one test kill?)",
     )
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
-    ap.add_argument("--check", action="store_true", help="only check that every snippet occurs once, run nothing")
+    ap.add_argument(
+        "--check", action="store_true", help="only check every snippet occurs once and every test file exists"
+    )
     args = ap.parse_args(argv)
 
     ids = [m.id for m in MUTANTS]
@@ -754,7 +766,7 @@ def main(argv=None) -> int:
     for m in chosen:
         check(m, ROOT)
     if args.check:
-        print(f"{len(chosen)} mutants: every original snippet occurs exactly once")
+        print(f"{len(chosen)} mutants: every original snippet occurs exactly once, every test file exists")
         return 0
 
     import jax  # noqa: PLC0415  (for the report only)
