@@ -141,7 +141,9 @@ def test_csm_round_per_sequence_windows_match_numpy():
 
 
 def test_equal_key_merge_is_exact_only_with_log_counts():
-    """Eq. (2): merging clusters of identical keys (any values) reproduces full attention with + log N."""
+    """Eq. (2), the mechanism: merging clusters of identical keys (any values) with ``csm_round`` reproduces full
+    attention with + log N through ``attention.attend`` (the bias built here; the method's own decode step is
+    checked by the next test and by :func:`test_decode_outputs_match_reference`)."""
     rng = np.random.RandomState(1)
     s, d, n_sink, n_recent, chunk = 36, 16, 2, 2, 8
     k = rng.randn(s, d).astype(np.float32)
