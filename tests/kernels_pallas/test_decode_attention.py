@@ -21,6 +21,7 @@ from kernels_pallas.decode_attention import (
     decode_attention_reference,
     merge,
     normalise,
+    pallas_gpu,
 )
 
 PALLAS = ("pallas_tpu", "pallas_gpu")
@@ -140,6 +141,20 @@ def check_bf16(impl, *, interpret=True):
 @pytest.mark.parametrize("impl", PALLAS)
 def test_pallas_bf16_inputs(impl):
     check_bf16(impl)
+
+
+@pytest.mark.parametrize("case", ["g1_odd_valid_bias_lengths", "g8_empty_and_full_mask_tpu_legal"])
+def test_gpu_kernel_with_several_blocks_per_program(case):
+    """The GPU kernel with one program per (sequence, KV head) (``target_programs=1``) and blocks of 32 slots: its
+    loop visits up to 8 blocks in turn, so its online softmax must rescale the running output and sum whenever a
+    later block raises the max (keys grow along the slots, so it does). At the default tiling these sizes give
+    each program one block, and the cases above never run that rescaling."""
+    q, k, v, kw = _case(case)
+    k = k * jnp.linspace(0.2, 2.0, k.shape[2])[None, None, :, None]
+    got = pallas_gpu.decode_attention_gpu(q, k, v, **kw, block_size=32, interpret=True, target_programs=1)
+    want = decode_attention_reference(q, k, v, **kw)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
 def test_partials_over_block_subsets_merge_to_the_whole():

@@ -13,6 +13,9 @@ Written from the paper and the method note with explicit loops and Python sets, 
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import numpy as np
 
 
@@ -87,3 +90,56 @@ def partition_objective(A, f) -> float:
     two_n = len(f) + 1
     B = [y for y in range(1, two_n + 1) if y not in A]
     return float(sum(f[abs(x - y) - 1] for x in A for y in B))
+
+
+#: The ``llama3`` schedule of App. C.2: ``(r_init, alpha, m)``, ratio of round ``i`` ``max(r_init - alpha min(m, i),
+#: r_floor)`` with ``r_floor = 0.05``.
+LLAMA3 = (Fraction(35, 100), Fraction(1, 10), 2)
+
+
+def chelsea_call(K, V, N, budget, n_sink, n_recent, chunk, schedule=LLAMA3, r_floor=Fraction(5, 100)):
+    """One Chelsea call (Alg. 1) on one head: CSM rounds until at most ``budget`` rows remain; round ``i`` merges
+    ``min(max(floor(r_i M), 1), length - budget)`` pairs, ``M = length - n_sink - n_recent`` the middle."""
+    r_init, alpha, m_sched = schedule
+    i = 0
+    while len(K) > budget:
+        r = max(r_init - alpha * min(m_sched, i), r_floor)
+        mid = len(K) - n_sink - n_recent
+        m = min(max(math.floor(r * mid), 1), len(K) - budget)
+        _, K, V, N = csm_round(K, V, N, len(K), m, n_sink, n_recent, chunk)
+        i += 1
+    return K, V, N
+
+
+class Sequence:
+    """Chelsea on one sequence, per KV head (float64): the prompt merged to ``B = floor(R (n + Gamma))`` rows when
+    ``n >= B + g``; each decode step appends the token with count 1, attends every query head of the KV head's
+    group over the rows with the ``log N`` bias (Eq. 2), then merges back to ``B`` once ``B + g`` rows are held.
+    ``outliers``: KV heads that keep every token (count 1, plain attention)."""
+
+    def __init__(self, K, V, budget, gamma, n_sink, n_recent, chunk, interval, outliers=()):
+        n = K.shape[1]  # K, V [Hkv, n, D]
+        self.B = math.floor(Fraction(budget).limit_denominator(10000) * (n + gamma))
+        self.cfg = (n_sink, n_recent, chunk)
+        self.g, self.outliers = interval, set(outliers)
+        self.heads = []
+        for h in range(K.shape[0]):
+            k, v, c = K[h].astype(np.float64), V[h].astype(np.float64), np.ones(n)
+            if h not in self.outliers and n >= self.B + self.g:
+                k, v, c = chelsea_call(k, v, c, self.B, *self.cfg)
+            self.heads.append([k, v, c])
+
+    def step(self, q, k, v):
+        """q ``[Hq, D]``, k, v ``[Hkv, D]`` -> attention output ``[Hq, D]``."""
+        hkv = len(self.heads)
+        g = q.shape[0] // hkv
+        out = []
+        for h, head in enumerate(self.heads):
+            head[0] = np.concatenate([head[0], k[h][None].astype(np.float64)])
+            head[1] = np.concatenate([head[1], v[h][None].astype(np.float64)])
+            head[2] = np.concatenate([head[2], [1.0]])
+            for j in range(g):
+                out.append(attention_with_counts(q[h * g + j], *head))
+            if h not in self.outliers and len(head[0]) >= self.B + self.g:
+                head[:] = chelsea_call(*head, self.B, *self.cfg)
+        return np.stack(out)

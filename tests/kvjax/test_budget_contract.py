@@ -66,6 +66,18 @@ def test_large_lengths_do_not_overflow_int32():
     np.testing.assert_array_equal(got, [exact_tokens(0.2999, int(n)) for n in ns])
 
 
+@pytest.mark.parametrize("p,q", [(3, 10), (1, 3), (2999, 10000), (7, 7), (0, 5), (9999, 10000)])
+def test_floor_and_ceil_mul_are_exact(p, q):
+    """``floor(n p / q)`` and ``ceil(n p / q)`` (Chelsea's budget and merge counts, PQCache's split, H2O's recent
+    window) against Python's exact integers, on host ints and traced int32 up to ``2^31 - 1``."""
+    ns = [0, 1, 2, 9, 10, 11, 29, 30, 31, 99, 100, 101, 4095, 2**20 + 3, 2**24 + 7, 2**31 - 1]
+    floor, ceil = [n * p // q for n in ns], [-(-n * p // q) for n in ns]
+    assert [kb.floor_mul(n, p, q) for n in ns] == floor and [kb.ceil_mul(n, p, q) for n in ns] == ceil
+    arr = jnp.asarray(ns, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: kb.floor_mul(n, p, q))(arr)), floor)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: kb.ceil_mul(n, p, q))(arr)), ceil)
+
+
 def test_more_than_four_decimals_rounds_down():
     p, q = kb.as_fraction(0.123456)
     assert (

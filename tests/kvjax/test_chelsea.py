@@ -141,7 +141,9 @@ def test_csm_round_per_sequence_windows_match_numpy():
 
 
 def test_equal_key_merge_is_exact_only_with_log_counts():
-    """Eq. (2): merging clusters of identical keys (any values) reproduces full attention with + log N."""
+    """Eq. (2), the mechanism: merging clusters of identical keys (any values) with ``csm_round`` reproduces full
+    attention with + log N through ``attention.attend`` (the bias built here; the method's own decode step is
+    checked by the next test and by :func:`test_decode_outputs_match_reference`)."""
     rng = np.random.RandomState(1)
     s, d, n_sink, n_recent, chunk = 36, 16, 2, 2, 8
     k = rng.randn(s, d).astype(np.float32)
@@ -171,6 +173,73 @@ def test_equal_key_merge_is_exact_only_with_log_counts():
         full = ref.attention_with_counts(q[g], k, v, np.ones(s), use_log_counts=False)
         np.testing.assert_allclose(np.asarray(with_bias[0, g]), full, atol=1e-5)
         assert np.abs(np.asarray(without[0, g]) - full).max() > 1e-3
+
+
+def test_equal_key_merge_through_decode_equals_full_attention(tiny):
+    """Eq. (2) through the method, not the mechanism: a prompt whose every A token has the key of its B neighbour
+    is merged by Chelsea's prefill (one round, pairs of identical keys, counts 2); the next decode step's output
+    (``Chelsea.decode``: its own ``log N`` bias) equals full softmax attention over all the prompt's tokens and
+    the new one (numpy), for each of the group's query heads. Without the bias it does not."""
+    cfg = tiny.config
+    n, d, hq, hkv = 40, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, hkv, n, d)).astype(np.float32)
+    for a in range(2, n - 4, 2):  # n_sink=2, n_recent=4, chunk 8: A tokens at even slots of the middle
+        k[:, :, a] = k[:, :, a + 1]
+    v = rng.standard_normal((1, hkv, n, d)).astype(np.float32)
+    q = rng.standard_normal((1, hq, n, d)).astype(np.float32)
+    method = Chelsea(budget=30, **SMALL)  # B = 30, trigger 34 <= 40: one round of 10 merges (<= 0.35 x 34)
+    st = method.init(cfg, 1, Capacity(n, 8), 0, jnp.float32)
+    st = method.prefill(st, 0, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([n]))
+    assert int(st.length[0]) == 30 and float(st.n.max()) == 2.0 and float(st.n.sum()) == hkv * n
+    qn, kn, vn = (rng.standard_normal((1, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    out, _ = method.decode(st, 0, jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), jnp.asarray([n]))
+    g = hq // hkv
+    for qh in range(hq):
+        h = qh // g
+        keys, vals = np.concatenate([k[0, h], kn[0, h][None]]), np.concatenate([v[0, h], vn[0, h][None]])
+        full = ref.attention_with_counts(qn[0, qh], keys, vals, np.ones(n + 1), use_log_counts=False)
+        np.testing.assert_allclose(np.asarray(out)[0, qh], full, atol=1e-5)
+
+
+# ---- the decode step's attention output against the numpy reference ------------------------------------
+
+
+@pytest.mark.parametrize("outliers", [(), ((0, 1),)], ids=["compressed", "outlier-head"])
+def test_decode_outputs_match_reference(tiny, outliers):
+    """Prefill then 18 decode steps of one layer (GQA: 4 query heads on 2 KV heads), three sequences: two merged in
+    prefill (slots with counts > 1), one that first compresses during decode; every sequence runs several
+    re-compression rounds. Each step's attention output equals the numpy reference's (Eq. 2: ``softmax(q K^T /
+    sqrt(d) + log N) V`` over the merged slots), so a lost ``log N`` bias, a wrong count or merge, an
+    off-by-one trigger or window fails here."""
+    cfg = tiny.config
+    t, gamma, steps, hq, hkv, d = 48, 20, 18, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    method = Chelsea(budget=0.3, outlier_heads=outliers, reallocate=False, **SMALL)
+    lengths = np.array([40, 23, 10])  # B_b = 18, 12, 9: triggers 22, 16 (merged in prefill), 13 (in decode)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((3, h, t, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    st = method.init(cfg, 3, Capacity(t, gamma), 0, jnp.float32)
+    st = jax.jit(lambda st, q, k, v, n: method.prefill(st, 0, q, k, v, n))(st, q, k, v, jnp.asarray(lengths))
+    outl = [h for (l_, h) in outliers if l_ == 0]
+    seqs = [ref.Sequence(k[b, :, :n], v[b, :, :n], 0.3, gamma, 2, 4, 8, 4, outl) for b, n in enumerate(lengths)]
+    assert [s.B for s in seqs] == [18, 12, 9]
+    assert np.asarray(st.n).max() > 1  # merged slots in prefill
+    decode = jax.jit(lambda st, q, k, v, p: method.decode(st, 0, q, k, v, p))
+    pos, merges = lengths.copy(), 0
+    for _ in range(steps):
+        qn, kn, vn = (rng.standard_normal((3, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        before = np.asarray(st.length)
+        out, st = decode(st, *(jnp.asarray(x) for x in (qn, kn, vn, pos)))
+        merges += int(np.sum(np.asarray(st.length) < before + 1))
+        for b, seq in enumerate(seqs):
+            np.testing.assert_allclose(np.asarray(out)[b], seq.step(qn[b], kn[b], vn[b]), atol=2e-5, rtol=1e-4)
+        for b, seq in enumerate(seqs):  # the held slots and their counts too
+            for ci, h in enumerate(st.comp_heads):
+                length = int(np.asarray(st.length)[b])
+                np.testing.assert_allclose(np.asarray(st.n)[b, ci, :length], seq.heads[h][2])
+                np.testing.assert_allclose(np.asarray(st.k)[b, ci, :length], seq.heads[h][0], atol=1e-5)
+        pos = pos + 1
+    assert merges >= 10  # re-compression rounds in decode, in every sequence
 
 
 # ---- through the engine ----------------------------------------------------------------------------------
