@@ -215,16 +215,16 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "rope-decode-position-off-by-one",
         "kvjax/engine.py",
-        "cfg, method, params, M.embed(params, token[:, None]), pos[:, None], states, step, mesh",
-        "cfg, method, params, M.embed(params, token[:, None]), pos[:, None] + 1, states, step, mesh",
+        "cfg, method, params, M.embed(params, token[:, None], cfg), pos[:, None], states, step, mesh",
+        "cfg, method, params, M.embed(params, token[:, None], cfg), pos[:, None] + 1, states, step, mesh",
         ("tests/kvjax/test_engine.py",),
         "a decode step's RoPE position is one past the token's",
     ),
     M(
         "rope-all-positions-shifted",
         "kvjax/model.py",
-        "cos, sin = cos_sin(cfg.rope, cfg.head_dim, positions, x.dtype)",
-        "cos, sin = cos_sin(cfg.rope, cfg.head_dim, positions + 1, x.dtype)",
+        "cos, sin = cos_sin(rope, cfg.head_dim, positions, x.dtype)",
+        "cos, sin = cos_sin(rope, cfg.head_dim, positions + 1, x.dtype)",
         ("tests/kvjax/test_engine.py",),
         "every RoPE position (prompt and decode) shifted by one",
         equivalent="RoPE scores depend only on the distance between query and key positions, which a common shift "
@@ -266,8 +266,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "mlp-gelu-not-silu",
         "kvjax/model.py",
-        'return x + _linear(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"))',
-        'return x + _linear(jax.nn.gelu(gate) * up, lp["w_down"], lp.get("b_down"))',
+        'return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)',
+        'return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.gelu(gate)',
         ("tests/kvjax/test_parity.py",),
         "the MLP's gate activation is GELU instead of SiLU",
     ),
