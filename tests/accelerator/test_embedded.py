@@ -14,7 +14,8 @@ step and the deviation; the deviation is also recorded as the test's ``deviation
 with ``KVJAX_ACCELERATOR_OUT=DIR``, in ``DIR/embedded_<method>.json`` as soon as the method has run.
 
 On CPU (no marker), a change detector (the golden file is the CPU run's own output, so this checks that it did not
-change, not that it is right): the CPU run gives the same tokens and logits within 1e-3 (by default for three
+change, not that it is right): the CPU run gives the same tokens and logits within 1e-3 or twice the method's
+rounding spread (by default for three
 methods; ``--runslow``: every method), and every method holds under half the tokens of ``full`` or reads less per
 decode step (so the device comparison is one of compressed runs).
 """
@@ -77,10 +78,13 @@ def test_golden_covers_every_method(golden):
 def test_cpu_run_unchanged_since_the_golden_was_written(golden, name):
     """A change detector, not a check of correctness: the golden file is this CPU run's own output, so this fails
     when a change moves the CPU tokens or logits (then regenerate with ``embedded.py --write`` if the change is
-    meant), and says nothing about whether they are right."""
+    meant), and says nothing about whether they are right. Logits within 1e-3, or twice the method's rounding spread
+    where that is larger: another CPU's vector units are a change of arithmetic too (on a Xeon @ 2.8 GHz with
+    AVX-512, 2026-11-27, Chelsea's top logits moved 0.043 from the golden file's, PQCache's 0.0014, their spreads
+    being 0.070 and 0.0013; every other method's stayed within 1e-3)."""
     want = golden["methods"][name]
     got = embedded.run(name, feed=want["tokens"][: embedded.STEPS])
-    compare(name, got, want, margin=0.0, atol=1e-3)
+    compare(name, got, want, margin=0.0, atol=max(1e-3, SPREAD_X * want["rounding_spread"]))
 
 
 @pytest.mark.accelerator
