@@ -15,9 +15,8 @@ with ``KVJAX_ACCELERATOR_OUT=DIR``, in ``DIR/embedded_<method>.json`` as soon as
 
 On CPU (no marker), a change detector (the golden file is the CPU run's own output, so this checks that it did not
 change, not that it is right): the CPU run gives the same tokens and logits within 1e-3 or twice the method's
-rounding spread (by default for three
-methods; ``--runslow``: every method), and every method holds under half the tokens of ``full`` or reads less per
-decode step (so the device comparison is one of compressed runs).
+rounding spread (by default for three methods; ``--runslow``: every method), and every method holds under half the
+tokens of ``full`` or reads less per decode step (so the device comparison is one of compressed runs).
 """
 
 from __future__ import annotations
