@@ -287,6 +287,15 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def tokens_held(self, state) -> jnp.ndarray: ...
 
+    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
+        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
+        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
+        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
+        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
+        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
+        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
+        return 0, 0
+
     def min_budget(self) -> tuple[int, str]:
         """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
         a page; at least :data:`kvjax.budget.MIN_TOKENS`) and a few words on why. A smaller budget still runs (the
