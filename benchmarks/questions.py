@@ -5,8 +5,10 @@ different lengths, ``--new`` greedy tokens each, under ``--method`` at ``--budge
 (a first run compiles; the second is timed):
 
 - ``shared``: ``questions.compress_context`` once, ``questions.answer`` on every question in one batch;
+- ``per_question_compiled``: the context repeated for every question, prefilled and compressed once per question
+  in one batch (``engine.prefill``), then the same compiled loop as ``shared``: the cost of the compressions alone;
 - ``per_question_batched``: ``eval.harness.answer_after_context`` with the context repeated for every question
-  (the context prefilled and compressed once per question, in one batch);
+  (its Python-driven decode steps);
 - ``per_question``: ``answer_after_context`` once per question (batch 1, one after another).
 
 Checks the three give the same tokens, writes JSON with the device and jax version."""
@@ -49,13 +51,39 @@ def main(argv=None):
         ctx = questions.compress_context(model, ids, method, max_new_tokens=cap)
         return questions.answer(model, ctx, qs, max_new_tokens=a.new, stop_at_eos=False).tokens
 
+    def per_question_compiled():
+        import jax.numpy as jnp
+
+        from kvjax import engine
+        from kvjax.methods.base import Capacity
+
+        cfg, q = model.config, len(qs)
+        tokens, lengths = engine.pad_prompts([ids] * q, bucket)
+        states = engine.init_states(cfg, method, q, Capacity(bucket, cap), model.dtype)
+        states, _ = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), jnp.asarray(lengths), states)
+        qtok = np.zeros((q, max(len(x) for x in qs)), np.int32)
+        for i, x in enumerate(qs):
+            qtok[i, : len(x)] = x
+        loop = questions._Loop(cfg, method, kvjax.sampling.Greedy(), a.new, ())
+        out, *_ = questions._answer_loop(
+            loop, model.params, states, jnp.asarray(qtok), jnp.asarray([len(x) for x in qs], jnp.int32),
+            jnp.asarray(lengths), jax.random.PRNGKey(0),
+        )
+        return [list(map(int, r)) for r in np.asarray(out)]
+
     def per_question_batched():
         return harness.answer_after_context(model, method, [ids] * len(qs), qs, bucket, a.new, capacity_new=cap)
 
     def per_question():
         return [harness.answer_after_context(model, method, [ids], [q], bucket, a.new, capacity_new=cap)[0] for q in qs]
 
-    for name, fn in (("shared", shared), ("per_question_batched", per_question_batched), ("per_question", per_question)):
+    runs = (
+        ("shared", shared),
+        ("per_question_compiled", per_question_compiled),
+        ("per_question_batched", per_question_batched),
+        ("per_question", per_question),
+    )
+    for name, fn in runs:
         fn()  # compile
         t = time.perf_counter()
         got = fn()
@@ -63,7 +91,10 @@ def main(argv=None):
         tokens[name] = [list(map(int, x)) if not isinstance(x, str) else x for x in got]
         print(f"{name}: {out[name]:.2f} s", flush=True)
     decode = lambda ts: [tok.decode(t) if not isinstance(t, str) else t for t in ts]  # noqa: E731
-    same = decode(tokens["shared"]) == tokens["per_question_batched"] == tokens["per_question"]
+    same = (
+        decode(tokens["shared"]) == decode(tokens["per_question_compiled"])
+        == tokens["per_question_batched"] == tokens["per_question"]
+    )
     res = dict(
         seconds=out,
         same_answers=same,
