@@ -257,3 +257,19 @@ def test_bad_compositions():
         m.init(cfg, 1, Capacity(64, 8), 0, jnp.float32)
     assert methods.get("snapkv", decode_budget=64, full_layers=1).at(0).name == "full"
     assert methods.get("snapkv", decode_budget=64, full_layers=1).at(1).decode_budget == 64
+
+
+def test_a_sharded_model_gives_the_one_device_tokens():
+    """On a data=2, model=2 mesh (the batch and the KV heads split, the query ring with them), the same tokens and
+    held tokens as on one device, with re-compressions every 8 steps."""
+    from kvjax import sharding
+
+    cfg = ModelConfig("llama", 256, 64, 128, 2, 8, 2, 16, max_position_embeddings=512)
+    model = Model(cfg, M.random_params(cfg, jax.random.PRNGKey(2), scale=0.15), None, "tiny-kv2")
+    m = methods.get("snapkv", budget=0.5, window=4, decode_budget=16, every=8)
+    ps = [list(np.random.RandomState(3).randint(1, 255, size=n)) for n in (40, 17, 33, 26)]
+    one = engine.generate(model, ps, m, max_new_tokens=30, driver="scan", stop_at_eos=False)
+    sharded = kvjax.shard(model, sharding.make_mesh("data=2,model=2"))
+    got = engine.generate(sharded, ps, m, max_new_tokens=30, driver="scan", stop_at_eos=False)
+    assert got.tokens == one.tokens
+    assert [s["tokens_held"] for s in got.stats] == [s["tokens_held"] for s in one.stats]
