@@ -132,11 +132,14 @@ class DecodeBudget(Method):
         if not isinstance(probe, SlotCache):
             raise ValueError(f"decode_budget=: {self.inner.name}'s state is not a SlotCache")
         target = self.target(layer, model_cfg.num_layers)
-        if self.inner.reuses_previous_layer and getattr(self.inner, "reuse", 1) > 1 and probe.prompt_slots > target:
+        reuses = self.inner.reuses_previous_layer and not all(
+            self.inner.starts_at(l) for l in range(model_cfg.num_layers)
+        )
+        if reuses and probe.prompt_slots > target:
             raise ValueError(
-                f"decode_budget={self.decode_budget}: {self.inner.name} with reuse={self.inner.reuse} reuses the "
-                f"previous layer's prompt selection ({probe.prompt_slots} slots at prompt_len={capacity.prompt_len}), "
-                f"which a layer's decode budget of {target} would cut at prefill; raise decode_budget to "
+                f"decode_budget={self.decode_budget}: {self.inner.name}'s layers reuse the previous layer's prompt "
+                f"selection (index reuse; {probe.prompt_slots} slots at prompt_len={capacity.prompt_len}), which a "
+                f"layer's decode budget of {target} would cut at prefill; raise decode_budget to "
                 f">= {probe.prompt_slots}, lower budget, or use reuse=1"
             )
         w = self.inner.observation_window()

@@ -108,7 +108,12 @@ def test_recompression_matches_reference(tiny, kind, opts, ref_opts, target, eve
 
 @pytest.mark.parametrize(
     "name,opts",
-    [("snapkv", dict(budget=0.5, window=4)), ("chunkkv", dict(budget=0.5, window=4, chunk_size=3)), ("pyramidkv", dict(budget=0.5, window=4))],
+    [
+        ("snapkv", dict(budget=0.5, window=4)),
+        ("chunkkv", dict(budget=0.5, window=4, chunk_size=3)),
+        ("chunkkv", dict(budget=0.5, window=4, chunk_size=3, reuse=2)),  # index reuse through the composed state
+        ("pyramidkv", dict(budget=0.5, window=4)),
+    ],
 )
 def test_a_budget_the_generation_fits_gives_the_unbounded_tokens(tiny, name, opts):
     """A decode budget every layer's held tokens stay below never re-compresses: the tokens are the method's own."""
