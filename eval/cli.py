@@ -4,6 +4,7 @@ kvjax-eval main                                   # the README's main job on the
 kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
 kvjax-eval perplexity --prefix 1024 --continuation 256
 kvjax-eval ruler --lengths 1024
+kvjax-eval longgen --methods full,snapkv,h2o --budgets 0.2 --option snapkv.decode_budget=256 --option snapkv.every=64
 kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
 kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
 kvjax-eval main --methods full,snapkv,less --budgets 0.2,256 --equal-bytes less   # memory-matched
@@ -90,6 +91,9 @@ def method_options(names, options) -> dict[str, dict]:
     from kvjax import methods
 
     fields = {n: {f.name for f in dataclasses.fields(methods.REGISTRY[n])} for n in names}
+    for n in names:  # composition options: a decode budget over a method that re-selects what it holds
+        if methods.REGISTRY[n].recompressible:
+            fields[n] |= {"decode_budget", "every"}
     out: dict[str, dict] = {n: {} for n in names}
     for key, value in options:
         method, _, field = key.rpartition(".")
@@ -128,6 +132,8 @@ def _tasks(args):
         )
     if args.command in ("main", "perplexity"):
         tasks.append(runner.PerplexityTask(args.sequences, args.prefix, args.continuation, args.book))
+    if args.command == "longgen":
+        tasks.append(runner.LongGenTask(args.sequences, args.prefix, tuple(args.continuations), args.book))
     if args.command == "fidelity":
         from eval import fidelity
 
@@ -397,6 +403,22 @@ def _add_tasks(add) -> None:
     pp = add("perplexity", help="streaming perplexity of held-out text under a compressed cache")
     _common(pp, "full,streaming_llm,h2o,snapkv,pyramidkv", [0.1, 0.2, 0.5], "runs/eval-perplexity")
     _perplexity_options(pp, 4, 1024, 256)
+
+    lg = add(
+        "longgen",
+        help="long generation: perplexity of a long teacher-forced continuation, bytes held along it "
+        "(a decode budget: --option decode_budget=D --option every=E)",
+    )
+    _common(lg, "full,h2o,snapkv", [0.2], "runs/eval-longgen")
+    lg.add_argument("--sequences", type=int, default=2, help="held-out sequences scored")
+    lg.add_argument("--prefix", type=int, default=512, help="prefilled (compressed) tokens per sequence")
+    lg.add_argument(
+        "--continuations",
+        type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+        default=[512, 2048],
+        help="continuation lengths at which bytes held are read (ascending; the last is scored whole)",
+    )
+    lg.add_argument("--book", default="Genesis", help="King James book used as held-out text")
 
     r = add("ruler", help="RULER-style synthetic tasks (context compressed, question not)")
     _common(

@@ -56,14 +56,16 @@ def _logprob(logits, target):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
 
 
-def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False, prefilled=None):
+def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False, prefilled=None, memory_at=()):
     """Negative log-likelihoods ``[B, N]`` of the ``N = T - prefix`` continuation tokens of ``seqs [B, T]``.
 
     Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
     ``Capacity(prefix, N)``; ``N - 1`` decode steps, all through the same compiled ``decode_step``.
     With ``memory=True``: ``(nll, memory rows)`` (:func:`eval.harness.memory_rows` of the final states).
     ``prefilled``: the model's prefill of ``seqs[:, :prefix]`` (:func:`kvjax.prefilled.prefill_once`), which the
-    method then only compresses.
+    method then only compresses. ``memory_at`` (with ``memory=True``): continuation lengths ``L`` at which the
+    memory rows are also read (after the ``L``-th token is scored, ``L - 1`` decode steps); the result is then
+    ``(nll, rows, {L: rows})``.
     """
     cfg = model.config
     b, t = seqs.shape
@@ -91,8 +93,13 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
     else:
         states, logits = compress(cfg, method, prefilled, states), prefilled.logits
+    from eval.harness import memory_rows
+
     out = [_logprob(logits, seqs[:, prefix])]
+    at = {}
     for i in range(1, n):
+        if memory and i in memory_at:  # i tokens scored, i - 1 decode steps
+            at[i] = memory_rows(method, states, num_heads=cfg.num_heads)
         logits, states = engine.decode_step(
             cfg, method, model.params, states, seqs[:, prefix + i - 1], lengths + i - 1, mesh=mesh
         )
@@ -100,9 +107,11 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     nll = -S.to_host(jnp.stack(out, axis=1))
     if not memory:
         return nll
-    from eval.harness import memory_rows
-
-    return nll, memory_rows(method, states, num_heads=cfg.num_heads)
+    rows = memory_rows(method, states, num_heads=cfg.num_heads)
+    if memory_at:
+        at[n] = rows
+        return nll, rows, at
+    return nll, rows
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -24,6 +24,7 @@ TASKS: dict[str, tuple[str, str, bool]] = {
     "needle": ("needle acc (%)", "mean_percent", True),
     "ruler": ("RULER (%)", "mean_percent", True),
     "perplexity": ("perplexity", "perplexity", False),
+    "longgen": ("long-gen perplexity", "perplexity", False),
     "longbench": ("LongBench (%)", "mean_percent", True),
     "fidelity": ("attn rel. error", "mean", False),
 }

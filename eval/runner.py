@@ -126,6 +126,68 @@ class PerplexityTask:
         ]
 
 
+@dataclasses.dataclass(frozen=True)
+class LongGenTask:
+    """Long generation: the perplexity of a long teacher-forced continuation (every token through the compiled
+    decode step, as :class:`PerplexityTask`) with the bytes each sequence holds at several continuation lengths
+    (``continuations``, ascending; the last is the whole continuation). A row per sequence: ``score`` the NLL of the
+    whole continuation, the memory fields at its end, and ``sweep``: ``[{continuation, nll, perplexity, held_bytes,
+    tokens_held}]`` at every length. With a decode budget (``--option decode_budget=D --option every=E``) the held
+    bytes stay flat; without one, the appending methods' grow with every token."""
+
+    num_sequences: int = 2
+    prefix: int = 256
+    continuations: tuple[int, ...] = (64, 256)
+    book: str = "John"
+    name = "longgen"
+
+    def __post_init__(self):
+        if not self.continuations or list(self.continuations) != sorted(set(self.continuations)):
+            raise ValueError(f"continuations={self.continuations} must be distinct lengths in ascending order")
+        if self.continuations[0] < 1:
+            raise ValueError(f"continuations={self.continuations}: every length must be >= 1")
+
+    @property
+    def continuation(self) -> int:
+        return self.continuations[-1]
+
+    def prepare(self, model):
+        harness.check_context(model, self.prefix, self.continuation, "prefix")
+        seqs = perplexity.build(model, self.num_sequences, self.prefix, self.continuation, self.book)
+        return self.prefix, [seqs]
+
+    def capacity(self, prepared) -> Capacity:
+        return Capacity(self.prefix, self.continuation)
+
+    def ends(self, prepared) -> list[tuple[int, int]]:
+        return [(self.prefix, self.continuation - 1)] * self.num_sequences
+
+    def prefill_batch(self, prepared, batch):
+        return np.asarray(batch)[:, : self.prefix], np.full((len(batch),), self.prefix, np.int32)
+
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
+        nll, mem, at = perplexity.streaming_nll(
+            model, method, batch, self.prefix, memory=True, prefilled=prefilled, memory_at=self.continuations[:-1]
+        )
+        rows = []
+        for i, (row, m) in enumerate(zip(nll, mem)):
+            sweep = [
+                {
+                    "continuation": c,
+                    "nll": float(row[:c].mean()),
+                    "perplexity": float(np.exp(row[:c].mean())),
+                    "held_bytes": at[c][i]["held_bytes"],
+                    "tokens_held": at[c][i]["tokens_held"],
+                }
+                for c in self.continuations
+            ]
+            rows.append(
+                {**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size), "score": float(row.mean()),
+                 "sweep": sweep, **m}
+            )
+        return rows
+
+
 #: the most bytes of shared prefills (:class:`Shared`) a run keeps; batches beyond it prefill once per method
 SHARE_PREFILL_BYTES = 2 << 30
 

@@ -398,12 +398,15 @@ def held_bytes(method, states) -> np.ndarray:
     """``[B]`` int: bytes each sequence holds now, over all layers; :func:`memory_bytes` is what is allocated.
 
     Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
-    costs (:func:`_slot_bytes`), plus the layer's state that is not per slot split evenly over the batch."""
+    costs (:func:`_slot_bytes`), plus the index it has written (``method.index_bytes``: Quest's pages, PQCache's
+    codes, ClusterKV's clusters; sized by the bucket, counted by what the sequence holds), plus the rest of the
+    layer's state that is not per slot split evenly over the batch. The same prompt in any bucket holds the same."""
     total = 0.0
     for m, st in layer_methods(method, states):
         held = S.to_host(m.tokens_held(st)).astype(np.float64)
         fixed, per_slot = _slot_bytes(m, st, held.shape[0])
-        total = total + fixed + held * per_slot
+        allocated, live = m.index_bytes(S.host_state(st))
+        total = total + fixed - allocated / held.shape[0] + live + held * per_slot
     return np.rint(total).astype(np.int64)
 
 
@@ -422,7 +425,9 @@ def expected_held_bytes(
     for layer, (m, st) in enumerate(layer_methods(method, states)):
         fixed, per_slot = _slot_bytes(m, st, batch)
         ctx = LayerContext(layer, cfg.num_layers, capacity, cfg)
-        total += fixed + per_slot * np.array([m.held(int(n), steps, ctx) for n in lengths], np.float64)
+        allocated, live = m.index_bytes(st, np.asarray(lengths, np.int64), steps)
+        total += fixed - allocated / batch + live
+        total += per_slot * np.array([m.held(int(n), steps, ctx) for n in lengths], np.float64)
     return np.rint(total).astype(np.int64)
 
 

@@ -3,6 +3,7 @@
 >>> kvjax.methods.get("snapkv", budget=0.2)     # 20% of each prompt
 >>> kvjax.methods.get("h2o", budget=256)        # 256 tokens
 >>> kvjax.methods.get("quest", budget=1024)     # attend <= 1024 tokens (pages of 16) per decode step
+>>> kvjax.methods.get("snapkv", budget=0.2, decode_budget=1024, every=128)  # <= 1024 + 128 tokens while decoding
 
 A method of your own joins the registry with :func:`register` (a class decorator); :func:`load_plugin` imports a
 module or ``.py`` file that registers some, as the command-line tools' ``--plugin`` does (docs/interface.md,
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod
 from kvjax.methods.chelsea import Chelsea
+from kvjax.methods.bounded import DEFAULT_EVERY, DecodeBudget
 from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
@@ -64,12 +66,20 @@ def cover(*traits: str, any_true: bool = False) -> tuple[str, ...]:
     return tuple(out)
 
 
-def get(name: str, full_layers: int = 0, **options):
+def get(name: str, full_layers: int = 0, decode_budget: int | None = None, every: int | None = None, **options):
     """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``).
     ``full_layers=N`` (any method): the first ``N`` layers keep the full cache, as
-    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)``."""
+    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)``. ``decode_budget=D`` (a method that scores its tokens:
+    snapkv, pyramidkv, chunkkv): at most ``D`` tokens per layer and KV head plus ``every`` (default 128) while
+    decoding, re-compressed every ``every`` steps, as :class:`~kvjax.methods.bounded.DecodeBudget` ``(method, D,
+    every)``."""
     if full_layers:
-        return FullFirst(full_layers, get(name, **options))
+        return FullFirst(full_layers, get(name, decode_budget=decode_budget, every=every, **options))
+    if decode_budget is not None:
+        inner = get(name, **options)
+        return DecodeBudget(inner, decode_budget, DEFAULT_EVERY if every is None else every)
+    if every is not None:
+        raise ValueError(f"every={every!r} needs decode_budget= (the tokens a layer keeps while decoding)")
     if name not in REGISTRY:
         raise ValueError(f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}")
     cls = REGISTRY[name]
@@ -158,6 +168,7 @@ __all__ = [
     "Chelsea",
     "ChunkKV",
     "ClusterKV",
+    "DecodeBudget",
     "Full",
     "H2O",
     "Hybrid",

@@ -160,6 +160,12 @@ class Method(abc.ABC):
     #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
     recompresses: ClassVar[bool] = False
 
+    #: A decode budget composes over it (:class:`kvjax.methods.bounded.DecodeBudget`, ``methods.get(name, ...,
+    #: decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
+    #: (:class:`SlotMethod`'s), and it implements :meth:`rescorer`, :meth:`reselect`, :meth:`observation_window`
+    #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
+    recompressible: ClassVar[bool] = False
+
     #: XLA's ``cost_analysis()["bytes accessed"]`` of one compiled decode step over what :meth:`bytes_read_per_step`
     #: declares, on tests/kvjax/test_measured.py's tiny model (prompts that fill the bucket): the band it must fall
     #: in. XLA counts an in-place scatter as the whole buffer read and written, and loops and branches whole;
@@ -232,6 +238,29 @@ class Method(abc.ABC):
             "a policy that does (h2o, streaming_llm)"
         )
 
+    def rescorer(self):
+        """The :class:`~kvjax.methods.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
+        ``observed`` votes from the recent queries, then ``finish``). Only for methods that declare
+        ``recompressible``."""
+        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
+
+    def reselect(self, votes, lengths, budgets, slots: int):
+        """The method's own selection over a held sequence: ``votes [N, H, S]`` raw scores of slots in position
+        order (:meth:`rescorer`'s ``observed``; ``finish`` is the method's to apply), ``lengths [N]`` the slots
+        held, ``budgets [N]`` the tokens to keep (window included), ``slots`` the static output size. Returns
+        ``(idx [N, H, slots] int32, ok [N, H, slots] bool)``, indices into ``S``, real entries first, in order;
+        every slot when ``lengths <= budgets``. Only for methods that declare ``recompressible``."""
+        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
+
+    def observation_window(self) -> int:
+        """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
+        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
+
+    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
+        """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
+        the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""
+        return decode_budget
+
     def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
         """``[B, Hq, S]`` bool: the token positions the next decode step would attend for ``q [B, Hq, D]`` (the
         new token excluded). Only for methods that declare ``recalls``."""
@@ -257,6 +286,15 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def tokens_held(self, state) -> jnp.ndarray: ...
+
+    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
+        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
+        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
+        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
+        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
+        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
+        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
+        return 0, 0
 
     def min_budget(self) -> tuple[int, str]:
         """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,

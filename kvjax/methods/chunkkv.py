@@ -166,6 +166,20 @@ class ChunkKV(SlotMethod):
         idx, ok = self.select(q, k, lengths, p)
         return store_prompt(state, k, v, idx, ok)
 
+    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.bounded)
+
+    def rescorer(self) -> Scorer:
+        return make_scorer(self.scorer, self.window, kernel=1)
+
+    def observation_window(self) -> int:
+        return self.window
+
+    def reselect(self, votes, lengths, budgets, slots: int):
+        """Whole chunks of ``chunk_size`` consecutive held slots (aligned to the first held slot) ranked by the sum
+        of their votes, plus the last ``w`` held slots (base.Method.reselect)."""
+        votes = self.rescorer().finish(votes, lengths - self.windows(budgets))
+        return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, self.windows(budgets))
+
     def min_budget(self) -> tuple[int, str]:
         return (
             max(MIN_TOKENS, self.window + self.chunk_size),

@@ -203,6 +203,19 @@ class ClusterKV(Method):
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return n + steps
 
+    def index_bytes(self, state, n=None, steps=None):
+        """The centroids, sizes and starts (``mu``, ``csize``, ``cstart``) of the clusters a sequence has made: its
+        prompt's ``C0`` and ``window_clusters`` per decode window clustered (base.Method.index_bytes)."""
+        wmax = (state.mu.shape[2] - state.c0) // self.window_clusters
+        if n is None:
+            n, windows = np.asarray(state.lengths), int(state.windows)
+        else:
+            n, windows = np.asarray(n), min(steps // self.window, wmax)
+        c0 = np.asarray(self._split_dynamic(jnp.asarray(n, jnp.int32), state.max_new)[2]).astype(np.int64)
+        b, h, c, d = state.mu.shape
+        per = h * (d * np.dtype(state.mu.dtype).itemsize + 2 * np.dtype(state.csize.dtype).itemsize)
+        return b * c * per, (c0 + windows * self.window_clusters) * per
+
     # ---- the method interface ----
 
     def at(self, layer: int) -> Method:

@@ -634,6 +634,14 @@ class PQCache(Method):
         """``[B]`` float32 tokens stored: the full KV stays resident (prompt + decoded so far = ``filled``)."""
         return jnp.asarray(state.filled, jnp.float32)
 
+    def index_bytes(self, state, n=None, steps=None):
+        """The ``m`` one-byte codes of every token a sequence holds (base.Method.index_bytes); the codebooks and the
+        tuple counts are per sequence whatever its length."""
+        filled = np.asarray(state.filled) if n is None else np.asarray(n) + steps
+        b, h, m, _ = state.codes.shape
+        item = np.dtype(state.codes.dtype).itemsize
+        return int(np.prod(state.codes.shape)) * item, filled.astype(np.int64) * h * m * item
+
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""
         return n + steps

@@ -344,6 +344,15 @@ class Quest(Method):
     def min_budget(self) -> tuple[int, str]:
         return max(MIN_TOKENS, self.page_size), f"one page of page_size={self.page_size}"
 
+    def index_bytes(self, state, n=None, steps=None):
+        """The page bounds (``kmin``, ``kmax``) of the ``ceil(filled / page_size)`` pages a sequence has written
+        (base.Method.index_bytes)."""
+        filled = np.asarray(state.filled) if n is None else np.asarray(n) + steps
+        pages = -(-filled.astype(np.int64) // state.page_size)
+        b, h, _, d = state.kmin.shape
+        per_page = 2 * h * d * np.dtype(state.kmin.dtype).itemsize
+        return 2 * int(np.prod(state.kmin.shape)) * np.dtype(state.kmin.dtype).itemsize, pages * per_page
+
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Every token is stored: ``n + steps``. (Tokens attended per step: :meth:`attended`.)"""
         return n + steps

@@ -10,6 +10,11 @@ wraps any press: ``methods.get("chunkkv", scorer="h2o")``.
   (positions before ``prefix_end``, which the selector always keeps after) are pooled, so kept-window votes do
   not leak into the prefix.
 - ``h2o`` (:class:`AccumulatedScorer`, H2O §3): column sums of the causal softmax of every real prompt query.
+
+At decode time (a decode budget, :mod:`kvjax.methods.bounded`) a scorer ranks the held slots from a ring of the
+most recent queries (:meth:`Scorer.observed`, then :meth:`Scorer.finish` in position order): the window scorer's
+votes of its last ``window`` queries, pooled as at prefill; the accumulated scorer's sum over the same ring (its
+accumulation over every query is not kept during decode).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from kvjax.methods.select import accumulated_scores, pool1d, window_scores
+from kvjax.methods.select import accumulated_scores, observed_votes, pool1d, window_scores
 
 
 class Scorer(abc.ABC):
@@ -29,6 +34,19 @@ class Scorer(abc.ABC):
     @abc.abstractmethod
     def __call__(self, q, k, lengths, prefix_end) -> jnp.ndarray:
         """Scores ``[B, Hkv, T]`` float32; ``prefix_end [B]``: positions ``>= prefix_end`` are kept anyway."""
+
+    def observed(self, q_obs, q_pos, k, k_pos) -> jnp.ndarray:
+        """Scores ``[B, Hkv, S]`` float32 of the held slots ``k [B, Hkv, S, D]`` (positions ``k_pos [B, Hkv, S]``,
+        -1 empty) from the recent queries ``q_obs [B, Hq, W, D]`` at positions ``q_pos [B, W]`` (-1 empty): what
+        a decode-time re-compression ranks by (:mod:`kvjax.methods.bounded`). Default: the queries' softmax over
+        the held keys they may see (``k_pos <= q_pos``), summed over the queries, mean over each KV group
+        (:func:`~kvjax.methods.select.observed_votes`); then :meth:`finish` on the slots in position order."""
+        return observed_votes(q_obs, q_pos, k, k_pos)
+
+    def finish(self, votes, prefix_end) -> jnp.ndarray:
+        """The scores from raw votes ``[N, H, S]`` (slots in position order; ``prefix_end [N]``, the kept window
+        from there on): pooling for the window scorer, nothing by default."""
+        return votes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +65,12 @@ class WindowScorer(Scorer):
             raise ValueError(f"pool={self.pool!r} must be 'avg' or 'max'")
 
     def __call__(self, q, k, lengths, prefix_end):
-        s = window_scores(q, k, lengths, self.window)
+        return self.finish(window_scores(q, k, lengths, self.window), prefix_end)
+
+    def finish(self, votes, prefix_end):
         if self.kernel == 1:
-            return s
-        s = jnp.where(jnp.arange(s.shape[-1]) < prefix_end[:, None, None], s, 0.0)
+            return votes
+        s = jnp.where(jnp.arange(votes.shape[-1]) < prefix_end[:, None, None], votes, 0.0)
         return pool1d(s, self.kernel, self.pool)
 
 

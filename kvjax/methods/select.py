@@ -40,6 +40,26 @@ def window_scores(q, k, lengths, window: int) -> jnp.ndarray:
     return p.sum(axis=3).mean(axis=2)
 
 
+def observed_votes(q_obs, q_pos, k, k_pos) -> jnp.ndarray:
+    """Votes ``[B, Hkv, S]`` float32 of held slots from recent queries (a decode-time SnapKV window).
+
+    q_obs: ``[B, Hq, W, D]`` the last ``W`` queries (post-RoPE; any order), q_pos: ``[B, W]`` their positions (-1:
+    empty); k: ``[B, Hkv, S, D]`` held keys, k_pos: ``[B, Hkv, S]`` their positions (-1: empty). Each query's
+    softmax over the held keys it may see (``0 <= k_pos <= q_pos``, float32), summed over the queries, averaged
+    over each KV group's query heads: :func:`window_scores` over a cache that no longer holds every position.
+    Empty slots vote 0."""
+    b, hq, w, d = q_obs.shape
+    hkv = k.shape[1]
+    qg = q_obs.reshape(b, hkv, hq // hkv, w, d)
+    s = jnp.einsum("bhgwd,bhsd->bhgws", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    mask = (k_pos[:, :, None, :] >= 0) & (k_pos[:, :, None, :] <= q_pos[:, None, :, None])  # [B, Hkv, W, S]
+    mask &= (q_pos >= 0)[:, None, :, None]
+    s = jnp.where(mask[:, :, None], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask[:, :, None], p, 0.0)
+    return p.sum(axis=3).mean(axis=2)
+
+
 #: Query rows per block of :func:`accumulated_scores` (its score buffer holds ``G x rows x T`` float32 per head).
 SCORE_ROWS = 64
 #: How the prompt pass (:func:`accumulated_scores`, :func:`accumulated_attention`) runs: ``tiles`` (the CPU's row

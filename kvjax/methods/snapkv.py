@@ -84,6 +84,21 @@ class SnapKV(SlotMethod):
         idx, ok = topk_with_window(scores, lengths, budgets, self.window, state.prompt_slots, windows)
         return store_prompt(state, k, v, idx, ok)
 
+    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.bounded)
+
+    def rescorer(self) -> Scorer:
+        return self.score_fn
+
+    def observation_window(self) -> int:
+        return self.window
+
+    def reselect(self, votes, lengths, budgets, slots: int):
+        """Top ``budget - w`` slots before the last ``w`` held ones (scores pooled as at prefill) plus those ``w``
+        (base.Method.reselect)."""
+        windows = kept_window(budgets, self.window)
+        scores = self.score_fn.finish(votes, lengths - windows)
+        return topk_with_window(scores, lengths, budgets, self.window, slots, windows)
+
     def min_budget(self) -> tuple[int, str]:
         """The window plus one selected token (PyramidKV: the same total, which its layers share unevenly)."""
         return (
@@ -158,6 +173,13 @@ class PyramidKV(SnapKV):
         total = budget_tokens(self.budget, lengths)
         w = kept_window(total, self.window) if hasattr(total, "shape") else min(self.window, total)
         return pyramid_budget(total, lengths, layer, num_layers, w, self.beta)
+
+    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
+        """The decode budget split over the layers by the harness schedule (:func:`pyramid_budget`) for a sequence
+        far longer than the budget: layer ``l`` keeps ``max - l step`` plus the window, the layers' mean is the
+        budget (up to the integer step)."""
+        w = min(self.window, decode_budget)
+        return int(pyramid_budget(decode_budget, 2**30, layer, num_layers, w, self.beta))
 
     def prompt_slots(self, prompt_len: int, layer: int, num_layers: int) -> int:
         exact = _pyramid_slots(self.budget, self.window, self.beta, prompt_len, layer, num_layers)
