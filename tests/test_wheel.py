@@ -60,11 +60,12 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_package_data(dist):
 def test_the_wheel_installs_and_generates(dist, tmp_path):
     (wheel,) = dist.glob("*.whl")
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], cwd=tmp_path)
     py, bin_ = venv / "bin" / "python", venv / "bin"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(JAX_PLATFORMS="cpu", PATH=f"{bin_}{os.pathsep}{env.get('PATH', '')}", TOKENIZERS_PARALLELISM="false")
-    _run([py, "-m", "pip", "install", "-q", "--no-index", "--disable-pip-version-check", wheel], cwd=tmp_path, env=env)
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-index", "--disable-pip-version-check"]
+    _run([*pip, wheel], cwd=tmp_path, env=env)  # this pip, into the venv (no ensurepip needed)
 
     # Run outside the checkout, so that the current directory cannot put this tree's kvjax on sys.path.
     where = _run([py, "-c", "import kvjax; print(kvjax.__file__); print(kvjax.__version__)"], cwd=tmp_path, env=env)
