@@ -1,7 +1,7 @@
 """kvjax's bounded SnapKV against kvpress's ``DecodingPress(SnapKVPress)`` on the same model and text.
 
     python benchmarks/kvpress_decoding.py --prefix 512 --continuation 7000 --decode-budget 1024 --every 128 \
-        --torch-python /path/to/venv/bin/python --out benchmarks/results/kvpress_decoding.json
+        --torch-python /path/to/venv/bin/python --out benchmarks/results/kvpress_decoding_smollm2_cpu.json
 
 **Model and text.** The embedded SmolLM2-135M-Instruct GGUF dequantised to float32, written once as a Hugging Face
 folder (``benchmarks/prefill_vs_torch.py``'s export), loaded by kvjax (``kvjax.load_model(folder)``) and by
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -291,7 +292,11 @@ def main(argv=None):
             f"{r['wall_seconds']:.0f} s",
             flush=True,
         )
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     summary = dict(
+        command=shlex.join(["python", *sys.argv]),
+        commit=os.environ.get("KVJAX_COMMIT") or (git.stdout.strip() if git.returncode == 0 else None),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         model="SmolLM2-135M-Instruct (embedded GGUF, float32)",
         prefix=a.prefix,
         continuation=a.continuation,
