@@ -8,9 +8,10 @@ and the XLA path (``impl="xla"``, the CPU default, so on CPU the two are one pro
 ``S`` slots, as the path read before it gathered the listed blocks), both jitted, compile excluded: seconds per
 call = ``(T(loop) - T(1)) / (loop - 1)``, ``T(m)`` the median of ``--iters`` host-timed runs of a program that
 calls it ``m`` times in a loop (``--loop``, default 16), so the fixed cost of a jitted call (dispatch, launch,
-synchronisation: ~120 us on the H200 of ``benchmarks/results/decode_attention_h200.txt``, which was timed with
-``--loop 1`` and so measured that cost more than the kernel below 32k slots x batch 8) is not counted as kernel
-time. ``keep < 1`` lists a random ``keep`` fraction of the slot blocks per (batch row, KV head) in ``block_indices``;
+synchronisation: ~120 us on the H200 of
+``benchmarks/results/archive/decode_attention_h200_timing_calls.txt``, which was timed with ``--loop 1`` and so
+measured that cost more than the kernel below 32k slots x batch 8) is not counted as kernel time.
+``keep < 1`` lists a random ``keep`` fraction of the slot blocks per (batch row, KV head) in ``block_indices``;
 ``--pattern random,adjacent`` adds a row listing the *first* ``keep`` fraction (the same blocks count and bytes from
 contiguous addresses: the two rows' difference is what the access pattern costs, e.g. on XLA:CPU, where the listed
 blocks are gathered). Reported: ``kv_bytes_read`` = bytes of K and V in the visited blocks (what the kernel must read),

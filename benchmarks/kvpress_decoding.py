@@ -1,7 +1,7 @@
 """kvjax's bounded SnapKV against kvpress's ``DecodingPress(SnapKVPress)`` on the same model and text.
 
     python benchmarks/kvpress_decoding.py --prefix 512 --continuation 7000 --decode-budget 1024 --every 128 \
-        --torch-python /path/to/venv/bin/python --out benchmarks/results/kvpress_decoding.json
+        --torch-python /path/to/venv/bin/python --out benchmarks/results/kvpress_decoding_smollm2_cpu.json
 
 **Model and text.** The embedded SmolLM2-135M-Instruct GGUF dequantised to float32, written once as a Hugging Face
 folder (``benchmarks/prefill_vs_torch.py``'s export), loaded by kvjax (``kvjax.load_model(folder)``) and by
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -79,7 +80,12 @@ def torch_side(a) -> dict:
                     return keys, values
                 k_len = keys.shape[2]
                 if a.mode == "kvpress_rope":  # the buffered queries rotated at their own positions, not the current one
-                    now = nxt.get(layer, a.prefix_len) + k_len - (a.prefix_len if held.get(layer) is None else held[layer].shape[1]) - 1
+                    now = (
+                        nxt.get(layer, a.prefix_len)
+                        + k_len
+                        - (a.prefix_len if held.get(layer) is None else held[layer].shape[1])
+                        - 1
+                    )
                     buf = hidden_states.shape[1]
                     position_ids = torch.arange(now - buf + 1, now + 1)[None]
                     kwargs = dict(kwargs, position_embeddings=model.model.rotary_emb(hidden_states, position_ids))
@@ -122,9 +128,7 @@ def torch_side(a) -> dict:
             if i == len(ids) - p - 1:
                 break
             t0 = time.perf_counter()
-            out = model(
-                input_ids=x[:, p + i : p + i + 1], past_key_values=cache, position_ids=torch.tensor([[p + i]])
-            )
+            out = model(input_ids=x[:, p + i : p + i + 1], past_key_values=cache, position_ids=torch.tensor([[p + i]]))
             logits = out.logits[0, -1]
             times.append(time.perf_counter() - t0)
         held_tokens = cache.layers[0].keys.shape[2]
@@ -147,7 +151,9 @@ def kvjax_side(a) -> dict:
     cfg = model.config
     layers = _layers(cfg.num_layers)
     if a.mode == "kvjax":
-        m = methods.get("snapkv", budget=1.0, window=a.window, kernel=a.kernel, decode_budget=a.decode_budget, every=a.every)
+        m = methods.get(
+            "snapkv", budget=1.0, window=a.window, kernel=a.kernel, decode_budget=a.decode_budget, every=a.every
+        )
     else:
         m = methods.get("full")
     p = a.prefix_len
@@ -178,8 +184,13 @@ def kvjax_side(a) -> dict:
                     record.setdefault(str(layer), []).append([sorted(int(x) for x in row if x >= 0) for row in pos])
     held = float(engine.tokens_held(m, states)[0])
     return dict(
-        nll=nll, step_seconds=times, kept=record, held_tokens_mean=held, layers=layers,
-        held_bytes=int(engine.held_bytes(m, states)[0]), cache_bytes=int(engine.memory_bytes(m, states)),
+        nll=nll,
+        step_seconds=times,
+        kept=record,
+        held_tokens_mean=held,
+        layers=layers,
+        held_bytes=int(engine.held_bytes(m, states)[0]),
+        cache_bytes=int(engine.memory_bytes(m, states)),
     )
 
 
@@ -245,10 +256,30 @@ def main(argv=None):
         python = a.torch_python if side == "torch" else sys.executable
         res_path = work / f"{run}.json"
         cmd = [
-            python, __file__, "--side", side, "--mode", run, "--ids", str(work / "ids.json"),
-            "--prefix-len", str(a.prefix), "--result", str(res_path), "--hf-dir", a.hf_dir,
-            "--decode-budget", str(a.decode_budget), "--every", str(a.every), "--window", str(a.window),
-            "--kernel", str(a.kernel), "--threads", str(a.threads),
+            python,
+            __file__,
+            "--side",
+            side,
+            "--mode",
+            run,
+            "--ids",
+            str(work / "ids.json"),
+            "--prefix-len",
+            str(a.prefix),
+            "--result",
+            str(res_path),
+            "--hf-dir",
+            a.hf_dir,
+            "--decode-budget",
+            str(a.decode_budget),
+            "--every",
+            str(a.every),
+            "--window",
+            str(a.window),
+            "--kernel",
+            str(a.kernel),
+            "--threads",
+            str(a.threads),
         ]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, env=env)
@@ -261,7 +292,11 @@ def main(argv=None):
             f"{r['wall_seconds']:.0f} s",
             flush=True,
         )
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     summary = dict(
+        command=shlex.join(["python", *sys.argv]),
+        commit=os.environ.get("KVJAX_COMMIT") or (git.stdout.strip() if git.returncode == 0 else None),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         model="SmolLM2-135M-Instruct (embedded GGUF, float32)",
         prefix=a.prefix,
         continuation=a.continuation,
@@ -288,14 +323,14 @@ def main(argv=None):
         jac = {}
         for layer, ours in out["kvjax"]["kept"].items():
             theirs = out[other]["kept"].get(layer, [])
-            jac[layer] = [
-                float(np.mean([_jaccard(x, y) for x, y in zip(o, t)])) for o, t in zip(ours, theirs)
-            ]
+            jac[layer] = [float(np.mean([_jaccard(x, y) for x, y in zip(o, t)])) for o, t in zip(ours, theirs)]
         summary[f"kept_jaccard_per_recompression_vs_{other}"] = jac
         a_nll, b_nll = np.asarray(out["kvjax"]["nll"]), np.asarray(out[other]["nll"])
         summary[f"nll_max_abs_diff_before_first_cut_vs_{other}"] = float(np.max(np.abs(a_nll - b_nll)[: a.every]))
     if "full" in out and "torch_full" in out:
-        summary["full_nll_max_abs_diff"] = float(np.max(np.abs(np.asarray(out["full"]["nll"]) - out["torch_full"]["nll"])))
+        summary["full_nll_max_abs_diff"] = float(
+            np.max(np.abs(np.asarray(out["full"]["nll"]) - out["torch_full"]["nll"]))
+        )
     print(json.dumps({k: v for k, v in summary.items()}, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(summary, indent=1))

@@ -41,7 +41,10 @@ def main(argv=None):
     ids = tok.encode(assets.essays_text(), add_special_tokens=True)[: a.context]
     rng = np.random.RandomState(0)
     words = "What does the author say about startups, money, work, schools, cities, ideas and time?".split()
-    qs = [tok.encode(" " + " ".join(words[: 3 + rng.randint(0, len(words) - 3)]) + "\nAnswer:", add_special_tokens=False) for _ in range(a.questions)]
+    qs = [
+        tok.encode(" " + " ".join(words[: 3 + rng.randint(0, len(words) - 3)]) + "\nAnswer:", add_special_tokens=False)
+        for _ in range(a.questions)
+    ]
     method = methods.at_budget(a.method, a.budget)
     cap = max(len(q) for q in qs) + a.new
     bucket = kvjax.engine.bucket_length(len(ids))
@@ -66,8 +69,13 @@ def main(argv=None):
             qtok[i, : len(x)] = x
         loop = questions._Loop(cfg, method, kvjax.sampling.Greedy(), a.new, ())
         out, *_ = questions._answer_loop(
-            loop, model.params, states, jnp.asarray(qtok), jnp.asarray([len(x) for x in qs], jnp.int32),
-            jnp.asarray(lengths), jax.random.PRNGKey(0),
+            loop,
+            model.params,
+            states,
+            jnp.asarray(qtok),
+            jnp.asarray([len(x) for x in qs], jnp.int32),
+            jnp.asarray(lengths),
+            jax.random.PRNGKey(0),
         )
         return [list(map(int, r)) for r in np.asarray(out)]
 
@@ -92,8 +100,10 @@ def main(argv=None):
         print(f"{name}: {out[name]:.2f} s", flush=True)
     decode = lambda ts: [tok.decode(t) if not isinstance(t, str) else t for t in ts]  # noqa: E731
     same = (
-        decode(tokens["shared"]) == decode(tokens["per_question_compiled"])
-        == tokens["per_question_batched"] == tokens["per_question"]
+        decode(tokens["shared"])
+        == decode(tokens["per_question_compiled"])
+        == tokens["per_question_batched"]
+        == tokens["per_question"]
     )
     res = dict(
         seconds=out,

@@ -182,8 +182,15 @@ class LongGenTask:
                 for c in self.continuations
             ]
             rows.append(
-                {**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size), "score": float(row.mean()),
-                 "sweep": sweep, **m}
+                {
+                    **meta,
+                    "sequence": i,
+                    "nll": float(row.mean()),
+                    "tokens": int(row.size),
+                    "score": float(row.mean()),
+                    "sweep": sweep,
+                    **m,
+                }
             )
         return rows
 

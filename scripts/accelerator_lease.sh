@@ -109,7 +109,7 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     TAIL=400 XLA_FLAGS="$NOCB" phase profile "${PROFILE_S:-280}" python3 benchmarks/profile_step.py --length 32k --batch 8 \
       --dtype bfloat16 --budgets 0.2 --token-budgets 2048 --steps 8 --prefill --top 10 \
       --methods "${PROFILE_METHODS:-full,pqcache,clusterkv,quest,h2o,less,chelsea,snapkv,streaming_llm,chunkkv,pyramidkv}" \
-      --skip-done benchmarks/results/profile_h200_32k_b8.json --out "$R/profile_gpu_32k_b8.json"
+      --skip-done benchmarks/results/archive/profile_h200_32k_b8_before.json --out "$R/profile_gpu_32k_b8.json"
     ;;
   after)  # issue 51's prefill paths and the Triton kernels against their XLA paths (<= 5 min; KVJAX_COMMIT set)
     TAIL=3 phase software 20 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"
@@ -123,7 +123,7 @@ print('pallas_gpu decode attention vs reference, max abs err', float(jnp.abs(got
     TAIL=16 phase roofline_after "${ROOFLINE_S:-100}" python3 benchmarks/roofline.py --lengths 32k --batch 8 \
       --dtypes bfloat16 --budgets 0.2 --token-budgets "" --layers 2 --steps 8 --rounds 3 --max-prefill-s inf \
       --methods "${AFTER_METHODS:-full,clusterkv,h2o,less}" --group-size 1 --out "$R/roofline_gpu_32k_after.json"
-    # each Triton kernel's method with its XLA path forced (the kernels' rows: profile_h200_32k_b8.json)
+    # each Triton kernel's method with its XLA path forced (the kernels' rows: archive/profile_h200_32k_b8_before.json)
     NOCB="--xla_gpu_enable_command_buffer="
     XLA_FLAGS="$NOCB" python3 -c "import jax; jax.numpy.ones(1).block_until_ready()" >/dev/null 2>&1 || NOCB=
     TAIL=30 XLA_FLAGS="$NOCB" KVJAX_PQ_LOOKUP_IMPL=xla KVJAX_CHUNKED_SIMILARITY_IMPL=xla phase profile_xla \

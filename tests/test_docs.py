@@ -1,8 +1,9 @@
 """The repository explains itself: every documentation link resolves inside it, and nothing points outside.
 
-- Relative markdown links ``[text](path)`` / ``[text](path#anchor)`` in README.md, docs/**/*.md and the markdown
-  cells of colab/*.ipynb resolve to a file or folder of the repository; an anchor must match a heading of the
-  target (GitHub's slug rule) or an HTML ``id``/``name``.
+- Relative markdown links ``[text](path)`` / ``[text](path#anchor)`` in README.md, CHANGELOG.md, docs/**/*.md,
+  the results index (benchmarks/results/README.md) and the markdown cells of colab/*.ipynb resolve to a file or
+  folder of the repository; an anchor must match a heading of the target (GitHub's slug rule) or an HTML
+  ``id``/``name``.
 - Absolute links to this repository (``https://github.com/kvjax/kvjax/blob/main/<path>``, ``.../tree/main/<path>``
   and Colab's ``https://colab.research.google.com/github/kvjax/kvjax/blob/main/<path>``, the way notebooks link
   to the repository, since relative links do not work in Colab) name an existing path.
@@ -171,7 +172,9 @@ def check_target(source: str, link: str, base: Path) -> str | None:
 DOC_FILES = [
     p
     for p in repo_files(".md", ".ipynb")
-    if rel(p) == "README.md" or rel(p).startswith("docs/") or (rel(p).startswith("colab/") and p.suffix == ".ipynb")
+    if rel(p) in ("README.md", "CHANGELOG.md", "benchmarks/results/README.md")
+    or rel(p).startswith("docs/")
+    or (rel(p).startswith("colab/") and p.suffix == ".ipynb")
 ]
 
 

@@ -35,3 +35,21 @@ def test_the_test_extra_can_execute_the_notebooks():
     names = {re.split(r"[<>=\[]", r)[0] for r in extras["test"]}
     for req in extras["notebooks"]:
         assert re.split(r"[<>=\[]", req)[0] in names, f"{req} is in [notebooks] but not in [test]"
+
+
+def test_one_version_with_its_changelog_entry():
+    """pyproject's version is ``kvjax.__version__`` and has a section in CHANGELOG.md."""
+    version = _project()["version"]
+    init = (ROOT / "kvjax" / "__init__.py").read_text()
+    assert f'__version__ = "{version}"' in init, f"kvjax.__version__ differs from pyproject's {version}"
+    assert re.search(rf"^## {re.escape(version)}\b", (ROOT / "CHANGELOG.md").read_text(), re.M), (
+        f"CHANGELOG.md has no '## {version}' section"
+    )
+
+
+def test_every_package_is_typed():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = project["tool"]["setuptools"]["package-data"]
+    for package in ("kvjax", "kernels_pallas", "train_less", "eval"):
+        assert (ROOT / package / "py.typed").is_file(), f"{package}/py.typed is missing"
+        assert "py.typed" in data.get(package, []), f"py.typed of {package} is not in [tool.setuptools.package-data]"

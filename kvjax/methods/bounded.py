@@ -20,8 +20,9 @@ wraps such a method (one that declares ``recompressible``) and bounds what it ho
   slots per layer whatever ``max_new_tokens`` is: held and allocated memory are flat over any generation length.
 
 Everything is at fixed shapes: the re-compression runs when "a multiple of ``E`` steps and some sequence above
-``D_l``" holds (a while loop of at most one trip, which :mod:`kvjax.inplace` runs in place on a scanned layer); the step that does not re-compress updates the cache in place (no copy of a buffer; tested on the
-compiled loop). A step that re-compresses computes over every slot of the layer (``recompresses``).
+``D_l``" holds (a while loop of at most one trip, which :mod:`kvjax.inplace` runs in place on a scanned layer);
+the step that does not re-compress updates the cache in place (no copy of a buffer; tested on the compiled loop).
+A step that re-compresses computes over every slot of the layer (``recompresses``).
 
 ``held(n, s)``: ``h0 = min(method.held(n, 0), D_l)`` after prefill; after ``s`` steps with ``k = s // E``:
 ``h0 + s`` while ``h0 + k E <= D_l`` (no re-compression has cut anything yet), else ``D_l + s - k E``. A decode
@@ -128,7 +129,9 @@ class DecodeBudget(Method):
         return self.inner.starts_at(layer)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> BoundedState:
-        probe = jax.eval_shape(lambda: self.inner.init(model_cfg, batch, Capacity(capacity.prompt_len, 0), layer, dtype))
+        probe = jax.eval_shape(
+            lambda: self.inner.init(model_cfg, batch, Capacity(capacity.prompt_len, 0), layer, dtype)
+        )
         if not isinstance(probe, SlotCache):
             raise ValueError(f"decode_budget=: {self.inner.name}'s state is not a SlotCache")
         target = self.target(layer, model_cfg.num_layers)

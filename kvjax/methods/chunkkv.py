@@ -178,7 +178,9 @@ class ChunkKV(SlotMethod):
         """Whole chunks of ``chunk_size`` consecutive held slots (aligned to the first held slot) ranked by the sum
         of their votes, plus the last ``w`` held slots (base.Method.reselect)."""
         votes = self.rescorer().finish(votes, lengths - self.windows(budgets))
-        return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, self.windows(budgets))
+        return chunk_select(
+            votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, self.windows(budgets)
+        )
 
     def min_budget(self) -> tuple[int, str]:
         return (

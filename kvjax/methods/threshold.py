@@ -16,8 +16,8 @@
 On an accelerator :func:`kth_key` takes ``tau`` from one sort of the keys and a prefix sum of their weights instead
 of the 32 counts (``KVJAX_KTH_KEY``, :func:`kth_key_method`): the same ``tau``, but XLA runs each of the
 bisection's 32 trips as a loop iteration with its own kernel launches, which on the H200 of 2026-11-26 left the
-recall methods' steps 9-46x their bytes (benchmarks/results/roofline_h200_32k_b8.txt), while on a CPU the sort was
-the largest op of their steps (the reason for the bisection).
+recall methods' steps 9-46x their bytes (benchmarks/results/archive/roofline_h200_32k_b8_timing_calls.txt), while on
+a CPU the sort was the largest op of their steps (the reason for the bisection).
 
 The positions come out ascending (``lax.top_k`` orders by value; a set is the same set). Shapes: keys, weights
 ``[..., N]``; words ``[..., W]`` (slot ``s`` is bit ``s % 32`` of word ``s // 32``); counts ``[...]`` int32.

@@ -33,14 +33,18 @@ def tiny():
 
 def test_bytes_held_along_a_long_continuation(tiny):
     """SnapKV's held bytes grow with every token; under a decode budget they are flat from the first
-    re-compression on; a decode budget the continuation fits gives the unbounded NLL (to float rounding); ``score`` is the
-    last length's NLL."""
+    re-compression on; a decode budget the continuation fits gives the unbounded NLL (to float rounding); ``score``
+    is the last length's NLL."""
     task = runner.LongGenTask(num_sequences=2, prefix=64, continuations=(40, 120, 200))
     seqs = np.random.RandomState(0).randint(2, 60, size=(2, 264)).astype(np.int32)
     meta = {"task": "longgen"}
     grow = task.run_batch(tiny, methods.get("snapkv", budget=0.2, window=4), None, seqs, meta)
-    flat = task.run_batch(tiny, methods.get("snapkv", budget=0.2, window=4, decode_budget=24, every=8), None, seqs, meta)
-    fits = task.run_batch(tiny, methods.get("snapkv", budget=0.2, window=4, decode_budget=250, every=8), None, seqs, meta)
+    flat = task.run_batch(
+        tiny, methods.get("snapkv", budget=0.2, window=4, decode_budget=24, every=8), None, seqs, meta
+    )
+    fits = task.run_batch(
+        tiny, methods.get("snapkv", budget=0.2, window=4, decode_budget=250, every=8), None, seqs, meta
+    )
     for g, f, w in zip(grow, flat, fits):
         held = [s["held_bytes"] for s in g["sweep"]]
         assert held[0] < held[1] < held[2]
@@ -61,9 +65,24 @@ def test_the_command_line_on_the_embedded_model(tmp_path):
     """A CPU-sized run of the subcommand: full, and SnapKV with a decode budget (``--option``), perplexity and bytes
     held at the end beside it in results.json."""
     argv = [
-        "longgen", "--methods", "full,snapkv", "--budgets", "0.25", "--prefix", "64", "--continuations", "24,72",
-        "--sequences", "1", "--option", "snapkv.decode_budget=24", "--option", "snapkv.every=8",
-        "--out", str(tmp_path), "--no-progress",
+        "longgen",
+        "--methods",
+        "full,snapkv",
+        "--budgets",
+        "0.25",
+        "--prefix",
+        "64",
+        "--continuations",
+        "24,72",
+        "--sequences",
+        "1",
+        "--option",
+        "snapkv.decode_budget=24",
+        "--option",
+        "snapkv.every=8",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
     ]
     assert cli.main(argv) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]

@@ -57,7 +57,9 @@ def chunkkv_reselect(votes, target: int, window: int, chunk: int) -> list[int]:
         w = target
     limit = n - w
     scores = refc.chunk_scores(votes, limit, chunk)
-    toks = [t for i in refc.top_chunks(scores, (target - w) // chunk) for t in range(i * chunk, min((i + 1) * chunk, limit))]
+    toks = [
+        t for i in refc.top_chunks(scores, (target - w) // chunk) for t in range(i * chunk, min((i + 1) * chunk, limit))
+    ]
     return toks + list(range(limit, n))
 
 

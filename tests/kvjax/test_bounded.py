@@ -58,8 +58,24 @@ def prompts(lengths, seed=0):
 
 CASES = [
     # kind, method options, reference options, decode budget, every, prompt lengths, bucket
-    ("snapkv", dict(budget=12, window=4, kernel=3, pool="avg"), dict(P=12, window=4, kernel=3, pool="avg"), 14, 5, (30, 9), 32),
-    ("snapkv", dict(budget=20, window=3, kernel=5, pool="max"), dict(P=20, window=3, kernel=5, pool="max"), 11, 4, (29, 17), 32),
+    (
+        "snapkv",
+        dict(budget=12, window=4, kernel=3, pool="avg"),
+        dict(P=12, window=4, kernel=3, pool="avg"),
+        14,
+        5,
+        (30, 9),
+        32,
+    ),
+    (
+        "snapkv",
+        dict(budget=20, window=3, kernel=5, pool="max"),
+        dict(P=20, window=3, kernel=5, pool="max"),
+        11,
+        4,
+        (29, 17),
+        32,
+    ),
     ("chunkkv", dict(budget=14, window=3, chunk_size=3), dict(P=14, window=3, chunk=3), 16, 6, (31, 12), 32),
     ("chunkkv", dict(budget=24, window=4, chunk_size=2), dict(P=24, window=4, chunk=2), 12, 5, (30, 26), 32),
 ]
@@ -119,7 +135,9 @@ def test_a_budget_the_generation_fits_gives_the_unbounded_tokens(tiny, name, opt
     """A decode budget every layer's held tokens stay below never re-compresses: the tokens are the method's own."""
     ps = prompts([40, 23, 33])
     new = 30
-    unbounded = engine.generate(tiny, ps, methods.get(name, **opts), max_new_tokens=new, driver="scan", stop_at_eos=False)
+    unbounded = engine.generate(
+        tiny, ps, methods.get(name, **opts), max_new_tokens=new, driver="scan", stop_at_eos=False
+    )
     bounded = methods.get(name, decode_budget=60 if name != "pyramidkv" else 1000, every=8, **opts)
     for layer in range(2):  # every layer's held tokens stay within its share of the budget
         ctx = kvjax.methods.LayerContext(layer, 2)
@@ -179,7 +197,11 @@ def _copies(hlo: str, shapes) -> dict[str, list[str]]:
         if line.startswith(("%", "ENTRY")):
             name, lines = line.split(" ", 2)[1 if line.startswith("ENTRY") else 0], []
         elif line.startswith("}") and name:
-            copies = [l.strip()[:160] for l in lines if " copy(" in l and any(s in l.split("=", 1)[1].split("copy(")[0] for s in shapes)]
+            copies = [
+                l.strip()[:160]
+                for l in lines
+                if " copy(" in l and any(s in l.split("=", 1)[1].split("copy(")[0] for s in shapes)
+            ]
             if copies and not any("TopK" in l or " sort(" in l for l in lines):
                 out[name] = copies
             name = None
@@ -190,8 +212,8 @@ def _copies(hlo: str, shapes) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name", ["snapkv", "chunkkv"])
 def test_the_compiled_loop_updates_the_cache_in_place(tiny, name):
-    """The compiled while loop holds the re-compression (a sort / top-k in a loop of at most one trip) and copies no K/V or
-    position buffer ``[B, Hkv, D_l + every, ...]`` anywhere else: a step that does not re-compress writes its token
+    """The compiled while loop holds the re-compression (a sort / top-k in a loop of at most one trip) and copies no K/V
+    or position buffer ``[B, Hkv, D_l + every, ...]`` anywhere else: a step that does not re-compress writes its token
     in place (the re-compressing branch builds the new positions whole, once per ``every`` steps)."""
     cfg = tiny.config
     m = methods.get(name, budget=0.5, window=4, decode_budget=20, every=8)
@@ -218,7 +240,9 @@ def test_scanned_layers_update_the_stack_in_place(tiny):
     hlo = engine.run_loop.lower(loop, "while", params, states, ints, ints, jax.random.PRNGKey(0)).compile().as_text()
     L, _, h, s, d = states[0].state.cache.k.shape
     stacks = (f"f32[{L},{b},{h},{s},{d}]", f"s32[{L},{b},{h},{s}]")
-    copied = [l for l in hlo.splitlines() if " copy(" in l and any(x in l.split("=", 1)[1].split("copy(")[0] for x in stacks)]
+    copied = [
+        l for l in hlo.splitlines() if " copy(" in l and any(x in l.split("=", 1)[1].split("copy(")[0] for x in stacks)
+    ]
     assert copied == [], copied[:3]
 
 

@@ -6,7 +6,6 @@ context compressed, the question teacher-forced after it, then greedy decoding).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
