@@ -161,6 +161,7 @@ def _tasks(args):
                 args.batch,
                 args.max_new_tokens,
                 args.seed,
+                args.questions_per_context,
             )
         )
     return tasks
@@ -433,6 +434,13 @@ def _add_tasks(add) -> None:
     )
     r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words", help="comma-separated tasks")
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
+    r.add_argument(
+        "--questions-per-context",
+        type=int,
+        default=1,
+        help="multikey only: ask this many questions (distinct needles) per context; the context is compressed "
+        "once and its questions answered in one batch (kvjax.questions)",
+    )
 
     f = add(
         "fidelity",

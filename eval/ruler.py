@@ -11,6 +11,12 @@ compressed at prefill and the question is not (it is teacher-forced after compre
   ``top`` most common ones.
 
 Score: RULER's ``string_match_all`` (fraction of expected strings in the answer).
+
+Several questions per context (``RulerTask(questions=Q)``, ``kvjax-eval ruler --questions-per-context Q``;
+``multikey`` only): the context holds ``max(keys, Q)`` needles and ``Q`` questions ask for distinct ones. The
+context is compressed once (:func:`kvjax.questions.compress_context`) and its questions answered in one batch
+(:func:`kvjax.questions.answer`), as kvpress's pipeline answers every question of a context from one
+compression; each question is a row.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ class RulerExample:
     context: tuple[int, ...]  # compressed: chat template start + instructions + haystack
     question: tuple[int, ...]  # not compressed: question + end of the user turn + answer prefix
     answers: tuple[str, ...]
+    more: tuple = ()  # ((question, answers), ...): further questions on the same context (multikey, questions > 1)
+
+    @property
+    def all_questions(self) -> tuple:
+        """``((question ids, answers), ...)``: the first question and any further ones."""
+        return ((self.question, self.answers),) + tuple(self.more)
 
 
 @functools.lru_cache(maxsize=2)
@@ -76,21 +88,31 @@ def _room(tok, length: int, frame_tokens: int) -> int:
     return room
 
 
-def multikey(tok, length: int, rng, keys: int = 4) -> RulerExample:
+def multikey(tok, length: int, rng, keys: int = 4, questions: int = 1) -> RulerExample:
+    keys = max(keys, questions)
     words = rng.choice(_bible_words(), size=keys, replace=False)
     values = [str(rng.randint(1000000, 10000000)) for _ in range(keys)]
     needles = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)]
-    target = int(rng.randint(keys))
+    targets = [int(rng.randint(keys))] if questions == 1 else [int(t) for t in rng.permutation(keys)[:questions]]
     intro = (
         "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
         "I will quiz you about the numbers afterwards.\n"
     )
-    question = f"\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
-    prefix = f"The special magic number for {words[target]} mentioned in the provided text is"
-    frame = len(tok.encode(intro + " ".join(needles) + question + prefix)) + 20
+
+    def ask(target):
+        question = f"\nWhat is the special magic number for {words[target]} mentioned in the provided text?"
+        prefix = f"The special magic number for {words[target]} mentioned in the provided text is"
+        return question, prefix
+
+    longest = max(len(tok.encode(q + p)) for q, p in map(ask, targets))
+    frame = len(tok.encode(intro + " ".join(needles))) + longest + 20
     text = intro + _fill(tok, needles, _room(tok, length, frame), rng)
-    ctx, q = _split_chat(tok, text, question, prefix)
-    return RulerExample("multikey", length, tuple(ctx), tuple(q), (values[target],))
+    split = [_split_chat(tok, text, *ask(t)) for t in targets]
+    ctx = split[0][0]
+    if any(c != ctx for c, _ in split):  # the template puts nothing question-dependent before the context
+        raise ValueError("the chat template tokenizes the context differently per question; use questions=1")
+    qs = [(tuple(q), (values[t],)) for (_, q), t in zip(split, targets)]
+    return RulerExample("multikey", length, tuple(ctx), qs[0][0], qs[0][1], tuple(qs[1:]))
 
 
 def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
@@ -133,14 +155,26 @@ def common_words(tok, length: int, rng, top: int = 5, freq_common: int = 6, freq
 BUILDERS = {"multikey": multikey, "variable_tracking": variable_tracking, "common_words": common_words}
 
 
-def build(model, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0) -> list[RulerExample]:
+def build(
+    model, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0, questions: int = 1
+) -> list[RulerExample]:
+    """``samples`` examples per (task, length); ``questions`` > 1 asks that many questions per context
+    (``multikey`` only)."""
     if model.tokenizer is None:
         raise ValueError("the RULER tasks need a model loaded with its tokenizer")
     for t in tasks:
         if t not in BUILDERS:
             raise ValueError(f"ruler task={t!r} is unknown; choose from {', '.join(TASKS)}")
+    if questions < 1:
+        raise ValueError(f"questions={questions} must be >= 1")
+    if questions > 1 and tuple(tasks) != ("multikey",):
+        raise ValueError(
+            f"questions={questions} (several questions per context) applies to the multikey task only; "
+            f"pass tasks=('multikey',) (--ruler-tasks multikey), not {','.join(tasks)}"
+        )
     rng = np.random.RandomState(seed)
-    return [BUILDERS[t](model.tokenizer, int(n), rng) for t in tasks for n in lengths for _ in range(samples)]
+    kw = {"questions": questions} if questions > 1 else {}
+    return [BUILDERS[t](model.tokenizer, int(n), rng, **kw) for t in tasks for n in lengths for _ in range(samples)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +185,12 @@ class RulerTask:
     batch: int = 4
     max_new_tokens: int = 32
     seed: int = 0
+    questions: int = 1  # questions per context (multikey): the context compressed once for all of them
     name = "ruler"
 
     def prepare(self, model):
-        examples = build(model, self.tasks, self.lengths, self.samples, self.seed)
-        longest_q = max(len(e.question) for e in examples)
+        examples = build(model, self.tasks, self.lengths, self.samples, self.seed, self.questions)
+        longest_q = max(len(q) for e in examples for q, _ in e.all_questions)
         for e in examples:
             harness.check_context(model, len(e.context), longest_q + self.max_new_tokens)
         bucket = bucket_length(max(len(e.context) for e in examples))
@@ -173,6 +208,8 @@ class RulerTask:
 
     def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
         bucket, cap_new = prepared[0]
+        if self.questions > 1:
+            return self._run_shared_contexts(model, method, bucket, cap_new, batch, meta)
         padded, real = harness.pad_batch(list(batch), self.batch)
         answers, mem = harness.answer_after_context(
             model,
@@ -197,3 +234,28 @@ class RulerTask:
             }
             for e, a, m in zip(batch, answers[:real], mem[:real])
         ]
+
+    def _run_shared_contexts(self, model, method, bucket, cap_new, batch, meta) -> list[dict]:
+        """Each context compressed once, its questions answered in one batch (:mod:`kvjax.questions`)."""
+        from kvjax import questions as Q
+
+        rows = []
+        for e in batch:
+            ctx = Q.compress_context(model, list(e.context), method, max_new_tokens=cap_new, prompt_len=bucket)
+            qa = e.all_questions
+            res = Q.answer(model, ctx, [list(q) for q, _ in qa], max_new_tokens=self.max_new_tokens)
+            for i, ((_, expected), text, st) in enumerate(zip(qa, res.text, res.stats)):
+                rows.append(
+                    {
+                        **meta,
+                        "subtask": e.task,
+                        "length": e.length,
+                        "context_tokens": len(e.context),
+                        "question": i,
+                        "expected": list(expected),
+                        "answer": text,
+                        "score": metrics.string_match_all(text, expected),
+                        **harness.memory_from_stats(st),
+                    }
+                )
+        return rows

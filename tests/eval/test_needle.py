@@ -4,7 +4,7 @@ built as documented."""
 import pytest
 
 import kvjax
-from eval import needle, ruler, runner
+from eval import harness, needle, ruler, runner
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +56,25 @@ def test_ruler_examples(smol):
         assert 250 <= len(e.context) <= 420
     with pytest.raises(ValueError, match="ruler task='nope'"):
         ruler.build(smol, ["nope"], [400], 1)
+
+
+def test_ruler_questions_share_one_context(smol):
+    """``questions=3``: one multikey context, three questions on distinct needles; the context compressed once
+    (kvjax.questions) gives the answers of compressing it for each question (harness.answer_after_context)."""
+    task = ruler.RulerTask(lengths=(320,), tasks=("multikey",), samples=1, batch=1, max_new_tokens=8, questions=3)
+    prepared = task.prepare(smol)
+    (e,) = prepared[1][0]
+    qa = e.all_questions
+    assert len(qa) == 3 and len({a for _, a in qa}) == 3 and len({q for q, _ in qa}) == 3
+    ctx = smol.tokenizer.decode(list(e.context), skip_special_tokens=False)
+    assert all(a[0] in ctx for _, a in qa)
+    method = kvjax.methods.get("snapkv", budget=0.5)
+    meta = {"task": "ruler", "method": "snapkv", "budget": 0.5}
+    rows = task.run_batch(smol, method, prepared, [e], meta)
+    assert [r["question"] for r in rows] == [0, 1, 2] and all(r["context_tokens"] == len(e.context) for r in rows)
+    bucket, cap_new = prepared[0]
+    for (q, expected), row in zip(qa, rows):
+        (ref,) = harness.answer_after_context(smol, method, [list(e.context)], [list(q)], bucket, 8, cap_new)
+        assert row["answer"] == ref and row["expected"] == list(expected), (row["answer"], ref)
+    with pytest.raises(ValueError, match="multikey task only"):
+        ruler.build(smol, ruler.TASKS, [400], 1, questions=2)
