@@ -35,6 +35,7 @@ in its own process (the torch side in ``--torch-python``, a virtual environment 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -215,6 +216,12 @@ def main(argv=None):
     ap.add_argument("--torch-python", default=sys.executable)
     ap.add_argument("--runs", default="kvjax,kvpress,kvpress_rope,full,torch_full")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep a run's result from an earlier invocation when it was made with the same settings and text "
+        "(each run's JSON in $TMPDIR/kvpress_decoding carries them): an interrupted comparison resumes",
+    )
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ids", default=None, help=argparse.SUPPRESS)
@@ -249,7 +256,14 @@ def main(argv=None):
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvpress_decoding"
     work.mkdir(exist_ok=True)
     (work / "ids.json").write_text(json.dumps(ids))
-    out = {}
+    out, reused = {}, []
+    settings = dict(
+        ids=hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+        **{
+            k: getattr(a, k)
+            for k in ("prefix", "continuation", "decode_budget", "every", "window", "kernel", "threads")
+        },
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     for run in a.runs.split(","):
         side = "torch" if run in ("kvpress", "kvpress_rope", "torch_full") else "kvjax"
@@ -281,10 +295,17 @@ def main(argv=None):
             "--threads",
             str(a.threads),
         ]
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, env=env)
-        out[run] = json.loads(res_path.read_text())
-        out[run]["wall_seconds"] = time.perf_counter() - t0
+        old = json.loads(res_path.read_text()) if a.reuse and res_path.exists() else {}
+        if old.get("settings") == settings:
+            out[run] = old
+            reused.append(run)
+        else:
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, env=env)
+            out[run] = json.loads(res_path.read_text())
+            out[run]["wall_seconds"] = time.perf_counter() - t0
+            out[run]["settings"] = settings
+            res_path.write_text(json.dumps(out[run]))
         r = out[run]
         warm = r["step_seconds"][16:] or r["step_seconds"]
         print(
@@ -297,6 +318,7 @@ def main(argv=None):
         command=shlex.join(["python", *sys.argv]),
         commit=os.environ.get("KVJAX_COMMIT") or (git.stdout.strip() if git.returncode == 0 else None),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        reused=reused,  # runs kept from an earlier invocation with the same settings (--reuse)
         model="SmolLM2-135M-Instruct (embedded GGUF, float32)",
         prefix=a.prefix,
         continuation=a.continuation,
