@@ -300,10 +300,11 @@ def main(argv=None):
             out[run] = old
             reused.append(run)
         else:
-            t0 = time.perf_counter()
+            t0, load0 = time.perf_counter(), os.getloadavg()[0]
             subprocess.run(cmd, check=True, env=env)
             out[run] = json.loads(res_path.read_text())
             out[run]["wall_seconds"] = time.perf_counter() - t0
+            out[run]["load_average"] = [load0, os.getloadavg()[1]]  # 1-min before, 5-min after: a shared machine
             out[run]["settings"] = settings
             res_path.write_text(json.dumps(out[run]))
         r = out[run]
@@ -337,7 +338,11 @@ def main(argv=None):
             perplexity=float(np.exp(np.mean(r["nll"]))),
             ms_per_token_median=1e3 * float(np.median(warm)),
             ms_per_token_mean=1e3 * float(np.mean(warm)),
-            **{k: r[k] for k in ("held_tokens_mean", "held_tokens_layer0", "held_bytes", "cache_bytes") if k in r},
+            **{
+                k: r[k]
+                for k in ("held_tokens_mean", "held_tokens_layer0", "held_bytes", "cache_bytes", "load_average")
+                if k in r
+            },
         )
     for other in ("kvpress", "kvpress_rope"):
         if "kvjax" not in out or other not in out:
