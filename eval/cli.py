@@ -343,10 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plugin_option(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name, help):  # every subcommand: defaults in its --help, its help line as its description
-        return sub.add_parser(
+    def add(name, help):  # every subcommand: defaults and --plugin in its --help, its help line as its description
+        sp = sub.add_parser(
             name, help=help, description=help[0].upper() + help[1:] + ".", formatter_class=HelpFormatter
         )
+        add_plugin_option(sp)
+        return sp
 
     _add_main(add)
     _add_tasks(add)
