@@ -41,7 +41,10 @@ def check_methods(names: Sequence[str]) -> list[str]:
         raise ValueError("methods is empty; pass e.g. --methods full,snapkv")
     for n in names:
         if n not in methods.REGISTRY:
-            raise ValueError(f"method={n!r} is not registered; choose from {', '.join(methods.names())}")
+            raise ValueError(
+                f"method={n!r} is not registered; choose from {', '.join(methods.names())}, or load your own "
+                "with --plugin MODULE_OR_FILE"
+            )
     return names
 
 

@@ -448,8 +448,45 @@ def _identical_note(points: dict[str, tuple]) -> dict[str, str]:
     return notes
 
 
+#: The score-against-bytes panels of :func:`scores_figure`: (memory field or fields, first found, title, x label).
+BYTES_PANELS = (
+    (("held_kib", "kib_per_seq"), "score vs memory held", "KV held per sequence at the end (MiB)", ""),
+    (("read_kib",), "score vs bytes read per step", "KV read per decode step and sequence (MiB)", " reads"),
+)
+
+
+def _bytes_panel(ax, task, cells, memory, fields, styles, handles, notes_all, suffix) -> bool:
+    """One task's score (95% intervals) against the first of ``fields`` recorded (KiB, log x); False when no
+    configuration records one. Identical point sets are noted in ``notes_all`` as on ``task + suffix``."""
+    pts = {}
+    for (m, b), ci in cells.items():
+        mem = memory.get((task, m, b), {})
+        x = next((mem[f] for f in fields if mem.get(f) is not None), None)
+        if x is not None:
+            pts.setdefault(m, []).append((b, x, ci))
+    notes = _identical_note(
+        {
+            m: [(round(x, 3), round(ci["value"], 6)) for _, x, ci in sorted(p, key=lambda p: str(p[0]))]
+            for m, p in pts.items()
+        }
+    )
+    for m, p in pts.items():
+        xs = [x for _, x, _ in p]
+        ys = [ci["value"] for _, _, ci in p]
+        err = [
+            [max(0.0, ci["value"] - ci["lo"]) if not math.isnan(ci["lo"]) else 0.0 for _, _, ci in p],
+            [max(0.0, ci["hi"] - ci["value"]) if not math.isnan(ci["hi"]) else 0.0 for _, _, ci in p],
+        ]
+        handles.setdefault(m, ax.errorbar(xs, ys, yerr=err, ls="", capsize=2, elinewidth=0.8, ms=6, **styles[m]))
+        if m in notes and (notes[m], task) not in notes_all[m]:  # named once when equal on held and read alike
+            notes_all[m].append((notes[m], task + suffix))
+    return bool(pts)
+
+
 def scores_figure(results: dict[str, Any]):
-    """The figure :func:`plot_scores` saves (a ``matplotlib.figure.Figure``, no pyplot)."""
+    """The figure :func:`plot_scores` saves (a ``matplotlib.figure.Figure``, no pyplot): per task (columns), score
+    vs budget (when several budgets ran), score vs KV bytes held and, where rows record it, score vs KV bytes read
+    per decode step (the recall methods hold everything and read a fraction)."""
     from matplotlib.figure import Figure
 
     intervals = summarise_intervals(results)
@@ -458,43 +495,28 @@ def scores_figure(results: dict[str, Any]):
     styles = _styles(results)
     budgets = {b for _, b in _configs(results) if b is not None}
     by_budget = len(budgets) > 1
-    nrows = 2 if by_budget else 1
+    panels = [p for p in BYTES_PANELS if any(set(p[0]) & set(v) for v in memory.values())] or BYTES_PANELS[:1]
+    nrows = by_budget + len(panels)
     fig = Figure(figsize=(5.2 * len(tasks) + 2.6, 4.2 * nrows), layout="constrained")
     axes = fig.subplots(nrows, len(tasks), squeeze=False)
     handles, notes_all = {}, collections.defaultdict(list)
     for col, task in enumerate(tasks):
         title, _, higher = TASKS.get(task, (task, "mean", True))
         cells = {(m, b): ci for (t, m, b), ci in intervals.items() if t == task}
-        kax = axes[-1][col]
-        pts = {}
-        for (m, b), ci in cells.items():
-            x = memory.get((task, m, b), {}).get("held_kib", memory.get((task, m, b), {}).get("kib_per_seq"))
-            if x is not None:
-                pts.setdefault(m, []).append((b, x, ci))
-        notes = _identical_note(
-            {
-                m: [(round(x, 3), round(ci["value"], 6)) for _, x, ci in sorted(p, key=lambda p: str(p[0]))]
-                for m, p in pts.items()
-            }
-        )
-        for m, p in pts.items():
-            st = styles[m]
-            xs = [x for _, x, _ in p]
-            ys = [ci["value"] for _, _, ci in p]
-            err = [
-                [max(0.0, ci["value"] - ci["lo"]) if not math.isnan(ci["lo"]) else 0.0 for _, _, ci in p],
-                [max(0.0, ci["hi"] - ci["value"]) if not math.isnan(ci["hi"]) else 0.0 for _, _, ci in p],
-            ]
-            handles.setdefault(m, kax.errorbar(xs, ys, yerr=err, ls="", capsize=2, elinewidth=0.8, ms=6, **st))
-            if m in notes:
-                notes_all[m].append((notes[m], task))
-        kax.set_title(f"{task}: score vs memory held ({'higher' if higher else 'lower'} is better)", fontsize=9)
-        kax.set_xlabel("KV held per sequence at the end (MiB)")
-        kax.set_ylabel(title)
-        _mib_axis(kax)
-        if TASKS.get(task, ("", "mean"))[1] == "perplexity":
-            kax.set_yscale("log")  # one bad configuration would flatten the rest
-        kax.grid(alpha=0.3)
+        for row, (fields, what, xlabel, suffix) in enumerate(panels, start=by_budget):
+            ax = axes[row][col]
+            ax.set_title(f"{task}: {what} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+            if not _bytes_panel(ax, task, cells, memory, fields, styles, handles, notes_all, suffix):
+                ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+                ax.set_xticks([])
+                ax.set_yticks([])
+                continue
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(title)
+            _mib_axis(ax)
+            if TASKS.get(task, ("", "mean"))[1] == "perplexity":
+                ax.set_yscale("log")  # one bad configuration would flatten the rest
+            ax.grid(alpha=0.3)
         if by_budget:
             ax = axes[0][col]
             lines = collections.defaultdict(list)
@@ -535,8 +557,9 @@ def _mib_axis(ax) -> None:
 
 def plot_scores(results: dict[str, Any], path: str | Path) -> Path:
     """Per task (columns): score with its 95% interval vs the KV bytes each sequence holds at the end (one marker
-    per method and budget; hollow: the equal-bytes pass), and above it score vs budget when several budgets ran.
-    One legend, outside the data."""
+    per method and budget; hollow: the equal-bytes pass), below it vs the KV bytes one decode step reads (where the
+    rows record ``bytes_read_per_step``), and above them score vs budget when several budgets ran. One legend,
+    outside the data."""
     fig = scores_figure(results)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -122,7 +122,7 @@ def method_names(option: str = "--method", many: bool = False):
         if bad or not names:
             raise argparse.ArgumentTypeError(
                 f"{', '.join(map(repr, bad)) or 'no method'} is not a registered "
-                f"method; choose from {', '.join(methods.names())}"
+                f"method; choose from {', '.join(methods.names())}, or load your own with --plugin MODULE_OR_FILE"
             )
         return ",".join(names) if many else names[0]
 
@@ -353,8 +353,8 @@ def _add_generate(sub) -> None:
     g.add_argument(
         "--scan-layers",
         action="store_true",
-        help="stack the layers and run them as one compiled loop body (compiles a deep model faster; "
-        "each decode step then copies each layer's cache slice once)",
+        help="stack the layers and run them as one compiled loop body (compiles a deep model faster; each "
+        "decode step updates the stacked cache in place, no copy of a layer's slice; same tokens)",
     )
     g.add_argument(
         "--compress-local",
@@ -362,6 +362,7 @@ def _add_generate(sub) -> None:
         help="on a model with sliding-window (local) layers (Gemma 3, gpt-oss, Mistral v0.1), run the method on "
         "them too instead of a ring buffer of their window",
     )
+    add_plugin_option(g)
     g.set_defaults(func=cmd_generate)
 
 
@@ -375,6 +376,7 @@ def _add_demo(sub) -> None:
     )
     d.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
     d.add_argument("--prompt", default="What is the capital of France?", help="the chat prompt")
+    add_plugin_option(d)
     d.add_argument(
         "--methods",
         type=method_names("--methods", many=True),

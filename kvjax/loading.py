@@ -43,6 +43,24 @@ class Model:
     def dtype(self):
         return self.params["embed"].dtype
 
+    @property
+    def num_parameters(self) -> int:
+        """Elements of every parameter array (tied embeddings counted once)."""
+        return int(sum(x.size for x in jax.tree.leaves(self.params)))
+
+    def __repr__(self) -> str:
+        """One line: name, family, layers, heads, sizes, dtype and parameter count, not the weights
+        (``model.params`` holds them)."""
+        c = self.config
+        n = self.num_parameters
+        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+        mesh = "" if self.mesh is None else f", mesh={dict(self.mesh.shape)}"
+        return (
+            f"Model({self.name!r}, {c.model_type}, layers={c.num_layers}, heads={c.num_heads}, "
+            f"kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
+            f"dtype={jnp.dtype(self.dtype).name}, params={count}{mesh})"
+        )
+
 
 def default_dtype():
     """bfloat16 on accelerators; float32 on CPU (where bf16 matmuls are slow and tests want fp32)."""

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
 ENTRY_POINTS = {
     "python": "Python API",
+    "pure": "Pure functions",
     "kvjax": "`kvjax`",
     "kvjax-eval": "`kvjax-eval`",
     "kvjax-train-less": "`kvjax-train-less`",
@@ -140,6 +141,61 @@ def _train_config(**kw):
     return lambda ctx: TrainConfig(**kw)
 
 
+#: (case, the call as shown, the regex its message must contain); the sizes PURE_SIZES gives: batch 2, 4 query
+#: heads on 2 KV heads of 16 dims, a bucket of 32 tokens.
+PURE = [
+    ("long", "m.prefill(state, 1, q, k, v, lengths) with 40 tokens in a bucket of 32", "capacity.prompt_len=32"),
+    ("layout", "m.prefill(state, 1, q, k, v, lengths) with k, v as [B, T, Hkv, D]", r"k has shape \(2, 24, 2, 16\)"),
+    ("repeated", "m.prefill(state, 1, q, k, v, lengths) with k, v repeated to 4 heads", "unrepeated"),
+    ("q_heads", "m.prefill(state, 1, q, k, v, lengths) with q of 3 heads", r"q has shape \(2, 3, 24, 16\)"),
+    ("lengths_shape", "m.prefill(state, 1, q, k, v, [24, 24, 24])", r"lengths has shape \(3,\)"),
+    ("lengths_value", "m.prefill(state, 1, q, k, v, [24, 30]) (T=24)", r"lengths=\[24, 30\]"),
+    ("decode_tokens", "m.decode(state, 1, q, k, v, pos) with q, k, v as [B, H, 1, D]", r"q has shape \(2, 4, 1, 16\)"),
+    ("pos_shape", "m.decode(state, 1, q, k, v, jnp.zeros((2, 1), jnp.int32))", r"pos has shape \(2, 1\)"),
+]
+PURE_SIZES = dict(batch=2, heads=4, kv_heads=2, dim=16, bucket=32, steps=4, tokens=24)
+
+
+def pure_call(name: str, case: str):
+    """Run ``case`` of :data:`PURE` on layer 1 of method ``name`` (at its test sizes; layer 1 is compressed for every
+    method there); returns what the call returns (it should raise)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax import methods
+    from kvjax.config import ModelConfig
+    from kvjax.methods import Capacity
+
+    z = PURE_SIZES
+    b, hq, hkv, d, t = z["batch"], z["heads"], z["kv_heads"], z["dim"], z["tokens"]
+    cfg = ModelConfig("llama", 1, 64, 1, num_layers=2, num_heads=hq, num_kv_heads=hkv, head_dim=d)
+    m = methods.small(name).at(1)
+    state = m.init(cfg, b, Capacity(z["bucket"], z["steps"]), 1, jnp.float32)
+    x = lambda *shape: np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    q, k, lengths = x(b, hq, t, d), x(b, hkv, t, d), jnp.full((b,), t)
+    if case == "long":
+        t = z["bucket"] + 8
+        return m.prefill(state, 1, x(b, hq, t, d), x(b, hkv, t, d), x(b, hkv, t, d), jnp.full((b,), t))
+    if case == "layout":
+        kt = k.transpose(0, 2, 1, 3)
+        return m.prefill(state, 1, q, kt, kt, lengths)
+    if case == "repeated":
+        kr = np.repeat(k, hq // hkv, axis=1)
+        return m.prefill(state, 1, q, kr, kr, lengths)
+    if case == "q_heads":
+        return m.prefill(state, 1, q[:, :3], k, k, lengths)
+    if case == "lengths_shape":
+        return m.prefill(state, 1, q, k, k, [t] * (b + 1))
+    if case == "lengths_value":
+        return m.prefill(state, 1, q, k, k, [t, t + 6])
+    state = m.prefill(state, 1, q, k, k, lengths)
+    if case == "decode_tokens":
+        return m.decode(state, 1, x(b, hq, 1, d), x(b, hkv, 1, d), x(b, hkv, 1, d), lengths)
+    if case == "pos_shape":
+        return m.decode(state, 1, x(b, hq, d), x(b, hkv, d), x(b, hkv, d), jnp.zeros((b, 1), jnp.int32))
+    raise AssertionError(case)
+
+
 KVJAX = "kvjax.cli.main"
 EVAL = "eval.cli.main"
 TRAIN = "train_less.cli.main"
@@ -173,6 +229,9 @@ CASES = [
         "kernels",
     ),
     Case("python", 'kvjax.load_model("/no/such/model")', _load(), "no/such/model"),
+    # the pure functions (docs/pure-functions.md), shown for snapkv; test_pure_functions_check_their_inputs runs
+    # every case on every registered method
+    *(Case("pure", shown, lambda ctx, c=case: pure_call("snapkv", c), match) for case, shown, match in PURE),
     Case("python", 'kvjax.load_model({tiny}, mesh="tensor=2")', _load("tiny", mesh="tensor=2"), "tensor"),
     Case("python", 'kvjax.load_model({tiny}, mesh="data=2,model=3")', _load("tiny", mesh="data=2,model=3"), "model"),
     Case("python", 'kvjax.load_model({tiny}, mesh="data=16")', _load("tiny", mesh="data=16"), "devices"),
@@ -419,9 +478,11 @@ def failure(case: Case, ctx: dict) -> tuple[str, str]:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = case.run(ctx)
     except (ValueError, FileNotFoundError) as e:
-        assert case.entry == "python", f"{case.shown}: raised {type(e).__name__} instead of exiting with code 2"
+        assert case.entry in ("python", "pure"), (
+            f"{case.shown}: raised {type(e).__name__} instead of exiting with code 2"
+        )
         return type(e).__name__, str(e)
-    assert case.entry != "python", f"{case.shown}: did not raise"
+    assert case.entry not in ("python", "pure"), f"{case.shown}: did not raise"
     assert code == 2, f"{case.shown}: exit code {code!r}, want 2; stderr: {err.getvalue()[-500:]}"
     lines = [l for l in err.getvalue().splitlines() if "error:" in l]
     assert len(lines) == 1, f"{case.shown}: want one 'error:' line on stderr, got: {err.getvalue()[-800:]}"
@@ -520,6 +581,40 @@ def test_a_failed_subprocess_is_one_error_line(capsys):
     assert run_cli("kvjax", pip_fails) == 2
     lines = [l for l in capsys.readouterr().err.splitlines() if "error:" in l]
     assert len(lines) == 1 and "failed with exit code 3" in lines[0] and "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("case,shown,match", PURE, ids=[c[0] for c in PURE])
+@pytest.mark.parametrize("name", sorted(__import__("kvjax.methods").methods.REGISTRY))
+def test_pure_functions_check_their_inputs(name, case, shown, match):
+    """Every registered method's ``prefill``/``decode`` refuse each bad argument with a ValueError naming it, its
+    shape and the expected one (kvjax.methods.boundary, applied by Method.__init_subclass__)."""
+    with pytest.raises(ValueError, match=match):
+        pure_call(name, case)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("kvjax.methods").methods.REGISTRY))
+def test_lengths_and_pos_as_lists(name):
+    """``lengths`` and ``pos`` given as Python lists (and ``pos`` as numpy) give the states and outputs jnp arrays
+    give."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax import methods
+    from kvjax.config import ModelConfig
+    from kvjax.methods import Capacity
+
+    cfg = ModelConfig("llama", 1, 64, 1, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    m = methods.small(name).at(1)
+    x = np.random.default_rng(1).normal(size=(3, 2, 4, 24, 16)).astype(np.float32)
+    q, k, v = x[0], x[1, :, :2], x[2, :, :2]
+    runs = []
+    for lengths, pos in (([24, 17], [24, 17]), (jnp.array([24, 17]), jnp.array([24, 17], jnp.int32))):
+        st = m.prefill(m.init(cfg, 2, Capacity(32, 4), 1, jnp.float32), 1, q, k, v, lengths)
+        pos = np.asarray(pos) if isinstance(pos, list) else pos
+        runs.append(m.decode(st, 1, q[:, :, 0], k[:, :, 0], v[:, :, 0], pos))
+    for a, b in zip(*(jax.tree.leaves(r) for r in runs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_table_is_current(results, ctx):

@@ -10,6 +10,7 @@ given on the command line.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -80,8 +81,15 @@ def test_every_help_shows_defaults_and_method_names():
                 assert "(default:" in flat or argv == ["install-assets"], f"{shown} --help shows no defaults"
             if re.search(r"^\s+--methods? ", text, re.M):  # an option taking method names
                 assert names in flat, f"{shown} --help does not list the method names"
+                assert re.search(r"^\s+--plugin MODULE_OR_FILE", text, re.M), f"{shown} --help has no --plugin"
     top = " ".join(_help(next(_parsers())[1], []).split())
     assert "main job" not in top  # kvjax demo is not the main job (kvjax-eval main is)
+    from kvjax.cli import method_names
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--plugin"):  # an unknown name points to --plugin
+        method_names()("nope")
+    with pytest.raises(ValueError, match="--plugin"):
+        methods.get("nope")
     eval_top = _help(dict((p, b) for p, b, _ in _parsers())["kvjax-eval"], [])
     assert eval_top.count("compare KV-cache methods") == 1  # the description once, not again in the epilog
 
@@ -194,3 +202,15 @@ def test_eval_cell_with_a_method_option(tiny_path, tmp_path, monkeypatch):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["method"] == "snapkv" and rows[0]["budget"] == 0.5
     assert built and all(m.window == 4 for m in built)  # --option reached every config the run built
+
+
+def test_model_repr_is_one_short_line(tiny, tiny_path):
+    """``print(model)`` is one line of family, sizes, dtype and parameter count (the count as transformers gives
+    it for the same checkpoint), not the weights."""
+    text = repr(tiny)
+    assert "\n" not in text and len(text) < 300, text
+    for part in ("llama", "layers=2", "heads=4", "kv_heads=2", "head_dim=8", "hidden=32", "dtype=float32"):
+        assert part in text, (part, text)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_path)
+    assert tiny.num_parameters == hf.num_parameters()
+    assert f"params={hf.num_parameters() / 1e6:.1f}M" in text

@@ -66,7 +66,8 @@ def _kernel_args(p) -> None:
         "--budget",
         type=budget_type("--budget"),
         default=None,
-        help="sparse cache tokens (256), or a fraction of --seq-len (0.1) (default: 10%% of --seq-len)",
+        help="sparse cache tokens (256), or a fraction of --seq-len (0.2) (default: 0.2 of --seq-len, the budget "
+        "kvjax generate and kvjax-eval give LESS, so the kernels are used at the fraction they were trained at)",
     )
     p.add_argument("--recent", type=_number, default=0.5, help="H2O recent window: fraction of budget or tokens")
     p.add_argument("--sinks", type=int, default=4, help="lambda policy: attention-sink tokens")

@@ -63,8 +63,10 @@ from train_less.checkpoints import Checkpoints, Record
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Static training configuration (hashable). ``budget``: sparse tokens (int; default 10% of seq_len,
-    rounded down to an even count); ``recent`` (H2O) and ``sinks`` (Λ) as in :class:`kvjax.methods.less.Less`."""
+    """Static training configuration (hashable). ``budget``: sparse tokens (int; default ``ceil(0.2 seq_len)``,
+    :data:`kvjax.methods.less.DEFAULT_BUDGET` of it, so that ``Less(kernels=...)`` at its default budget uses the
+    kernels at the fraction they were trained at); ``recent`` (H2O) and ``sinks`` (Λ) as in
+    :class:`kvjax.methods.less.Less`."""
 
     policy: str = "h2o"
     budget: int | None = None
@@ -113,7 +115,9 @@ class TrainConfig:
 
     @property
     def budget_tokens(self) -> int:
-        return self.budget if self.budget is not None else max(2, int(0.1 * self.seq_len) // 2 * 2)
+        from kvjax.budget import budget_tokens
+
+        return self.budget if self.budget is not None else int(budget_tokens(L.DEFAULT_BUDGET, self.seq_len))
 
     @property
     def less(self) -> L.Less:

@@ -81,7 +81,10 @@ def get(name: str, full_layers: int = 0, decode_budget: int | None = None, every
     if every is not None:
         raise ValueError(f"every={every!r} needs decode_budget= (the tokens a layer keeps while decoding)")
     if name not in REGISTRY:
-        raise ValueError(f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}")
+        raise ValueError(
+            f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}, or register your own "
+            "(kvjax.methods.register; the command lines load it with --plugin MODULE_OR_FILE)"
+        )
     cls = REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - fields)

@@ -75,6 +75,7 @@ from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
+from kvjax.methods import boundary
 from kvjax import sharding
 from kvjax.sharding import BATCH, KV_HEADS
 
@@ -125,6 +126,15 @@ class Method(abc.ABC):
 
     def __hash__(self) -> int:
         return hash(self._key)
+
+    def __init_subclass__(cls, **kwargs):
+        """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
+        ``prefill_attend``, ``decode`` and ``decode_partial`` the subclass defines: every method, a plugin's
+        included, raises the same ValueError for arguments of the wrong shape, at trace time."""
+        super().__init_subclass__(**kwargs)
+        for name in boundary.WRAPPED:
+            if name in cls.__dict__:
+                setattr(cls, name, boundary.checked(name, cls.__dict__[name]))
 
     name: ClassVar[str] = ""
     #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).

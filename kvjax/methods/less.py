@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kvjax.budget import budget_tokens
 from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
@@ -72,6 +73,9 @@ from kvjax.methods.less_parallel import (  # noqa: F401  (re-exported)
 )
 
 POLICIES = ("h2o", "lambda")
+#: LESS's default budget, a fraction of each prompt: the one ``kvjax generate``, ``kvjax-eval`` and the other
+#: methods default to, and the one ``kvjax-train-less`` trains at by default (of ``--seq-len``).
+DEFAULT_BUDGET = 0.2
 #: Parallel H2O masks for training: kvjax's decode semantics, or the paper's (:meth:`Less.eviction_times`).
 MASKS = ("decode", "paper")
 
@@ -107,7 +111,7 @@ class Less(Method):
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     policy: str = "h2o"
-    budget: float | int = 0.1
+    budget: float | int = DEFAULT_BUDGET
     recent: float | int = 0.5
     sinks: int = 4
     kernels: str | None = None
@@ -136,23 +140,27 @@ class Less(Method):
             raise ValueError(f"fold_chunk={self.fold_chunk!r} must be an int >= 1 (prompt tokens per fold step)")
         if self.kernels is not None:
             meta, _ = load_kernels(self.kernels)  # fail early: missing files or another format
-            self._check_trained(meta.get("policy"))
+            self._check_trained(meta.get("policy"), (meta.get("train") or {}).get("seq_len"))
         if not self.sparse.has_decode_partial:  # the declared capability LESS needs (never getattr)
             raise ValueError(f"policy={self.policy!r} does not provide decode_partial; LESS wraps h2o or lambda")
 
-    def _check_trained(self, trained: dict | None):
+    def _check_trained(self, trained: dict | None, seq_len: int | None = None):
         """Warn (ValueError with ``strict``) when the policy, budget, recent window (H2O) or sinks (Λ) differ
-        from those the kernels were trained with (``less_config.json``'s ``policy``)."""
+        from those the kernels were trained with (``less_config.json``'s ``policy``). A fractional budget matches
+        when it gives the trained token count on the training sequences (``seq_len``): the kernels were trained at
+        that fraction."""
         if not trained:
             return
         bad = []
         if self.policy != trained.get("policy"):
             bad.append(f"policy: trained {trained.get('policy')!r}, requested {self.policy!r}")
         elif isinstance(self.budget, float):
-            bad.append(
-                f"budget: trained {trained.get('budget')} tokens, requested {self.budget} (a fraction of each "
-                "prompt, so the token count varies)"
-            )
+            if not (seq_len and int(budget_tokens(self.budget, seq_len)) == trained.get("budget")):
+                at = "" if not seq_len else f" of {seq_len}-token sequences"
+                bad.append(
+                    f"budget: trained {trained.get('budget')} tokens{at}, requested {self.budget} (a fraction of "
+                    "each prompt, so the token count varies)"
+                )
         elif self.budget != trained.get("budget"):
             bad.append(f"budget: trained {trained.get('budget')}, requested {self.budget}")
         if self.policy == trained.get("policy") == "h2o" and isinstance(trained.get("budget"), int):

@@ -78,3 +78,27 @@ def test_ruler_questions_share_one_context(smol):
         assert row["answer"] == ref and row["expected"] == list(expected), (row["answer"], ref)
     with pytest.raises(ValueError, match="multikey task only"):
         ruler.build(smol, ruler.TASKS, [400], 1, questions=2)
+
+
+def test_short_needle_lengths_warn_on_the_embedded_model(capsys):
+    """Needle lengths below eval.cli.NEEDLE_SIGNAL (where even full answers in 20-60% of trials on the embedded
+    model) print one ``kvjax-eval: warning:`` line naming them, before any work; --help says where the signal
+    starts; another model or long enough lengths give no warning."""
+    import io
+    import contextlib
+
+    from eval import cli
+
+    assert cli.needle_length_warning("smollm2-135m-instruct", [256, 512]) is None
+    assert cli.needle_length_warning("some/other-model", [128]) is None
+    assert "--lengths 128,200" in cli.needle_length_warning("smollm2-135m-instruct", [128, 200, 512])
+    for command in ("needle", "main"):  # a bad option stops the run right after the check: no model is loaded
+        assert cli.main([command, "--lengths", "128,512", "--option", "windw=4"]) == 2
+        warned = [l for l in capsys.readouterr().err.splitlines() if "warning:" in l]
+        assert len(warned) == 1 and "--lengths 128:" in warned[0] and "256" in warned[0], warned
+    assert cli.main(["needle", "--lengths", "256", "--option", "windw=4"]) == 2
+    assert "warning:" not in capsys.readouterr().err
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli.main(["needle", "--help"])
+    assert "passkey reliably only from 256 tokens" in " ".join(out.getvalue().split())

@@ -220,6 +220,11 @@ def _held(method, setting):
     return int(2**20 * base * (0.9 if setting else 1.0))
 
 
+def _read(method, setting):
+    """Synthetic bytes one decode step reads: what it holds, a quarter of it for the recall methods."""
+    return _held(method, setting) // (4 if method in ("pqcache", "clusterkv", "quest") else 1)
+
+
 def _main_like_results():
     """Every registered method at one budget plus an equal-bytes pass, two needle lengths x five depths and
     perplexity: the main job's shape, synthetic scores (two methods identical, as h2o/chunkkv were)."""
@@ -242,6 +247,7 @@ def _main_like_results():
                             "depth": d,
                             "score": float((i + int(d * 4) + (setting is None)) % 3 == 0 or m in ("h2o", "chunkkv")),
                             "held_bytes": _held(m, setting),
+                            "bytes_read_per_step": _read(m, setting),
                             "kib_per_seq": 1024.0 * (2 + i % 4),
                             "tokens_held": 50.0,
                             **extra,
@@ -257,6 +263,7 @@ def _main_like_results():
                         "tokens": 48,
                         "score": 2.0,
                         "held_bytes": _held(m, setting),
+                        "bytes_read_per_step": _read(m, setting),
                         **extra,
                     }
                 )
@@ -325,3 +332,34 @@ def test_whole_prompt_budget_is_not_shown_as_one_token():
         "| snapkv | 1.0 | 75.0 [30.1, 95.4] | 4 | 2.0 |" in lines
         and "| snapkv | 256 | 50.0 [15.0, 85.0] | 4 | 2.0 |" in lines
     )
+
+
+def test_scores_figure_shows_bytes_read_beside_bytes_held():
+    """Below score vs bytes held, score vs bytes read per step: each method's markers sit at the mean of its rows'
+    ``held_bytes`` / ``bytes_read_per_step`` (KiB), so the recall methods, which hold what ``full`` holds, sit at a
+    quarter of it on the read panel. Rows without ``bytes_read_per_step`` give no read panel."""
+    results = _main_like_results()
+    fig = report.scores_figure(results)
+    styles = report._styles(results)
+    by_style = {(st["color"], st["marker"], st.get("mfc")): m for m, st in styles.items()}
+    for task in ("needle", "perplexity"):
+        panels = {
+            ax.get_title().split(": ")[1].split(" (")[0]: ax for ax in fig.axes if ax.get_title().startswith(task)
+        }
+        assert set(panels) == {"score vs memory held", "score vs bytes read per step"}, panels
+        for what, field in (("memory held", "held_bytes"), ("bytes read per step", "bytes_read_per_step")):
+            shown = {}
+            for c in panels[f"score vs {what}"].containers:
+                line = c.lines[0]
+                mfc = "none" if line.get_markerfacecolor() == "none" else None
+                shown[by_style[(line.get_color(), line.get_marker(), mfc)]] = float(line.get_xdata()[0])
+            for label, x in shown.items():
+                method, setting = label.split(" = ")[0], " = " in label
+                assert x == pytest.approx((_read if "read" in what else _held)(method, setting) / 1024), (task, label)
+            assert len(shown) == len(styles)
+        read = {c.lines[0].get_xdata()[0] for c in panels["score vs bytes read per step"].containers}
+        assert min(read) < _held("full", None) / 1024 / 2  # the recall methods read a quarter
+    for row in results["rows"]:
+        del row["bytes_read_per_step"]
+    titles = [ax.get_title() for ax in report.scores_figure(results).axes]
+    assert not any("read" in t for t in titles) and sum("memory held" in t for t in titles) == 2

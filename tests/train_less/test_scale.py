@@ -358,6 +358,7 @@ def test_kernels_with_other_settings_warn_or_raise(full_run):
         warnings.simplefilter("error")
         L.Less(budget=6, kernels=folder)  # the trained settings (h2o, 6 tokens, recent 0.5): silent
         L.Less(budget=6, recent=3, kernels=folder)  # the same recent window in tokens
+        L.Less(budget=0.18, kernels=folder)  # a fraction giving the trained 6 tokens of seq_len=32: ceil(5.76)
     with pytest.warns(UserWarning, match="budget: trained 6, requested 8. LESS") as rec:
         L.Less(budget=8, kernels=folder)  # the same recent fraction: only the budget is named
     assert len(rec) == 1
@@ -367,10 +368,28 @@ def test_kernels_with_other_settings_warn_or_raise(full_run):
         L.Less(budget=6, recent=2, kernels=folder)
     with pytest.warns(UserWarning, match="policy: trained 'h2o', requested 'lambda'"):
         L.Less(policy="lambda", budget=6, kernels=folder)
-    with pytest.warns(UserWarning, match="budget: trained 6 tokens, requested 0.1"):
+    with pytest.warns(UserWarning, match="budget: trained 6 tokens of 32-token sequences, requested 0.2"):
         L.Less(kernels=folder)
     with pytest.raises(ValueError, match="budget: trained 6, requested 8.*strict=True"):
         L.Less(budget=8, kernels=folder, strict=True)
+
+
+def test_default_training_budget_is_the_default_less_budget():
+    """kvjax-train-less's default budget is ``ceil(0.2 seq_len)``, LESS's default fraction of the training length,
+    so kernels trained at the defaults are used at ``Less``'s default budget without a warning (the settings as
+    TrainConfig writes them to less_config.json); on another length the fraction would mean other tokens."""
+    for seq_len in (32, 512, 4096):
+        tc = TrainConfig(seq_len=seq_len)
+        assert tc.budget_tokens == math.ceil(0.2 * seq_len) and L.Less().budget == 0.2
+        trained = {"policy": "h2o", "budget": tc.budget_tokens, "recent": tc.recent, "sinks": tc.sinks}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            L.Less()._check_trained(trained, seq_len)
+        with pytest.warns(
+            UserWarning,
+            match=f"budget: trained {tc.budget_tokens} tokens of {seq_len * 2 + 7}-token sequences, requested 0.2",
+        ):
+            L.Less()._check_trained(trained, seq_len * 2 + 7)
 
 
 def test_cli_scale_options_and_errors(tmp_path, capsys):
