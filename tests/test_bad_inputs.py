@@ -617,6 +617,32 @@ def test_lengths_and_pos_as_lists(name):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_configs_sharing_a_state_shape_are_both_accepted():
+    """Two configs whose ``full`` states have one shape (4 and 8 query heads over 2 KV heads, buckets 24 and 32
+    within the same slot count) are each accepted in any order; a query-head count neither was built for is
+    still refused, naming the most recent one."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax import methods
+    from kvjax.config import ModelConfig
+    from kvjax.methods import Capacity
+
+    cfg = lambda hq: ModelConfig("llama", 1, 64, 1, num_layers=1, num_heads=hq, num_kv_heads=2, head_dim=16)
+    m = methods.get("full")
+    a = m.init(cfg(4), 2, Capacity(32, 4), 0, jnp.float32)
+    b = m.init(cfg(8), 2, Capacity(24, 12), 0, jnp.float32)
+    assert all(x.shape == y.shape for x, y in zip(*map(__import__("jax").tree.leaves, (a, b))))
+    x = lambda *s: np.random.default_rng(0).normal(size=s).astype(np.float32)
+    k, v = x(2, 2, 32, 16), x(2, 2, 32, 16)
+    m.prefill(a, 0, x(2, 4, 32, 16), k, v, [32, 20])  # cfg(4) at its bucket 32, after cfg(8)'s init
+    m.prefill(b, 0, x(2, 8, 24, 16), k[:, :, :24], v[:, :, :24], [24, 20])
+    with pytest.raises(ValueError, match=r"q has shape \(2, 6, 24, 16\); expected \(batch=2, heads=8"):
+        m.prefill(b, 0, x(2, 6, 24, 16), k[:, :, :24], v[:, :, :24], [24, 20])
+    with pytest.raises(ValueError, match="capacity.prompt_len=24"):  # cfg(8) was built for 24 tokens, not 32
+        m.prefill(b, 0, x(2, 8, 32, 16), k, v, [32, 20])
+
+
 def test_table_is_current(results, ctx):
     want = render(results, ctx["tmp"])
     have = DOC.read_text() if DOC.is_file() else ""

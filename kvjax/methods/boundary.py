@@ -31,8 +31,9 @@ class Sizes:
     prompt_len: int
 
 
-#: state signature -> Sizes. Two inits whose states have one signature but different buckets keep the larger one
-#: (the prompt-length check then never refuses a prompt that fits either).
+#: state signature -> the Sizes of every ``init`` that built a state of that signature. Configs that differ only in
+#: what a state's shapes do not show (the query heads of a full cache, the bucket within the same slot count) share
+#: a signature: a call is checked against whichever of them it matches, so no valid call is refused.
 _SIZES: dict = {}
 
 
@@ -54,19 +55,25 @@ def record(state, model_cfg, batch, capacity):
     except TypeError:
         return state
     new = Sizes(batch, model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, capacity.prompt_len)
-    old = _SIZES.get(key)
-    if old is not None and old.prompt_len > new.prompt_len:
-        new = dataclasses.replace(new, prompt_len=old.prompt_len)
-    _SIZES[key] = new
+    seen = _SIZES.setdefault(key, [])
+    if new in seen:
+        seen.remove(new)
+    seen.append(new)  # the most recent last: the one an error message names
     return state
 
 
-def _sizes(method, state) -> Sizes | None:
+def _sizes(method, state, qs, ks) -> Sizes | None:
+    """The recorded sizes that ``q``'s and ``k``'s shapes match (the largest bucket among them), else the most
+    recent record (for the error message), else ``None``."""
     key = _signature(state)
     try:
-        return _SIZES.get(key) if key is not None else None
+        seen = _SIZES.get(key, []) if key is not None else []
     except TypeError:
         return None
+    fits = [s for s in seen if (s.batch, s.num_heads, s.head_dim) == (qs[0], qs[1], qs[-1]) and s.num_kv_heads == ks[1]]
+    if fits:
+        return max(fits, key=lambda s: s.prompt_len)
+    return seen[-1] if seen else None
 
 
 def _state_axes(method, state) -> tuple[int | None, int | None]:
@@ -128,7 +135,7 @@ def _heads(method, state, fn: str, q, k, v, tokens: bool):
     qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
     if vs != ks:
         raise ValueError(f"{fn}: v has shape {vs}; expected k's shape {ks}")
-    sizes = _sizes(method, state)
+    sizes = _sizes(method, state, qs, ks)
     if sizes is not None:
         b, hq, hkv, d = sizes.batch, sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
     else:
