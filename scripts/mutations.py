@@ -361,8 +361,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "snapkv-gqa-max",
         "kvjax/methods/select.py",
-        "return p.sum(axis=3).mean(axis=2)",
-        "return p.sum(axis=3).max(axis=2)",
+        "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).mean(axis=2)",
+        "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).max(axis=2)",
         T_BASE,
         "SnapKV's votes aggregated over a group's query heads by max instead of mean",
         k="snapkv",
@@ -370,8 +370,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "snapkv-gqa-sum",
         "kvjax/methods/select.py",
-        "return p.sum(axis=3).mean(axis=2)",
-        "return p.sum(axis=3).sum(axis=2)",
+        "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).mean(axis=2)",
+        "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).sum(axis=2)",
         T_BASE,
         "SnapKV's votes summed over a group's query heads instead of averaged",
         k="snapkv",
@@ -408,8 +408,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "snapkv-pool-leaks-window",
         "kvjax/methods/scorers.py",
-        "s = jnp.where(jnp.arange(s.shape[-1]) < prefix_end[:, None, None], s, 0.0)",
-        "s = jnp.where(jnp.arange(s.shape[-1]) < prefix_end[:, None, None] + 2, s, 0.0)",
+        "s = jnp.where(jnp.arange(votes.shape[-1]) < prefix_end[:, None, None], votes, 0.0)",
+        "s = jnp.where(jnp.arange(votes.shape[-1]) < prefix_end[:, None, None] + 2, votes, 0.0)",
         T_BASE,
         "pooling lets the observation window's own votes leak into the last prefix tokens",
         k="snapkv",
