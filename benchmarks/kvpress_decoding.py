@@ -314,10 +314,12 @@ def main(argv=None):
             f"{r['wall_seconds']:.0f} s",
             flush=True,
         )
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from scan_layers import commit
+
     summary = dict(
         command=shlex.join(["python", *sys.argv]),
-        commit=os.environ.get("KVJAX_COMMIT") or (git.stdout.strip() if git.returncode == 0 else None),
+        commit=commit(),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         reused=reused,  # runs kept from an earlier invocation with the same settings (--reuse)
         model="SmolLM2-135M-Instruct (embedded GGUF, float32)",
