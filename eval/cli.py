@@ -116,7 +116,7 @@ def method_options(names, options) -> dict[str, dict]:
     fields = {n: {f.name for f in dataclasses.fields(methods.REGISTRY[n])} for n in names}
     for n in names:  # composition options: a decode budget over a method that re-selects what it holds
         if methods.REGISTRY[n].recompressible:
-            fields[n] |= {"decode_budget", "every"}
+            fields[n] |= {"decode_budget", "every", "threshold"}
     out: dict[str, dict] = {n: {} for n in names}
     for key, value in options:
         method, _, field = key.rpartition(".")

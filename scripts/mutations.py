@@ -57,6 +57,8 @@ T_CHELSEA = ("tests/kvjax/test_chelsea.py",)
 T_DECODE_ATT = ("tests/kernels_pallas/test_decode_attention.py", "tests/kernels_pallas/test_decode_attention_xla.py")
 T_PARITY = ("tests/kvjax/test_parity.py", "tests/kvjax/test_engine.py")
 T_BASE = ("tests/kvjax/test_baselines.py",)
+T_BOUNDED = ("tests/kvjax/test_bounded.py",)
+K_BOUNDED = "recompression or threshold"  # the reference tests, not the engine's long runs
 K_BUDGET = "mul or exact or trap or overflow or four_decimals or counts"  # the arithmetic tests of the budget file
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -576,6 +578,43 @@ MUTANTS: tuple[Mutant, ...] = (
         "H, z = state.H + dH, state.z",
         ("tests/kvjax/test_less.py",),
         "an evicted token is folded into H but not into z (Eq. 5)",
+    ),
+    # ---- a decode budget (kvjax/methods/bounded.py) ----------------------------------------------------------------
+    M(
+        "bounded-every-off-by-one",
+        "kvjax/methods/bounded.py",
+        "need = (jnp.mod(steps, self.every) == 0) & (cache.length > floor)",
+        "need = (jnp.mod(steps + 1, self.every) == 0) & (cache.length > floor)",
+        T_BOUNDED,
+        "a decode budget re-compresses one step before every `every`-th step",
+        k=K_BOUNDED,
+    ),
+    M(
+        "bounded-ring-slot-off-by-one",
+        "kvjax/methods/bounded.py",
+        "r = jnp.mod(pos, w)",
+        "r = jnp.mod(pos + 1, w)",
+        T_BOUNDED,
+        "the ring of recent queries writes each query over the slot of the next one (the newest query lost)",
+        k=K_BOUNDED,
+    ),
+    M(
+        "bounded-threshold-unnormalised",
+        "kvjax/methods/bounded.py",
+        "passing = jnp.sum(before & (scores >= threshold * queries[:, None, None]), axis=-1)",
+        "passing = jnp.sum(before & (scores >= threshold), axis=-1)",
+        T_BOUNDED,
+        "the threshold compares the summed window votes, not their mean over the ring's queries",
+        k=K_BOUNDED,
+    ),
+    M(
+        "bounded-threshold-window-counted",
+        "kvjax/methods/bounded.py",
+        "before = jnp.arange(s) < (count - w)[..., None]",
+        "before = jnp.arange(s) < count[..., None]",
+        T_BOUNDED,
+        "the threshold counts the kept window's tokens among those passing (the budget grows by them)",
+        k=K_BOUNDED,
     ),
 )
 

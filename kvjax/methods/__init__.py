@@ -66,20 +66,30 @@ def cover(*traits: str, any_true: bool = False) -> tuple[str, ...]:
     return tuple(out)
 
 
-def get(name: str, full_layers: int = 0, decode_budget: int | None = None, every: int | None = None, **options):
+def get(
+    name: str,
+    full_layers: int = 0,
+    decode_budget: int | None = None,
+    every: int | None = None,
+    threshold: float | None = None,
+    **options,
+):
     """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``).
     ``full_layers=N`` (any method): the first ``N`` layers keep the full cache, as
     :class:`~kvjax.methods.layers.FullFirst` ``(N, method)``. ``decode_budget=D`` (a method that scores its tokens:
     snapkv, pyramidkv, chunkkv): at most ``D`` tokens per layer and KV head plus ``every`` (default 128) while
     decoding, re-compressed every ``every`` steps, as :class:`~kvjax.methods.bounded.DecodeBudget` ``(method, D,
-    every)``."""
+    every)``; with ``threshold=tau`` each re-compression keeps the tokens whose score passes ``tau``, at most ``D``."""
     if full_layers:
-        return FullFirst(full_layers, get(name, decode_budget=decode_budget, every=every, **options))
+        return FullFirst(
+            full_layers, get(name, decode_budget=decode_budget, every=every, threshold=threshold, **options)
+        )
     if decode_budget is not None:
         inner = get(name, **options)
-        return DecodeBudget(inner, decode_budget, DEFAULT_EVERY if every is None else every)
-    if every is not None:
-        raise ValueError(f"every={every!r} needs decode_budget= (the tokens a layer keeps while decoding)")
+        return DecodeBudget(inner, decode_budget, DEFAULT_EVERY if every is None else every, threshold)
+    for field, value in (("every", every), ("threshold", threshold)):
+        if value is not None:
+            raise ValueError(f"{field}={value!r} needs decode_budget= (the most tokens a layer keeps while decoding)")
     if name not in REGISTRY:
         raise ValueError(
             f"method={name!r} is not registered; choose one of {', '.join(REGISTRY)}, or register your own "

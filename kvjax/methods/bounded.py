@@ -28,6 +28,16 @@ A step that re-compresses computes over every slot of the layer (``recompresses`
 ``h0 + s`` while ``h0 + k E <= D_l`` (no re-compression has cut anything yet), else ``D_l + s - k E``. A decode
 budget at or above ``method.held(n, steps)`` never re-compresses: the tokens are the unbounded method's exactly.
 
+**Threshold** (``threshold=tau``, as kvpress's ``DMSPress(press, threshold)`` but freeing what it evicts): each
+re-compression keeps, before the window, the held tokens whose score passes ``tau``, at most ``D_l`` tokens in all.
+The score is the method's own (SnapKV: pooled) divided by the ring's queries: the mean attention weight a token gets
+from the last ``window`` queries, kvpress's ``SnapKVPress`` score. The tokens passing set the re-compression's
+budget (``window`` plus those passing, at most ``D_l``) and the method's selection spends it as it spends any budget
+(SnapKV, PyramidKV: exactly the passing tokens; ChunkKV: that many tokens in whole chunks). With a threshold the
+prompt is re-compressed at prefill and a sequence holding more than ``window`` tokens every ``E`` steps, so what is
+held follows the content, always at most ``held(n, s)`` (an upper bound then, not the count); ``tau = 0`` keeps
+the tokens of no threshold.
+
 Index reuse (ChunkKV ``reuse > 1``) applies to the prompt's compression; decode re-compressions select per layer.
 The scorer ``"h2o"`` votes with the ring's queries at decode (the accumulation over every query is not kept).
 """
@@ -81,6 +91,7 @@ class DecodeBudget(Method):
     inner: Method
     decode_budget: int
     every: int = DEFAULT_EVERY
+    threshold: float | None = None
 
     recompresses: ClassVar[bool] = True
 
@@ -89,7 +100,7 @@ class DecodeBudget(Method):
     budget = property(lambda self: self.inner.budget)
     traced_layer = property(lambda self: self.inner.traced_layer)
     reuses_previous_layer = property(lambda self: self.inner.reuses_previous_layer)
-    holds_exactly = property(lambda self: self.inner.holds_exactly)
+    holds_exactly = property(lambda self: self.inner.holds_exactly and self.threshold is None)
     step_kernels = property(lambda self: self.inner.step_kernels)
 
     def __post_init__(self):
@@ -104,6 +115,12 @@ class DecodeBudget(Method):
         for field, value in (("decode_budget", self.decode_budget), ("every", self.every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field}={value!r} must be an int >= 1 (tokens; e.g. decode_budget=1024, every=128)")
+        t = self.threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
+            raise ValueError(
+                f"threshold={t!r} must be a finite number >= 0 (the mean attention weight a kept token gets from the "
+                "window's queries, e.g. threshold=0.001), or None for a fixed decode budget"
+            )
         w = self.inner.observation_window()
         if self.decode_budget <= w:
             raise ValueError(
@@ -170,6 +187,8 @@ class DecodeBudget(Method):
         cache, target, p = state.cache, self._target_of(state), state.cache.prompt_slots
         if p <= target:  # the kept prompt fits the decode budget: the method's own prefill, in place
             cache = self.inner.prefill(cache, layer, q, k, v, lengths, previous=prev)
+            if self.threshold is not None:
+                cache = recompress(self.inner, cache, cache, q_obs, qpos, target, cache.length > w, self.threshold)
         else:  # the method's prefill into a transient cache of its prompt slots, then re-compressed to D_l
             h = k.shape[1]
             tmp = SlotCache(
@@ -184,7 +203,7 @@ class DecodeBudget(Method):
             )
             tmp = self.inner.prefill(tmp, layer, q, k, v, lengths, previous=prev)
             need = jnp.ones((b,), bool)
-            cache = recompress(self.inner, tmp, cache, q_obs, qpos, target, need)
+            cache = recompress(self.inner, tmp, cache, q_obs, qpos, target, need, self.threshold)
             cache = cache.replace(limit=tmp.limit)
         return BoundedState(cache=cache, q_obs=q_obs, q_pos=qpos, steps=jnp.zeros((b,), jnp.int32))
 
@@ -203,14 +222,18 @@ class DecodeBudget(Method):
         q_pos = jax.vmap(lambda ring, i, x: ring.at[i].set(x))(state.q_pos, r, pos.astype(jnp.int32))
         steps = state.steps + 1
         target = self._target_of(state)
-        need = (jnp.mod(steps, self.every) == 0) & (cache.length > target)
+        floor = target if self.threshold is None else w  # with a threshold any sequence beyond its window
+        need = (jnp.mod(steps, self.every) == 0) & (cache.length > floor)
         # At most one trip of a while loop rather than a lax.cond (kvjax.inplace): the loop carries the cache, so a
         # scanned layer's stack is re-compressed in place and a step that does not re-compress copies nothing. Its
         # predicate reads the attention's sum (l >= 0 always), which orders the writes after the attention's reads.
         go = jnp.any(need) & ~jnp.any(part[2] < 0)
         _, cache = jax.lax.while_loop(
             lambda c: c[0],
-            lambda c: (jnp.zeros_like(c[0]), recompress(self.inner, c[1], c[1], q_obs, q_pos, target, need)),
+            lambda c: (
+                jnp.zeros_like(c[0]),
+                recompress(self.inner, c[1], c[1], q_obs, q_pos, target, need, self.threshold),
+            ),
             (go, cache),
         )
         return attention.normalise(part), BoundedState(cache=cache, q_obs=q_obs, q_pos=q_pos, steps=steps)
@@ -268,9 +291,13 @@ _WHY_NOT = {
 }
 
 
-def recompress(inner: Method, src: SlotCache, dst: SlotCache, q_obs, q_pos, target: int, need) -> SlotCache:
+def recompress(
+    inner: Method, src: SlotCache, dst: SlotCache, q_obs, q_pos, target: int, need, threshold: float | None = None
+) -> SlotCache:
     """``dst`` holding ``inner``'s re-selection of ``src``'s held slots: sequences with ``need [B]`` keep
-    ``target`` tokens per KV head (window included), the others every slot they hold (compacted). Per KV head the
+    ``target`` tokens per KV head (window included), the others every slot they hold (compacted); with a
+    ``threshold``, the window plus the tokens before it whose score over the ring's queries passes it, at most
+    ``target`` (module docstring). Per KV head the
     held slots are taken in slot order (which is position order: the prompt's kept tokens, then the appended ones),
     scored by ``inner.rescorer().observed`` from the ring ``q_obs [B, Hq, W, D]`` / ``q_pos [B, W]`` and selected by
     ``inner.reselect``; the kept rows are written into slots ``[0, target)`` of ``dst``, the rest emptied."""
@@ -280,8 +307,15 @@ def recompress(inner: Method, src: SlotCache, dst: SlotCache, q_obs, q_pos, targ
     order = jnp.argsort(~valid, axis=-1, stable=True)  # held slots first, in slot order
     count = jnp.sum(valid, axis=-1).astype(jnp.int32)  # [B, H]
     votes = jnp.take_along_axis(votes, order, axis=-1).reshape(b * h, 1, s)
-    budgets = jnp.where(need[:, None], target, s + 1).astype(jnp.int32)
-    budgets = jnp.broadcast_to(budgets, (b, h)).reshape(b * h)
+    budgets = jnp.broadcast_to(jnp.int32(target), (b, h))
+    if threshold is not None:  # the window plus the held tokens before it whose mean vote passes the threshold
+        w = inner.observation_window()
+        scores = inner.rescorer().finish(votes, count.reshape(b * h) - w).reshape(b, h, s)
+        queries = jnp.maximum(jnp.sum(q_pos >= 0, axis=-1), 1).astype(jnp.float32)  # [B]
+        before = jnp.arange(s) < (count - w)[..., None]
+        passing = jnp.sum(before & (scores >= threshold * queries[:, None, None]), axis=-1)
+        budgets = jnp.minimum(budgets, w + passing.astype(jnp.int32))
+    budgets = jnp.where(need[:, None], budgets, s + 1).astype(jnp.int32).reshape(b * h)
     idx, ok = inner.reselect(votes, count.reshape(b * h), budgets, target)  # [B*H, 1, target]
     idx, ok = idx.reshape(b, h, target), ok.reshape(b, h, target)
     slot = jnp.take_along_axis(order, jnp.clip(idx, 0, s - 1), axis=-1)  # [B, H, target]

@@ -8,6 +8,11 @@ SnapKV/ChunkKV references beside it: the held tokens in position order are the s
 are the window (kept), the ring's queries vote over the held keys they may see (position ``<= `` the query's), SnapKV
 pools the votes of the rest and keeps the best ``D - w``; ChunkKV sums them over chunks of ``c`` consecutive held
 tokens and keeps the best ``(D - w) // c`` chunks whole (the one cut by the window kept up to it).
+
+With a threshold ``tau`` (as kvpress's ``DMSPress`` states it: evict the tokens whose score is below ``tau``, the
+window protected), a re-compression's budget is the window plus the tokens before it whose score divided by the
+ring's queries (SnapKV: pooled, kvpress's ``SnapKVPress`` score) is at least ``tau``, at most ``D``; the prompt is
+re-compressed at prefill and every ``every`` steps a sequence holding more than ``w`` tokens.
 """
 
 from __future__ import annotations
@@ -63,7 +68,16 @@ def chunkkv_reselect(votes, target: int, window: int, chunk: int) -> list[int]:
     return toks + list(range(limit, n))
 
 
-def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, every: int):
+def passing(kind, opts, votes, queries: int, window: int, threshold: float) -> int:
+    """How many held tokens before the window score at least ``threshold`` (mean vote over ``queries``)."""
+    prefix = max(0, len(votes) - window)
+    scores = np.asarray(votes[:prefix], np.float64)
+    if kind == "snapkv":
+        scores = ref.pool1d(scores, opts["kernel"], opts["pool"])
+    return int(np.sum(scores / max(queries, 1) >= threshold))
+
+
+def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, every: int, threshold=None):
     """Held positions per step of a batch under the decode budget: ``[step][b][h] -> list of positions`` (step 0:
     after prefill). ``kind``: "snapkv" (opts: budget tokens ``P``, window, kernel, pool) or "chunkkv" (opts: ``P``,
     window, chunk). q_pre ``[B, Hq, T, D]``, k_pre ``[B, Hkv, T, D]``, lengths ``[B]``; q_steps ``[S, B, Hq, D]``,
@@ -71,7 +85,8 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
 
     The fill count ``length`` (most slots any head of the sequence holds, gaps included) decides a re-compression
     as it does in kvjax: every ``every`` steps, when some sequence's fill exceeds ``target``; then every sequence is
-    re-selected (one that does not need it keeps all it holds) and its fill becomes its most held."""
+    re-selected (one that does not need it keeps all it holds) and its fill becomes its most held. ``threshold``:
+    the module docstring's rule."""
     b, hq, t, d = q_pre.shape
     hkv = k_pre.shape[1]
     g = hq // hkv
@@ -92,22 +107,27 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
         fill.append(max(len(x) for x in kept))
     history = []
 
+    floor = target if threshold is None else w  # a head holding more than this is re-selected
+
     def reselect(i, need):
         for h in range(hkv):
             pos = held[i][h]
-            if need and len(pos) > target:
+            if need and len(pos) > floor:
                 kk = np.stack([keys[i][h][p] for p in pos])
                 qv = [x[h * g : (h + 1) * g] for _, x in ring[i]]
                 v = ring_votes(pos, kk, [p for p, _ in ring[i]], qv, d)
+                budget = target
+                if threshold is not None:
+                    budget = min(target, w + passing(kind, opts, v, len(ring[i]), w, threshold))
                 if kind == "snapkv":
-                    keep = snapkv_reselect(v, target, w, opts["kernel"], opts["pool"])
+                    keep = snapkv_reselect(v, budget, w, opts["kernel"], opts["pool"])
                 else:
-                    keep = chunkkv_reselect(v, target, w, opts["chunk"])
+                    keep = chunkkv_reselect(v, budget, w, opts["chunk"])
                 held[i][h] = [pos[j] for j in keep]
         fill[i] = max(len(x) for x in held[i])
 
     for i in range(b):  # prefill: a kept prompt above the target is re-compressed at once
-        if max(len(x) for x in held[i]) > target:
+        if max(len(x) for x in held[i]) > floor:
             reselect(i, True)
     history.append([[list(x) for x in held[i]] for i in range(b)])
     for s in range(len(q_steps)):
@@ -118,7 +138,7 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
                 held[i][h].append(p)
             fill[i] += 1
             ring[i] = (ring[i] + [(p, np.asarray(q_steps[s, i], np.float64))])[-w:]
-        need = [((s + 1) % every == 0) and fill[i] > target for i in range(b)]
+        need = [((s + 1) % every == 0) and fill[i] > floor for i in range(b)]
         if any(need):
             for i in range(b):
                 reselect(i, need[i])

@@ -86,9 +86,39 @@ def test_recompression_matches_reference(tiny, kind, opts, ref_opts, target, eve
     """One layer's prefill and 23 decode steps from random q, k, v (GQA 2): the held positions of every sequence and
     KV head after each step are the reference's, in order. Cases 1 and 3 keep prompts that fit the budget (the first
     re-compression at a decode step); 2 and 4 re-compress the kept prompt at prefill."""
+    run_against_reference(tiny, kind, opts, ref_opts, target, every, lengths, bucket)
+
+
+THRESHOLD_CASES = [
+    # case, threshold: the mean window vote a token needs, set where some re-compressions keep fewer than the target
+    (CASES[0], 0.06),
+    (CASES[1], 0.08),
+    (CASES[2], 0.05),
+    (CASES[3], 0.07),
+]
+
+
+@pytest.mark.parametrize("case,threshold", THRESHOLD_CASES)
+def test_threshold_recompression_matches_reference(tiny, case, threshold):
+    """``threshold=tau``: the held positions after prefill and every step are the reference's (each re-compression
+    keeps the window plus the tokens whose mean window vote passes ``tau``, at most the target), and the threshold
+    bites: some sequence holds fewer tokens than the same budget without it."""
+    history = run_against_reference(tiny, *case, threshold=threshold)
+    plain = run_against_reference(tiny, *case)
+    fewer = [
+        len(a) < len(b) for step, base in zip(history, plain) for sa, sb in zip(step, base) for a, b in zip(sa, sb)
+    ]
+    assert any(fewer) and all(
+        len(a) <= len(b) for st, bs in zip(history, plain) for x, y in zip(st, bs) for a, b in zip(x, y)
+    )
+
+
+def run_against_reference(tiny, kind, opts, ref_opts, target, every, lengths, bucket, threshold=None):
+    """Prefill and 23 steps of one layer under ``decode_budget=target`` against ``ref_bounded.simulate``; returns the
+    held positions per step (``[step][b][h]``)."""
     cfg = tiny.config
     steps = 23
-    m = methods.get(kind, decode_budget=target, every=every, **opts)
+    m = methods.get(kind, decode_budget=target, every=every, threshold=threshold, **opts)
     b, hq, hkv, d = len(lengths), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rng = np.random.RandomState(7)
     q = rng.randn(b, hq, bucket, d).astype(np.float32)
@@ -96,7 +126,7 @@ def test_recompression_matches_reference(tiny, kind, opts, ref_opts, target, eve
     qs = rng.randn(steps, b, hq, d).astype(np.float32)
     ks = rng.randn(steps, b, hkv, d).astype(np.float32)
     lens = np.asarray(lengths, np.int32)
-    want = refb.simulate(kind, ref_opts, q, k, lens, qs, ks, target, every)
+    want = refb.simulate(kind, ref_opts, q, k, lens, qs, ks, target, every, threshold=threshold)
 
     st = m.init(cfg, b, Capacity(bucket, steps), 0, jnp.float32)
     assert st.cache.k.shape[2] == target + every
@@ -108,15 +138,25 @@ def test_recompression_matches_reference(tiny, kind, opts, ref_opts, target, eve
         pos = np.asarray(st.cache.pos)
         return [[[int(p) for p in pos[i, h] if p >= 0] for h in range(hkv)] for i in range(b)]
 
-    assert held(st) == want[0]
+    got = [held(st)]
+    assert got[0] == want[0]
     for s in range(steps):
         _, st = decode(st, jnp.asarray(qs[s]), jnp.asarray(ks[s]), jnp.asarray(lens + s))
-        assert held(st) == want[s + 1], f"step {s + 1}"
+        got.append(held(st))
+        assert got[-1] == want[s + 1], f"step {s + 1}"
+        ring_pos, ring_q = np.asarray(st.q_pos), np.asarray(st.q_obs)
+        for i, n in enumerate(lengths):  # the ring: exactly the last window queries, each at its position's slot
+            last = range(n + s + 1 - ring_q.shape[2], n + s + 1)
+            assert sorted(ring_pos[i]) == list(last), (s, i, ring_pos[i])
+            for j, p in enumerate(ring_pos[i]):
+                want_q = qs[p - n, i] if p >= n else q[i, :, p]
+                np.testing.assert_array_equal(ring_q[i, :, j], want_q)
         for i, n in enumerate(lengths):
             counts = [len(x) for x in want[s + 1][i]]
             assert max(counts) <= m.held(n, s + 1) <= target + every
             if m.holds_exactly:
                 assert counts == [m.held(n, s + 1)] * hkv
+    return got
 
 
 # ---- the engine: exactness, the contract, flat memory ------------------------------------------------------------
@@ -145,6 +185,24 @@ def test_a_budget_the_generation_fits_gives_the_unbounded_tokens(tiny, name, opt
     got = engine.generate(tiny, ps, bounded, max_new_tokens=new, driver="scan", stop_at_eos=False)
     assert got.tokens == unbounded.tokens
     assert [s["tokens_held"] for s in got.stats] == [s["tokens_held"] for s in unbounded.stats]
+
+
+def test_threshold_zero_is_no_threshold_and_a_threshold_holds_less(tiny):
+    """Through the engine, under a binding decode budget (16, every 8; prompts of 40, 23, 33 and 40 new tokens):
+    ``threshold=0`` (every token passes) gives exactly the tokens and held counts of no threshold; ``threshold=0.05``
+    holds at most as many tokens at every step, fewer at some, within the contract's bound."""
+    ps, new = prompts([40, 23, 33]), 40
+    opts = dict(budget=0.5, window=4, decode_budget=16, every=8)
+    plain = engine.generate(tiny, ps, methods.get("snapkv", **opts), max_new_tokens=new, stop_at_eos=False)
+    zero = engine.generate(
+        tiny, ps, methods.get("snapkv", threshold=0.0, **opts), max_new_tokens=new, stop_at_eos=False
+    )
+    assert zero.tokens == plain.tokens
+    assert [s["tokens_held"] for s in zero.stats] == [s["tokens_held"] for s in plain.stats]
+    m = methods.get("snapkv", threshold=0.05, **opts)
+    some = engine.generate(tiny, ps, m, max_new_tokens=new, stop_at_eos=False)
+    held = [(a["tokens_held"], b["tokens_held"]) for a, b in zip(some.stats, plain.stats)]
+    assert all(a <= b for a, b in held) and any(a < b for a, b in held), held
 
 
 @pytest.mark.parametrize("name", ["snapkv", "chunkkv", "pyramidkv"])
@@ -280,6 +338,11 @@ def test_bad_compositions():
         methods.get("snapkv", decode_budget=64, every=0)
     with pytest.raises(ValueError, match="decode_budget"):
         methods.get("snapkv", decode_budget=64.0)
+    with pytest.raises(ValueError, match="threshold=None needs|threshold=0.1 needs"):
+        methods.get("snapkv", threshold=0.1)
+    for bad in (-0.1, float("nan"), float("inf"), True, "0.1"):
+        with pytest.raises(ValueError, match="threshold"):
+            methods.get("snapkv", decode_budget=64, threshold=bad)
     m = methods.get("chunkkv", budget=0.5, window=4, chunk_size=2, reuse=2, decode_budget=10)
     cfg = ModelConfig("llama", 64, 64, 96, 2, 4, 2, 16, max_position_embeddings=1024)
     with pytest.raises(ValueError, match="reuse"):
