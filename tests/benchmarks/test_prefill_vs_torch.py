@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_smoke(tmp_path):
     from kvjax import assets
 

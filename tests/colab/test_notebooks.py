@@ -52,7 +52,15 @@ def test_notebook_is_stored_clean(path):
     assert "colab.research.google.com" in nb.cells[0].source, f"{path.name}: the first cell needs the Colab badge"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+#: the longest two (2.5 and 2 min) run in CI's second line (.ci/run), not the default run (docs/testing.md)
+EXTENDED_NOTEBOOKS = ("02_compare_methods", "03_train_less")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.extended if p.stem in EXTENDED_NOTEBOOKS else ()) for p in NOTEBOOKS],
+    ids=lambda p: p.stem,
+)
 def test_notebook_runs_small_on_cpu(path, tmp_path):
     nbclient = pytest.importorskip("nbclient")
     nb = _read(path)

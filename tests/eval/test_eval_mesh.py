@@ -60,6 +60,7 @@ def _main(path, out, *extra):
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_main_with_mesh_equals_one_device(tiny_path, tmp_path, monkeypatch):
     one = _main(tiny_path, tmp_path / "one")
     seen = []  # (mesh, state leaf sharding spec) of every prefill the perplexity task runs

@@ -61,6 +61,7 @@ def test_bytes_held_along_a_long_continuation(tiny):
         runner.LongGenTask(continuations=(64, 32))
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_the_command_line_on_the_embedded_model(tmp_path):
     """A CPU-sized run of the subcommand: full, and SnapKV with a decode budget (``--option``), perplexity and bytes
     held at the end beside it in results.json."""

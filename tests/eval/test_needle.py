@@ -39,6 +39,7 @@ def test_needle_full_short(smol):
     assert [r["score"] for r in rows] == [1.0, 1.0], [r["answer"] for r in rows]
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_needle_full_1k_scores_100(smol):
     rows = _run_full(smol, [1024], [0.0, 0.5, 1.0])
     assert all(r["score"] == 1.0 for r in rows), [(r["depth"], r["key"], r["answer"]) for r in rows]
@@ -58,6 +59,7 @@ def test_ruler_examples(smol):
         ruler.build(smol, ["nope"], [400], 1)
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_ruler_questions_share_one_context(smol):
     """``questions=3``: one multikey context, three questions on distinct needles; the context compressed once
     (kvjax.questions) gives the answers of compressing it for each question (harness.answer_after_context)."""

@@ -107,7 +107,9 @@ def test_chunked_training_loss_and_gradient_equal_unchunked(setup):
     (a, ga), (b, gb) = loss(TC)(kp), loss(TrainConfig(**{**TC.__dict__, "query_chunk": None}))(kp)
     np.testing.assert_allclose(a, b, rtol=1e-5)
     for name in gb:
-        np.testing.assert_allclose(ga[name], gb[name], rtol=1e-4, atol=1e-9)
+        # atol: float32 rounding of the gradient's largest terms (a reduction order changed by the chunking or by
+        # XLA's code generation moves an entry near 0 by ~1e-9, measured)
+        np.testing.assert_allclose(ga[name], gb[name], rtol=1e-4, atol=1e-6 * float(np.abs(gb[name]).max()))
 
 
 # -- the paper's parallel H2O mask --------------------------------------------------------------------------------
