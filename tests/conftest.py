@@ -21,7 +21,7 @@ tests build the same tiny models and methods in many modules, both xdist workers
 subprocesses, and each module drops its compiled programs (``_free_compiled_programs``), so without the cache the
 same program is compiled again and again. Set in the environment, so subprocesses share it. The cache is keyed by
 the program and the jax/XLA versions, so a changed program always compiles anew; docs/testing.md gives the suite's
-time with an empty cache (a clean CI machine) and a warm one.
+time with an empty cache, as on a clean CI machine.
 """
 
 import os
@@ -72,12 +72,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
     runslow = config.getoption("--runslow") or os.environ.get("KVJAX_SLOW") == "1"
     extended = runslow or config.getoption("--extended") or os.environ.get("KVJAX_EXTENDED") == "1"
-    for marker, run, how in (("slow", runslow, "--runslow or KVJAX_SLOW=1"), ("extended", extended, "--extended")):
+    for marker, run, how in (
+        ("slow", runslow, "--runslow or KVJAX_SLOW=1"),
+        ("extended", extended, "--extended or KVJAX_EXTENDED=1 (.ci/run does)"),
+    ):
         if run:
             continue
-        skip = pytest.mark.skip(
-            reason=f"{marker}: run with {how} (.ci/run does)" if marker == "extended" else f"{marker}: run with {how}"
-        )
+        skip = pytest.mark.skip(reason=f"{marker}: run with {how}")
         for item in items:
             if item.get_closest_marker(marker):
                 item.add_marker(skip)

@@ -105,12 +105,8 @@ def test_threshold_recompression_matches_reference(tiny, case, threshold):
     bites: some sequence holds fewer tokens than the same budget without it."""
     history = run_against_reference(tiny, *case, threshold=threshold)
     plain = run_against_reference(tiny, *case)
-    fewer = [
-        len(a) < len(b) for step, base in zip(history, plain) for sa, sb in zip(step, base) for a, b in zip(sa, sb)
-    ]
-    assert any(fewer) and all(
-        len(a) <= len(b) for st, bs in zip(history, plain) for x, y in zip(st, bs) for a, b in zip(x, y)
-    )
+    counts = [(len(a), len(b)) for st, bs in zip(history, plain) for x, y in zip(st, bs) for a, b in zip(x, y)]
+    assert any(a < b for a, b in counts) and all(a <= b for a, b in counts)
 
 
 def run_against_reference(tiny, kind, opts, ref_opts, target, every, lengths, bucket, threshold=None):
@@ -190,7 +186,7 @@ def test_a_budget_the_generation_fits_gives_the_unbounded_tokens(tiny, name, opt
 def test_threshold_zero_is_no_threshold_and_a_threshold_holds_less(tiny):
     """Through the engine, under a binding decode budget (16, every 8; prompts of 40, 23, 33 and 40 new tokens):
     ``threshold=0`` (every token passes) gives exactly the tokens and held counts of no threshold; ``threshold=0.05``
-    holds at most as many tokens at every step, fewer at some, within the contract's bound."""
+    holds at most as many tokens at every step, fewer at some."""
     ps, new = prompts([40, 23, 33]), 40
     opts = dict(budget=0.5, window=4, decode_budget=16, every=8)
     plain = engine.generate(tiny, ps, methods.get("snapkv", **opts), max_new_tokens=new, stop_at_eos=False)
@@ -338,7 +334,7 @@ def test_bad_compositions():
         methods.get("snapkv", decode_budget=64, every=0)
     with pytest.raises(ValueError, match="decode_budget"):
         methods.get("snapkv", decode_budget=64.0)
-    with pytest.raises(ValueError, match="threshold=None needs|threshold=0.1 needs"):
+    with pytest.raises(ValueError, match="threshold=0.1 needs decode_budget"):
         methods.get("snapkv", threshold=0.1)
     for bad in (-0.1, float("nan"), float("inf"), True, "0.1"):
         with pytest.raises(ValueError, match="threshold"):
