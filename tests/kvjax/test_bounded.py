@@ -310,10 +310,11 @@ def test_scanned_layers_give_the_unrolled_tokens(tiny):
     assert a.tokens == b.tokens and [s["held_bytes"] for s in a.stats] == [s["held_bytes"] for s in b.stats]
 
 
-def test_the_bucket_is_a_shape_not_a_semantic(tiny):
+@pytest.mark.parametrize("threshold", [None, 0.1])
+def test_the_bucket_is_a_shape_not_a_semantic(tiny, threshold):
     """The same prompts in buckets 64 and 256 (prefill re-compression at 256 only: its kept-prompt slots exceed the
-    budget) give the same tokens and hold the same bytes."""
-    m = methods.get("snapkv", budget=0.5, window=4, decode_budget=24, every=8)
+    budget) give the same tokens and hold the same bytes, with and without a threshold."""
+    m = methods.get("snapkv", budget=0.5, window=4, decode_budget=24, every=8, threshold=threshold)
     ps = prompts([40, 23])
     a = engine.generate(tiny, ps, m, max_new_tokens=30, driver="scan", stop_at_eos=False, prompt_len=64)
     b = engine.generate(tiny, ps, m, max_new_tokens=30, driver="scan", stop_at_eos=False, prompt_len=256)
