@@ -351,14 +351,48 @@ def run_loop(loop: DecodeLoop, driver: str, params, states, first, lengths, key)
     return carry.out, carry.step, carry.states
 
 
+class _MeshByKeyword:
+    """A jitted function of six arguments and ``mesh``, always called with ``mesh`` by keyword. jit keys its compiled
+    programs on how the arguments are passed, so ``prefill(..., states)`` and ``prefill(..., states, mesh=None)``
+    (what :func:`generate` passes) compiled the same program twice: a user's loop beside ``generate`` paid each
+    compilation twice (without a persistent compilation cache). ``lower`` and ``trace`` as jit's; the rest of jit's
+    attributes pass through."""
+
+    def __init__(self, jitted):
+        self._jitted = jitted
+        functools.update_wrapper(self, jitted)
+
+    @staticmethod
+    def _split(args, mesh):
+        if len(args) == 7:  # mesh given as the seventh positional argument
+            args, mesh = args[:6], args[6]
+        return args, mesh
+
+    def __call__(self, *args, mesh=None):
+        args, mesh = self._split(args, mesh)
+        return self._jitted(*args, mesh=mesh)
+
+    def lower(self, *args, mesh=None):
+        args, mesh = self._split(args, mesh)
+        return self._jitted.lower(*args, mesh=mesh)
+
+    def trace(self, *args, mesh=None):
+        args, mesh = self._split(args, mesh)
+        return self._jitted.trace(*args, mesh=mesh)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
 _prefill_jit = jax.jit(_prefill, static_argnums=(0, 1), static_argnames=("mesh",), donate_argnums=(5,))
 _step_jit = jax.jit(_decode_step, static_argnums=(0, 1), static_argnames=("mesh",), donate_argnums=(3,))
 #: Public, jitted building blocks for users' own loops (states are donated):
 #: ``prefill(cfg, method, params, tokens [B,T], lengths [B], states, mesh=None) -> (states, logits [B,V])`` and
 #: ``decode_step(cfg, method, params, states, token [B], pos [B], mesh=None) -> (logits [B,V], states)``.
-#: With a mesh, pass sharded params (:func:`kvjax.shard`) and states (``init_states(..., mesh=mesh)``).
-prefill = _prefill_jit
-decode_step = _step_jit
+#: With a mesh, pass sharded params (:func:`kvjax.shard`) and states (``init_states(..., mesh=mesh)``). Each
+#: shares its compiled programs with :func:`generate` (``driver="python"`` for ``decode_step``).
+prefill = _MeshByKeyword(_prefill_jit)
+decode_step = _MeshByKeyword(_step_jit)
 
 
 def release_compiled() -> None:

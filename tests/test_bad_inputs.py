@@ -25,10 +25,12 @@ from typing import Callable
 
 if __name__ == "__main__":  # the same environment as the tests (tests/conftest.py): CPU, 8 host devices
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # not tests/, whose kvjax/ folder would shadow kvjax
+    sys.path.append(str(Path(__file__).resolve().parent))  # after the root: tests/extended.py
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import pytest
+from extended import methods_params
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
@@ -592,7 +594,7 @@ def test_pure_functions_check_their_inputs(name, case, shown, match):
         pure_call(name, case)
 
 
-@pytest.mark.parametrize("name", sorted(__import__("kvjax.methods").methods.REGISTRY))
+@pytest.mark.parametrize("name", methods_params(sorted(__import__("kvjax.methods").methods.REGISTRY)))
 def test_lengths_and_pos_as_lists(name):
     """``lengths`` and ``pos`` given as Python lists (and ``pos`` as numpy) give the states and outputs jnp arrays
     give."""

@@ -35,7 +35,13 @@ import embedded  # noqa: E402
 from kvjax import methods  # noqa: E402
 
 MARGIN, ATOL, SPREAD_X = 0.05, 2e-2, 2.0
-DEFAULT_CPU = methods.cover("recalls", "recompresses")  # full, Chelsea, PQCache; every method with --runslow
+DEFAULT_CPU = methods.cover("recalls", any_true=True)  # PQCache; every method with --runslow
+#: CI's second line (tests/extended.py): full's outputs are checked against transformers, Chelsea's against NumPy
+EXTENDED_CPU = ("full", *methods.cover("recompresses", any_true=True))
+
+
+def _golden_marks(name: str):
+    return () if name in DEFAULT_CPU else pytest.mark.extended if name in EXTENDED_CPU else pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +77,7 @@ def test_golden_covers_every_method(golden):
         assert len(set(np.ravel(r["tokens"]).tolist())) > 5, name  # the tokens depend on the input
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n in DEFAULT_CPU else pytest.mark.slow) for n in methods.names()]
-)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_golden_marks(n)) for n in methods.names()])
 def test_cpu_run_unchanged_since_the_golden_was_written(golden, name):
     """A change detector, not a check of correctness: the golden file is this CPU run's own output, so this fails
     when a change moves the CPU tokens or logits (then regenerate with ``embedded.py --write`` if the change is

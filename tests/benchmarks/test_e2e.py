@@ -23,6 +23,7 @@ def e2e():
 SMALL = ["--model", "tiny", "--new-tokens", "2", "--budgets", "0.5", "--token-budgets", "", "--dtype", "float32"]
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); test_compile_only in the default run (docs/testing.md)
 def test_run_fields_and_ratios(e2e, tmp_path):
     out = tmp_path / "e2e.json"
     assert (
@@ -126,6 +127,7 @@ def test_contexts_and_variants(e2e):
     assert labels == ["full", "chunkkv@0.1", "chunkkv_reuse@0.1", "quest@0.1", "quest@1024", "snapkv@0.1"]
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); test_compile_only in the default run (docs/testing.md)
 def test_scanned_run(e2e, tmp_path):
     out = tmp_path / "scan.json"
     assert (

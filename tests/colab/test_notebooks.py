@@ -52,8 +52,9 @@ def test_notebook_is_stored_clean(path):
     assert "colab.research.google.com" in nb.cells[0].source, f"{path.name}: the first cell needs the Colab badge"
 
 
-#: the longest two (2.5 and 2 min) run in CI's second line (.ci/run), not the default run (docs/testing.md)
-EXTENDED_NOTEBOOKS = ("02_compare_methods", "03_train_less")
+#: the longest (2.5, 2 and 0.7 min) run in CI's second line (.ci/run), not the default run (docs/testing.md); 04's
+#: kernels are checked against their references in tests/kernels_pallas
+EXTENDED_NOTEBOOKS = ("02_compare_methods", "03_train_less", "04_kernels")
 
 
 @pytest.mark.parametrize(

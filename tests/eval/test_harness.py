@@ -215,6 +215,7 @@ def test_shared_prefill_is_made_once_and_kept_within_its_limit(tiny):
     assert runner.Shared(tiny, limit=pre.q.nbytes).get(task, prepared, 0, batch) is None  # over the limit: none
 
 
+@pytest.mark.extended  # CI's second line (.ci/run), whose main job runs the second pass too (docs/testing.md)
 def test_second_pass_at_the_references_bytes_held(tiny):
     """``also_equal_bytes``: each other compressed method reruns at the budget whose bytes held at the end match
     the reference's (measured from the states); a budget that keeps the nominal token counts reuses the nominal

@@ -26,6 +26,7 @@ from kvjax import engine, methods
 from kvjax import model as M
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
+from extended import params
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -163,8 +164,9 @@ def run_against_reference(tiny, kind, opts, ref_opts, target, every, lengths, bu
     [
         ("snapkv", dict(budget=0.5, window=4)),
         ("chunkkv", dict(budget=0.5, window=4, chunk_size=3)),
-        ("chunkkv", dict(budget=0.5, window=4, chunk_size=3, reuse=2)),  # index reuse through the composed state
-        ("pyramidkv", dict(budget=0.5, window=4)),
+        # index reuse through the composed state, and PyramidKV: in CI's second line (tests/extended.py)
+        pytest.param("chunkkv", dict(budget=0.5, window=4, chunk_size=3, reuse=2), marks=pytest.mark.extended),
+        pytest.param("pyramidkv", dict(budget=0.5, window=4), marks=pytest.mark.extended),
     ],
 )
 def test_a_budget_the_generation_fits_gives_the_unbounded_tokens(tiny, name, opts):
@@ -201,7 +203,7 @@ def test_threshold_zero_is_no_threshold_and_a_threshold_holds_less(tiny):
     assert all(a <= b for a, b in held) and any(a < b for a, b in held), held
 
 
-@pytest.mark.parametrize("name", ["snapkv", "chunkkv", "pyramidkv"])
+@pytest.mark.parametrize("name", params(["snapkv", "chunkkv", "pyramidkv"], {"snapkv"}))
 def test_held_bytes_are_flat_over_a_long_generation(tiny, name):
     """240 decode steps under a decode budget of 16 (every 8) on prompts of 40 and 23 tokens: after every step the
     tokens held are ``held(n, s)`` (at most, for ChunkKV) per layer, never above ``D_l + 8``; the held bytes read at

@@ -28,6 +28,7 @@ from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity, LayerContext, SlotCache
 from kvjax.model import random_params
+from extended import methods_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_baselines as ref  # noqa: E402
@@ -195,7 +196,7 @@ def _kept(states):
     return out
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", methods_params())  # REPRESENTATIVES by default, every method in CI (extended)
 @pytest.mark.parametrize("budget", [0.25, pytest.param(0.5, marks=pytest.mark.slow)])  # 0.5: KVJAX_SLOW=1
 def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budget):
     ids = _prompts((5, 30, 57))
@@ -223,7 +224,7 @@ def test_same_prompts_in_any_bucket_keep_and_generate_the_same(tiny, name, budge
         assert other[4] == runs[0][4], f"held bytes differ at bucket {bucket}"
 
 
-@pytest.mark.parametrize("name", [n for n in methods.names() if methods.get(n).recalls])
+@pytest.mark.parametrize("name", methods_params(n for n in methods.names() if methods.get(n).recalls))
 def test_recall_methods_hold_the_same_bytes_in_any_bucket(tiny, name):
     """A 177-token prompt in buckets 256 and 1024: the recall methods' index (Quest's page bounds, PQCache's codes,
     ClusterKV's centroids) is allocated for the bucket but counted for what the sequence holds
@@ -254,7 +255,7 @@ def _check_expected_held_bytes(cfg, m, capacity: Capacity, lengths: list[int], s
             assert st["held_bytes"] == w, (capacity, n, st["held_bytes"], w)
 
 
-@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("name", methods_params())
 def test_short_prompts_work_within_the_contract(tiny, name):
     ids = _prompts((1, 5, 30), seed=3)
     for budget in (0.1, 0.5, 1.0):  # 0.25: the bucket-invariance test above checks the same bounds

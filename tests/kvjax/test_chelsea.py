@@ -691,6 +691,11 @@ def test_tokens_held_and_bytes_read(tiny):
     _, b_tok, calls = _run_and_check(tiny, method, ps, 128, 16)
     np.testing.assert_array_equal(b_tok, [(n + 16) // 4 for n in (40, 70, 120)])
     assert np.all(calls >= 3)
+
+
+@pytest.mark.extended  # CI's second line (.ci/run); test_outlier_heads_keep_full_cache in the default run
+def test_tokens_held_and_bytes_read_with_an_outlier_head(tiny):
+    ps = prompts([40, 70, 120], seed=2)
     one = methods.get("chelsea", budget=0.25, outlier_heads=((0, 1),), reallocate=False, **SMALL)
     states, _, _ = _run_and_check(tiny, one, ps, 128, 12, outliers=True)
     s0 = states[0]  # layer 0: one compressed + one outlier head; tokens_held is their mean

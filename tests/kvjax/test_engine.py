@@ -146,6 +146,33 @@ def test_compiles_once_per_bucket(tiny):
     assert engine.TRACE_COUNTS["prefill"] == before["prefill"] + 1
 
 
+def test_own_loop_shares_generates_compiled_programs(tiny):
+    """``engine.prefill`` / ``decode_step`` called without ``mesh`` (a user's loop), with ``mesh=None`` (what
+    ``generate`` passes) or with it positional share one compiled program each (jit keys on how arguments are
+    passed: each compiled twice before), and the loop gives ``generate``'s tokens."""
+    model, _ = tiny
+    cfg, method = model.config, methods.get("snapkv", budget=0.5)
+    ids = prompts(2, [21, 9], seed=6)
+    tokens, lengths = (jnp.asarray(a) for a in engine.pad_prompts(ids, 32))
+    before = dict(engine.TRACE_COUNTS)
+    states = engine.init_states(cfg, method, 2, Capacity(32, 4), jnp.float32)
+    states, logits = engine.prefill(cfg, method, model.params, tokens, lengths, states)
+    out, pos = [], lengths
+    for _ in range(3):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out.append(np.asarray(token))
+        logits, states = engine.decode_step(cfg, method, model.params, states, token, pos)
+        pos = pos + 1
+    out.append(np.asarray(jnp.argmax(logits, axis=-1)))
+    traced = {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode_step")}
+    assert traced == {"prefill": 1, "decode_step": 1}
+    res = engine.generate(model, ids, method, max_new_tokens=4, driver="python", stop_at_eos=False, prompt_len=32)
+    states = engine.init_states(cfg, method, 2, Capacity(32, 4), jnp.float32)
+    engine.prefill(cfg, method, model.params, tokens, lengths, states, None)  # mesh positional
+    assert {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode_step")} == traced
+    assert res.tokens == np.stack(out, axis=1).tolist()
+
+
 def test_loop_updates_cache_in_place(tiny):
     """The compiled while body must not copy a whole per-layer cache buffer (docs/architecture.md#one-decode-loop)."""
     model, _ = tiny

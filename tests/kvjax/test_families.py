@@ -10,6 +10,7 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
+from extended import REPRESENTATIVES
 from kvjax.model import forward
 
 torch = pytest.importorskip("torch")
@@ -193,21 +194,27 @@ def covering(name: str, total: int):
     return methods.small(name, **({"budget": total} if methods.takes_budget(name) else {}))
 
 
-#: YaRN and Qwen3's windows are the model's (before the cache): every method on them in CI's second line only; the
-#: default run covers every method on Gemma 3's hybrid layers and gpt-oss's sinks, which the methods handle
-EXTENDED_CASES = ("qwen3-yarn", "qwen3-window")
+#: YaRN, Qwen3's windows and Gemma 3's QK-norm are the model's (before the cache): every method on them in CI's second
+#: line only. The default run covers gpt-oss's local layers and sinks, which the methods handle, with the
+#: representative methods (tests/extended.py); the other methods on it in CI's second line.
+EXTENDED_CASES = ("qwen3-yarn", "qwen3-window", "gemma3")
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.extended if c in EXTENDED_CASES else ()) for c in ENGINE_CASES]
-)
-def test_every_method_runs_and_a_covering_budget_gives_full(case, built):
+def _engine_cases():
+    for case in ENGINE_CASES:
+        for which in ("representatives", "others"):
+            ext = case in EXTENDED_CASES or which == "others"
+            yield pytest.param(case, which, marks=pytest.mark.extended if ext else (), id=f"{case}-{which}")
+
+
+@pytest.mark.parametrize("case,which", list(_engine_cases()))
+def test_every_method_runs_and_a_covering_budget_gives_full(case, which, built):
     model, _, _ = built(case, ENGINE_CASES[case])
     rng = np.random.RandomState(3)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (30, 17)]
     full = engine.generate(model, ps, "full", max_new_tokens=6, driver="scan", stop_at_eos=False)
     failed = {}
-    for name in methods.names():
+    for name in [n for n in methods.names() if (n in REPRESENTATIVES) == (which == "representatives")]:
         got = engine.generate(model, ps, covering(name, 64), max_new_tokens=6, driver="scan", stop_at_eos=False)
         if got.tokens != full.tokens:
             failed[name] = got.tokens
@@ -466,11 +473,15 @@ def test_gpt_oss_every_method_compresses(built):
 
 
 @pytest.mark.parametrize(
-    "arch,options",
+    "arch,options",  # Gemma 3 by default (a hybrid layer plan); Qwen3 and gpt-oss in CI's second line
     [
-        ("Qwen3ForCausalLM", dict(head_dim=16)),
+        pytest.param("Qwen3ForCausalLM", dict(head_dim=16), marks=pytest.mark.extended),
         ("Gemma3ForCausalLM", dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
-        ("GptOssForCausalLM", dict(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2)),
+        pytest.param(
+            "GptOssForCausalLM",
+            dict(head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+            marks=pytest.mark.extended,
+        ),
     ],
 )
 def test_kvjax_generate_runs_on_each_family(arch, options, tmp_path, capsys):

@@ -96,19 +96,24 @@ def test_scanned_equals_unrolled_and_the_plan_splits_at_the_full_layers(tiny, na
     np.testing.assert_allclose(logits_u, logits_s, atol=1e-5)
 
 
-def test_recall_methods_n_full_is_the_same_plan(tiny):
+@pytest.mark.parametrize(
+    "name,opts",  # ClusterKV in CI's second line (tests/extended.py)
+    [
+        ("quest", dict(page_size=4)),
+        pytest.param(
+            "clusterkv", dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1), marks=pytest.mark.extended
+        ),
+    ],
+)
+def test_recall_methods_n_full_is_the_same_plan(tiny, name, opts):
     """ClusterKV's and Quest's ``n_full`` answer ``at`` as ``FullFirst`` does: the same tokens through ``generate``."""
     ids = prompts()
-    for name, opts in (
-        ("quest", dict(page_size=4)),
-        ("clusterkv", dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1)),
-    ):
-        own = methods.get(name, budget=0.3, n_full=2, **opts)
-        composed = methods.get(name, budget=0.3, n_full=0, full_layers=2, **opts)
-        a = kvjax.generate(tiny, ids, own, max_new_tokens=5, driver="scan", stop_at_eos=False)
-        b = kvjax.generate(tiny, ids, composed, max_new_tokens=5, driver="scan", stop_at_eos=False)
-        assert a.tokens == b.tokens, name
-        assert [s["tokens_held"] for s in a.stats] == [s["tokens_held"] for s in b.stats]
+    own = methods.get(name, budget=0.3, n_full=2, **opts)
+    composed = methods.get(name, budget=0.3, n_full=0, full_layers=2, **opts)
+    a = kvjax.generate(tiny, ids, own, max_new_tokens=5, driver="scan", stop_at_eos=False)
+    b = kvjax.generate(tiny, ids, composed, max_new_tokens=5, driver="scan", stop_at_eos=False)
+    assert a.tokens == b.tokens, name
+    assert [s["tokens_held"] for s in a.stats] == [s["tokens_held"] for s in b.stats]
 
 
 def test_misuse_says_how_to_fix_it(tiny):

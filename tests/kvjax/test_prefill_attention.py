@@ -59,9 +59,18 @@ def check(out, q, k, v, n, window, dtype):
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=TOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("window", [None, WINDOW])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def _splash_cases():
+    """Every (heads, window, dtype); bfloat16 at Llama 3.1 8B's heads (31 s in interpret mode) in CI's second line
+    (tests/extended.py): SmolLM2's heads check bfloat16's tolerance by default."""
+    for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+        for window in (None, WINDOW):
+            for heads in HEADS:
+                ext = dtype == jnp.bfloat16 and heads == "llama31_8b"
+                marks = pytest.mark.extended if ext else ()
+                yield pytest.param(heads, window, dtype, marks=marks, id=f"{name}-{window}-{heads}")
+
+
+@pytest.mark.parametrize("heads,window,dtype", list(_splash_cases()))
 def test_splash_interpret_matches_chunked(heads, window, dtype):
     q, k, v, n = inputs(heads, dtype)
     out = jax.jit(

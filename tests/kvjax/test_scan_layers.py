@@ -55,8 +55,12 @@ def slow(name: str) -> bool:
     return methods.REGISTRY[name].recalls or not scans(method(name))
 
 
+#: the simple slot caches of H2O's kind: their scanned body is H2O's, checked by default; in CI's second line
+EXTENDED = ("streaming_llm", "snapkv")
+
+
 def marks(name: str):
-    return pytest.mark.slow if slow(name) else ()
+    return pytest.mark.slow if slow(name) else pytest.mark.extended if name in EXTENDED else ()
 
 
 def prompts():

@@ -19,6 +19,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
+from extended import REPRESENTATIVES, params
 from tiny_models import save_tiny_llama
 
 pytest.importorskip("transformers")
@@ -51,22 +52,30 @@ def predicted_equal(method, num_layers: int) -> bool:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """``run(names)``: each method of ``names`` and ``full`` at budget 1.0 -> ``(model, {name: (method, tokens)})``."""
     model = kvjax.load_model(save_tiny_llama(tmp_path_factory.mktemp("whole-budget")), dtype="float32")
     rng = np.random.RandomState(0)
     prompts = [[int(t) for t in rng.randint(3, 2000, size=n)] for n in LENGTHS]
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # small windows: budget warnings
-        for name in methods.names():
-            m = methods.at_budget(name, 1.0, small_sizes=True)
-            out[name] = (m, engine.generate(model, prompts, m, max_new_tokens=NEW, stop_at_eos=False).tokens)
-    return model, out
+
+    def run(names):
+        out = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # small windows: budget warnings
+            for name in ("full", *names):
+                m = methods.at_budget(name, 1.0, small_sizes=True)
+                out[name] = (m, engine.generate(model, prompts, m, max_new_tokens=NEW, stop_at_eos=False).tokens)
+        return model, out
+
+    return run
 
 
-def test_which_methods_equal_full_at_the_whole_budget(runs):
-    model, out = runs
+# the representative methods by default (tests/extended.py), the others in CI's second line
+@pytest.mark.parametrize("which", params(("representatives", "others"), {"representatives"}))
+def test_which_methods_equal_full_at_the_whole_budget(runs, which):
+    names = [n for n in methods.names() if (n in REPRESENTATIVES) == (which == "representatives")]
+    model, out = runs(names)
     full = out["full"][1]
     equal = {name for name, (_, tokens) in out.items() if tokens == full}
     assert equal == {name for name, (m, _) in out.items() if predicted_equal(m, model.config.num_layers)}
-    same, differ = documented()
+    same, differ = (set(out) & group for group in documented())
     assert (same, differ) == (equal, set(out) - equal), "docs/interface.md's budget=1.0 lines disagree with the runs"

@@ -26,6 +26,7 @@ from kvjax import engine, methods, sharding
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
+from extended import REPRESENTATIVES
 from kvjax.model import random_params
 
 pytestmark = pytest.mark.skipif(
@@ -73,8 +74,10 @@ def run_steps(model: Model, m, ids, mesh=None):
 
 
 #: Every method on every mesh with both head layouts is the thorough run (--runslow, ~4 min more on 2 cores).
-#: The default runs every method with 8 KV heads on data=2 x model=4, REPLICATED_QUICK with 2 KV heads (replicated)
-#: there, and the methods that re-compress (Chelsea: the state the partitioner found hardest) on every mesh.
+#: The default runs the representative methods (tests/extended.py) with 8 KV heads on data=2 x model=4 and full with
+#: 2 KV heads (replicated) there; CI's second line (extended) adds the other methods with 8 KV heads there,
+#: REPLICATED_QUICK with 2 KV heads and the methods that re-compress (Chelsea: the state the partitioner found
+#: hardest) on every mesh.
 REPLICATED_QUICK = methods.cover("recalls", "recompresses")  # full, one that recalls, one that re-compresses
 
 
@@ -82,14 +85,16 @@ def mesh_cases():
     for kv_heads in (8, 2):
         for name in methods.names():
             for spec in MESHES:
-                quick = (spec == "data=2,model=4" and (kv_heads == 8 or name in REPLICATED_QUICK)) or (
+                middle = spec == "data=2,model=4"
+                quick = middle and (name in REPRESENTATIVES if kv_heads == 8 else name == "full")
+                extended = (middle and (kv_heads == 8 or name in REPLICATED_QUICK)) or (
                     methods.REGISTRY[name].recompresses and kv_heads == 8
                 )
                 yield pytest.param(
                     name,
                     kv_heads,
                     spec,
-                    marks=() if quick else pytest.mark.slow,
+                    marks=() if quick else pytest.mark.extended if extended else pytest.mark.slow,
                     id=f"{name}-kv{kv_heads}-{spec.replace('data=', 'd').replace(',model=', 'm')}",
                 )
 
@@ -244,7 +249,8 @@ def _hybrid(kind: str) -> Model:
     return Model(cfg, {**params, "layers": layers}, None, f"tiny-{kind}")
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gpt_oss"])
+# gpt-oss has local layers and sinks; Gemma 3 (local layers, QK-norm) in CI's second line
+@pytest.mark.parametrize("kind", [pytest.param("gemma3", marks=pytest.mark.extended), "gpt_oss"])
 def test_hybrid_models_sharded_equal_one_device(kind):
     """Local layers' ring buffers, sinks and experts split over a 2x4 mesh give one device's tokens."""
     model = _hybrid(kind)

@@ -196,6 +196,7 @@ def test_capture_shards_equal_the_models_activations_and_resume(setup, tmp_path)
 
 
 # -- layer subsets -------------------------------------------------------------------------------------------------
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_layer_runs_merge_into_one_folder_equal_to_all_layers(setup, full_run, tmp_path):
     params, tokens = setup
     full_dir, full = full_run
