@@ -18,16 +18,22 @@ from kvjax import methods
 REPRESENTATIVES = methods.cover("recalls", "recompresses", "attends_prompt", "reuses_previous_layer")
 
 
-def params(values: Iterable, default: Iterable, ids=None) -> list:
-    """``values`` as pytest params: those in ``default`` unmarked, the others marked ``extended``; ``ids``: a
-    function of the value (pytest's ids otherwise)."""
+def cases(values: Iterable, default: Iterable) -> list:
+    """``values`` as pytest params: those in ``default`` unmarked, the others marked ``extended``."""
     default = set(default)
-    return [
-        pytest.param(v, marks=() if v in default else pytest.mark.extended, id=None if ids is None else ids(v))
-        for v in values
-    ]
+    return [pytest.param(v, marks=() if v in default else pytest.mark.extended) for v in values]
 
 
 def methods_params(names: Iterable[str] | None = None) -> list:
     """The registered method names (or ``names``) as params, :data:`REPRESENTATIVES` in the default run."""
-    return params(methods.names() if names is None else names, REPRESENTATIVES)
+    return cases(methods.names() if names is None else names, REPRESENTATIVES)
+
+
+#: a test that loops over the methods itself runs them in two groups: the representatives by default, the others in
+#: CI's second line
+GROUPS = ("representatives", "others")
+
+
+def group(which: str) -> list[str]:
+    """The registered methods of one of :data:`GROUPS`, in registry order."""
+    return [n for n in methods.names() if (n in REPRESENTATIVES) == (which == "representatives")]

@@ -26,7 +26,7 @@ from kvjax import engine, methods
 from kvjax import model as M
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
-from extended import params
+from extended import cases
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +203,7 @@ def test_threshold_zero_is_no_threshold_and_a_threshold_holds_less(tiny):
     assert all(a <= b for a, b in held) and any(a < b for a, b in held), held
 
 
-@pytest.mark.parametrize("name", params(["snapkv", "chunkkv", "pyramidkv"], {"snapkv"}))
+@pytest.mark.parametrize("name", cases(["snapkv", "chunkkv", "pyramidkv"], {"snapkv"}))
 def test_held_bytes_are_flat_over_a_long_generation(tiny, name):
     """240 decode steps under a decode budget of 16 (every 8) on prompts of 40 and 23 tokens: after every step the
     tokens held are ``held(n, s)`` (at most, for ChunkKV) per layer, never above ``D_l + 8``; the held bytes read at

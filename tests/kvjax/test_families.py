@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
-from extended import REPRESENTATIVES
+from extended import GROUPS, group
 from kvjax.model import forward
 
 torch = pytest.importorskip("torch")
@@ -202,7 +202,7 @@ EXTENDED_CASES = ("qwen3-yarn", "qwen3-window", "gemma3")
 
 def _engine_cases():
     for case in ENGINE_CASES:
-        for which in ("representatives", "others"):
+        for which in GROUPS:
             ext = case in EXTENDED_CASES or which == "others"
             yield pytest.param(case, which, marks=pytest.mark.extended if ext else (), id=f"{case}-{which}")
 
@@ -214,7 +214,7 @@ def test_every_method_runs_and_a_covering_budget_gives_full(case, which, built):
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (30, 17)]
     full = engine.generate(model, ps, "full", max_new_tokens=6, driver="scan", stop_at_eos=False)
     failed = {}
-    for name in [n for n in methods.names() if (n in REPRESENTATIVES) == (which == "representatives")]:
+    for name in group(which):
         got = engine.generate(model, ps, covering(name, 64), max_new_tokens=6, driver="scan", stop_at_eos=False)
         if got.tokens != full.tokens:
             failed[name] = got.tokens

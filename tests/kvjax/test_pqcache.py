@@ -19,7 +19,7 @@ import kvjax
 from kvjax import engine, methods
 from kvjax.methods import kmeans as km
 from kvjax.methods import pqcache as pqcache_mod
-from extended import params
+from extended import cases
 from kvjax.methods.base import Capacity
 from kvjax.methods.pqcache import PQCache
 
@@ -641,7 +641,7 @@ def test_topk_never_selects_unfilled_slots():
             assert (idx[bi][ok[bi]] < int(planted.filled[bi])).all()
 
 
-@pytest.mark.parametrize("budget", params([0.1, 1.0], {0.1}))  # 1.0: in CI's second line (tests/extended.py)
+@pytest.mark.parametrize("budget", cases([0.1, 1.0], {0.1}))  # 1.0: in CI's second line (tests/extended.py)
 def test_short_prompts_any_budget(tiny, budget):
     """Prompts of 1, 5 and 30 tokens at any budget just work (default sink 32: dense fallback; without it,
     sinks + what exists). Budgets 0.1..1.0 are checked on the host side (init, split, attended); two of them

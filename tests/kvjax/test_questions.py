@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eval import harness
-from extended import params
+from extended import cases
 from kvjax import engine, methods, questions
 from kvjax import model as M
 from kvjax.config import ModelConfig
@@ -47,7 +47,7 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize("name", params(METHODS, {"full", "h2o", "snapkv-bounded"}))  # snapkv: in CI's second line
+@pytest.mark.parametrize("name", cases(METHODS, {"full", "h2o", "snapkv-bounded"}))  # snapkv: in CI's second line
 def test_one_context_many_questions_equals_one_compression_per_question(tiny, name):
     method = METHODS[name]()
     context = _ids([45], seed=1)[0]

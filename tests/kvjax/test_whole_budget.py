@@ -19,7 +19,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
-from extended import REPRESENTATIVES, params
+from extended import GROUPS, cases, group
 from tiny_models import save_tiny_llama
 
 pytest.importorskip("transformers")
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
         out = {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # small windows: budget warnings
-            for name in ("full", *names):
+            for name in dict.fromkeys(("full", *names)):  # full: the reference, once
                 m = methods.at_budget(name, 1.0, small_sizes=True)
                 out[name] = (m, engine.generate(model, prompts, m, max_new_tokens=NEW, stop_at_eos=False).tokens)
         return model, out
@@ -70,10 +70,9 @@ def runs(tmp_path_factory):
 
 
 # the representative methods by default (tests/extended.py), the others in CI's second line
-@pytest.mark.parametrize("which", params(("representatives", "others"), {"representatives"}))
+@pytest.mark.parametrize("which", cases(GROUPS, {"representatives"}))
 def test_which_methods_equal_full_at_the_whole_budget(runs, which):
-    names = [n for n in methods.names() if (n in REPRESENTATIVES) == (which == "representatives")]
-    model, out = runs(names)
+    model, out = runs(group(which))
     full = out["full"][1]
     equal = {name for name, (_, tokens) in out.items() if tokens == full}
     assert equal == {name for name, (m, _) in out.items() if predicted_equal(m, model.config.num_layers)}
