@@ -185,6 +185,7 @@ def _tasks(args):
                 args.max_new_tokens,
                 args.seed,
                 args.questions_per_context,
+                args.chat,
             )
         )
     return tasks
@@ -349,7 +350,7 @@ def _common(
         "--share-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="needle and perplexity: run the model's prefill of each batch once and let every "
+        help="needle, perplexity and ruler: run the model's prefill of each batch once and let every "
         "method compress it (kvjax.prefilled; same results up to float rounding; "
         "--no-share-prefill prefills per method)",
     )
@@ -389,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_main(add)
     _add_tasks(add)
+    _add_leaderboard(add)
     pl = add("plot", help="redraw the markdown table and plots from a results.json")
     pl.add_argument("results", help="a results.json written by kvjax-eval")
     pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
@@ -472,7 +474,17 @@ def _add_tasks(add) -> None:
         max_new=32,
         seed=True,
     )
-    r.add_argument("--ruler-tasks", default="multikey,variable_tracking,common_words", help="comma-separated tasks")
+    r.add_argument(
+        "--ruler-tasks",
+        default="multikey,variable_tracking,common_words",
+        help="comma-separated tasks of single_needle, multikey, multivalue, variable_tracking, common_words",
+    )
+    r.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap context and question in the model's chat template (--no-chat: plain text, for a base model)",
+    )
     r.add_argument("--samples", type=int, default=4, help="examples per (task, length)")
     r.add_argument(
         "--questions-per-context",
@@ -508,6 +520,96 @@ def _add_tasks(add) -> None:
         default=None,
         help="prompt tokens before middle truncation (default: context - longest generation)",
     )
+
+
+#: the leaderboard's default model: a base model that reads 4k tokens, installed by ``kvjax install-assets``
+LEADERBOARD_MODEL = "gemma3-270m"
+
+
+def _add_leaderboard(add) -> None:
+    """``kvjax-eval leaderboard``: kvpress's RULER leaderboard protocol (:mod:`eval.leaderboard`)."""
+    from eval import leaderboard
+
+    b = add(
+        "leaderboard",
+        help="RULER at 4k tokens at kvpress's compression ratios, every method, one prefill per context, resumable",
+    )
+    b.add_argument(
+        "--model",
+        default=LEADERBOARD_MODEL,
+        help="a base model (plain-text prompts); default the embedded Gemma 3 270M",
+    )
+    b.add_argument("--methods", default=MAIN_METHODS, help=names_help("comma-separated methods"))
+    b.add_argument(
+        "--ratios",
+        type=_floats,
+        default=list(leaderboard.RATIOS),
+        help="compression ratios: the fraction of each context removed (a method keeps 1 - ratio)",
+    )
+    b.add_argument("--tasks", default=",".join(leaderboard.TASKS), help="comma-separated RULER tasks")
+    b.add_argument("--length", type=int, default=4096, help="context length in tokens (a power of two: the bucket)")
+    b.add_argument("--contexts", type=int, default=10, help="contexts per task (each cell: tasks x contexts)")
+    b.add_argument("--batch", type=int, default=5, help="contexts per batch (fixed shape)")
+    b.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per answer")
+    b.add_argument("--seed", type=int, default=0, help="seed of the generated contexts")
+    b.add_argument(
+        "--option",
+        type=parse_qualified_option,
+        action="append",
+        default=[],
+        metavar="[METHOD.]KEY=VALUE",
+        help="a method config option, repeatable (as in every kvjax-eval command)",
+    )
+    b.add_argument("--out", default="runs/leaderboard", help="output folder (rows.jsonl, leaderboard.json/.md/.png)")
+    b.add_argument("--restart", action="store_true", help="start again even if --out holds a run (default: resume)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_leaderboard)
+
+
+def cmd_leaderboard(args) -> int:
+    import kvjax
+    from eval import leaderboard
+
+    t0 = time.perf_counter()
+    names = _methods(args.methods, args.methods == MAIN_METHODS)
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    options = method_options(names, args.option)
+    kernels = assets.less_kernels_for(args.model)
+    board = leaderboard.Board(
+        model=args.model,
+        methods=tuple(names),
+        ratios=tuple(args.ratios),
+        tasks=tasks,
+        length=args.length,
+        contexts=args.contexts,
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        options=tuple((m, tuple(sorted(kv.items()))) for m, kv in sorted(options.items())),
+    )
+    for name, budget, _ in board.configs():
+        harness_method(name, budget, options.get(name))  # bad methods and options fail before the model loads
+    model = kvjax.load_model(args.model)
+    print(
+        f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
+        file=sys.stderr,
+    )
+    results = leaderboard.run(
+        model, board, args.out, progress=not args.no_progress, restart=args.restart, kernels=kernels
+    )
+    print(leaderboard.markdown(results))
+    print(f"wall time {time.perf_counter() - t0:.0f}s; wrote {args.out}/leaderboard.json, .md, .png")
+    return 0
+
+
+def harness_method(name, budget, options):
+    """``harness.make_method``, its ValueError naming ``--option`` when options were given."""
+    from eval import harness
+
+    try:
+        return harness.make_method(name, budget, options)
+    except ValueError as e:
+        raise ValueError(f"--option {name}: {e}" if options else str(e)) from None
 
 
 def main(argv=None) -> int:

@@ -150,6 +150,7 @@ def answer_after_context(
     max_new_tokens: int,
     capacity_new: int | None = None,
     memory: bool = False,
+    prefilled=None,
 ):
     """kvpress protocol: compress ``contexts`` at prefill, then feed ``questions`` uncompressed, then answer.
 
@@ -157,7 +158,8 @@ def answer_after_context(
     ``max_new_tokens``) is the decode capacity; pass a fixed value to share compiled shapes across batches.
     Returns the decoded answers (up to EOS or ``max_new_tokens`` tokens); token id lists for a model loaded
     without a tokenizer. With ``memory=True``: ``(answers, memory rows)`` (:func:`memory_rows` of the final
-    states).
+    states). ``prefilled``: the model's prefill of these very contexts padded to ``bucket``
+    (:func:`kvjax.prefilled.prefill_once`), which ``method`` then only compresses (one prefill for many methods).
     """
     cfg = model.config
     b = len(contexts)
@@ -179,9 +181,12 @@ def answer_after_context(
     states = engine.init_states(
         cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
     )
-    states, logits = engine.prefill(
-        cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)), states, mesh=mesh
-    )
+    if prefilled is None:
+        states, logits = engine.prefill(
+            cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)), states, mesh=mesh
+        )
+    else:
+        states, logits = engine.compress_prefilled(cfg, method, prefilled, states, tokens, np.asarray(lengths))
     eos = _eos(model)
     answers: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b

@@ -32,6 +32,7 @@ from eval import harness, metrics
 from kvjax import assets
 from kvjax.engine import bucket_length
 
+#: the tasks of ``kvjax-eval ruler`` by default (chat models)
 TASKS = ("multikey", "variable_tracking", "common_words")
 
 
@@ -61,8 +62,12 @@ def _bible_words() -> tuple[str, ...]:
     return tuple(words)
 
 
-def _split_chat(tok, context: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
-    """Render the chat template for ``context + question`` and cut it after the context (kvpress's split)."""
+def _split(tok, context: str, question: str, answer_prefix: str, chat: bool = True) -> tuple[list[int], list[int]]:
+    """Render the chat template for ``context + question`` and cut it after the context (kvpress's split). With
+    ``chat=False`` (a base model): plain text, the context with the tokenizer's BOS, then the question, a newline and
+    the answer prefix (context and question tokenized apart, as kvpress's pipeline does)."""
+    if not chat:
+        return tok.encode(context, add_special_tokens=True), tok.encode(question + "\n" + answer_prefix.strip())
     text = tok.apply_chat_template([{"role": "user", "content": context + question}])
     cut = text.index(context) + len(context)
     return tok.encode(text[:cut]), tok.encode(text[cut:] + answer_prefix)
@@ -88,7 +93,7 @@ def _room(tok, length: int, frame_tokens: int) -> int:
     return room
 
 
-def multikey(tok, length: int, rng, keys: int = 4, questions: int = 1) -> RulerExample:
+def multikey(tok, length: int, rng, keys: int = 4, questions: int = 1, chat: bool = True) -> RulerExample:
     keys = max(keys, questions)
     words = rng.choice(_bible_words(), size=keys, replace=False)
     values = [str(rng.randint(1000000, 10000000)) for _ in range(keys)]
@@ -107,7 +112,7 @@ def multikey(tok, length: int, rng, keys: int = 4, questions: int = 1) -> RulerE
     longest = max(len(tok.encode(q + p)) for q, p in map(ask, targets))
     frame = len(tok.encode(intro + " ".join(needles))) + longest + 20
     text = intro + _fill(tok, needles, _room(tok, length, frame), rng)
-    split = [_split_chat(tok, text, *ask(t)) for t in targets]
+    split = [_split(tok, text, *ask(t), chat) for t in targets]
     ctx = split[0][0]
     if any(c != ctx for c, _ in split):  # the template puts nothing question-dependent before the context
         raise ValueError("the chat template tokenizes the context differently per question; use questions=1")
@@ -115,7 +120,7 @@ def multikey(tok, length: int, rng, keys: int = 4, questions: int = 1) -> RulerE
     return RulerExample("multikey", length, tuple(ctx), qs[0][0], qs[0][1], tuple(qs[1:]))
 
 
-def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
+def variable_tracking(tok, length: int, rng, hops: int = 4, chat: bool = True) -> RulerExample:
     names = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), size=5)) for _ in range(hops + 1)]
     value = str(rng.randint(10000, 100000))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, hops + 1)]
@@ -127,11 +132,13 @@ def variable_tracking(tok, length: int, rng, hops: int = 4) -> RulerExample:
     ).replace("{value}", value)
     frame = len(tok.encode(intro + " ".join(chain) + question + prefix)) + 20
     text = intro + _fill(tok, chain, _room(tok, length, frame), rng)
-    ctx, q = _split_chat(tok, text, question, prefix)
+    ctx, q = _split(tok, text, question, prefix, chat)
     return RulerExample("variable_tracking", length, tuple(ctx), tuple(q), tuple(names))
 
 
-def common_words(tok, length: int, rng, top: int = 5, freq_common: int = 6, freq_rare: int = 1) -> RulerExample:
+def common_words(
+    tok, length: int, rng, top: int = 5, freq_common: int = 6, freq_rare: int = 1, chat: bool = True
+) -> RulerExample:
     intro = (
         "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
         "ones that appear most often.\n"
@@ -140,31 +147,84 @@ def common_words(tok, length: int, rng, top: int = 5, freq_common: int = 6, freq
     prefix = f" Answer: The top {top} words that appear most often in the list are:"
     frame = len(tok.encode(intro + question + prefix)) + 20
     room = _room(tok, length, frame)
-    per_word = 5  # "123. word" costs about this many tokens
     vocab = _bible_words()
-    n_rare = max(0, (room // per_word - top * freq_common) // freq_rare)
+    numbered = lambda words: " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
+    sample = numbered(vocab[: min(len(vocab), 400)])
+    per_word = len(tok.encode(sample)) / min(len(vocab), 400)  # "123. word" in this tokenizer
+    n_rare = max(0, int((room / per_word - top * freq_common) // freq_rare))
     chosen = rng.choice(len(vocab), size=top + n_rare, replace=False)
     common, rare = [vocab[i] for i in chosen[:top]], [vocab[i] for i in chosen[top:]]
     words = common * freq_common + rare * freq_rare
     rng.shuffle(words)
-    text = intro + " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-    ctx, q = _split_chat(tok, text, question, prefix)
+    while len(words) > top * freq_common and len(tok.encode(numbered(words))) > room:  # the estimate ran over
+        rare_at = max(i for i, w in enumerate(words) if w not in common)
+        words.pop(rare_at)
+    text = intro + numbered(words)
+    ctx, q = _split(tok, text, question, prefix, chat)
     return RulerExample("common_words", length, tuple(ctx), tuple(q), tuple(common))
 
 
-BUILDERS = {"multikey": multikey, "variable_tracking": variable_tracking, "common_words": common_words}
+def single_needle(tok, length: int, rng, chat: bool = True) -> RulerExample:
+    """RULER ``niah_single_2``: one needle "special magic number for <word>" (a 7-digit number) in the essays; the
+    question asks for it."""
+    word = str(rng.choice(_bible_words()))
+    value = str(rng.randint(1000000, 10000000))
+    needle = f"One of the special magic numbers for {word} is: {value}."
+    intro = (
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n"
+    )
+    question = f"\nWhat is the special magic number for {word} mentioned in the provided text?"
+    prefix = f"The special magic number for {word} mentioned in the provided text is"
+    frame = len(tok.encode(intro + needle + question + prefix)) + 20
+    text = intro + _fill(tok, [needle], _room(tok, length, frame), rng)
+    ctx, q = _split(tok, text, question, prefix, chat)
+    return RulerExample("single_needle", length, tuple(ctx), tuple(q), (value,))
+
+
+def multivalue(tok, length: int, rng, values: int = 4, chat: bool = True) -> RulerExample:
+    """RULER ``niah_multivalue``: ``values`` needles "special magic number for <word>" with one word and different
+    numbers; the question asks for all of them."""
+    word = str(rng.choice(_bible_words()))
+    numbers = [str(rng.randint(1000000, 10000000)) for _ in range(values)]
+    needles = [f"One of the special magic numbers for {word} is: {v}." for v in numbers]
+    intro = (
+        "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the numbers afterwards.\n"
+    )
+    question = f"\nWhat are all the special magic numbers for {word} mentioned in the provided text?"
+    prefix = f"The special magic numbers for {word} mentioned in the provided text are"
+    frame = len(tok.encode(intro + " ".join(needles) + question + prefix)) + 20
+    text = intro + _fill(tok, needles, _room(tok, length, frame), rng)
+    ctx, q = _split(tok, text, question, prefix, chat)
+    return RulerExample("multivalue", length, tuple(ctx), tuple(q), tuple(numbers))
+
+
+BUILDERS = {
+    "single_needle": single_needle,
+    "multikey": multikey,
+    "multivalue": multivalue,
+    "variable_tracking": variable_tracking,
+    "common_words": common_words,
+}
 
 
 def build(
-    model, tasks: Sequence[str], lengths: Sequence[int], samples: int, seed: int = 0, questions: int = 1
+    model,
+    tasks: Sequence[str],
+    lengths: Sequence[int],
+    samples: int,
+    seed: int = 0,
+    questions: int = 1,
+    chat: bool = True,
 ) -> list[RulerExample]:
     """``samples`` examples per (task, length); ``questions`` > 1 asks that many questions per context
-    (``multikey`` only)."""
+    (``multikey`` only); ``chat=False``: plain-text prompts for a base model (no chat template)."""
     if model.tokenizer is None:
         raise ValueError("the RULER tasks need a model loaded with its tokenizer")
     for t in tasks:
         if t not in BUILDERS:
-            raise ValueError(f"ruler task={t!r} is unknown; choose from {', '.join(TASKS)}")
+            raise ValueError(f"ruler task={t!r} is unknown; choose from {', '.join(BUILDERS)}")
     if questions < 1:
         raise ValueError(f"questions={questions} must be >= 1")
     if questions > 1 and tuple(tasks) != ("multikey",):
@@ -174,7 +234,12 @@ def build(
         )
     rng = np.random.RandomState(seed)
     kw = {"questions": questions} if questions > 1 else {}
-    return [BUILDERS[t](model.tokenizer, int(n), rng, **kw) for t in tasks for n in lengths for _ in range(samples)]
+    return [
+        BUILDERS[t](model.tokenizer, int(n), rng, chat=chat, **kw)
+        for t in tasks
+        for n in lengths
+        for _ in range(samples)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +251,11 @@ class RulerTask:
     max_new_tokens: int = 32
     seed: int = 0
     questions: int = 1  # questions per context (multikey): the context compressed once for all of them
+    chat: bool = True  # False: plain-text prompts for a base model
     name = "ruler"
 
     def prepare(self, model):
-        examples = build(model, self.tasks, self.lengths, self.samples, self.seed, self.questions)
+        examples = build(model, self.tasks, self.lengths, self.samples, self.seed, self.questions, self.chat)
         longest_q = max(len(q) for e in examples for q, _ in e.all_questions)
         for e in examples:
             harness.check_context(model, len(e.context), longest_q + self.max_new_tokens)
@@ -206,7 +272,19 @@ class RulerTask:
         """``(context tokens, decode steps)`` of each example at most at the end (question + answer decoded)."""
         return [(len(e.context), prepared[0][1] - 1) for batch in prepared[1] for e in batch]
 
-    def run_batch(self, model, method, prepared, batch, meta) -> list[dict]:
+    def prefill_batch(self, prepared, batch):
+        """``(tokens [B, T], lengths [B])``: the contexts ``run_batch`` prefills (shared by every method,
+        :class:`eval.runner.Shared`), or None with several questions per context (each context compressed once by
+        :mod:`kvjax.questions`)."""
+        from kvjax import engine
+
+        if self.questions > 1:
+            return None
+        return engine.pad_prompts(
+            [list(e.context) for e in harness.pad_batch(list(batch), self.batch)[0]], prepared[0][0]
+        )
+
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
         bucket, cap_new = prepared[0]
         if self.questions > 1:
             return self._run_shared_contexts(model, method, bucket, cap_new, batch, meta)
@@ -220,6 +298,7 @@ class RulerTask:
             self.max_new_tokens,
             capacity_new=cap_new,
             memory=True,
+            prefilled=prefilled,
         )
         return [
             {

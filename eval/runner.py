@@ -214,8 +214,9 @@ class Shared:
         key = (task.name, index)
         if key not in self.kept:
             self.kept[key] = None
-            if hasattr(task, "prefill_batch"):
-                tokens, lengths = task.prefill_batch(prepared, batch)
+            padded = task.prefill_batch(prepared, batch) if hasattr(task, "prefill_batch") else None
+            if padded is not None:
+                tokens, lengths = padded
                 size = P.nbytes(self.model.config, *tokens.shape, self.model.dtype)
                 if size <= self.left:
                     self.left -= size

@@ -31,6 +31,12 @@ SMOLLM2_NAME = "smollm2-135m-instruct"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def less_kernels_for(model: str) -> Path | None:
+    """The LESS kernels shipped for the embedded model named ``model``, or None (another model: train its own with
+    ``kvjax-train-less``)."""
+    return {SMOLLM2_NAME: LESS_SMOLLM2_KERNELS}.get(model)
+
+
 def _package_dir(module: str, wheel: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:

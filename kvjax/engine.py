@@ -629,7 +629,7 @@ def generate(
     if prefilled is None:
         states, logits = _prefill_jit(cfg, method, model.params, tokens_d, lengths_d, states, mesh=mesh)
     else:
-        states, logits = _compress_prefilled(cfg, method, prefilled, states, tokens, lengths)
+        states, logits = compress_prefilled(cfg, method, prefilled, states, tokens, lengths)
     key, sub = jax.random.split(jax.random.PRNGKey(seed))
     first = sampling(logits, sub)
     first.block_until_ready()
@@ -650,8 +650,8 @@ def generate(
     return _result(model, method, out, steps, eos, lengths_list, held_prefill, states, cache_bytes, shared)
 
 
-def _compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengths: np.ndarray):
-    """``generate(..., prefilled=)``: this method's compression of the model's prefill of the same padded batch
+def compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengths: np.ndarray):
+    """``generate(..., prefilled=)`` and :func:`eval.harness.answer_after_context`: this method's compression of the model's prefill of the same padded batch
     (ValueError for another batch's) -> ``(states, logits)``."""
     from kvjax import prefilled as P
 

@@ -1,0 +1,365 @@
+"""``kvjax-eval leaderboard``: kvpress's RULER leaderboard protocol, with every kvjax method beside its baselines.
+
+NVIDIA kvpress's public leaderboard scores presses on RULER at 4k tokens at compression ratios 0.25, 0.5, 0.75 and
+0.875 (the fraction of the context's KV pairs removed). This runs the same protocol on a base model (plain-text
+prompts, no chat template; by default the embedded Gemma 3 270M):
+
+- tasks (:mod:`eval.ruler`): ``single_needle``, ``multikey``, ``multivalue``, ``variable_tracking``
+  and ``common_words``; ``contexts`` contexts per task, every context about ``length`` tokens (the bucket);
+- the context is compressed at prefill and the question is not (it is fed after compression,
+  :func:`eval.harness.answer_after_context`), as kvpress's pipeline does;
+- ``full`` once, and every other method at each ratio ``r`` with budget ``1 - r`` of each context (a fraction: the
+  recall methods then read the same token count per step that the eviction methods keep);
+- the score of an answer is RULER's ``string_match_all`` (the fraction of expected strings it contains), as kvpress
+  scores it; a cell is the mean over its contexts in percent with a 95% interval, and the average over tasks is the
+  mean of the task means (kvpress's "average"), its interval from the tasks' variances (stratified).
+
+One prefill per batch of contexts serves every method (:mod:`kvjax.prefilled`): the loop runs batch-major, so each
+batch's prefill lives only while its configurations run. Every finished (batch, configuration) appends its rows to
+``rows.jsonl`` in the output folder; a run started again with the same settings skips what that file holds (a killed
+run resumes where it stopped). Outputs: ``leaderboard.json``, ``leaderboard.md`` and ``leaderboard.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from eval import harness, report, ruler
+
+TASKS = ("single_needle", "multikey", "multivalue", "variable_tracking", "common_words")
+#: kvpress's leaderboard ratios: the fraction of the context removed (a method keeps ``1 - ratio`` of it)
+RATIOS = (0.25, 0.5, 0.75, 0.875)
+ROWS = "rows.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Board:
+    """One leaderboard run's settings (everything that decides its rows: a resumed run must match them)."""
+
+    model: str
+    methods: tuple[str, ...]
+    ratios: tuple[float, ...] = RATIOS
+    tasks: tuple[str, ...] = TASKS
+    length: int = 4096
+    contexts: int = 10  # per task
+    batch: int = 5
+    max_new_tokens: int = 40  # four 7-digit numbers (multivalue) take about 36 tokens of a digit-wise tokenizer
+    seed: int = 0
+    options: tuple = ()  # ((method, ((key, value), ...)), ...): method options, hashable
+
+    def __post_init__(self):
+        for r in self.ratios:
+            if not 0 < r < 1:
+                raise ValueError(f"ratios: {r} is not a compression ratio in (0, 1) (kvpress's 0.25,0.5,0.75,0.875)")
+        for name, value in (
+            ("contexts", self.contexts),
+            ("batch", self.batch),
+            ("max_new_tokens", self.max_new_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        for t in self.tasks:
+            if t not in ruler.BUILDERS:
+                raise ValueError(f"tasks: {t!r} is not a RULER task; choose from {', '.join(ruler.BUILDERS)}")
+
+    def configs(self) -> list[tuple[str, float | None, float]]:
+        """``(method, budget, ratio)`` in run order: ``full`` once (ratio 0), then each method at each ratio."""
+        out = [("full", None, 0.0)] if "full" in self.methods else []
+        return out + [(m, round(1 - r, 6), r) for m in self.methods if m != "full" for r in self.ratios]
+
+    def task(self) -> ruler.RulerTask:
+        return ruler.RulerTask(
+            lengths=(self.length,),
+            tasks=self.tasks,
+            samples=self.contexts,
+            batch=self.batch,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            chat=False,
+        )
+
+    def method_options(self) -> dict[str, dict]:
+        return {m: dict(kv) for m, kv in self.options}
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-able settings; what ``rows.jsonl`` opens with."""
+        return {**dataclasses.asdict(self), "options": self.method_options()}
+
+
+def _config_key(method: str, ratio: float) -> str:
+    return f"{method}@{ratio:g}"
+
+
+def _fit_contexts(model, board: Board):
+    """The task and its prepared batches, every context within ``board.length`` tokens (the bucket); the tasks
+    alternate along the batches (context ``i`` of every task before context ``i + 1`` of any), so a run stopped
+    early has the same number of contexts of every task in every cell."""
+    from kvjax.engine import bucket_length
+
+    task = board.task()
+    (bucket, cap_new), batches = task.prepare(model)
+    by_task = [[e for b in batches for e in b if e.task == t] for t in board.tasks]
+    examples = [e for i in range(board.contexts) for group in by_task for e in group[i : i + 1]]  # round-robin
+    prepared = (bucket, cap_new), [examples[i : i + board.batch] for i in range(0, len(examples), board.batch)]
+    longest = max(len(e.context) for e in examples)
+    if prepared[0][0] != bucket_length(board.length) or longest > board.length:
+        raise ValueError(
+            f"length={board.length}: a context came out at {longest} tokens, over the bucket; use a power of two "
+            "(4096, 8192) so contexts fill their bucket"
+        )
+    return task, prepared
+
+
+def _open_rows(out: Path, board: Board, restart: bool) -> dict[tuple[int, str], list[dict]]:
+    """The rows ``rows.jsonl`` already holds, by (batch index, config key); a new file when there is none."""
+    path = out / ROWS
+    settings = board.settings()
+    if restart or not path.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"settings": settings}) + "\n", encoding="utf-8")
+        return {}
+    lines = _records(path)
+    first = lines[0] if lines else {}
+    if first.get("settings") != json.loads(json.dumps(settings)):
+        raise ValueError(
+            f"--out {out} holds a leaderboard run with other settings ({first.get('settings')}); pass another --out, "
+            "the same settings to resume it, or --restart to start it again"
+        )
+    # rewritten whole: the last line of a killed run may be cut short (that cell runs again)
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines), encoding="utf-8")
+    return {(rec["batch_index"], rec["config"]): rec["rows"] for rec in lines[1:]}
+
+
+def _records(path: Path) -> list[dict]:
+    """The whole JSON lines of ``rows.jsonl`` (a line cut short by a kill is dropped)."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _append(out: Path, record: dict) -> None:
+    with (out / ROWS).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=report._jsonable) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run(
+    model,
+    board: Board,
+    out: str | Path,
+    progress: bool = True,
+    restart: bool = False,
+    kernels: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) ``board`` on ``model``; returns the results (also written to ``out``). ``kernels``: LESS's
+    kernels where ``board.options`` names none (the ones shipped for the embedded model; recorded in the results,
+    not among the settings a resumed run must match, since the folder's path differs between machines)."""
+    from tqdm.auto import tqdm
+
+    from kvjax import prefilled as P
+
+    out = Path(out)
+    options = board.method_options()
+    if kernels is not None and "less" in board.methods and "kernels" not in options.get("less", {}):
+        options["less"] = {**options.get("less", {}), "kernels": str(kernels)}
+    configs = board.configs()
+    for name, budget, _ in configs:
+        harness.make_method(name, budget, options.get(name))  # bad methods and options fail before any work
+    task, prepared = _fit_contexts(model, board)
+    done = _open_rows(out, board, restart)
+    results = report.new_results(
+        {**board.settings(), "dtype": str(model.dtype), "less_kernels": kernels and Path(kernels).name}
+    )
+    seconds: dict[str, float] = {}
+    commit = results["commit"]
+    batches = prepared[1]
+    total = len(batches) * len(configs)
+    start = time.perf_counter()
+    with tqdm(total=total, desc="leaderboard", unit="cell", disable=not progress) as bar:
+        bar.update(sum(1 for i in range(len(batches)) for n, _, r in configs if (i, _config_key(n, r)) in done))
+        for i, batch in enumerate(batches):
+            todo = [c for c in configs if (i, _config_key(c[0], c[2])) not in done]
+            if not todo:
+                continue
+            tp = time.perf_counter()
+            pre = P.prefill_once(model, *task.prefill_batch(prepared, batch))
+            seconds["prefill"] = seconds.get("prefill", 0.0) + time.perf_counter() - tp
+            for name, budget, ratio in todo:
+                key = _config_key(name, ratio)
+                bar.set_postfix_str(f"batch {i + 1}/{len(batches)} {key}")
+                t0 = time.perf_counter()
+                method = harness.make_method(name, budget, options.get(name))
+                meta = {"task": "leaderboard", "method": name, "budget": budget, "ratio": ratio}
+                rows = task.run_batch(model, method, prepared, batch, meta, prefilled=pre)
+                took = time.perf_counter() - t0
+                for r in rows:
+                    r["batch_seconds"] = took
+                done[(i, key)] = rows
+                _append(out, {"batch_index": i, "config": key, "seconds": took, "commit": commit, "rows": rows})
+                seconds[key] = seconds.get(key, 0.0) + took
+                bar.update(1)
+            del pre
+    results["rows"] = [
+        r for i in range(len(batches)) for n, _, ratio in configs for r in done[(i, _config_key(n, ratio))]
+    ]
+    results["timings"].update(
+        wall_seconds_this_run=time.perf_counter() - start,
+        load_seconds=model.load_seconds,
+        seconds_this_run=seconds,
+        seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in _records(out / ROWS)[1:]),
+    )
+    results["summary"] = summarise(results["rows"], board.tasks)
+    write(results, out)
+    return results
+
+
+def _mean_interval(scores: Sequence[float]) -> dict[str, float]:
+    """Mean of ``scores`` (fractions) in percent with its 95% interval (Wilson for 0/1 scores, else Student's t)."""
+    n = len(scores)
+    mean = sum(scores) / n
+    if all(s in (0.0, 1.0) for s in scores):
+        lo, hi = report.wilson(int(sum(scores)), n)
+    else:
+        lo, hi = report._t_interval(list(scores))
+    return {"value": 100 * mean, "lo": 100 * lo, "hi": 100 * hi, "n": n}
+
+
+def average_interval(per_task: Sequence[Sequence[float]]) -> dict[str, float]:
+    """The average of the task means (percent) with a 95% interval: the tasks are strata, so the variance of the
+    average is ``sum(s_t^2 / n_t) / T^2`` (Student's t with ``N - T`` degrees of freedom)."""
+    t = len(per_task)
+    means = [sum(s) / len(s) for s in per_task]
+    avg = sum(means) / t
+    n = sum(len(s) for s in per_task)
+    if any(len(s) < 2 for s in per_task):
+        return {"value": 100 * avg, "lo": math.nan, "hi": math.nan, "n": n}
+    var = sum(sum((x - m) ** 2 for x in s) / (len(s) - 1) / len(s) for s, m in zip(per_task, means)) / t**2
+    half = report._t_quantile(n - t) * math.sqrt(var)
+    return {"value": 100 * avg, "lo": 100 * max(0.0, avg - half), "hi": 100 * min(1.0, avg + half), "n": n}
+
+
+def summarise(rows: Sequence[dict], tasks: Sequence[str]) -> list[dict]:
+    """One entry per (method, ratio): each task's cell and the average over tasks (see the module docstring)."""
+    cells: dict[tuple[str, float], dict[str, list[float]]] = {}
+    for r in rows:
+        cells.setdefault((r["method"], r["ratio"]), {}).setdefault(r["subtask"], []).append(float(r["score"]))
+    out = []
+    for (method, ratio), by_task in cells.items():
+        present = [t for t in tasks if t in by_task]
+        out.append(
+            {
+                "method": method,
+                "ratio": ratio,
+                "tasks": {t: _mean_interval(by_task[t]) for t in present},
+                "average": average_interval([by_task[t] for t in present]),
+            }
+        )
+    return out
+
+
+def _cell(c: dict) -> str:
+    if math.isnan(c["lo"]):
+        return f"{c['value']:.1f}"
+    return f"{c['value']:.1f} [{c['lo']:.0f}, {c['hi']:.0f}]"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The leaderboard as Markdown: methods x ratios (the average over tasks with its interval), then per task."""
+    s = results["config"]
+    summary = results["summary"]
+    by = {(e["method"], e["ratio"]): e for e in summary}
+    methods = list(dict.fromkeys(e["method"] for e in summary))
+    ratios = sorted({e["ratio"] for e in summary if e["ratio"] > 0})
+    full = by.get(("full", 0.0))
+    t, v, d = results["timings"], results.get("versions", {}), results.get("device", {})
+    lines = [
+        f"# kvjax leaderboard: RULER at {s['length']} tokens on `{s['model']}` ({results.get('created', '')})",
+        "",
+        f"- {len(s['tasks'])} tasks ({', '.join(s['tasks'])}), {s['contexts']} contexts each per cell; plain-text "
+        f"prompts; the context compressed, the question not (kvpress's protocol); score: string_match_all, percent, "
+        f"95% intervals in brackets",
+        f"- compression ratio r: the fraction of each context removed (each method keeps 1 - r of it; the recall "
+        f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}",
+        f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
+        f"commit `{results.get('commit')}`; compute {t.get('seconds_all_runs', 0):.0f} s "
+        f"(all runs into this folder), command `{results.get('command', '')}`",
+        "",
+        "## Average over tasks",
+        "",
+        "| method | " + " | ".join(f"r = {r:g}" for r in ratios) + " |",
+        "|---|" + "---|" * len(ratios),
+    ]
+    for m in methods:
+        if m == "full":
+            continue
+        lines.append(
+            f"| {m} | " + " | ".join(_cell(by[(m, r)]["average"]) if (m, r) in by else "" for r in ratios) + " |"
+        )
+    lines += ["", "## Per task (score at each ratio)", ""]
+    tasks = [t for t in s["tasks"]]
+    lines += ["| method | ratio | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    for m in methods:
+        for r in sorted({e["ratio"] for e in summary if e["method"] == m}):
+            e = by[(m, r)]
+            lines.append(
+                f"| {m} | {r:g} | "
+                + " | ".join(f"{e['tasks'][t]['value']:.0f}" if t in e["tasks"] else "" for t in tasks)
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def figure(results: dict[str, Any]):
+    """Average score against compression ratio, one line per method (from ``full``'s score at ratio 0), as the
+    kvpress leaderboard draws it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    by = {(e["method"], e["ratio"]): e["average"] for e in summary}
+    full = by.get(("full", 0.0))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    markers = "osD^vP*Xh<>p"
+    for k, m in enumerate(dict.fromkeys(e["method"] for e in summary if e["method"] != "full")):
+        ratios = sorted(r for (n, r) in by if n == m)
+        xs = ([0.0] if full else []) + ratios
+        ys = ([full["value"]] if full else []) + [by[(m, r)]["value"] for r in ratios]
+        ax.plot(xs, ys, marker=markers[k % len(markers)], label=m)
+    if full:
+        ax.axhline(full["value"], color="black", linestyle="--", linewidth=1, label="full")
+    s = results["config"]
+    ax.set_xlabel("compression ratio (fraction of the context removed)")
+    ax.set_ylabel("average score over tasks (%)")
+    ax.set_title(f"RULER at {s['length']} tokens, {s['model']}, {s['contexts']} contexts per task")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def write(results: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """``leaderboard.json``, ``leaderboard.md`` and ``leaderboard.png`` in ``out``."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    paths = {"json": out / "leaderboard.json", "md": out / "leaderboard.md", "png": out / "leaderboard.png"}
+    report.save(results, paths["json"])
+    paths["md"].write_text(markdown(results), encoding="utf-8")
+    fig = figure(results)
+    fig.savefig(paths["png"], dpi=120)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,120 @@
+"""``kvjax-eval leaderboard`` (eval.leaderboard): plain-text RULER contexts, one prefill for every method, a killed
+run that resumes to the same rows, and the average's interval against an independent computation."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import kvjax
+from eval import harness, leaderboard, ruler
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return kvjax.load_model("smollm2-135m-instruct")
+
+
+def test_plain_contexts_hold_their_answers(smol):
+    """``chat=False`` (a base model): the context is BOS + plain text with every expected answer in it, the question
+    plain text ending with the answer prefix, no chat template anywhere; every task fits its length."""
+    tok = smol.tokenizer
+    examples = ruler.build(smol, leaderboard.TASKS, [512], samples=1, seed=3, chat=False)
+    assert [e.task for e in examples] == list(leaderboard.TASKS)
+    for e in examples:
+        ctx = tok.decode(list(e.context), skip_special_tokens=False)
+        q = tok.decode(list(e.question), skip_special_tokens=False)
+        assert "<|im_start|>" not in ctx + q and "assistant" not in q, (ctx[:80], q)
+        assert all(a in ctx for a in e.answers), (e.task, e.answers)
+        assert 350 <= len(e.context) <= 512 and len(e.context) + len(e.question) <= 512 - 8, e.task
+        assert q.startswith("\n") and ("What" in q or "Question" in q)
+    single, multivalue = examples[0], examples[2]
+    assert len(single.answers) == 1 and len(multivalue.answers) == 4
+    assert len(set(multivalue.answers)) == 4
+
+
+def _board(**kw):
+    base = dict(
+        model="smollm2-135m-instruct",
+        methods=("full", "h2o"),
+        ratios=(0.5,),
+        tasks=("single_needle", "multikey"),
+        length=512,
+        contexts=1,
+        batch=1,
+        max_new_tokens=6,
+    )
+    return leaderboard.Board(**{**base, **kw})
+
+
+def test_a_killed_run_resumes_to_the_same_rows(smol, tmp_path, monkeypatch):
+    """The whole run; then its rows.jsonl cut after two cells (the third written half): the rerun runs only the
+    missing cells, with one model prefill per batch, and gives the same rows. Every cell's answers equal a prefill
+    of its own (harness.answer_after_context without ``prefilled``)."""
+    from kvjax import engine, prefilled as P
+
+    board = _board()
+    whole = leaderboard.run(smol, board, tmp_path / "a", progress=False)
+    assert {(r["method"], r["ratio"]) for r in whole["rows"]} == {("full", 0.0), ("h2o", 0.5)}
+    assert len(whole["rows"]) == 2 * 2  # 2 configs x 2 tasks x 1 context
+    # the tasks alternate along the batches (here one context a batch): batch 0 single_needle, batch 1 multikey
+    assert [r["subtask"] for r in whole["rows"]] == ["single_needle"] * 2 + ["multikey"] * 2
+
+    task, prepared = leaderboard._fit_contexts(smol, board)
+    bucket, cap_new = prepared[0]
+    for r, e in zip([r for r in whole["rows"] if r["method"] == "h2o"], [e for b in prepared[1] for e in b]):
+        (own,) = harness.answer_after_context(
+            smol, kvjax.methods.get("h2o", budget=0.5), [list(e.context)], [list(e.question)], bucket, 6, cap_new
+        )
+        assert r["answer"] == own, (r["answer"], own)
+
+    lines = (tmp_path / "a" / leaderboard.ROWS).read_text().splitlines()
+    assert len(lines) == 1 + 2 * 2  # settings + (batch, config) records
+    cut = tmp_path / "b"
+    cut.mkdir()
+    (cut / leaderboard.ROWS).write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+    prefills, own = [], []
+    real, real_own = P.prefill_once, engine.prefill
+    monkeypatch.setattr(P, "prefill_once", lambda *a: prefills.append(1) or real(*a))
+    monkeypatch.setattr(engine, "prefill", lambda *a, **k: own.append(1) or real_own(*a, **k))
+    resumed = leaderboard.run(smol, board, cut, progress=False)
+    assert set(resumed["timings"]["seconds_this_run"]) == {"prefill", "full@0", "h2o@0.5"}
+    assert len(prefills) == 1  # batch 0 was whole; batch 1 prefilled once for its two configurations
+    assert not own  # and no configuration ran the model's prefill itself
+    key = lambda r: (r["method"], r["subtask"], r["answer"], r["score"], r["context_tokens"])
+    assert [key(r) for r in resumed["rows"]] == [key(r) for r in whole["rows"]]
+    out = json.loads((cut / "leaderboard.json").read_text())
+    assert out["summary"] == json.loads(json.dumps(resumed["summary"]))
+    assert "| h2o |" in (cut / "leaderboard.md").read_text() and (cut / "leaderboard.png").stat().st_size > 0
+
+    with pytest.raises(ValueError, match="other settings"):
+        leaderboard.run(smol, _board(contexts=2), cut, progress=False)
+
+
+def test_average_interval_is_stratified():
+    """The average over tasks and its 95% interval against scipy: the variance of a mean of independent task means
+    is the sum of their squared standard errors over T^2."""
+    rng = np.random.RandomState(0)
+    per_task = [list(rng.uniform(0, 1, n)) for n in (10, 10, 12)]
+    got = leaderboard.average_interval(per_task)
+    means = [np.mean(s) for s in per_task]
+    se = math.sqrt(sum(stats.sem(s) ** 2 for s in per_task)) / 3
+    half = stats.t.ppf(0.975, 32 - 3) * se
+    assert got["value"] == pytest.approx(100 * np.mean(means))
+    assert got["lo"] == pytest.approx(100 * (np.mean(means) - half))
+    assert got["hi"] == pytest.approx(100 * (np.mean(means) + half))
+    cell = leaderboard._mean_interval([1.0, 0.0, 1.0, 1.0])
+    lo, hi = stats.binomtest(3, 4).proportion_ci(method="wilson")
+    assert (cell["lo"], cell["hi"]) == (pytest.approx(100 * lo), pytest.approx(100 * hi))
+
+
+def test_bad_settings_name_the_option():
+    with pytest.raises(ValueError, match="ratios: 1.5"):
+        _board(ratios=(1.5,))
+    with pytest.raises(ValueError, match="tasks: 'nope'"):
+        _board(tasks=("nope",))
+    with pytest.raises(ValueError, match="contexts=0"):
+        _board(contexts=0)
+    assert _board().configs() == [("full", None, 0.0), ("h2o", 0.5, 0.5)]
