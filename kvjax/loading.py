@@ -1,6 +1,7 @@
 """``kvjax.load_model``: a Hugging Face folder, a hub id, a GGUF file, or the embedded default.
 
 >>> model = kvjax.load_model("smollm2-135m-instruct")          # embedded SmolLM2-135M-Instruct (GGUF Q4_1)
+>>> model = kvjax.load_model("gemma3-270m")                    # embedded Gemma 3 270M, hybrid layers (GGUF Q4_K_M)
 >>> model = kvjax.load_model("/path/to/Llama-3.2-1B-Instruct")  # local HF folder (sharded safetensors ok)
 >>> model = kvjax.load_model("Qwen/Qwen2.5-0.5B-Instruct")     # hub id (downloads where the hub is reachable)
 """
@@ -69,8 +70,9 @@ def default_dtype():
 
 def _resolve(name_or_path: str | Path) -> tuple[str, Path]:
     """-> ("gguf" | "hf", local path)."""
-    if str(name_or_path) == assets.SMOLLM2_NAME:
-        return "gguf", assets.smollm2_gguf_path()
+    embedded = {assets.SMOLLM2_NAME: assets.smollm2_gguf_path, assets.GEMMA3_270M_NAME: assets.gemma3_270m_gguf_path}
+    if str(name_or_path) in embedded:
+        return "gguf", embedded[str(name_or_path)]()
     path = Path(name_or_path).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -85,8 +87,8 @@ def _resolve(name_or_path: str | Path) -> tuple[str, Path]:
     if text.count("/") == 1 and not text.startswith((".", "/", "~")):
         return "hf", _download(text)
     raise FileNotFoundError(
-        f"name_or_path={text!r} is neither {assets.SMOLLM2_NAME!r}, an existing folder or .gguf file, nor a "
-        "hub id of the form 'org/name'"
+        f"name_or_path={text!r} is neither an embedded model ({assets.SMOLLM2_NAME!r}, "
+        f"{assets.GEMMA3_270M_NAME!r}), an existing folder or .gguf file, nor a hub id of the form 'org/name'"
     )
 
 
@@ -107,8 +109,9 @@ def load_model(
 ) -> Model:
     """Load a Llama-family model into kvjax.
 
-    name_or_path: ``"smollm2-135m-instruct"`` (embedded default), a local HF folder, a ``.gguf`` file or a
-    hub id. dtype: parameter dtype (default: :func:`default_dtype`). tokenizer: also load the tokenizer.
+    name_or_path: ``"smollm2-135m-instruct"`` (embedded default), ``"gemma3-270m"`` (the second embedded model,
+    Gemma 3's local/global layers), a local HF folder, a ``.gguf`` file or a hub id. dtype: parameter dtype
+    (default: :func:`default_dtype`). tokenizer: also load the tokenizer.
     mesh: a ``jax.sharding.Mesh`` from :func:`kvjax.sharding.make_mesh` or a spec such as ``"data=2,model=4"``:
     the params are placed tensor-parallel on it and everything that runs the model runs sharded
     (:mod:`kvjax.sharding`). The mesh is checked against the model before any weight is read.

@@ -21,7 +21,27 @@ Two implementations of :class:`Tokenizer`:
     ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` and
     the globals ``raise_exception`` and ``strftime_now``.
 
-  Any other ``tokenizer.ggml.model`` (e.g. ``"llama"``, sentencepiece) raises a ``ValueError``.
+  ``tokenizer.ggml.model == "llama"`` (SentencePiece: every Gemma, Llama 2 and Mistral GGUF) is rebuilt as the
+  byte-fallback BPE that transformers' GGUF converter builds (``gguf_tokenizer_mapping.py``: ``sentencepiece_tokenizer``
+  with ``LlamaTokenizer``, and by ``general.architecture`` ``gemma_tokenizer`` with ``GemmaTokenizer`` or
+  ``phi3_tokenizer``), again with the ``tokenizers`` library alone, so kvjax needs no transformers at run time. The
+  tests compare the result with transformers' tokenizer of the same file (the serialized ``tokenizers`` object of the
+  embedded Gemma 3 file is identical to transformers'):
+
+  * model: ``BPE(byte_fallback=True, fuse_unk=True)`` over ``tokenizer.ggml.tokens``; the merges are the file's
+    ``tokenizer.ggml.merges`` or, as SentencePiece files have none, every split of a token into two vocabulary tokens
+    ordered by ``tokenizer.ggml.scores`` (transformers' ``generate_merges``); Gemma's by the tokens' order in the
+    file, and Gemma's tokens of two or more spaces respelled with U+2581.
+  * Llama (any architecture but these): pre-tokenizer ``Metaspace(prepend_scheme="first")`` (one U+2581 before the
+    text), decoder U+2581 -> space, byte fallback, fuse, strip one leading space. Gemma (``gemma``, ``gemma2``,
+    ``gemma3``): no prefix space, normalizer space -> U+2581, each space ends a piece, the same decoder without the
+    strip. Phi-3: the prefix space from a normalizer. transformers ignores ``tokenizer.ggml.add_space_prefix``; so
+    does kvjax.
+  * CONTROL tokens and the bos/eos/unk/pad tokens are special; USER_DEFINED ones (Gemma's ``"\\n"`` runs, its
+    ``[multimodal]``) are added whole. ``add_bos_token`` defaults to True when the file does not say (llama.cpp's
+    default for SentencePiece, and transformers').
+
+  Any other ``tokenizer.ggml.model`` (e.g. ``"t5"``) raises a ``ValueError`` naming the supported ones.
 
 - :class:`HFTokenizer` wraps ``transformers.AutoTokenizer.from_pretrained(folder)`` (transformers is imported
   only when one is built). ``eos_token_ids`` joins the tokenizer's eos id with the ``eos_token_id`` (an int
@@ -169,8 +189,110 @@ def _open_reader(path_or_reader):
     return gguf.GGUFReader(str(path))
 
 
+def _byte_level_backend(get, tokens: list[str], types: list[int]):
+    """``tokenizer.ggml.model='gpt2'``: byte-level BPE from the file's tokens and merges (module docstring)."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    # Normal tokens are spelled in GPT-2's byte alphabet; respell any that are not (as transformers does).
+    # CONTROL / USER_DEFINED tokens keep their text so they are matched whole and keep their own ids.
+    byte_spelling = _bytes_to_unicode()
+    alphabet = set(byte_spelling.values())
+    vocab: dict[str, int] = {}
+    special, added = [], []
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if ty == _CONTROL:
+            special.append(tok)
+        elif ty == _USER_DEFINED:
+            added.append(tok)
+        elif not alphabet.issuperset(tok):
+            tok = "".join(byte_spelling[b] for b in tok.encode("utf-8"))
+        vocab[tok] = i
+    merges = get("tokenizer.ggml.merges")
+    backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    split = _PRE_SPLITS.get(get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary, best first: every split of a token into two vocabulary
+    tokens, ordered by the token's score, then the lengths of the left and right piece (higher first).
+
+    transformers' ``tokenization_utils_base.generate_merges(vocab, vocab_scores)``, step for step, so the
+    order of ties (the same score) is the same: a token's splits in vocabulary order of their pieces, tokens in
+    ``scores`` order, and a stable sort.
+    """
+    merges = []
+    for token, score in scores.items():
+        local = [
+            (token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_backend(get, tokens: list[str], types: list[int]):
+    """``tokenizer.ggml.model='llama'``: SentencePiece as a byte-fallback BPE (module docstring)."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    arch = get("general.architecture")
+    gemma = arch in _GEMMA_ARCHS
+    # Gemma files store a token of 2+ spaces as spaces; its vocabulary spells them with U+2581.
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens] if gemma else tokens
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if gemma:  # Gemma's scores do not follow its merge order; the order of the tokens in the file does
+        scores = {t: -i for i, t in enumerate(spelled)}
+    else:
+        file_scores = get("tokenizer.ggml.scores")
+        scores = dict(zip(spelled, file_scores if file_scores is not None else [0.0] * len(spelled)))
+    merges = get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ")) for m in merges] if merges is not None else _merges_from_scores(vocab, scores)
+    # GemmaTokenizer names "<unk>" the unknown token; LlamaTokenizer names none (byte fallback covers every byte).
+    unk = "<unk>" if gemma else None
+    backend = Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    spaces = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # GemmaTokenizer: no prefix space; every space becomes U+2581 and ends a piece
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(spaces)
+    elif arch == "phi3":  # a normalizer writes the prefix space (so text starting with a space gets two)
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        backend.decoder = decoders.Sequence([*spaces, decoders.Strip(content=" ", left=1)])
+    else:  # LlamaTokenizer (legacy=False): U+2581 before the first piece only, stripped again on decode
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([*spaces, decoders.Strip(content=" ", left=1)])
+
+    # CONTROL tokens and the named ones are special; USER_DEFINED ones that are in the vocabulary are added whole.
+    named = {get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")} - {None}
+    special = [t for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL or i in named]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    in_vocab = backend.get_vocab(with_added_tokens=True)
+    added = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in in_vocab]
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return backend
+
+
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_BUILDERS = {"gpt2": _byte_level_backend, "llama": _sentencepiece_backend}
+
+
 class GGUFTokenizer(Tokenizer):
-    """A byte-level BPE tokenizer built from a GGUF file's metadata (see the module docstring)."""
+    """A byte-level BPE or SentencePiece tokenizer built from a GGUF file's metadata (see the module docstring)."""
 
     def __init__(
         self,
@@ -206,9 +328,6 @@ class GGUFTokenizer(Tokenizer):
     @classmethod
     def from_gguf(cls, path_or_reader) -> GGUFTokenizer:
         """Build from a ``.gguf`` path or an open ``gguf.GGUFReader``."""
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-
         reader = _open_reader(path_or_reader)
 
         def get(key: str, default: Any = None) -> Any:
@@ -216,49 +335,21 @@ class GGUFTokenizer(Tokenizer):
             return default if f is None else f.contents()
 
         kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in _BUILDERS:
             raise ValueError(
-                f"GGUF tokenizer.ggml.model={kind!r} is not supported: kvjax builds only 'gpt2' "
-                "(byte-level BPE) tokenizers from GGUF files; load the Hugging Face checkpoint "
+                f"GGUF tokenizer.ggml.model={kind!r} is not supported: kvjax builds 'gpt2' (byte-level BPE) and "
+                "'llama' (SentencePiece) tokenizers from GGUF files; load the Hugging Face checkpoint "
                 "(with its tokenizer.json) instead"
             )
         tokens = get("tokenizer.ggml.tokens")
-        merges = get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        if not tokens or (kind == "gpt2" and get("tokenizer.ggml.merges") is None):
             raise ValueError(
-                "GGUF tokenizer.ggml.model='gpt2' but tokenizer.ggml.tokens or tokenizer.ggml.merges "
-                "is missing; the file has no usable vocabulary"
+                f"GGUF tokenizer.ggml.model={kind!r} but tokenizer.ggml.tokens"
+                f"{' or tokenizer.ggml.merges' if kind == 'gpt2' else ''} is missing; the file has no usable "
+                "vocabulary"
             )
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
-
-        # Normal tokens are spelled in GPT-2's byte alphabet; respell any that are not (as transformers does).
-        # CONTROL / USER_DEFINED tokens keep their text so they are matched whole and keep their own ids.
-        byte_spelling = _bytes_to_unicode()
-        alphabet = set(byte_spelling.values())
-        vocab: dict[str, int] = {}
-        special, added = [], []
-        for i, (tok, ty) in enumerate(zip(tokens, types)):
-            if ty == _CONTROL:
-                special.append(tok)
-            elif ty == _USER_DEFINED:
-                added.append(tok)
-            elif not alphabet.issuperset(tok):
-                tok = "".join(byte_spelling[b] for b in tok.encode("utf-8"))
-            vocab[tok] = i
-        backend = Backend(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-        split = _PRE_SPLITS.get(get("tokenizer.ggml.pre"))
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+        backend = _BUILDERS[kind](get, tokens, types)
 
         eos = get("tokenizer.ggml.eos_token_id")
         eos_ids = [
@@ -271,7 +362,8 @@ class GGUFTokenizer(Tokenizer):
             eos_token_ids=eos_ids,
             pad_token_id=pad if pad is not None else (eos if eos is not None else 0),
             unk_token_id=get("tokenizer.ggml.unknown_token_id"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise (as transformers).
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", kind == "llama")),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             chat_template=get("tokenizer.chat_template"),
         )

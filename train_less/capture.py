@@ -9,7 +9,9 @@ j <= i < evict[j]`` (:func:`kvjax.methods.less.mask_from_evictions`) — ``S`` i
 ``S × S`` mask (``S/32`` times smaller than a bit-packed one; recomputing the masks every step instead would cost
 a sequential ``S``-step scan per layer and step). They depend only on the frozen q, k, so they are computed once
 (note A7). All layers come from one forward pass per batch (every layer's inputs are the *full-cache* model's,
-note A25). With a mesh, each batch's tokens are split over ``data`` (the parameters as the caller placed them).
+note A25; a hybrid model's sliding-window layers attend within their window, and only its global layers are
+captured and trained, as only they run LESS). With a mesh, each batch's tokens are split over ``data`` (the
+parameters as the caller placed them).
 
 On disk (:class:`CaptureStore`): ``manifest.json`` and shards ``x-00000.npy [n, Lsel, S, H]`` (the store dtype),
 ``evict-00000.npy [n, Lsel, 2, Hkv, S]`` int32, each written to a temporary name and renamed when complete, so a
@@ -52,6 +54,12 @@ def put_batch(x, mesh, axis: int = 0):
     return jax.device_put(x, NamedSharding(mesh, P(*(None,) * axis, S.DATA) if split else P()))
 
 
+def global_layers(cfg) -> list[int]:
+    """The layers LESS runs on: every layer, or a hybrid model's global (full-attention) layers (Gemma 3: every
+    sixth); its sliding-window layers hold a ring buffer of their window (:mod:`kvjax.methods.hybrid`)."""
+    return [layer for layer in range(cfg.num_layers) if cfg.sliding_windows[layer] is None]
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _capture_batch(cfg, policies, layers, mask, store_dtype, params, tokens):
     b, s = tokens.shape
@@ -60,7 +68,7 @@ def _capture_batch(cfg, policies, layers, mask, store_dtype, params, tokens):
     def attend(layer, x, q, k, v, out):
         if layer in layers:
             out = out + ((x.astype(store_dtype), jnp.stack([p.eviction_times(q, k, mask) for p in policies], 1)),)
-        return M.causal_attention(q, k, v), out
+        return M.causal_attention(q, k, v, sliding_window=cfg.sliding_windows[layer]), out
 
     _, out = M.run_layers(
         cfg, params, M.embed(params, tokens, cfg), positions, attend, (), layers=range(max(layers) + 1)
@@ -130,14 +138,14 @@ def capture(
     settings is reused (its missing shards written); one of other settings is replaced. mesh: split each batch
     over ``data`` (a batch that does not divide, e.g. the last one, runs replicated).
     """
-    if any(w is not None for w in cfg.sliding_windows):
+    if layers is not None and (local := [layer for layer in layers if cfg.sliding_windows[layer] is not None]):
         raise ValueError(
-            "LESS training does not support sliding-window attention layers (model has "
-            f"sliding_windows={cfg.sliding_windows}); use a model with full attention"
+            f"layers={list(layers)} include sliding-window layers {local}: LESS compresses only the global layers "
+            "of a hybrid model (its local layers hold a ring buffer of their window); train global layers only"
         )
     if shard_mb <= 0:
         raise ValueError(f"shard_mb={shard_mb} must be > 0 (MiB per capture shard; --shard-mb)")
-    layers = tuple(range(cfg.num_layers) if layers is None else layers)
+    layers = tuple(global_layers(cfg) if layers is None else layers)
     store_dtype = jnp.dtype(store_dtype or jnp.float32)
     n, s = tokens.shape
     folder = Path(folder)

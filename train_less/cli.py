@@ -45,7 +45,7 @@ def _data_args(p) -> None:
     p.add_argument(
         "--model",
         default="smollm2-135m-instruct",
-        help="kvjax.load_model name/path (HF folder, .gguf, hub id, or the embedded SmolLM2)",
+        help="kvjax.load_model name/path (HF folder, .gguf, hub id, or an embedded model: SmolLM2, gemma3-270m)",
     )
     p.add_argument(
         "--data",
@@ -96,7 +96,10 @@ def _training_args(p) -> None:
         "--layers",
         default=None,
         metavar="A-B",
-        help="train only these layers ('0-7', '0,2,5-9'); runs of one --out merge into one kernels folder",
+        help=(
+            "train only these layers ('0-7', '0,2,5-9'; default: all, or a hybrid model's global ones); runs of one "
+            "--out merge into one kernels folder"
+        ),
     )
     p.add_argument(
         "--mask",
@@ -163,6 +166,7 @@ def run(args) -> int:
     import kvjax
     from kvjax.methods import less as L
     from train_less import data
+    from train_less.capture import global_layers
     from train_less.trainer import check_mesh, make_mesh, merge_parts, train
 
     if args.merge:
@@ -180,7 +184,9 @@ def run(args) -> int:
         raise ValueError(f"model={args.model!r} was loaded without a tokenizer; LESS training needs one to read text")
     tokens = data.sequences(model.tokenizer, _sources(args), tc.seq_len, tc.num_seqs)
     try:
-        layers = L.parse_layers(args.layers, model.config.num_layers)
+        layers = (
+            global_layers(model.config) if args.layers is None else L.parse_layers(args.layers, model.config.num_layers)
+        )
     except ValueError as e:
         raise ValueError(f"--layers: {e}") from None
     print(

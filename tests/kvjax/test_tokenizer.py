@@ -209,11 +209,11 @@ def test_tiny_gguf_chat_template(tmp_path):
 
 
 def test_bad_input(tmp_path):
-    spm = _write_gguf(tmp_path / "spm.gguf", model="llama")
-    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama'.*'gpt2' \(byte-level BPE\)"):
-        GGUFTokenizer.from_gguf(spm)
-    with pytest.raises(ValueError, match="'llama'"):
-        GGUFTokenizer.from_gguf(gguf.GGUFReader(str(spm)))
+    unigram = _write_gguf(tmp_path / "t5.gguf", model="t5")
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='t5'.*'gpt2' \(byte-level BPE\) and 'llama'"):
+        GGUFTokenizer.from_gguf(unigram)
+    with pytest.raises(ValueError, match="'t5'"):
+        GGUFTokenizer.from_gguf(gguf.GGUFReader(str(unigram)))
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         GGUFTokenizer.from_gguf(missing)
@@ -223,6 +223,109 @@ def test_bad_input(tmp_path):
         no_chat.apply_chat_template([{"role": "user", "content": "Hi"}])
     with pytest.raises(ValueError, match="chat"):
         no_chat.encode_chat([{"role": "user", "content": "Hi"}])
+
+
+# --- SentencePiece ('llama') GGUF files -----------------------------------------------------------------------
+
+# A tiny SentencePiece vocabulary as llama.cpp writes one: special tokens (CONTROL, UNKNOWN, USER_DEFINED), the 256
+# byte-fallback tokens <0x00>..<0xFF> (BYTE), then pieces with U+2581 for a space and scores in merge order. Gemma
+# files name their special tokens differently and store a token of spaces as spaces ("  ", "   ").
+_SPM_SPECIAL = {
+    "llama": [("<unk>", 2), ("<s>", 3), ("</s>", 3), ("<pad>", 3), ("<start_of_turn>", 3)],
+    "gemma3": [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 3), ("<mask>", 3), ("<start_of_turn>", 3)],
+}
+_SPM_IDS = {"llama": dict(unk=0, bos=1, eos=2, pad=3), "gemma3": dict(pad=0, eos=1, bos=2, unk=3)}
+_SPM_ADDED = [("<think>", 4), ("\n\n", 4)]
+_SPM_PIECES = [
+    *"▁theabcdoruniflx():*#,.'12340\n\té中文",
+    *["th", "he", "▁t", "▁th", "▁the", "▁a", "▁b", "re", "ret", "retu", "return", "▁return", "de", "▁d", "▁de"],
+    *["▁def", "12", "123", "▁1", "  ", "   ", "▁▁", "in", "▁in", "▁x", "on", "▁on", "er", "▁c", "ca", "caf", "café"],
+    *["中文", "▁中文", "▁▁▁"],
+]
+_SPM_TEXTS = [
+    *TRICKY,
+    "the return of the café",
+    " the",
+    "  the  a b  ",
+    "▁the ▁ and U+2581 written in text",
+    "<s><bos>hi</s><eos> <start_of_turn>user<think>x<pad><unk><mask><start_of_turn",
+    "\n\nthe\n\n\n",
+    "<0x41> is not a byte token in text",
+    "\x00 control \x7f bytes",
+    "a<start_of_turn>b",
+]
+
+
+def _write_spm_gguf(path, arch="llama", add_bos=True):
+    """A SentencePiece GGUF (``tokenizer.ggml.model='llama'``) of ``general.architecture=arch``; add_bos: the
+    ``tokenizer.ggml.add_bos_token`` flag, or None for a file without it."""
+    special = _SPM_SPECIAL["gemma3" if arch.startswith("gemma") else "llama"]
+    head = [*special, *_SPM_ADDED, *((f"<0x{b:02X}>", 6) for b in range(256))]
+    tokens = [t for t, _ in head] + _SPM_PIECES
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([ty for _, ty in head] + [1] * len(_SPM_PIECES))
+    w.add_token_scores([0.0] * len(head) + [-float(i) for i in range(len(_SPM_PIECES))])
+    ids = _SPM_IDS["gemma3" if arch.startswith("gemma") else "llama"]
+    w.add_bos_token_id(ids["bos"])
+    w.add_eos_token_id(ids["eos"])
+    w.add_unk_token_id(ids["unk"])
+    w.add_pad_token_id(ids["pad"])
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _assert_matches(ours, ref, texts):
+    """encode with and without special tokens, decode with and without skipping them: equal to transformers'."""
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == _ref_ids(ref, text), text
+        with_bos = ours.encode(text, add_special_tokens=True)
+        assert with_bos == _ref_ids(ref, text, add_special_tokens=True), text
+        for skip in (True, False):
+            assert ours.decode(with_bos, skip_special_tokens=skip) == ref.decode(with_bos, skip_special_tokens=skip)
+    assert (ours.bos_token_id, ours.eos_token_ids[0], ours.pad_token_id) == (
+        ref.bos_token_id,
+        ref.eos_token_id,
+        ref.pad_token_id,
+    )
+
+
+# transformers builds the tokenizer by architecture: Gemma's (no prefix space, a space ends a piece, merges in file
+# order) for gemma*, Phi-3's (the prefix space from a normalizer), Llama's (Metaspace) for any other
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_sentencepiece_gguf_matches_transformers(tmp_path, arch):
+    path = _write_spm_gguf(tmp_path / f"{arch}.gguf", arch)
+    ours = GGUFTokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    _assert_matches(ours, ref, _SPM_TEXTS)
+    assert ours.vocab_size == len(ref)  # Gemma: "  " and "▁▁" are one vocabulary entry, in both
+    # byte fallback: a character outside the vocabulary is its UTF-8 bytes, each a <0xNN> token
+    emoji = ours.encode("🙂")
+    assert [ours.backend.id_to_token(i) for i in emoji[-4:]] == ["<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]
+    assert ours.decode(emoji) == "🙂"
+    # special tokens written in text are whole tokens, dropped by decode(skip_special_tokens=True)
+    bos = ours.bos_token_id
+    turn = ours.encode("<start_of_turn>")
+    assert len(turn) == 1 and ours.encode("x" + ours.backend.id_to_token(bos))[-1] == bos
+    assert ours.decode(ours.encode("x<start_of_turn>"), skip_special_tokens=True) == "x"
+
+
+@pytest.mark.parametrize("add_bos", [None, False])
+def test_sentencepiece_gguf_bos_flag(tmp_path, add_bos):
+    """Without ``add_bos_token`` a SentencePiece file gets BOS (as llama.cpp and transformers add it); False: none."""
+    path = _write_spm_gguf(tmp_path / "t.gguf", "llama", add_bos=add_bos)
+    ours = GGUFTokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    _assert_matches(ours, ref, ["the café", ""])
+    assert (ours.encode("the", add_special_tokens=True)[0] == 1) == (add_bos is None)
 
 
 # --- HFTokenizer ---------------------------------------------------------------------------------------------

@@ -136,3 +136,57 @@ def test_embedded_model_short_training_beats_sparse(tmp_path):
     tc = TrainConfig(budget=12, epochs=1, batch=2, seq_len=128, num_seqs=8, val_frac=0.25)
     meta = train(model.config, model.params, tokens, tc, tmp_path / "k", model.name, progress=False)
     assert np.mean(meta["val_loss"]) < np.mean(meta["val_loss_sparse"])
+
+
+@pytest.mark.extended  # CI's second line: a capture and two epochs of a third tiny model (the default run has two)
+def test_hybrid_model_trains_its_global_layers(tmp_path):
+    """A Gemma-3-shaped model (two local layers of window 8, one global): the capture keeps the global layer's input
+    as the model computes it (its local layers attend within their window, not over the whole prefix), only the
+    global layer is trained, and LESS runs with those kernels on the model."""
+    from train_less.capture import capture
+
+    cfg = kvjax.ModelConfig.from_hf(
+        {
+            "model_type": "gemma3_text",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 8,
+            "max_position_embeddings": 64,
+        }
+    )
+    assert cfg.sliding_windows == (8, 8, None)
+    params = kvjax.model.random_params(cfg, jax.random.PRNGKey(1), scale=0.3)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (10, 32))
+    store = capture(cfg, params, tokens[:2], (TC.less, TC.baseline_plus), tmp_path / "cap", progress=False)
+    assert store.manifest["layers"] == [2]
+    x, _ = store.read([0, 1])
+
+    def input_of_layer_2(window: bool):
+        def attend(layer, x, q, k, v, seen):
+            seen = {**seen, layer: x}
+            return kvjax.model.causal_attention(q, k, v, None, cfg.sliding_windows[layer] if window else None), seen
+
+        ids = jnp.asarray(tokens[:2])
+        pos = jnp.broadcast_to(jnp.arange(32), (2, 32))
+        return np.asarray(
+            kvjax.model.run_layers(cfg, params, kvjax.model.embed(params, ids, cfg), pos, attend, {})[1][2]
+        )
+
+    np.testing.assert_allclose(x[:, 0], input_of_layer_2(window=True), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(x[:, 0], input_of_layer_2(window=False), atol=1e-3)  # the windows matter here
+    with pytest.raises(ValueError, match="sliding-window layers \\[0\\].*global layers"):
+        capture(cfg, params, tokens[:2], (TC.less,), tmp_path / "bad", layers=[0, 2], progress=False)
+
+    meta = train(cfg, params, tokens, TC, tmp_path / "k", "tiny-gemma3", progress=False)
+    assert meta["layers_trained"] == [2] and meta["val_loss"][2] < meta["val_loss_sparse"][2]
+    less = methods.get("less", policy="h2o", budget=6, kernels=str(tmp_path / "k"))
+    model = kvjax.Model(cfg, params, None, "tiny-gemma3")
+    out = kvjax.generate(model, [list(range(1, 25))], less, max_new_tokens=3, driver="scan", stop_at_eos=False)
+    assert len(out.tokens[0]) == 3 and "1 global layer: less" in out.stats[0]["layer_plan"]
