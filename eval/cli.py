@@ -579,7 +579,7 @@ def cmd_leaderboard(args) -> int:
     names = _methods(args.methods, args.methods == MAIN_METHODS)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     options = method_options(names, args.option)
-    kernels = assets.less_kernels_for(args.model)
+    kernels = assets.LESS_KERNELS.get(args.model)
     board = leaderboard.Board(
         model=args.model,
         methods=tuple(names),

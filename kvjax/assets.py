@@ -58,12 +58,6 @@ _GEMMA3_270M_CHUNKS = tuple(
 LESS_KERNELS = {SMOLLM2_NAME: LESS_SMOLLM2_KERNELS, GEMMA3_270M_NAME: LESS_GEMMA3_270M_KERNELS}
 
 
-def less_kernels_for(model: str) -> Path | None:
-    """The LESS kernels shipped for the embedded model named ``model``, or None (another model: train its own with
-    ``kvjax-train-less``)."""
-    return {SMOLLM2_NAME: LESS_SMOLLM2_KERNELS}.get(model)
-
-
 def _package_dir(module: str, wheel: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
