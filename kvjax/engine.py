@@ -651,8 +651,8 @@ def generate(
 
 
 def compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengths: np.ndarray):
-    """``generate(..., prefilled=)`` and :func:`eval.harness.answer_after_context`: this method's compression of the model's prefill of the same padded batch
-    (ValueError for another batch's) -> ``(states, logits)``."""
+    """This method's compression of the model's prefill of the same padded batch -> ``(states, logits)``, for
+    ``generate(..., prefilled=)`` and :func:`eval.harness.answer_after_context` (ValueError for another batch's)."""
     from kvjax import prefilled as P
 
     if not P.same_batch(prefilled, tokens, lengths):
