@@ -36,6 +36,8 @@ TASKS = ("single_needle", "multikey", "multivalue", "variable_tracking", "common
 #: kvpress's leaderboard ratios: the fraction of the context removed (a method keeps ``1 - ratio`` of it)
 RATIOS = (0.25, 0.5, 0.75, 0.875)
 ROWS = "rows.jsonl"
+#: answers of a peer (kvpress, ``benchmarks/kvpress_ruler.py``) on the same contexts, merged into the tables
+PEER_ROWS = "kvpress.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,61 @@ def _open_rows(out: Path, board: Board, restart: bool) -> dict[tuple[int, str], 
     return {(rec["batch_index"], rec["config"]): rec["rows"] for rec in lines[1:]}
 
 
+def read_settings(out: str | Path) -> dict[str, Any]:
+    """The settings of the leaderboard run in folder ``out`` (the first line of its ``rows.jsonl``)."""
+    path = Path(out) / ROWS
+    if not path.is_file():
+        raise FileNotFoundError(f"--out {out} holds no leaderboard run ({ROWS}); run kvjax-eval leaderboard first")
+    s = read_jsonl(path)[0]["settings"]
+    return {**s, **{k: tuple(s[k]) for k in ("methods", "ratios", "tasks")}}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The whole JSON lines of a file (none if it does not exist; a line cut short by a kill is dropped)."""
+    return _records(path) if path.is_file() else []
+
+
+def peer_rows(out: str | Path) -> tuple[list[dict], dict[str, str]]:
+    """The peer's answers in ``out`` (:data:`PEER_ROWS`) as scored rows (method ``kvpress <Press>``; no press:
+    ``transformers full`` at ratio 0), and ``{press: error}`` for presses that failed on the model."""
+    from eval import metrics
+
+    rows, errors = [], {}
+    for r in read_jsonl(Path(out) / PEER_ROWS):
+        name = "transformers full" if r["press"] == "none" else f"kvpress {r['press']}"
+        if "error" in r:
+            errors[name] = r["error"]
+            continue
+        rows.append(
+            {
+                "method": name,
+                "ratio": r["ratio"],
+                "subtask": r["subtask"],
+                "context": r["context_index"],
+                "expected": r["expected"],
+                "answer": r["answer"],
+                "score": metrics.string_match_all(r["answer"], r["expected"]),
+                "seconds": r["seconds"],
+            }
+        )
+    return rows, errors
+
+
+def rewrite(out: str | Path) -> dict[str, Any]:
+    """Merge the peer's answers in ``out`` into its ``leaderboard.json`` and redraw the table and figure."""
+    out = Path(out)
+    results = report.load(out / "leaderboard.json")
+    _merge_peer(results, out)
+    write(results, out)
+    return results
+
+
+def _merge_peer(results: dict[str, Any], out: Path) -> None:
+    rows, errors = peer_rows(out)
+    results["peer"] = {"rows": rows, "errors": errors, "file": PEER_ROWS} if rows or errors else None
+    results["summary"] = summarise(results["rows"] + rows, results["config"]["tasks"])
+
+
 def _records(path: Path) -> list[dict]:
     """The whole JSON lines of ``rows.jsonl`` (a line cut short by a kill is dropped)."""
     out = []
@@ -219,7 +276,7 @@ def run(
         seconds_this_run=seconds,
         seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in _records(out / ROWS)[1:]),
     )
-    results["summary"] = summarise(results["rows"], board.tasks)
+    _merge_peer(results, out)
     write(results, out)
     return results
 
@@ -282,6 +339,7 @@ def markdown(results: dict[str, Any]) -> str:
     methods = list(dict.fromkeys(e["method"] for e in summary))
     ratios = sorted({e["ratio"] for e in summary if e["ratio"] > 0})
     full = by.get(("full", 0.0))
+    peer_full = by.get(("transformers full", 0.0))
     t, v, d = results["timings"], results.get("versions", {}), results.get("device", {})
     lines = [
         f"# kvjax leaderboard: RULER at {s['length']} tokens on `{s['model']}` ({results.get('created', '')})",
@@ -290,7 +348,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"prompts; the context compressed, the question not (kvpress's protocol); score: string_match_all, percent, "
         f"95% intervals in brackets",
         f"- compression ratio r: the fraction of each context removed (each method keeps 1 - r of it; the recall "
-        f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}",
+        f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}"
+        + (f"; transformers' full cache (the kvpress rows' model): {_cell(peer_full['average'])}" if peer_full else ""),
         f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
         f"commit `{results.get('commit')}`; compute {t.get('seconds_all_runs', 0):.0f} s "
         f"(all runs into this folder), command `{results.get('command', '')}`",
@@ -301,11 +360,14 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|" + "---|" * len(ratios),
     ]
     for m in methods:
-        if m == "full":
+        if m in ("full", "transformers full"):
             continue
         lines.append(
             f"| {m} | " + " | ".join(_cell(by[(m, r)]["average"]) if (m, r) in by else "" for r in ratios) + " |"
         )
+    peer = results.get("peer") or {}
+    for name, error in peer.get("errors", {}).items():
+        lines.append(f"\n{name} does not run on this model: `{error}`")
     lines += ["", "## Per task (score at each ratio)", ""]
     tasks = [t for t in s["tasks"]]
     lines += ["| method | ratio | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
@@ -333,11 +395,12 @@ def figure(results: dict[str, Any]):
     full = by.get(("full", 0.0))
     fig, ax = plt.subplots(figsize=(8, 5))
     markers = "osD^vP*Xh<>p"
-    for k, m in enumerate(dict.fromkeys(e["method"] for e in summary if e["method"] != "full")):
+    for k, m in enumerate(dict.fromkeys(e["method"] for e in summary if e["ratio"] > 0)):
         ratios = sorted(r for (n, r) in by if n == m)
         xs = ([0.0] if full else []) + ratios
         ys = ([full["value"]] if full else []) + [by[(m, r)]["value"] for r in ratios]
-        ax.plot(xs, ys, marker=markers[k % len(markers)], label=m)
+        peer = m.startswith("kvpress ")
+        ax.plot(xs, ys, marker=markers[k % len(markers)], label=m, linestyle="--" if peer else "-")
     if full:
         ax.axhline(full["value"], color="black", linestyle="--", linewidth=1, label="full")
     s = results["config"]
