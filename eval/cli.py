@@ -574,6 +574,11 @@ def _add_leaderboard(add) -> None:
     )
     b.add_argument("--out", default="runs/leaderboard", help="output folder (rows.jsonl, leaderboard.json/.md/.png)")
     b.add_argument("--restart", action="store_true", help="start again even if --out holds a run (default: resume)")
+    b.add_argument(
+        "--report",
+        action="store_true",
+        help="write leaderboard.json/.md/.png from what --out holds (a stopped run), running nothing",
+    )
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_leaderboard)
 
@@ -583,6 +588,10 @@ def cmd_leaderboard(args) -> int:
     from eval import leaderboard
 
     t0 = time.perf_counter()
+    if args.report:
+        results = leaderboard.report_only(args.out)
+        print(leaderboard.markdown(results))
+        return 0
     names = _methods(args.methods, args.methods == MAIN_METHODS)
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     options = method_options(names, args.option)

@@ -178,6 +178,29 @@ def peer_rows(out: str | Path) -> tuple[list[dict], dict[str, str]]:
     return rows, errors
 
 
+def report_only(out: str | Path) -> dict[str, Any]:
+    """The outputs of what ``out``'s ``rows.jsonl`` holds, running nothing (a run stopped early: every cell then has
+    the contexts of its finished batches, ``results["partial"]`` says how many)."""
+    out = Path(out)
+    settings = read_settings(out)
+    board = Board(
+        **{**settings, "options": tuple((m, tuple(sorted(kv.items()))) for m, kv in settings["options"].items())}
+    )
+    records = read_jsonl(out / ROWS)[1:]
+    done = {(r["batch_index"], r["config"]): r["rows"] for r in records}
+    batches = sorted({i for i, _ in done})
+    keys = [_config_key(n, r) for n, _, r in board.configs()]
+    results = report.new_results({**board.settings(), "commits": sorted({str(r.get("commit")) for r in records})})
+    results["rows"] = [row for i in batches for k in keys for row in done.get((i, k), [])]
+    whole = [i for i in batches if all((i, k) in done for k in keys)]
+    total = -(-len(board.tasks) * board.contexts // board.batch)
+    results["partial"] = {"batches_done": len(whole), "batches": total, "cells_done": len(done)}
+    results["timings"]["seconds_all_runs"] = sum(r.get("seconds", 0.0) for r in records)
+    _merge_peer(results, out)
+    write(results, out)
+    return results
+
+
 def rewrite(out: str | Path) -> dict[str, Any]:
     """Merge the peer's answers in ``out`` into its ``leaderboard.json`` and redraw the table and figure."""
     out = Path(out)
@@ -353,6 +376,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
         f"commit `{results.get('commit')}`; compute {t.get('seconds_all_runs', 0):.0f} s "
         f"(all runs into this folder), command `{results.get('command', '')}`",
+        *(
+            [
+                f"- **partial run**: {results['partial']['batches_done']} of {results['partial']['batches']} batches "
+                f"finished for every method ({results['partial']['cells_done']} (batch, configuration) cells); the "
+                "same command resumes it"
+            ]
+            if results.get("partial") and results["partial"]["batches_done"] < results["partial"]["batches"]
+            else []
+        ),
         "",
         "## Average over tasks",
         "",

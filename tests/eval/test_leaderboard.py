@@ -75,6 +75,10 @@ def test_a_killed_run_resumes_to_the_same_rows(smol, tmp_path, monkeypatch):
     cut = tmp_path / "b"
     cut.mkdir()
     (cut / leaderboard.ROWS).write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+    partial = leaderboard.report_only(cut)  # the stopped run's tables, running nothing
+    assert partial["partial"] == {"batches_done": 1, "batches": 2, "cells_done": 2}
+    assert [r["answer"] for r in partial["rows"]] == [r["answer"] for r in whole["rows"][:2]]
+    assert "partial run" in (cut / "leaderboard.md").read_text()
     prefills, own = [], []
     real, real_own = P.prefill_once, engine.prefill
     monkeypatch.setattr(P, "prefill_once", lambda *a: prefills.append(1) or real(*a))
