@@ -49,6 +49,7 @@ def _board(**kw):
     return leaderboard.Board(**{**base, **kw})
 
 
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_a_killed_run_resumes_to_the_same_rows(smol, tmp_path, monkeypatch):
     """The whole run; then its rows.jsonl cut after two cells (the third written half): the rerun runs only the
     missing cells, with one model prefill per batch, and gives the same rows. Every cell's answers equal a prefill
