@@ -616,6 +616,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "the threshold counts the kept window's tokens among those passing (the budget grows by them)",
         k=K_BOUNDED,
     ),
+    # ---- GGUF SentencePiece tokenizers (kvjax/tokenizer.py) ----------------------------------------------------
+    M(
+        "spm-gemma-no-space-normalizer",
+        "kvjax/tokenizer.py",
+        r'backend.normalizer = normalizers.Replace(" ", "\u2581")',
+        "pass",
+        ("tests/kvjax/test_tokenizer.py",),
+        "a Gemma SentencePiece vocabulary looks spaces up as spaces instead of U+2581",
+        k="sentencepiece",
+    ),
+    M(
+        "spm-merges-worst-first",
+        "kvjax/tokenizer.py",
+        "merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)",
+        "merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))",
+        ("tests/kvjax/test_tokenizer.py",),
+        "the merges a SentencePiece vocabulary implies are applied lowest score first",
+        k="sentencepiece",
+    ),
 )
 
 #: ``--subset ci``: a fixed handful of fast mutants across a method, a kernel reference, the budget and the model

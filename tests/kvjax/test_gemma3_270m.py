@@ -80,7 +80,6 @@ def test_full_greedy_tokens_match_transformers(model, path):
 
 
 @pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")
-@pytest.mark.filterwarnings("ignore:kernels=.* were trained for another sparse policy setting")
 def test_every_method_runs_and_compresses_the_global_layers(model):
     """Each method at budget 0.2 on a 300-token prompt (LESS with the kernels shipped for this model): the local
     layers hold their window ring (the whole prompt here), the method compresses the three global layers (fewer
