@@ -592,7 +592,9 @@ def cmd_leaderboard(args) -> int:
         results = leaderboard.report_only(args.out)
         print(leaderboard.markdown(results))
         return 0
-    names = _methods(args.methods, args.methods == MAIN_METHODS)
+    from eval import harness
+
+    names = harness.check_methods(_methods(args.methods, args.methods == MAIN_METHODS))
     tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     options = method_options(names, args.option)
     kernels = assets.LESS_KERNELS.get(args.model)

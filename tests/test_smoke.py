@@ -56,7 +56,7 @@ def _parsers():
     yield (
         "kvjax-eval",
         eval_cli.build_parser,
-        [[], ["main"], ["needle"], ["perplexity"], ["ruler"], ["fidelity"], ["longbench"], ["plot"]],
+        [[], ["main"], ["needle"], ["perplexity"], ["ruler"], ["fidelity"], ["longbench"], ["leaderboard"], ["plot"]],
     )
     yield "kvjax-train-less", train_cli.build_parser, [[]]
 

@@ -123,3 +123,16 @@ def test_bad_settings_name_the_option():
     with pytest.raises(ValueError, match="contexts=0"):
         _board(contexts=0)
     assert _board().configs() == [("full", None, 0.0), ("h2o", 0.5, 0.5)]
+
+
+def test_command_line_errors_name_the_option(tmp_path, capsys):
+    """Bad settings stop ``kvjax-eval leaderboard`` before the model loads, naming the option; ``--report`` on a
+    folder without a run says so."""
+    from eval import cli
+
+    assert cli.main(["leaderboard", "--ratios", "0.5,1.5", "--out", str(tmp_path)]) == 2
+    assert "ratios: 1.5" in capsys.readouterr().err
+    assert cli.main(["leaderboard", "--methods", "full,nope", "--out", str(tmp_path)]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert cli.main(["leaderboard", "--report", "--out", str(tmp_path / "none")]) == 2
+    assert "holds no leaderboard run" in capsys.readouterr().err
