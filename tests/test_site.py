@@ -8,8 +8,9 @@ anchor, a page missing from the nav or a docstring of the API reference that doe
 - the API reference renders: no raw Sphinx role, its doctest examples are code blocks, the registry's ``get`` and
   ``register`` come first on their page, and test-only hooks (``small_options``, ``small_variants``) are not in it;
 - a headless browser visits every page (one browser, the pages one after another in a frame: fast) and finds no
-  console error, no image that did not load, no raw reST in the text and no page wider than the window (wide tables
-  and code scroll inside their column); a screenshot of the home page and of a method page is written.
+  console error, no image that did not load, no raw reST in the text, no page wider than the window and no table,
+  code block or image wider than its column (they scroll inside it); a screenshot of the home page and of a method
+  page is written.
 
 Skipped with the reason where mkdocs is not installed (``pip install -e ".[docs]"``, which scripts/install.sh
 does) or where no browser is (Playwright's Python package with a system Chromium or its own, or the ``chromium``
@@ -210,6 +211,25 @@ function check() {
   if (text.includes(">>>")) { bad++; console.error("Error: a doctest line outside a code block on /" + url); }
   const wide = doc.documentElement.scrollWidth - win.innerWidth;
   if (wide > 1) { bad++; console.error("Error: /" + url + " is " + wide + " px wider than the window"); }
+  // the content column (the theme lets a table's scroll box reach into its padding), and the right edge of what
+  // is seen of an element: every scrolling ancestor clips it
+  const column = (article.closest(".md-content") || article).getBoundingClientRect().right;
+  const shownRight = (el) => {
+    let right = el.getBoundingClientRect().right;
+    for (let a = el.parentElement; a && a !== doc.body; a = a.parentElement) {
+      if (["auto", "scroll", "hidden"].includes(win.getComputedStyle(a).overflowX)) {
+        right = Math.min(right, a.getBoundingClientRect().right);
+      }
+    }
+    return right;
+  };
+  for (const el of article.querySelectorAll("table, pre, img")) {
+    const over = shownRight(el) - column;
+    if (over > 1) {
+      bad++; console.error("Error: a " + el.tagName + " on /" + url + " overflows its column by " + over + " px");
+      break;
+    }
+  }
   next();
 }
 function next() {
