@@ -40,6 +40,7 @@ REGISTRY: dict[str, type] = {
 
 
 def names() -> list[str]:
+    """The registered method names, in registry order (the built-in ones, then those :func:`register` added)."""
     return list(REGISTRY)
 
 

@@ -192,3 +192,22 @@ def test_raw_text_to_an_instruct_model_that_answers_nothing_warns(tiny):
         warnings.simplefilter("error", engine.ChatTemplateWarning)
         engine.generate(model, "Where?", "full", max_new_tokens=3, chat=True)  # the template: no warning
         engine.generate(model, [_ids(5)], "full", max_new_tokens=3)  # token ids: the caller's choice
+
+
+def test_the_decode_budget_split_the_docs_state():
+    """docs/usage.md and ``methods.get``: PyramidKV splits ``decode_budget`` over the layers (30 layers at
+    ``D=4096``: 7980 at layer 0 down to 237 at the top, mean ``D``), so a 200-token prompt generating 320 tokens
+    re-compresses its top layers; SnapKV's ``D`` is per layer and such a generation never reaches it."""
+    import re
+    from pathlib import Path
+
+    pyramid = methods.get("pyramidkv", budget=0.2, decode_budget=4096)
+    shares = [pyramid.target(layer, 30) for layer in range(30)]
+    assert (shares[0], shares[-1]) == (7980, 237) and abs(np.mean(shares) - 4096) < 30, shares
+    assert shares[-1] < 200 + 320 < 4096
+    snap = methods.get("snapkv", budget=0.2, decode_budget=4096)
+    assert {snap.target(layer, 30) for layer in range(30)} == {4096}
+    root = Path(__file__).resolve().parents[2]
+    usage = " ".join((root / "docs" / "usage.md").read_text().split())
+    assert re.search(r"7,980 at layer 0 down to 237 at the top", usage)
+    assert "7980 at layer 0 down to 237" in " ".join(methods.get.__doc__.split())
