@@ -202,12 +202,13 @@ class FullAttentionWarning(BudgetWarning):
     """At the size asked for, a compressing method computes exactly full attention (:func:`warn_full_attention`)."""
 
 
-def warn_full_attention(method, model_cfg, capacity, layers=None) -> bool:
+def warn_full_attention(method, model_cfg, capacity, layers=None, stacklevel: int = 3) -> bool:
     """Warn (:class:`FullAttentionWarning`, once per method config and capacity) when ``method`` computes exactly
     full attention in a cache built for ``capacity``: every one of ``layers`` (default: all the model's) runs
     ``full`` (ClusterKV's and Quest's ``n_full`` first layers) or attends every token
     (:meth:`kvjax.methods.base.Method.attends_everything`: too few tokens to compress). Methods that are ``full``
-    never warn. Host-side, at ``init`` (static sizes only). Returns whether it warned."""
+    never warn. Host-side, at ``init`` (static sizes only); ``stacklevel`` as ``warnings.warn``'s, from the caller of
+    the function that calls this one. Returns whether it warned."""
     if method.name == "full" or (isinstance(method.budget, float) and method.budget == 1.0):
         return False  # full, or a budget of the whole prompt: asked for
     key = ("full attention", method.name, repr(method), capacity)
@@ -230,12 +231,12 @@ def warn_full_attention(method, model_cfg, capacity, layers=None) -> bool:
             "use a longer prompt or a smaller budget to test its compression"
         )
     else:
-        why = "every layer is one of its full first layers (n_full); use a model with more layers, or n_full=0"
+        why = "every layer is one of its full first layers (n_full or full_layers); use a model with more layers"
     warnings.warn(
         f"{method.name}: this configuration computes exactly full attention on its {len(layers)} "
         f"layer{'s' * (len(layers) != 1)}, its outputs are full's: {why}",
         FullAttentionWarning,
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
     return True
 

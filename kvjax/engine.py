@@ -107,7 +107,7 @@ def init_states(
     it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
     measures that take no config, :func:`memory_bytes`, :func:`held_bytes`, ...; ``generate`` does)."""
     method = for_model(cfg, method)
-    warn_full_attention(method, cfg, capacity)  # once per method and capacity, on the host (static sizes)
+    warn_full_attention(method, cfg, capacity, stacklevel=4)  # once per method and capacity, on the host
     if scan_layers and cfg.layers_differ:
         raise ValueError(
             "scan_layers=True needs layers alike, but this model's layers differ in window/RoPE "
