@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -35,7 +36,7 @@ import numpy as np
 from flax import struct
 
 from kvjax import inplace, model as M
-from kvjax.budget import warn_small_budget
+from kvjax.budget import warn_full_attention, warn_small_budget
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, LayerContext
@@ -106,6 +107,7 @@ def init_states(
     it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
     measures that take no config, :func:`memory_bytes`, :func:`held_bytes`, ...; ``generate`` does)."""
     method = for_model(cfg, method)
+    warn_full_attention(method, cfg, capacity, stacklevel=4)  # once per method and capacity, on the host
     if scan_layers and cfg.layers_differ:
         raise ValueError(
             "scan_layers=True needs layers alike, but this model's layers differ in window/RoPE "
@@ -520,6 +522,29 @@ def prepare_prompts(model, prompts, chat: bool = False) -> list[list[int]]:
     return ids
 
 
+class ChatTemplateWarning(UserWarning):
+    """Strings were tokenized without the chat template of a model that has one, and an answer came out empty
+    (:func:`warn_without_chat`)."""
+
+
+def warn_without_chat(model, prompts, chat: bool, texts, argument: str = "chat") -> bool:
+    """Warn (:class:`ChatTemplateWarning`) when string ``prompts`` were tokenized without the model's chat template
+    (``chat=False``) and some output in ``texts`` is empty: an instruct model given raw text often ends at once.
+    Returns whether it warned."""
+    tok = model.tokenizer
+    strings = isinstance(prompts, str) or any(isinstance(p, str) for p in prompts)
+    if chat or not strings or tok is None or tok.chat_template is None or all(t for t in texts):
+        return False
+    empty = sum(1 for t in texts if not t)
+    warnings.warn(
+        f"{empty} of {len(texts)} outputs are empty: the prompts were tokenized without this model's chat template "
+        f"({argument}=False) and an instruct model often ends at once on raw text; pass {argument}=True",
+        ChatTemplateWarning,
+        stacklevel=3,
+    )
+    return True
+
+
 def check_method(cfg: ModelConfig, method) -> None:
     """A ValueError when the method's token budget exceeds the model context (the fix: a smaller count)."""
     from kvjax.budget import check_budget
@@ -589,6 +614,7 @@ def generate(
     on_token=None,
     prefilled=None,
     compress_local: bool = False,
+    track_held: bool = False,
 ) -> Result:
     """Generate continuations of ``prompts`` with a (compressed) KV cache.
 
@@ -600,7 +626,11 @@ def generate(
     batch (:func:`kvjax.prefilled.prefill_once` of the padded prompts), which this method then only compresses
     (``prefill_seconds`` is then the compression's). compress_local: on a model with local (sliding-window)
     layers, run the method on them too instead of their ring buffers of the window
-    (:mod:`kvjax.methods.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). Returns a
+    (:mod:`kvjax.methods.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). track_held:
+    also record the bytes each sequence holds along the generation, ``stats[i]["held_bytes_per_step"]`` (a list
+    of ints: entry 0 after the prefill, entry ``s`` after decode step ``s``; the last is ``stats[i]["held_bytes"]``),
+    measured as :func:`held_bytes` measures the end; it runs the decode loop step by step from Python (the
+    ``"python"`` driver, a host round trip per step; same tokens) and stops where ``driver`` would. Returns a
     :class:`Result`.
     """
     from kvjax import methods as methods_lib
@@ -637,8 +667,12 @@ def generate(
     cache_bytes = memory_bytes(method, states)
     held_prefill = tokens_held(method, states)
     loop = DecodeLoop(cfg, method, sampling, max_new_tokens, eos, mesh)
-    if driver == "python":
-        out, steps, states = _python_loop(loop, model.params, states, first, lengths_d, key, on_token)
+    trace = [held_bytes(method, states)] if track_held else None
+    if driver == "python" or track_held:
+        on_states = None if trace is None else (lambda st: trace.append(held_bytes(method, st)))
+        out, steps, states = _python_loop(
+            loop, model.params, states, first, lengths_d, key, on_token, on_states, until_done=driver != "scan"
+        )
     else:
         out, steps, states = run_loop(loop, driver, model.params, states, first, lengths_d, key)
         out = S.to_host(out)
@@ -647,7 +681,12 @@ def generate(
     shared = dict(
         prefill_seconds=t1 - t0, decode_seconds=t2 - t1, read=bytes_read_per_step(method, states, cfg.num_heads)
     )
-    return _result(model, method, out, steps, eos, lengths_list, held_prefill, states, cache_bytes, shared)
+    result = _result(model, method, out, steps, eos, lengths_list, held_prefill, states, cache_bytes, shared)
+    warn_without_chat(model, prompts, chat, result.text)
+    if trace is not None:
+        for i, st in enumerate(result.stats):
+            st["held_bytes_per_step"] = [int(t[i]) for t in trace]
+    return result
 
 
 def compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengths: np.ndarray):
@@ -699,7 +738,10 @@ def describe_plan(cfg: ModelConfig, method) -> str:
     return describe(cfg, method)
 
 
-def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token):
+def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token, on_states=None, until_done=True):
+    """The decode loop from Python, one jitted step at a time: ``on_token(step, tokens [B])`` after every token,
+    ``on_states(states)`` after every decode step; stops at ``max_new_tokens`` or, with ``until_done``, when every
+    sequence has emitted EOS (as the ``while`` driver; ``until_done=False`` runs every step, as ``scan``)."""
     b = first.shape[0]
     out = np.zeros((b, loop.max_new_tokens), np.int32)
     out[:, 0] = S.to_host(first)
@@ -709,9 +751,11 @@ def _python_loop(loop: DecodeLoop, params, states, first, lengths, key, on_token
     if on_token is not None:
         on_token(0, out[:, 0])
     step = 1
-    while step < loop.max_new_tokens and not done.all():
+    while step < loop.max_new_tokens and not (until_done and done.all()):
         key, sub = jax.random.split(key)
         logits, states = _step_jit(loop.cfg, loop.method, params, states, token, pos, mesh=loop.mesh)
+        if on_states is not None:
+            on_states(states)
         nxt = S.to_host(loop.sampling(logits, sub))
         nxt = np.where(done, out[:, step - 1], nxt)
         out[:, step] = nxt

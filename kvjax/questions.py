@@ -165,16 +165,21 @@ def answer(
     max_new_tokens: int = 64,
     sampling=None,
     *,
-    chat: bool = False,
+    chat: bool | None = None,
     stop_at_eos: bool = True,
     seed: int = 0,
 ) -> engine.Result:
-    """Answers to ``questions`` (strings, tokenized without special tokens unless ``chat``, or token id lists, at
-    least one token each) continuing from the compressed context ``ctx``, all in one batch: the question's tokens
-    are teacher-forced after the context, then up to ``max_new_tokens`` are sampled (greedy by default). Returns an
-    :class:`kvjax.engine.Result` (``stats``: per question, as ``generate``'s; ``prompt_tokens`` the context's plus
-    the question's, ``prefill_seconds`` the context's compression, shared)."""
+    """Answers to ``questions`` (strings, tokenized with the chat template if ``chat`` and without special tokens
+    otherwise, or token id lists, at least one token each) continuing from the compressed context ``ctx``, all in one
+    batch: the question's tokens are teacher-forced after the context, then up to ``max_new_tokens`` are sampled
+    (greedy by default). Returns an :class:`kvjax.engine.Result` (``stats``: per question, as ``generate``'s;
+    ``prompt_tokens`` the context's plus the question's, ``prefill_seconds`` the context's compression, shared).
+    ``chat=None`` (the default) follows the model: the chat template where its tokenizer has one (an instruct
+    model), raw text otherwise; with ``chat=False`` on a model that has one, an empty answer warns
+    (:class:`kvjax.engine.ChatTemplateWarning`)."""
     cfg = model.config
+    if chat is None:
+        chat = model.tokenizer is not None and model.tokenizer.chat_template is not None
     sampling = sampling or Greedy()
     if isinstance(questions, str) or (questions and isinstance(questions[0], int)):
         questions = [questions]
@@ -234,4 +239,5 @@ def answer(
     for st, c in zip(res.stats, count):
         st["decode_steps"] = steps
         st["question_tokens"] = st["prompt_tokens"] - ctx.length
+    engine.warn_without_chat(model, questions, chat, res.text)
     return res

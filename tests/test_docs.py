@@ -4,9 +4,8 @@
   the results index (benchmarks/results/README.md) and the markdown cells of colab/*.ipynb resolve to a file or
   folder of the repository; an anchor must match a heading of the target (GitHub's slug rule) or an HTML
   ``id``/``name``.
-- Absolute links to this repository (``https://github.com/kvjax/kvjax/blob/main/<path>``, ``.../tree/main/<path>``
-  and Colab's ``https://colab.research.google.com/github/kvjax/kvjax/blob/main/<path>``, the way notebooks link
-  to the repository, since relative links do not work in Colab) name an existing path.
+- No file names a repository URL for kvjax: it has no public repository, so an install or a link through one
+  (``github.com/<owner>/kvjax``, a Colab ``/github/`` link) cannot work; a clone installs with ``pip install -e .``.
 - Every ``docs/....md`` path (with its ``#anchor``, if any) named in a .py file exists.
 - No py, md, toml, sh or ipynb file mentions the pre-publication design files that lived outside the repository.
 
@@ -37,8 +36,8 @@ SKIP_DIRS = {
     ".ipynb_checkpoints",
 }
 
-REPO_URL = re.compile(r"https://github\.com/kvjax/kvjax/(?:blob|tree)/main/([^\s)\"'<>]*)")
-COLAB_URL = re.compile(r"https://colab\.research\.google\.com/github/kvjax/kvjax/blob/main/([^\s)\"'<>]*)")
+# Assembled with + so that this file does not name them itself.
+UNREACHABLE = ("github.com/" + "kvjax/kvjax", "colab.research.google.com/" + "github/kvjax")
 INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+[\"'][^)]*[\"'])?\s*\)")
 REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+[\"'].*[\"'])?\s*$", re.M)
 DOCS_PATH = re.compile(r"(?<![\w/.-])(docs/(?:[\w-]+/)*[\w-]+\.md)(#[\w-]+)?")
@@ -199,20 +198,15 @@ def test_relative_links_resolve(path):
     assert not problems, "broken documentation links:\n" + "\n".join(problems)
 
 
-ABSOLUTE_FILES = [p for p in repo_files(".md", ".ipynb", ".py") if not rel(p).startswith("benchmarks/results/")]
-
-
-def test_absolute_repository_links_resolve():
+def test_no_file_names_an_unreachable_repository():
     problems = []
-    for path in ABSOLUTE_FILES:
-        text = notebook_text(path) if path.suffix == ".ipynb" else path.read_text(encoding="utf-8")
-        for pattern in (REPO_URL, COLAB_URL):
-            for m in pattern.finditer(text):
-                link = m.group(1).rstrip(".,;")
-                problem = check_target(rel(path), link, ROOT)
-                if problem:
-                    problems.append(problem + f" (in {m.group(0)})")
-    assert not problems, "links to the repository that name no existing path:\n" + "\n".join(problems)
+    for path in repo_files(".md", ".ipynb", ".py", ".toml", ".sh", ".yml", ".yaml", ".cfg", ".txt"):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            problems += [f"{rel(path)}:{lineno}: {bad}" for bad in UNREACHABLE if bad in line]
+    assert not problems, (
+        "kvjax has no public repository; install from the clone (pip install -e .) and link relatively:\n"
+        + "\n".join(problems)
+    )
 
 
 def test_docs_paths_named_in_python_exist():
@@ -250,3 +244,17 @@ def test_github_slug_rule():
     assert github_slug("Multi-device (not yet implemented)") == "multi-device-not-yet-implemented"
     assert github_slug("The [budget](x.md) contract") == "the-budget-contract"
     assert anchors_of("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+NOTES_TO_OURSELVES = re.compile(r"\bissues? #?\d+\b|\bmoved (?:here )?from\b|\(moved\b", re.I)
+
+
+def test_user_docs_hold_no_notes_to_ourselves():
+    """The README, the changelog and docs/ speak to a user: no "the goal of issue 28", no "moved here from the
+    README, 2026-11-27" (the history of the project's own work belongs to git)."""
+    problems = []
+    for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for m in NOTES_TO_OURSELVES.finditer(line):
+                problems.append(f"{rel(path)}:{lineno}: {m.group(0)!r}: {line.strip()[:100]}")
+    assert not problems, "notes to ourselves in the user documentation:\n" + "\n".join(problems)

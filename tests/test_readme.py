@@ -37,3 +37,124 @@ def test_the_table_of_methods_names_every_method():
     section = README.split("## Methods", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| \[?`([a-z_0-9]+)`", section, re.M)
     assert sorted(rows) == sorted(methods.names()), f"table rows {sorted(rows)}, registered {sorted(methods.names())}"
+
+
+# ---- every number of the README comes from the file it cites -------------------------------------------------
+
+RESULTS = ROOT / "benchmarks" / "results"
+NAMES = {
+    "full": "full",
+    "StreamingLLM": "streaming_llm",
+    "H2O": "h2o",
+    "SnapKV": "snapkv",
+    "PyramidKV": "pyramidkv",
+    "ChunkKV": "chunkkv",
+    "Chelsea": "chelsea",
+    "PQCache": "pqcache",
+    "ClusterKV": "clusterkv",
+    "Quest": "quest",
+    "LESS": "less",
+}
+
+
+def _paragraph(start: str) -> str:
+    """The README paragraph that starts with ``start`` (up to the next blank line)."""
+    i = README.index(start)
+    return README[i:].split("\n\n", 1)[0].replace("\n", " ")
+
+
+def _range(text: str) -> tuple[float, float]:
+    lo, hi = re.split(r"[-–]", text)
+    return float(lo), float(hi)
+
+
+def _table(md: str, section: str) -> dict[str, list[str]]:
+    """``method -> cells`` of the rows at budget 0.2 (and full's) of a results.md table."""
+    part = md.split(f"### {section}", 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in part.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 2 and cells[1] in ("-", "0.2") and cells[0] in NAMES.values():
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_the_main_job_figures_come_from_its_results():
+    md = (RESULTS / "eval-main" / "results.md").read_text(encoding="utf-8")
+    quality = _paragraph("**Quality: the main job**")
+    assert "(benchmarks/results/eval-main/results.md)" in quality
+    version = re.search(r"kvjax (\d+\.\d+\.\d+) at commit `([0-9a-f]+)`", quality)
+    assert version, "the main job's paragraph names no kvjax version and commit"
+    from kvjax import __version__
+
+    assert version.group(1) == __version__, f"the main job's results are of kvjax {version.group(1)}, not {__version__}"
+    assert f"kvjax {version.group(1)}" in md and f"commit `{version.group(2)}" in md, "results.md: another run"
+    needle, ppl = _table(md, "needle"), _table(md, "perplexity")
+    accuracies = re.findall(r"\b(" + "|".join(NAMES) + r") (\d+)%", quality.split("passkey accuracy", 1)[1])
+    assert len(accuracies) >= 4, quality
+    for name, pct in accuracies:
+        got = float(needle[NAMES[name]][2].split()[0])
+        assert round(got) == int(pct), f"README: {name} {pct}% passkey accuracy; results.md: {got}"
+    deltas = re.findall(r"\b(" + "|".join(NAMES) + r") ([0-9.]+)\b", quality.split("ΔNLL", 1)[1])
+    assert len(deltas) >= 3, quality
+    for name, value in deltas:
+        cell = ppl[NAMES[name]][4]
+        mean, lo, hi = map(float, re.findall(r"-?[0-9.]+", cell))
+        assert f"{mean:.2f}" == value, f"README: {name} ΔNLL {value}; results.md: {cell}"
+        assert lo <= 0 <= hi or "including 0" not in quality, f"{name}: {cell} excludes 0"
+    for figure in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README):
+        assert (ROOT / figure).is_file(), f"README shows {figure}, which is not in the repository"
+        assert figure.startswith(("benchmarks/results/", "docs/images/")), figure
+
+
+def test_the_speed_figures_come_from_the_roofline_they_cite():
+    import json
+    import sys
+
+    speed = _paragraph("**Speed: the roofline**")
+    data = json.loads((RESULTS / "roofline_cpu_32k.json").read_text())
+    assert f"commit `{data['commit'][:7]}`" in speed, "the roofline paragraph names another commit"
+    assert (
+        "--lengths 32k --batch 1 --dtypes float32" in speed
+        and "--lengths 32k --batch 1 --dtypes float32" in (data["command"])
+    )
+    rows = [r for r in data["rows"] if r["label"] != "full" and r["status"] == "ok"]
+    step = re.search(r"one attention layer.*?is ([0-9.]+[-–][0-9.]+)× faster", speed)
+    assert step, "the speed headline does not say it measures one attention layer"
+    lo, hi = _range(step.group(1))
+    assert (lo, hi) == (round(min(r["speedup"] for r in rows), 1), round(max(r["speedup"] for r in rows), 1))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import roofline
+
+    proj = roofline.projection(data["rows"], data["projection_weights_bytes"], data["projection_layers"])
+    whole = re.search(r"whole 8B model.*?([0-9.]+[-–][0-9.]+)× per token", speed)
+    assert whole, "the speed headline gives no whole-model projection beside it"
+    lo, hi = _range(whole.group(1))
+    assert (lo, hi) == (round(min(p["speedup"] for p in proj), 2), round(max(p["speedup"] for p in proj), 2))
+    eff = {r["label"].split("@")[0]: [] for r in rows}
+    for r in rows:
+        eff[r["label"].split("@")[0]].append(r["efficiency"])
+    for names, value in re.findall(r"((?:(?:" + "|".join(NAMES) + r")(?:, | and )?)+) ([0-9.]+(?:[-–][0-9.]+)?)\b",
+                                    speed.split("efficiency", 1)[1]):  # fmt: skip
+        group = [NAMES[n] for n in re.findall("|".join(NAMES), names)]
+        values = [e for n in group for e in eff[n]]
+        lo, hi = _range(value) if re.search("[-–]", value) else (float(value), float(value))
+        assert (lo, hi) == (round(min(values), 2), round(max(values), 2)), f"{names}: README {value}, data {values}"
+
+
+def test_the_gpu_column_is_what_the_leases_logged():
+    methods_log = (RESULTS / "accelerator_methods_h200_3.log").read_text()
+    embedded_log = (RESULTS / "accelerator_embedded_h200_3.log").read_text()
+    section = README.split("## Methods", 1)[1].split("\n## ", 1)[0]
+    assert "accelerator_methods_h200_3.log" in section and "accelerator_embedded_h200_3.log" in section
+    for row in re.findall(r"^\| \[?`([a-z_0-9]+)`.*$", section, re.M):
+        line = next(l for l in section.splitlines() if l.startswith((f"| [`{row}`]", f"| `{row}`")))
+        gpu = [c.strip() for c in line.strip("|").split("|")][5].split(" / ")[1]
+
+        def outcome(log: str, test: str) -> str:
+            m = re.search(rf"(PASSED|FAILED) tests/accelerator/{test}\[{row}\]", log)
+            return {"PASSED": "✓", "FAILED": "✗"}[m.group(1)] if m else "not finished"
+
+        kernels = outcome(methods_log, "test_methods.py::test_method_with_kernels_matches_reference")
+        model = outcome(embedded_log, "test_embedded.py::test_device_matches_cpu")
+        assert gpu == f"kernels {kernels}, model {model}", f"{row}: README's GPU cell {gpu!r}"

@@ -5,12 +5,18 @@ complete), and the wheel installed into a fresh virtual environment runs ``kvjax
 The virtual environment sees the system's site-packages (``--system-site-packages``) so that jax, torch and the
 asset wheels are not downloaded again; the wheel is installed with ``--no-index``, so a dependency the wheel
 declares but the environment lacks fails the install instead of downloading. The build runs without isolation
-(``--no-isolation``: the installed setuptools, no download). Nothing here reaches the network.
+(``--no-isolation``: the installed setuptools, no download). Nothing here reaches the network, but for the last test:
+
+Every ``pip install -e <spec>`` line of the README's "Install" section, and the ``.[test]`` and ``.[docs]`` extras it
+names, resolves in a fresh virtual environment (``pip install --dry-run``: the accelerator extras' jax plugins are
+resolved from the package index, not installed or run; the rest is already installed here).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -82,3 +88,31 @@ def test_the_wheel_installs_and_generates(dist, tmp_path):
     argv = ["generate", "--model", tiny, "--method", "snapkv", "--budget", "0.5", "--max-new-tokens", "4"]
     out = _run([bin_ / "kvjax", *argv, "--prompt", "Where is the Eiffel Tower? " * 4], cwd=tmp_path, env=env)
     assert "snapkv:" in out.stderr and "error:" not in out.stderr, out.stderr
+
+
+def _readme_installs() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Install\n.*?```bash\n(.*?)```", readme, re.S).group(1)
+    specs = re.findall(r"^pip install -e \"?(\.(?:\[[a-z0-9]+\])?)\"?", block, re.M)
+    named = re.findall(r"`(\.\[[a-z0-9]+\])`", readme.split("## Install", 1)[1].split("\n## ", 1)[0])
+    assert "." in specs and named, f"README's install section: {specs}, {named}"
+    return list(dict.fromkeys(specs + named))
+
+
+#: what resolving each extra must bring beyond the base install (the accelerator's jax plugin)
+EXPECT = {".[cuda]": "jax-cuda12-plugin", ".[cuda13]": "jax-cuda13-plugin", ".[tpu]": "libtpu"}
+
+
+@pytest.mark.parametrize("spec", _readme_installs() + [".[cuda13]"])
+def test_every_install_line_of_the_readme_resolves(spec, tmp_path):
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    report = tmp_path / "report.json"
+    target = f"{ROOT}{spec[1:]}"
+    cmd = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--dry-run", "-q"]
+    _run([*cmd, "--no-build-isolation", "--report", report, "-e", target], cwd=tmp_path, env=env, timeout=900)
+    names = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+    assert "kvjax" in names, names
+    if spec in EXPECT:
+        assert EXPECT[spec] in names, f"{spec} resolved without {EXPECT[spec]}: {sorted(names)}"

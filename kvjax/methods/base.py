@@ -313,6 +313,13 @@ class Method(abc.ABC):
         warn_small_budget` warns once."""
         return MIN_TOKENS, f"a budget of 1-{MIN_TOKENS - 1} tokens keeps no usable context"
 
+    def attends_everything(self, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:
+        """Whether, in a cache built for ``capacity``, this layer's decode steps attend every token of a prompt that
+        fills the bucket and of every generated token, i.e. compute exactly full attention: too few tokens to
+        compress (a recall budget that covers them all, a prompt too short for PQ retrieval, no merge round of
+        Chelsea). :func:`kvjax.budget.warn_full_attention` says so once. Default: ``False``."""
+        return False
+
     def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg: ModelConfig | None = None) -> int:
         """Tokens the budget gives a sequence with an ``n``-token prompt (host ints): ``budget_tokens(budget, n)``
         (Chelsea's budget also counts the ``max_new_tokens`` to come). Compared with :meth:`min_budget`."""
@@ -320,6 +327,14 @@ class Method(abc.ABC):
 
     @abc.abstractmethod
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
+
+
+def attends_all_steps(method, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:
+    """:meth:`Method.attends_everything` of a recall method from its ``attended(n, steps, ctx)`` count: a prompt
+    of ``n = capacity.prompt_len`` tokens attends ``n + steps + 1`` tokens at every decode step."""
+    n, new = capacity.prompt_len, capacity.max_new_tokens
+    ctx = LayerContext(layer, model_cfg.num_layers, capacity, model_cfg)
+    return all(method.attended(n, s, ctx) >= n + s + 1 for s in range(max(new, 1)))
 
 
 # ---------------------------------------------------------------------------------------------------------------

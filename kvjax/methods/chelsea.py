@@ -32,6 +32,7 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
+from kvjax.budget import warn_full_attention
 from kvjax.methods.base import LayerContext, Capacity, Method, check_budget, rows_at, tree_bytes
 from kvjax.methods.csm import Round, csm_round, merges_for, quantise_ratio
 
@@ -297,8 +298,14 @@ class Chelsea(Method):
 
     # ---- the method interface --------------------------------------------------------------------------
 
+    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
+        """No merge round runs for any prompt of the bucket, at prefill or while decoding (base.Method)."""
+        _, _, pre, dec, _ = self.sizes(model_cfg, capacity)
+        return not pre and not dec
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> ChelseaState:
         b_max, slots, pre, dec, per_seq = self.sizes(model_cfg, capacity)
+        warn_full_attention(self, model_cfg, capacity, [layer])
         out = sorted(h for (l, h) in self.outliers(model_cfg) if l == layer)
         comp = [h for h in range(model_cfg.num_kv_heads) if h not in out]
         d = model_cfg.head_dim

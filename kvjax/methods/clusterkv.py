@@ -32,7 +32,9 @@ from kvjax.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
+from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    attends_all_steps,
     LayerContext,
     Capacity,
     Method,
@@ -222,9 +224,14 @@ class ClusterKV(Method):
         """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
         return full_below(self.n_full, layer, self)
 
+    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
+        """Every decode step of a bucket-filling prompt attends every token (:meth:`attended`; base.Method)."""
+        return attends_all_steps(self, model_cfg, capacity, layer)
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
         refuse_full_layer(self, layer)
         p = capacity.prompt_len
+        warn_full_attention(self, model_cfg, capacity, [layer])
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
             raise ValueError(
                 f"num_clusters={self.num_clusters} is more clusters than the {p - min(self.sink, p)} "

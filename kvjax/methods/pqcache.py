@@ -32,10 +32,19 @@ from kernels_pallas.decode_attention import default_impl as attention_impl
 from kernels_pallas.decode_attention.xla import chunk_rows
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
 from kvjax import attention, sharding
-from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul
+from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, warn_full_attention
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
-from kvjax.methods.base import LayerContext, Capacity, Method, full_bytes, rows_at, sum_small_axis, tree_bytes
+from kvjax.methods.base import (
+    Capacity,
+    LayerContext,
+    Method,
+    attends_all_steps,
+    full_bytes,
+    rows_at,
+    sum_small_axis,
+    tree_bytes,
+)
 
 from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
 
@@ -304,12 +313,17 @@ class PQCache(Method):
         align = _WORD if (self.impl or default_impl()) == "xla" else CODE_ALIGN
         return -(-slots // align) * align
 
+    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
+        """Every decode step of a bucket-filling prompt attends every token (:meth:`attended`; base.Method)."""
+        return attends_all_steps(self, model_cfg, capacity, layer)
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> PQState:
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
         if d % self.m:
             raise ValueError(f"m={self.m} does not divide head_dim={d}; choose m among the divisors of {d}")
         slots = capacity.prompt_len + capacity.max_new_tokens
         sink = min(self.sink, slots)
+        warn_full_attention(self, model_cfg, capacity, [layer])
         w, k = self.split(capacity.prompt_len)  # per-sequence values are at most the bucket's
         state = PQState(
             k=jnp.zeros((batch, h, slots, d), dtype),

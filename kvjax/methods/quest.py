@@ -30,7 +30,9 @@ from flax import struct
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention, sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
+from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    attends_all_steps,
     Capacity,
     LayerContext,
     Method,
@@ -181,9 +183,14 @@ class Quest(Method):
         """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
         return full_below(self.n_full, layer, self)
 
+    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
+        """Every decode step of a bucket-filling prompt attends every token (:meth:`attended`; base.Method)."""
+        return attends_all_steps(self, model_cfg, capacity, layer)
+
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
         refuse_full_layer(self, layer)
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
+        warn_full_attention(self, model_cfg, capacity, [layer])
         slots = capacity.prompt_len + capacity.max_new_tokens
         n_pages = -(-slots // self.page_size)
         return QuestState(

@@ -41,7 +41,9 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_stored_clean(path):
-    """No outputs, no execution counts; a first code cell of parameters that defines SMALL; a Colab badge."""
+    """No outputs, no execution counts; a first code cell of parameters that defines SMALL and KVJAX_SOURCE (where
+    the install cell installs kvjax from: kvjax has no public repository, so no Colab badge can open it); a first
+    cell that says how to run it in Colab."""
     nb = _read(path)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
@@ -49,7 +51,9 @@ def test_notebook_is_stored_clean(path):
             assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count: clear it"
     params = nb.cells[_parameters_index(nb)].source
     assert "SMALL" in params, f"{path.name}: the parameter cell must define SMALL"
-    assert "colab.research.google.com" in nb.cells[0].source, f"{path.name}: the first cell needs the Colab badge"
+    assert "KVJAX_SOURCE = " in params, f"{path.name}: the parameter cell must define KVJAX_SOURCE"
+    first = nb.cells[0].source
+    assert "In Colab: upload this notebook" in first and "KVJAX_SOURCE" in first, f"{path.name}: no Colab how-to"
 
 
 #: the longest (2.5, 2 and 0.7 min) run in CI's second line (.ci/run), not the default run (docs/testing.md); 04's
