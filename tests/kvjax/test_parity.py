@@ -235,9 +235,9 @@ def test_bad_input(tmp_path):
     _write_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ValueError, match="gpt2"):
         config_from_gguf(open_gguf(tmp_path / "gpt2.gguf"))
-    _write_gguf(tmp_path / "spm.gguf", "llama", tokenizer_model="llama")
-    with pytest.raises(ValueError, match="'llama'"):
-        GGUFTokenizer.from_gguf(tmp_path / "spm.gguf")
+    _write_gguf(tmp_path / "wordpiece.gguf", "llama", tokenizer_model="bert")
+    with pytest.raises(ValueError, match="'bert' is not supported: kvjax builds 'gpt2' .* and 'llama'"):
+        GGUFTokenizer.from_gguf(tmp_path / "wordpiece.gguf")
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         open_gguf(tmp_path / "nope.gguf")
 
