@@ -12,7 +12,9 @@ kvpress's ``KVPressTextGenerationPipeline._forward`` on the token ids: the conte
 question fed uncompressed, greedy answers of ``max_new_tokens`` tokens (the leaderboard's). Presses: ``SnapKVPress``,
 ``StreamingLLMPress``, ``ChunkKVPress(SnapKVPress())`` and ``KnormPress`` at each ``--ratios`` (kvpress's
 ``compression_ratio``), and no press (transformers' full cache). A press that fails on this model is recorded with its
-error. Answers are scored on the kvjax side with the leaderboard's ``string_match_all``.
+error. Answers are scored on the kvjax side with the leaderboard's ``string_match_all``. ``<Press>-global`` (e.g.
+``SnapKVPress-global``, a diagnostic): kvpress's ``PerLayerCompressionPress`` with the ratio on the global
+(``full_attention``) layers and 0 on the sliding-window ones, which is what kvjax compresses on a hybrid model.
 
 **Order and resume.** Context-major (each context under every press before the next context), so a run stopped early
 has the same contexts in every cell; every answer is appended to ``kvpress.jsonl`` in ``--out`` and a rerun skips
@@ -38,11 +40,15 @@ PRESSES = ("none", "SnapKVPress", "StreamingLLMPress", "ChunkKVPress", "KnormPre
 # ------------------------------------------------------------------------------------------------------- torch side
 
 
-def _press(name: str, ratio: float):
+def _press(name: str, ratio: float, model):
     import kvpress
 
     if name == "ChunkKVPress":  # ChunkKV's paper scores chunks with SnapKV's observation window
         return kvpress.ChunkKVPress(press=kvpress.SnapKVPress(compression_ratio=ratio))
+    if name.endswith("-global"):  # the diagnostic: compress the global layers only, as kvjax does on a hybrid model
+        kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+        ratios = [ratio if kind == "full_attention" else 0.0 for kind in kinds]
+        return kvpress.PerLayerCompressionPress(getattr(kvpress, name[: -len("-global")])(), compression_ratios=ratios)
     return getattr(kvpress, name)(compression_ratio=ratio)
 
 
@@ -67,7 +73,7 @@ def torch_side(a) -> None:
                 continue
             t0 = time.perf_counter()
             try:
-                press = None if job["press"] == "none" else _press(job["press"], job["ratio"])
+                press = None if job["press"] == "none" else _press(job["press"], job["ratio"], model)
                 answer = pipe._forward(
                     {
                         "context_ids": torch.tensor([job["context"]]),
