@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -348,6 +349,30 @@ def summarise(rows: Sequence[dict], tasks: Sequence[str]) -> list[dict]:
     return out
 
 
+NEEDLES = ("single_needle", "multikey", "multivalue")
+FAILURES = ("found", "cut short", "another number", "no number")
+
+
+def needle_failures(rows: Sequence[dict]) -> dict[tuple[str, float], dict[str, int]]:
+    """How the needle tasks' expected numbers fare in the answers, per (method, ratio): ``found``; ``cut short`` (the
+    answer holds a number that is a proper prefix of it: the method kept some of its digits, one token each in a
+    digit-wise tokenizer such as Gemma's); ``another number``; ``no number``."""
+    out: dict[tuple[str, float], dict[str, int]] = {}
+    for r in rows:
+        if r["subtask"] not in NEEDLES:
+            continue
+        cell = out.setdefault((r["method"], r["ratio"]), dict.fromkeys(FAILURES, 0))
+        numbers = re.findall(r"\d+", r["answer"])
+        for e in r["expected"]:
+            if e in r["answer"]:
+                cell["found"] += 1
+            elif any(e.startswith(n) and len(n) < len(e) for n in numbers):
+                cell["cut short"] += 1
+            else:
+                cell["another number" if numbers else "no number"] += 1
+    return out
+
+
 def _cell(c: dict) -> str:
     if math.isnan(c["lo"]):
         return f"{c['value']:.1f}"
@@ -411,6 +436,17 @@ def markdown(results: dict[str, Any]) -> str:
                 + " | ".join(f"{e['tasks'][t]['value']:.0f}" if t in e["tasks"] else "" for t in tasks)
                 + " |"
             )
+    failures = needle_failures(results["rows"] + list((results.get("peer") or {}).get("rows", [])))
+    if failures:
+        lines += [
+            "",
+            "## How the needles' numbers fare (single_needle, multikey, multivalue: every expected number)",
+            "",
+            "| method | ratio | " + " | ".join(FAILURES) + " |",
+            "|---|---|" + "---|" * len(FAILURES),
+        ]
+        for (m, r), cell in failures.items():
+            lines.append(f"| {m} | {r:g} | " + " | ".join(str(cell[f]) for f in FAILURES) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -136,3 +136,19 @@ def test_command_line_errors_name_the_option(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err
     assert cli.main(["leaderboard", "--report", "--out", str(tmp_path / "none")]) == 2
     assert "holds no leaderboard run" in capsys.readouterr().err
+
+
+def test_needle_failures_classify_each_expected_number():
+    rows = [
+        {
+            "method": "a",
+            "ratio": 0.5,
+            "subtask": "multivalue",
+            "answer": ": 1234567, 321 and 99",
+            "expected": ["1234567", "3210000", "4444444", "9"],
+        },
+        {"method": "a", "ratio": 0.5, "subtask": "single_needle", "answer": "the the", "expected": ["5555555"]},
+        {"method": "a", "ratio": 0.5, "subtask": "common_words", "answer": "x", "expected": ["y"]},
+    ]
+    got = leaderboard.needle_failures(rows)
+    assert got == {("a", 0.5): {"found": 2, "cut short": 1, "another number": 1, "no number": 1}}
