@@ -192,6 +192,7 @@ def report_only(out: str | Path) -> dict[str, Any]:
     batches = sorted({i for i, _ in done})
     keys = [_config_key(n, r) for n, _, r in board.configs()]
     results = report.new_results({**board.settings(), "commits": sorted({str(r.get("commit")) for r in records})})
+    results["command"] = command(board, out)  # the run's own command (this one only wrote the tables)
     results["rows"] = [row for i in batches for k in keys for row in done.get((i, k), [])]
     whole = [i for i in batches if all((i, k) in done for k in keys)]
     total = -(-len(board.tasks) * board.contexts // board.batch)
@@ -200,6 +201,23 @@ def report_only(out: str | Path) -> dict[str, Any]:
     _merge_peer(results, out)
     write(results, out)
     return results
+
+
+def command(board: Board, out: str | Path) -> str:
+    """The ``kvjax-eval leaderboard`` command line that runs (or resumes) ``board`` into ``out``."""
+    default = Board(model=board.model, methods=board.methods)
+    flags = {"ratios": "ratios", "tasks": "tasks", "length": "length", "contexts": "contexts", "batch": "batch"}
+    flags.update(max_new_tokens="max-new-tokens", seed="seed")
+    line = ["kvjax-eval leaderboard"]
+    if board.model != "gemma3-270m":
+        line.append(f"--model {board.model}")
+    for field, flag in flags.items():
+        value = getattr(board, field)
+        if value != getattr(default, field):
+            line.append(f"--{flag} {','.join(map(str, value)) if isinstance(value, tuple) else value}")
+    for m, kv in board.options:
+        line += [f"--option {m}.{k}={v}" for k, v in kv]
+    return " ".join(line + [f"--out {out}"])
 
 
 def rewrite(out: str | Path) -> dict[str, Any]:
@@ -399,7 +417,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}"
         + (f"; transformers' full cache (the kvpress rows' model): {_cell(peer_full['average'])}" if peer_full else ""),
         f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
-        f"commit `{results.get('commit')}`; compute {t.get('seconds_all_runs', 0):.0f} s "
+        f"commit `{', '.join(s.get('commits') or [str(results.get('commit'))])}`; compute "
+        f"{t.get('seconds_all_runs', 0):.0f} s "
         f"(all runs into this folder), command `{results.get('command', '')}`",
         *(
             [
