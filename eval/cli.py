@@ -236,10 +236,7 @@ def cmd_run(args) -> int:
             r"trained \d+( tokens( of \d+-token sequences)?)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels",
         )
     for name, b in grid:
-        try:
-            harness.make_method(name, b, options.get(name))  # bad option values fail here too
-        except ValueError as e:
-            raise ValueError(f"--option {name}: {e}" if options.get(name) else str(e)) from None
+        _check_method(name, b, options.get(name))  # bad option values fail here too
     also_equal_bytes = _also_equal_bytes(args, names)
     runner.check_equal_bytes_refs(grid, {"--equal-bytes": args.equal_bytes, "--also-equal-bytes": also_equal_bytes})
     model = kvjax.load_model(args.model, mesh=args.mesh, scan_layers=args.scan_layers)
@@ -284,6 +281,19 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _option_argument(sp) -> None:
+    """``--option [METHOD.]KEY=VALUE``, as every run subcommand takes it."""
+    sp.add_argument(
+        "--option",
+        type=parse_qualified_option,
+        action="append",
+        default=[],
+        metavar="[METHOD.]KEY=VALUE",
+        help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
+        "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)",
+    )
+
+
 def _common(
     sp,
     methods,
@@ -312,15 +322,7 @@ def _common(
         default=budgets,
         help="comma-separated budgets: fractions of each prompt in (0, 1] (0.2) and/or token counts (256)",
     )
-    sp.add_argument(
-        "--option",
-        type=parse_qualified_option,
-        action="append",
-        default=[],
-        metavar="[METHOD.]KEY=VALUE",
-        help="a method config option, repeatable: KEY=VALUE sets it on every method of --methods that "
-        "has it (--option window=16), METHOD.KEY=VALUE on one (--option snapkv.window=32)",
-    )
+    _option_argument(sp)
     if equal_bytes:
         sp.add_argument(
             "--equal-bytes",
@@ -557,14 +559,7 @@ def _add_leaderboard(add) -> None:
     b.add_argument("--batch", type=int, default=5, help="contexts per batch (fixed shape)")
     b.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per answer")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated contexts")
-    b.add_argument(
-        "--option",
-        type=parse_qualified_option,
-        action="append",
-        default=[],
-        metavar="[METHOD.]KEY=VALUE",
-        help="a method config option, repeatable (as in every kvjax-eval command)",
-    )
+    _option_argument(b)
     b.add_argument(
         "--scan-layers",
         action=argparse.BooleanOptionalAction,
@@ -611,7 +606,7 @@ def cmd_leaderboard(args) -> int:
         options=tuple((m, tuple(sorted(kv.items()))) for m, kv in sorted(options.items())),
     )
     for name, budget, _ in board.configs():
-        harness_method(name, budget, options.get(name))  # bad methods and options fail before the model loads
+        _check_method(name, budget, options.get(name))  # bad methods and options fail before the model loads
     model = kvjax.load_model(args.model, scan_layers=args.scan_layers)
     print(
         f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s",
@@ -625,7 +620,7 @@ def cmd_leaderboard(args) -> int:
     return 0
 
 
-def harness_method(name, budget, options):
+def _check_method(name, budget, options):
     """``harness.make_method``, its ValueError naming ``--option`` when options were given."""
     from eval import harness
 

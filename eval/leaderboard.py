@@ -127,7 +127,7 @@ def _open_rows(out: Path, board: Board, restart: bool) -> dict[tuple[int, str], 
         out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"settings": settings}) + "\n", encoding="utf-8")
         return {}
-    lines = _records(path)
+    lines = read_jsonl(path)
     first = lines[0] if lines else {}
     if first.get("settings") != json.loads(json.dumps(settings)):
         raise ValueError(
@@ -150,7 +150,13 @@ def read_settings(out: str | Path) -> dict[str, Any]:
 
 def read_jsonl(path: Path) -> list[dict]:
     """The whole JSON lines of a file (none if it does not exist; a line cut short by a kill is dropped)."""
-    return _records(path) if path.is_file() else []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def peer_rows(out: str | Path) -> tuple[list[dict], dict[str, str]]:
@@ -235,17 +241,6 @@ def _merge_peer(results: dict[str, Any], out: Path) -> None:
     results["summary"] = summarise(results["rows"] + rows, results["config"]["tasks"])
 
 
-def _records(path: Path) -> list[dict]:
-    """The whole JSON lines of ``rows.jsonl`` (a line cut short by a kill is dropped)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _append(out: Path, record: dict) -> None:
     with (out / ROWS).open("a", encoding="utf-8") as f:
         f.write(json.dumps(record, default=report._jsonable) + "\n")
@@ -316,22 +311,11 @@ def run(
         wall_seconds_this_run=time.perf_counter() - start,
         load_seconds=model.load_seconds,
         seconds_this_run=seconds,
-        seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in _records(out / ROWS)[1:]),
+        seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in read_jsonl(out / ROWS)[1:]),
     )
     _merge_peer(results, out)
     write(results, out)
     return results
-
-
-def _mean_interval(scores: Sequence[float]) -> dict[str, float]:
-    """Mean of ``scores`` (fractions) in percent with its 95% interval (Wilson for 0/1 scores, else Student's t)."""
-    n = len(scores)
-    mean = sum(scores) / n
-    if all(s in (0.0, 1.0) for s in scores):
-        lo, hi = report.wilson(int(sum(scores)), n)
-    else:
-        lo, hi = report._t_interval(list(scores))
-    return {"value": 100 * mean, "lo": 100 * lo, "hi": 100 * hi, "n": n}
 
 
 def average_interval(per_task: Sequence[Sequence[float]]) -> dict[str, float]:
@@ -360,7 +344,7 @@ def summarise(rows: Sequence[dict], tasks: Sequence[str]) -> list[dict]:
             {
                 "method": method,
                 "ratio": ratio,
-                "tasks": {t: _mean_interval(by_task[t]) for t in present},
+                "tasks": {t: report.interval("ruler", [{"score": x} for x in by_task[t]]) for t in present},
                 "average": average_interval([by_task[t] for t in present]),
             }
         )

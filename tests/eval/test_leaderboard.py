@@ -110,7 +110,9 @@ def test_average_interval_is_stratified():
     assert got["value"] == pytest.approx(100 * np.mean(means))
     assert got["lo"] == pytest.approx(100 * (np.mean(means) - half))
     assert got["hi"] == pytest.approx(100 * (np.mean(means) + half))
-    cell = leaderboard._mean_interval([1.0, 0.0, 1.0, 1.0])
+    cell = leaderboard.summarise(
+        [{"method": "a", "ratio": 0.5, "subtask": "t", "score": x} for x in (1.0, 0.0, 1.0, 1.0)], ["t"]
+    )[0]["tasks"]["t"]
     lo, hi = stats.binomtest(3, 4).proportion_ci(method="wilson")
     assert (cell["lo"], cell["hi"]) == (pytest.approx(100 * lo), pytest.approx(100 * hi))
 
