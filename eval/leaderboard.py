@@ -328,7 +328,7 @@ def average_interval(per_task: Sequence[Sequence[float]]) -> dict[str, float]:
     if any(len(s) < 2 for s in per_task):
         return {"value": 100 * avg, "lo": math.nan, "hi": math.nan, "n": n}
     var = sum(sum((x - m) ** 2 for x in s) / (len(s) - 1) / len(s) for s, m in zip(per_task, means)) / t**2
-    half = report._t_quantile(n - t) * math.sqrt(var)
+    half = report.t_quantile(n - t) * math.sqrt(var)
     return {"value": 100 * avg, "lo": 100 * max(0.0, avg - half), "hi": 100 * min(1.0, avg + half), "n": n}
 
 

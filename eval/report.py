@@ -225,7 +225,8 @@ def summarise(results: dict[str, Any]) -> dict[tuple[str, str, float | int | Non
     return {key: interval(key[0], rows)["value"] for key, rows in _groups(results).items()}
 
 
-def _t_quantile(df: int) -> float:
+def t_quantile(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
     from scipy import stats
 
     return float(stats.t.ppf(0.975, df))
@@ -247,13 +248,14 @@ def _t_interval(xs: list[float]) -> tuple[float, float]:
     if n < 2:
         return math.nan, math.nan
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    half = _t_quantile(n - 1) * sd / math.sqrt(n)
+    half = t_quantile(n - 1) * sd / math.sqrt(n)
     return mean - half, mean + half
 
 
 def interval(task: str, rows: list[dict]) -> dict[str, float]:
     """``{"value", "lo", "hi", "n"}`` of one (task, method, budget) cell, a 95% interval: Wilson for accuracies
-    whose rows score 0 or 1 (needle, RULER), Student's t over the rows' means otherwise; for perplexity the value
+    whose rows score 0 or 1 (needle, RULER), Student's t over the rows' means otherwise (clipped to [0, 100] for
+    percentages); for perplexity the value
     is ``exp`` of the token-weighted mean NLL and the interval ``exp`` of the t interval of the per-sequence mean
     NLLs (``n`` = sequences). NaN bounds where ``n < 2``."""
     kind = TASKS.get(task, (task, "mean", True))[1]
@@ -269,6 +271,8 @@ def interval(task: str, rows: list[dict]) -> dict[str, float]:
         lo, hi = wilson(int(sum(scores)), n)
     else:
         lo, hi = _t_interval(scores)
+        if kind == "mean_percent":  # scores are fractions of the answer: the interval stays in [0, 1]
+            lo, hi = max(0.0, lo), min(1.0, hi)
     scale = 100.0 if kind == "mean_percent" else 1.0
     return {"value": scale * mean, "lo": scale * lo, "hi": scale * hi, "n": n}
 

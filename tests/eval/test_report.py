@@ -363,3 +363,20 @@ def test_scores_figure_shows_bytes_read_beside_bytes_held():
         del row["bytes_read_per_step"]
     titles = [ax.get_title() for ax in report.scores_figure(results).axes]
     assert not any("read" in t for t in titles) and sum("memory held" in t for t in titles) == 2
+
+
+def test_fractional_scores_interval_stays_in_range():
+    """RULER's partial scores (a multi-value answer scores 1/4 per value found) take scipy's t interval, clipped to
+    [0, 100] percent: a cell of n = 3 would otherwise report a negative lower bound."""
+    stats = pytest.importorskip("scipy.stats")
+    import numpy as np
+
+    scores = [0.25, 0.0, 1.0]
+    ci = report.interval("ruler", [{"score": x} for x in scores])
+    lo, hi = stats.t.interval(0.95, 2, loc=np.mean(scores), scale=stats.sem(scores))
+    assert lo < 0 and hi > 1  # the unclipped interval leaves the range
+    assert ci["value"] == pytest.approx(100 * np.mean(scores)) and (ci["lo"], ci["hi"]) == (0.0, 100.0)
+    scores = [0.5, 0.75, 0.5, 0.25, 0.5]
+    ci = report.interval("ruler", [{"score": x} for x in scores])
+    lo, hi = stats.t.interval(0.95, 4, loc=np.mean(scores), scale=stats.sem(scores))
+    assert (ci["lo"], ci["hi"]) == (pytest.approx(100 * lo), pytest.approx(100 * hi))
