@@ -92,9 +92,15 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
   TTFT columns are (``ttft_skipped``), the decode step is still measured. At the defaults h2o and LESS stop after
   64k at batch 1 and after 32k at batch 4. ``--max-prefill-s inf`` sets no cap and skips the calibrations (each
   compiles a prefill: on a GPU, most of a short run).
+- **failures**: a variant that raises while compiling, prefilling or decoding (a kernel this backend cannot lower,
+  say) gets a ``status: "failed"`` row with its ``error``, and the others go on; if ``full`` fails, its
+  configuration's variants are recorded failed with it (they have no reference).
+- **resuming** (``--resume``): a run cut short (a device lease's limit) is run again with the same command; rows of
+  ``--out`` made at the same commit with the same settings are kept and their variants not measured again (``full``
+  is timed again beside each new group, so every ratio is of one group). Another commit: everything again.
 
 Output: the JSON (``--out``; jax version, device, commit, command, load average, written after every
-configuration), a printed table, and beside the JSON a ``.txt`` of it, a ``.png`` plot (speed-up vs context per
+group of variants), a printed table, and beside the JSON a ``.txt`` of it, a ``.png`` plot (speed-up vs context per
 variant, solid, with its bytes-ratio ideal ``full's bytes / its bytes`` dashed in the same colour; one panel per
 batch and dtype) and the projection: an 8B model's TPOT on an H100 and a TPU v5e as (weights + bytes read) /
 bandwidth, with this run's efficiency applied to each method's KV bytes (:func:`projection` states what it assumes),
@@ -184,6 +190,7 @@ class Variant:
     prefill_temp: int = 0
     prefills: dict = dataclasses.field(default_factory=dict)  # layer -> compiled prefill
     skipped: str | None = None
+    failed: str | None = None  # the error that stopped it (compile, prefill or decode): recorded, the run goes on
 
 
 @dataclasses.dataclass
@@ -287,7 +294,11 @@ def plan_variant(cfg, var: Variant, layers, batch, n, cap, dtype) -> None:
             var.skipped = f"init refuses the capacity: {e}"
             return
         var.state_bytes += tree_bytes(st)
-        var.prefills[layer] = compile_prefill(var.method, layer, st, q, k, v, lengths, prev)
+        try:
+            var.prefills[layer] = compile_prefill(var.method, layer, st, q, k, v, lengths, prev)
+        except Exception as e:  # noqa: BLE001  (a kernel that fails to lower or compile on this backend)
+            var.failed = f"prefill compile: {_error(e)}"
+            return
         var.prefill_temp = max(var.prefill_temp, temp_bytes(var.prefills[layer]))
         prev = st
 
@@ -555,7 +566,7 @@ def table(rows: list[dict]) -> str:
         for r in block:
             label = r["label"] + (f" (g{r['group']})" if r.get("group") else "")
             if r.get("status") != "ok":
-                lines.append(f"{label:22s} skipped: {r.get('skipped', '')}")
+                lines.append(f"{label:22s} {r['status']}: {r.get('skipped') or r.get('error', '')}")
                 continue
             lines.append(
                 f"{label:22s} {r['step_s'] * 1e3:8.2f} {r['bytes_read'] / 2**20:9.1f} "
@@ -824,6 +835,29 @@ def header(args, cfg, limit) -> dict:
     }
 
 
+#: what a run resumed with ``--resume`` must share with the earlier one (besides its commit)
+RESUMED_SETTINGS = ("setting", "device_kind", "backend", "layers", "first_layer", "steps", "rounds", "timing")
+
+
+def resumable_rows(old: dict, new: dict) -> list[dict]:
+    """The earlier run's rows that ``--resume`` keeps: all of them when it ran at the same commit (known, the tree
+    clean) with the same settings (:data:`RESUMED_SETTINGS`), else none (printing why: everything is measured
+    again)."""
+    why = None
+    if not new.get("commit") or old.get("commit") != new["commit"]:
+        why = f"it ran at commit {old.get('commit')}, this is {new.get('commit')}"
+    elif old.get("commit_dirty") or new.get("commit_dirty"):
+        why = "kvjax/, kernels_pallas/ or benchmarks/ differ from the commit"
+    else:
+        diff = [k for k in RESUMED_SETTINGS if old.get(k) != new.get(k)]
+        why = f"other settings: {', '.join(f'{k} {old.get(k)!r} -> {new.get(k)!r}' for k in diff)}" if diff else None
+    if why:
+        print(f"--resume: measuring everything again ({why})", flush=True)
+        return []
+    print(f"--resume: keeping {len(old['rows'])} rows of the earlier run", flush=True)
+    return old["rows"]
+
+
 def _budgets(text):
     from e2e import _budgets as parse
 
@@ -889,6 +923,12 @@ def parse_args(argv):
     )
     p.add_argument("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth measurement")
     p.add_argument("--out", default="benchmarks/results/roofline_cpu.json")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep --out's rows if it ran at this commit with these settings, and measure only the variants it lacks "
+        "(full is timed again beside them); a short device lease rerun",
+    )
     p.add_argument(
         "--report",
         default=None,
@@ -976,6 +1016,12 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     vars_ = [
         Variant(label, for_model(cfg, m), b) for label, m, b in variants(names, args.budgets, args.token_budgets, (1,))
     ]
+    done = {r["label"] for r in rows if r["status"] in ("ok", "failed") and all(r.get(k) == base[k] for k in base)}
+    if done:  # --resume: measured (or failed) at this commit; full is timed again beside the rest
+        vars_ = vars_[:1] + [v for v in vars_[1:] if v.label not in done]
+        print(f"== {context_label(n)} B={batch} {dt}: {len(done)} variants measured at this commit", flush=True)
+        if len(vars_) == 1:
+            return
     print(f"== {context_label(n)} B={batch} {dt}: planning {len(vars_)} variants", flush=True)
     size = args.group_size or len(vars_)
     attention_s = None
@@ -984,10 +1030,49 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
         attention_s = _run_piece(
             cfg, args, n, batch, dtype, piece, layers, clock, limit, rows, write, base, cap, attention_s
         )
-        if attention_s is False:  # full cannot run: every variant was recorded skipped
+        if attention_s is False:  # full cannot run: this piece's variants are recorded, and the rest
+            rows.extend(_skipped_row(base, v, "full cannot run here (its row)") for v in vars_[1 + i + size :])
             break
     write()
     print(table([r for r in rows if (r["context"], r["batch"], r["dtype"]) == (n, batch, dt)]), flush=True)
+
+
+def _error(e: BaseException) -> str:
+    """``Type: message`` of an exception, its first 400 characters (a Pallas lowering error runs to pages)."""
+    return f"{type(e).__name__}: {e}"[:400]
+
+
+def _failed_row(base, v, error) -> dict:
+    return {**base, "label": v.label, "method": v.method.name, "budget": v.budget, "status": "failed", "error": error}
+
+
+def _full_failed(rows, base, vars_, write) -> bool:
+    """Every variant of ``vars_`` recorded failed because ``full`` (``vars_[0]``), their reference, failed."""
+    reason = f"full failed: {vars_[0].failed}"
+    rows.append(_failed_row(base, vars_[0], vars_[0].failed))
+    rows.extend(_failed_row(base, v, reason) for v in vars_[1:] if not v.failed and not v.skipped)
+    print(f"  {reason}", flush=True)
+    write()
+    return False
+
+
+def _time_each_on_failure(runs, ran, dargs, n, args, rows, base) -> dict[str, float]:
+    """:func:`time_runs` of ``runs`` together; where that raises, each run timed alone and those that raise again
+    recorded failed (their states, donated to the failing call, cannot run again)."""
+    try:
+        return time_runs(runs, dargs, n, args.steps, args.rounds)
+    except Exception as e:  # noqa: BLE001
+        print(f"  timing together failed ({_error(e)}); timing each alone", flush=True)
+    times = {}
+    for r, v in zip(runs, ran):
+        try:
+            times.update(time_runs([r], dargs, n, args.steps, args.rounds))
+        except Exception as e:  # noqa: BLE001
+            v.failed = f"decode: {_error(e)}"
+            if v is not ran[0]:
+                rows.append(_failed_row(base, v, v.failed))
+            print(f"  {v.label} failed: {v.failed}", flush=True)
+    return times
 
 
 def _skipped_row(base, v, reason) -> dict:
@@ -1003,14 +1088,20 @@ def _skipped_row(base, v, reason) -> dict:
 
 def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, write, base, cap, attention_s):
     """``vars_`` (``full`` first): plan, skip with reasons, group by memory, build, time; rows appended and
-    written. Returns the causal attention's seconds (timed once, on the first piece), or False when ``full``
-    cannot run."""
+    written. A variant that fails (compiling, prefilling or decoding: a kernel this backend cannot run) gets a
+    ``status: "failed"`` row with its error and the others go on. Returns the causal attention's seconds (timed
+    once, on the first piece), or False when ``full`` cannot run."""
     dt = dtype.name
     for v in vars_:
-        if not v.prefills and not v.skipped:  # full is planned once, on the first piece
+        if not v.prefills and not v.skipped and not v.failed:  # full is planned once, on the first piece
             plan_variant(cfg, v, layers, batch, n, cap, dtype)
+            if v.failed and v is vars_[0]:
+                return _full_failed(rows, base, vars_, write)
+            if v.failed:
+                rows.append(_failed_row(base, v, v.failed))
+                print(f"  {v.label} failed: {v.failed}", flush=True)
     ttft_skip = cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers)
-    full, others = vars_[0], [v for v in vars_[1:] if not v.skipped]
+    full, others = vars_[0], [v for v in vars_[1:] if not v.skipped and not v.failed]
     pbytes = prompt_bytes(cfg, batch, n, dtype)
     groups, too_big = plan_groups(full, others, pbytes, limit)
     for v, reason in too_big:
@@ -1031,18 +1122,29 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
             clock.record("attention", dt, n, batch, attention_s / len(layers))
             if args.model_ttft:
                 clock.dense[(n, batch, dt)] = time_dense(cfg, batch, n, dtype)
-        runs = []
-        for v in [full] + group:
-            print(f"  {v.label}: prefill", flush=True)
-            runs.append(build(cfg, v, layers, batch, n, cap, dtype))
-            clock.record(v.method.name, dt, n, batch, runs[-1].prefill_s / len(layers))
         dargs = decode_inputs(cfg, batch, dtype)
         pos = jnp.full((batch,), n, jnp.int32)
-        for r in runs:
-            compile_step(r, layers, dargs, pos, args.steps if args.timing == "loop" else 1)
-        times = time_runs(runs, dargs, n, args.steps, args.rounds)
+        runs, ran = [], []
+        for v in [full] + group:
+            print(f"  {v.label}: prefill", flush=True)
+            try:
+                run = build(cfg, v, layers, batch, n, cap, dtype)
+                compile_step(run, layers, dargs, pos, args.steps if args.timing == "loop" else 1)
+            except Exception as e:  # noqa: BLE001  (recorded; the other variants go on)
+                v.failed = f"prefill or decode compile: {_error(e)}"
+                if v is full:
+                    return _full_failed(rows, base, [full] + group, write)
+                rows.append(_failed_row(base, v, v.failed))
+                print(f"  {v.label} failed: {v.failed}", flush=True)
+                continue
+            clock.record(v.method.name, dt, n, batch, run.prefill_s / len(layers))
+            runs.append(run)
+            ran.append(v)
+        times = _time_each_on_failure(runs, ran, dargs, n, args, rows, base)
+        if full.label not in times:
+            return _full_failed(rows, base, [full] + [v for v in ran[1:] if not v.failed], write)
         block = []
-        for r, v in zip(runs, [full] + group):
+        for r, v in ((r, v) for r, v in zip(runs, ran) if r.label in times):
             read = sum(r.method.at(l).bytes_read_per_step(st, cfg.num_heads) for l, st in zip(layers, r.states))
             ttft = (
                 r.prefill_s
@@ -1116,6 +1218,8 @@ def main(argv=None) -> int:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume and out.exists():
+        data["rows"] = resumable_rows(json.loads(out.read_text()), data)
 
     def write():
         out.write_text(json.dumps(data, indent=1, default=str))

@@ -272,3 +272,77 @@ def test_quick_preset(roofline):
     )
     args = roofline.parse_args(["--quick", "--lengths", "8k"])
     assert args.lengths == [8192] and args.rounds == 3
+
+
+def test_failures_are_recorded_and_the_run_goes_on(roofline, tmp_path, monkeypatch):
+    """A variant that fails to compile its prefill, or whose decode raises while timed, gets a ``failed`` row with
+    its error; the others are timed beside full as usual (a kernel failing on a device must not end a short
+    lease's run)."""
+    out = tmp_path / "f.json"
+    real_compile, real_time = roofline.compile_prefill, roofline.time_runs
+
+    def compile_prefill(method, *a, **kw):
+        if method.name == "streaming_llm":
+            raise RuntimeError("Mosaic lowering failed (a test's)")
+        return real_compile(method, *a, **kw)
+
+    def time_runs(runs, *a, **kw):
+        if any(r.label == "snapkv@0.2" for r in runs):
+            raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (a test's)")
+        return real_time(runs, *a, **kw)
+
+    monkeypatch.setattr(roofline, "compile_prefill", compile_prefill)
+    monkeypatch.setattr(roofline, "time_runs", time_runs)
+    argv = TINY + ["--lengths", "128", "--methods", "full,snapkv,streaming_llm,quest", "--out", str(out)]
+    assert roofline.main(argv) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["streaming_llm@0.2"]["status"] == "failed" and "Mosaic" in rows["streaming_llm@0.2"]["error"]
+    assert rows["streaming_llm@0.2"]["error"].startswith("prefill compile: RuntimeError")
+    assert rows["snapkv@0.2"]["status"] == "failed" and rows["snapkv@0.2"]["error"].startswith("decode: RuntimeError")
+    assert rows["full"]["status"] == rows["quest@0.2"]["status"] == "ok"
+    assert rows["quest@0.2"]["speedup"] == pytest.approx(rows["full"]["step_s"] / rows["quest@0.2"]["step_s"])
+    monkeypatch.setattr(roofline, "time_runs", real_time)
+    monkeypatch.setattr(  # full fails: its configuration's variants are recorded failed with it
+        roofline, "compile_prefill", lambda m, *a, **kw: (_ for _ in ()).throw(RuntimeError(m.name))
+    )
+    assert roofline.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["failed"] * 4
+    assert {r["label"]: r["error"] for r in rows} == {
+        "full": "prefill compile: RuntimeError: full",
+        "snapkv@0.2": "full failed: prefill compile: RuntimeError: full",
+        "streaming_llm@0.2": "full failed: prefill compile: RuntimeError: full",
+        "quest@0.2": "full failed: prefill compile: RuntimeError: full",
+    }
+    assert "failed: full failed" in out.with_suffix(".txt").read_text()
+
+
+def test_resume_measures_only_what_is_missing(roofline, tmp_path, monkeypatch):
+    """--resume keeps the rows of a run at the same commit and settings and builds only the variants it lacks (full
+    again beside them); another commit or other settings measure everything again."""
+    out = tmp_path / "r.json"
+    monkeypatch.setenv("KVJAX_COMMIT", "a" * 40)
+    monkeypatch.setattr(roofline, "_dirty", lambda: False)
+    base = TINY + ["--lengths", "128", "--out", str(out), "--resume"]
+    assert roofline.main(base + ["--methods", "full,snapkv"]) == 0
+    built = []
+    real = roofline.build
+    monkeypatch.setattr(roofline, "build", lambda cfg, var, *a, **kw: built.append(var.label) or real(cfg, var, *a, **kw))
+    assert roofline.main(base + ["--methods", "full,snapkv,streaming_llm"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert built == ["full", "streaming_llm@0.2"]
+    assert [(r["label"], r["full_row"]) for r in rows] == [
+        ("full", 0),
+        ("snapkv@0.2", 0),
+        ("full", 2),
+        ("streaming_llm@0.2", 2),
+    ]
+    built.clear()
+    assert roofline.main(base + ["--methods", "full,snapkv,streaming_llm"]) == 0  # all measured: nothing built
+    assert built == [] and len(json.loads(out.read_text())["rows"]) == 4
+    assert roofline.main(base + ["--methods", "full,snapkv", "--steps", "3"]) == 0  # other settings
+    assert built == ["full", "snapkv@0.2"] and len(json.loads(out.read_text())["rows"]) == 2
+    built.clear()
+    monkeypatch.setenv("KVJAX_COMMIT", "b" * 40)  # another commit
+    assert roofline.main(base + ["--methods", "full,snapkv", "--steps", "3"]) == 0
+    assert built == ["full", "snapkv@0.2"]
