@@ -305,7 +305,9 @@ def _fastest_per_shape(rows, shapes, peak) -> list[dict]:
 
 
 def sweep(args) -> int:
-    """``--sweep``: every candidate at every shape; the fastest per shape and overall (module docstring)."""
+    """``--sweep``: every candidate at every shape; the fastest per shape and overall (module docstring). The JSON is
+    written after every candidate (``partial: true`` until the last), so a run cut at a lease's limit keeps what it
+    timed."""
     impl = args.impl or default_impl()
     dtype = jnp.dtype(args.dtype)
     dev = jax.devices()[0]
@@ -361,6 +363,7 @@ def sweep(args) -> int:
             rows.append(r)
             total += t
         totals[cand] = total
+        _write(args, _header(args, dev, impl, dtype, peak), sweep=rows, partial=True)  # a cut run keeps its rows
     ran = {c: t for c, t in totals.items() if np.isfinite(t)}  # candidates that ran at every shape
     per_shape = _fastest_per_shape(rows, shapes, peak)
     chosen = None

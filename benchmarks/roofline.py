@@ -817,7 +817,7 @@ def header(args, cfg, limit) -> dict:
         "device_kind": dev.device_kind,
         "backend": jax.default_backend(),
         "commit": commit(),
-        "commit_dirty": _dirty(),
+        "commit_dirty": None if os.environ.get("KVJAX_COMMIT") else _dirty(),  # a copied tree: given, not checked
         "command": shlex.join([sys.executable] + sys.argv),
         "layers": args.layers,
         "first_layer": args.first_layer,

@@ -65,8 +65,13 @@ def test_every_candidate_matches_the_reference(impl):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4, err_msg=str(c))
 
 
-def test_sweep_writes_the_chosen_row(tmp_path):
+def test_sweep_writes_the_chosen_row(tmp_path, monkeypatch):
+    """The chosen candidate has the lowest total time; the JSON is written after every candidate (a lease's limit
+    keeps what was timed), ``partial`` until the end."""
     out = tmp_path / "sweep.json"
+    written = []
+    real = bench._write
+    monkeypatch.setattr(bench, "_write", lambda *a, **kw: (real(*a, **kw), written.append(json.loads(out.read_text()))))
     bench.main(
         [
             "--sweep",
@@ -94,6 +99,7 @@ def test_sweep_writes_the_chosen_row(tmp_path):
         ]
     )
     res = json.loads(out.read_text())
+    assert [(len(w["sweep"]), w.get("partial", False)) for w in written] == [(2, True), (4, True), (4, False)]
     assert len(res["sweep"]) == 4 and len(res["fastest_per_shape"]) == 2
     totals = {}
     for r in res["sweep"]:
