@@ -73,6 +73,7 @@ bf16 dots), not what a GPU or TPU needs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -456,8 +457,11 @@ class TorchSide:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
             )
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it has ended: its output says why (read below)
+            pass
         timer, tail, got = threading.Timer(self.timeout, self.proc.kill), deque(maxlen=12), set()
         timer.start()
         try:
@@ -479,7 +483,8 @@ class TorchSide:
 
     def close(self) -> None:
         if self.proc is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
             self.proc.wait(timeout=60)
             self.proc = None
 

@@ -226,7 +226,8 @@ def answer(side, req: dict, label: str) -> dict:
             side.torch.cuda.empty_cache()
         why = f"{type(e).__name__}: {str(e)[:500]}"
         if label.startswith("kvpress"):
-            why += f" (kvpress 0.5.5 requires transformers {KVPRESS_TRANSFORMERS}; here {side.versions()})"
+            here = side.versions()["transformers_version"]
+            why += f" (kvpress 0.5.5 requires transformers {KVPRESS_TRANSFORMERS}; here {here})"
         return {"status": "failed", "skipped": why}
 
 
