@@ -101,6 +101,31 @@ def _version(dist: str) -> str | None:
         return "wheel " + ",".join(p.name for p in WHEELS.glob(f"{dist}-*.whl")) if dist == "kvpress" else None
 
 
+def renamed_kwargs(press):
+    """kvpress 0.5.5's hook reads ``past_key_values`` and ``cache_position`` from the attention layer's kwargs
+    (transformers < 5.3); newer transformers passes the cache as ``cache`` and may pass no ``cache_position``. This
+    wraps the press's ``forward_hook`` to add both where missing: the cache itself, and ``arange(q_len)`` (exact here:
+    the press is entered only around the prompt's forward on an empty cache). Returns the list of the names added
+    (filled as the hook runs)."""
+    import torch
+
+    hook, added = press.forward_hook, []
+
+    def forward_hook(module, args, kwargs, output):
+        extra = {}
+        if "past_key_values" not in kwargs and "cache" in kwargs:
+            extra["past_key_values"] = kwargs["cache"]
+        if "cache_position" not in kwargs:
+            x = kwargs["hidden_states"]
+            extra["cache_position"] = torch.arange(x.shape[1], device=x.device)
+        added.extend(extra)
+        kwargs = {**kwargs, **extra}
+        return hook(module, args, kwargs, output)
+
+    press.forward_hook = forward_hook
+    return added
+
+
 class Side:
     """The torch process's model, built on the first request and rebuilt when the config changes."""
 
@@ -163,10 +188,11 @@ class Side:
 
     def row(self, req: dict, label: str) -> dict:
         torch = self.torch
-        press, how = None, None
+        press, how, added = None, None, []
         if label.startswith("kvpress_snapkv@"):
             cls, how = snapkv_press()
             press = cls(compression_ratio=1 - float(label.split("@")[1]))
+            added = renamed_kwargs(press)
         self.build(req["config"])
         b, n, steps = req["batch"], req["prompt_len"], req["new_tokens"] - 1
         gen = torch.Generator().manual_seed(req.get("seed", 0))
@@ -193,6 +219,7 @@ class Side:
             "weights_bytes": self.weights,
             "model_build_s": self.build_s,
             "kvpress_import": how,
+            "kvpress_kwargs_added": sorted(set(added)),
             **self.versions(),
         }
 
@@ -222,13 +249,14 @@ def answer(side, req: dict, label: str) -> dict:
     except ImportError as e:
         return {"status": "skipped", "skipped": f"{type(e).__name__}: {e}"}
     except Exception as e:  # noqa: BLE001  (out of memory, an API change: recorded, the next row runs)
-        if side.device.type == "cuda":
-            side.torch.cuda.empty_cache()
         why = f"{type(e).__name__}: {str(e)[:500]}"
         if label.startswith("kvpress"):
             here = side.versions()["transformers_version"]
             why += f" (kvpress 0.5.5 requires transformers {KVPRESS_TRANSFORMERS}; here {here})"
         return {"status": "failed", "skipped": why}
+    finally:  # the cache's blocks go back to the device: the JAX process beside this one grows into them
+        if side.device.type == "cuda":
+            side.torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:

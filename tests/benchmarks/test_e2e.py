@@ -156,8 +156,8 @@ def test_llama31_8b_shapes(e2e):
 
 @pytest.mark.extended  # ~30 s: a torch process beside the JAX one
 def test_torch_rows_and_resume(e2e, tmp_path):
-    """transformers' and kvpress's rows in the same run as kvjax's (kvpress measured, or failed with the reason where
-    its transformers is too new), in PRIORITY order; a second invocation at the same commit measures nothing again."""
+    """transformers' and kvpress's rows in the same run as kvjax's (kvpress from the carried wheel, on whichever
+    transformers is here), in PRIORITY order; a second invocation at the same commit measures nothing again."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     out = tmp_path / "torch.json"
@@ -169,7 +169,7 @@ def test_torch_rows_and_resume(e2e, tmp_path):
     assert hf["status"] == "ok" and hf["decode_steps"] == 2 and hf["attn_implementation"] == "sdpa"
     assert hf["weights_bytes"] == e2e.tree_bytes(e2e.abstract_params(e2e.TINY, "float32", False))  # same shapes
     assert hf["tokens_held_per_seq"] == 100 + 2 and hf["full_row"] == 0
-    assert kvp["status"] == "ok" and kvp["tokens_held_per_seq"] == 50 + 2 or "kvpress" in kvp["skipped"]
+    assert kvp["status"] == "ok" and kvp["tokens_held_per_seq"] == 50 + 2, kvp.get("skipped")  # kvpress's 0.5
     md = out.with_suffix(".md").read_text()
     assert "| `transformers` |" in md and "| `snapkv@0.5` |" in md
     before = {r["key"]: r["measured_at"] for r in rows if r["status"] == "ok"}
