@@ -35,6 +35,15 @@ prefill activations) or whose compiled executables' memory (``memory_analysis``)
 skipped with the reason in the JSON; nothing is dropped silently. Prompts of ``Nk`` are ``N * 1024`` tokens,
 shortened to ``max_position_embeddings - new_tokens`` where they would not fit (128k with Llama-3.1's 131072).
 
+The torch side: ``transformers`` and ``kvpress`` in ``--methods`` (both in the default, right after ``full``; see
+:data:`PRIORITY`) add transformers' ``LlamaForCausalLM`` with the same shapes and its own random weights (full cache)
+and kvpress's ``SnapKVPress`` on it at each fractional budget, run by ``benchmarks/e2e_torch.py`` in its own process
+(``--torch-python``, kept for the run); skipped or failed with the reason where torch, transformers or kvpress cannot
+run them. Resume: rows of ``--out`` measured (``ok``) at the same commit and settings (:func:`row_key`) are not
+measured again, a JSON of another commit is moved aside. The ``.md`` beside the JSON is :func:`markdown`'s table:
+ratios to kvjax's and transformers' full, the bytes-allowed ceiling (:func:`ceiling`) and the papers' figures. The
+8B run on a GPU, one device call: ``scripts/gpu_e2e.sh`` (docs/performance.md, "End to end on one GPU").
+
 Columns (JSON keys in brackets):
 
 - TTFT [``ttft_s``]: prefill (full causal attention + the method's compression at every layer) + the first
@@ -168,8 +177,8 @@ PAPERS = {
         "tpot_below_s": 0.18,
     },
     "quest": {
-        "source": "Quest, as issue 58 quotes it: 1.74x at 32k (its table, budget and batch not checked here: Quest's "
-        "paper is not among papers/)",
+        "source": "Quest: 1.74x at 32k as the benchmark's brief quotes it (its table, budget and batch not checked "
+        "here: Quest's paper is not among papers/)",
         "method": "quest",
         "context": 32768,
         "speedup": 1.74,
@@ -200,10 +209,12 @@ def context_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-#: The run's order within a context (issue 58): kvjax's full, transformers' full and kvpress's SnapKV on it (TORCH),
-#: the five papers' methods, then the baselines (every other registered method, in the registry's order).
+#: The run's order within a context: kvjax's full, transformers' full and kvpress's SnapKV on it (TORCH),
+#: the five papers' methods, then the baselines: Quest first (a paper figure to set beside it), PyramidKV last (its
+#: per-layer budgets compile the most: 93 s of XLA:CPU at 8B, 32k), then any other registered method.
 TORCH = ("transformers", "kvpress")
 PRIORITY = ("full", *TORCH, "chelsea", "clusterkv", "pqcache", "chunkkv", "less")
+PRIORITY += ("quest", "snapkv", "h2o", "streaming_llm", "pyramidkv")
 
 
 def default_methods() -> str:
@@ -681,7 +692,7 @@ def papers_block(rows) -> str:
     return "\n".join(lines)
 
 
-#: A row short of its bytes-allowed ceiling by more than this is flagged for a profile (issue 58).
+#: A row short of its bytes-allowed ceiling by more than this is flagged for a profile.
 SHORT_OF_CEILING = 0.15
 
 
@@ -709,7 +720,7 @@ def paper_figure(label: str, context: int, batch: int) -> str:
     if label == "clusterkv@1024" and context == p["clusterkv"]["context"]:
         return f"ClusterKV: e2e {p['clusterkv']['e2e_speedup']:.1f}x (B=1024)"
     if label.startswith("quest@") and context == p["quest"]["context"]:
-        return f"Quest: {p['quest']['speedup']:.2f}x (as issue 58 quotes it)"
+        return f"Quest: {p['quest']['speedup']:.2f}x (quoted, unchecked)"
     if label == "pqcache@0.2":
         return f"PQCache: TPOT < {p['pqcache']['tpot_below_s']:.2f} s"
     if label.startswith("chunkkv") and context == p["chunkkv"]["context"]:

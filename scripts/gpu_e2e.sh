@@ -8,7 +8,7 @@
 #   JAX_PLATFORMS=cpu MODEL=tiny CTX=100 NEW_TOKENS=4 NAME=smoke.json OUT=/tmp/smoke bash scripts/gpu_e2e.sh
 #                                                    # the same path on a CPU, in a minute (nvidia-smi may be absent)
 #
-# Rows run in issue 58's order (32k, then 16k, then 64k; at each: full, transformers, kvpress, chelsea, clusterkv,
+# Rows run in priority order (32k, then 16k, then 64k; at each: full, transformers, kvpress, chelsea, clusterkv,
 # pqcache, chunkkv, less, then the baselines) and each is written to $OUT/e2e_8b_b1_h200.json as it finishes. The run
 # resumes: the JSON starts as benchmarks/results/e2e_8b_b1_h200.json (copy $OUT's back there between calls), and
 # rows already in it at the same KVJAX_COMMIT are not measured again, so a call cut at LIMIT_S loses only the row it
