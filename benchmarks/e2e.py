@@ -35,6 +35,15 @@ prefill activations) or whose compiled executables' memory (``memory_analysis``)
 skipped with the reason in the JSON; nothing is dropped silently. Prompts of ``Nk`` are ``N * 1024`` tokens,
 shortened to ``max_position_embeddings - new_tokens`` where they would not fit (128k with Llama-3.1's 131072).
 
+The torch side: ``transformers`` and ``kvpress`` in ``--methods`` (both in the default, right after ``full``; see
+:data:`PRIORITY`) add transformers' ``LlamaForCausalLM`` with the same shapes and its own random weights (full cache)
+and kvpress's ``SnapKVPress`` on it at each fractional budget, run by ``benchmarks/e2e_torch.py`` in its own process
+(``--torch-python``, kept for the run); skipped or failed with the reason where torch, transformers or kvpress cannot
+run them. Resume: rows of ``--out`` measured (``ok``) at the same commit and settings (:func:`row_key`) are not
+measured again, a JSON of another commit is moved aside. The ``.md`` beside the JSON is :func:`markdown`'s table:
+ratios to kvjax's and transformers' full, the bytes-allowed ceiling (:func:`ceiling`) and the papers' figures. The
+8B run on a GPU, one device call: ``scripts/gpu_e2e.sh`` (docs/performance.md, "End to end on one GPU").
+
 Columns (JSON keys in brackets):
 
 - TTFT [``ttft_s``]: prefill (full causal attention + the method's compression at every layer) + the first
@@ -73,6 +82,7 @@ bf16 dots), not what a GPU or TPU needs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -82,8 +92,10 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import types
+from collections import deque
 from pathlib import Path
 
 import jax
@@ -92,6 +104,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import SMOLLM2_135M, TINY, _budget, cannot_run  # noqa: E402  (shared with benchmarks/decode.py)
+from e2e_torch import DONE, ROW  # noqa: E402  (the torch side's protocol; it imports no torch itself)
 from scan_layers import commit  # noqa: E402
 
 from kvjax import engine, methods, model as M  # noqa: E402
@@ -163,6 +176,13 @@ PAPERS = {
         "budget": 0.2,
         "tpot_below_s": 0.18,
     },
+    "quest": {
+        "source": "Quest: 1.74x at 32k as the benchmark's brief quotes it (its table, budget and batch not checked "
+        "here: Quest's paper is not among papers/)",
+        "method": "quest",
+        "context": 32768,
+        "speedup": 1.74,
+    },
 }
 
 
@@ -189,11 +209,29 @@ def context_label(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+#: The run's order within a context: kvjax's full, transformers' full and kvpress's SnapKV on it (TORCH),
+#: the five papers' methods, then the baselines: Quest first (a paper figure to set beside it), PyramidKV last (its
+#: per-layer budgets compile the most: 93 s of XLA:CPU at 8B, 32k), then any other registered method.
+TORCH = ("transformers", "kvpress")
+PRIORITY = ("full", *TORCH, "chelsea", "clusterkv", "pqcache", "chunkkv", "less")
+PRIORITY += ("quest", "snapkv", "h2o", "streaming_llm", "pyramidkv")
+
+
+def default_methods() -> str:
+    return ",".join(PRIORITY + tuple(n for n in methods.names() if n not in PRIORITY))
+
+
 def variants(names, budgets, token_budgets, reuses) -> list[tuple[str, object, object]]:
-    """``(label, method, budget)``, ``full`` first; recall methods also at the token budgets; chunkkv per reuse."""
+    """``(label, method, budget)``, ``full`` first; recall methods also at the token budgets; chunkkv per reuse.
+    ``transformers`` and ``kvpress`` (kvpress's SnapKV, at each fractional budget) are rows of the torch side
+    (:mod:`e2e_torch`), with ``method`` None."""
     out = [("full", methods.get("full"), None)]
     for name in names:
         if name == "full":
+            continue
+        if name in TORCH:
+            out += [("transformers", None, None)] if name == "transformers" else []
+            out += [(f"kvpress_snapkv@{b}", None, b) for b in budgets if name == "kvpress" and isinstance(b, float)]
             continue
         cls = methods.REGISTRY[name] if name in methods.REGISTRY else methods.get(name)  # get raises the ValueError
         for b in list(budgets) + (list(token_budgets) if cls.recalls else []):
@@ -377,6 +415,7 @@ def time_run(cfg, method, params, comp, tokens, lengths, batch, cap, dtype, scan
         "bytes_in_use_after_decode": after_decode,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "cache_bytes": engine.memory_bytes(method, states),
+        "kv_bytes_read_per_step": engine.bytes_read_per_step(method, states, cfg.num_heads),  # after the last step
         "tokens_held_per_seq": float(np.mean(engine.tokens_held(method, states))),
     }
 
@@ -401,6 +440,95 @@ def add_ratios(r: dict, full: dict | None) -> None:
     r["e2e_speedup_vs_full"] = full["e2e_s"] / r["e2e_s"]
     r["compress_share_of_prefill"] = (r["ttft_s"] - full["ttft_s"]) / r["ttft_s"]
     r["cache_ratio_vs_full"] = r["cache_bytes"] / full["cache_bytes"]
+
+
+def weights_read_bytes(cfg: ModelConfig, weights: int, dtype) -> int:
+    """Bytes of weights one decode step reads: all of them but the embedding table, of which it gathers one row per
+    sequence (an untied LM head is read whole; a tied one is the table, read whole)."""
+    return (
+        weights if cfg.tie_word_embeddings else weights - cfg.vocab_size * cfg.hidden_size * jnp.dtype(dtype).itemsize
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The torch side (transformers, kvpress), in its own process.
+
+
+class TorchSide:
+    """``benchmarks/e2e_torch.py`` in its own process (``python``), started on the first request and kept for the
+    run (its model is built once per config). :meth:`rows` yields its answers, or a failed row per label where the
+    process dies or runs past ``timeout`` seconds (then the next request starts a new one)."""
+
+    def __init__(self, python: str, dtype: str, timeout: float):
+        self.python, self.dtype, self.timeout, self.proc = python, dtype, timeout, None
+
+    def rows(self, req: dict):
+        if self.proc is None:
+            cmd = [self.python, str(Path(__file__).resolve().parent / "e2e_torch.py"), self.dtype]
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it has ended: its output says why (read below)
+            pass
+        timer, tail, got = threading.Timer(self.timeout, self.proc.kill), deque(maxlen=12), set()
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(ROW):
+                    got.add((r := json.loads(line[len(ROW) :]))["label"])
+                    yield r
+                elif line.strip() == DONE:
+                    return
+                else:
+                    tail.append(line.rstrip())
+                    print(f"  [torch] {line.rstrip()}", flush=True)
+        finally:
+            timer.cancel()
+        rc = self.proc.wait()
+        self.proc = None
+        why = f"the torch process ended (rc {rc}, limit {self.timeout:.0f} s): " + " | ".join(tail)[-600:]
+        yield from ({"label": lb, "status": "failed", "skipped": why} for lb in req["labels"] if lb not in got)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume: rows measured at this commit are kept, not measured again.
+
+
+def row_key(row: dict, head: dict) -> str:
+    """What makes two rows the same measurement: model, context, batch, new tokens, dtype, layout, repeats, label."""
+    keys = (row["model"], row["context"], row["batch"], row["new_tokens"], head["dtype"], head["scan_layers"])
+    return "|".join(map(str, keys + (head["repeats"], row["label"])))
+
+
+def resume(path: Path, head: dict) -> list[dict]:
+    """The measured (``ok``) rows of an earlier run's JSON at ``path`` made at this commit, renumbered (``row_id``,
+    ``full_row``); the others are measured again. A JSON of another commit is moved aside to
+    ``<stem>.<its commit>.json``, not overwritten. ``head["commands"]`` gets the earlier invocations' commands."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("commit") != head["commit"] or old.get("compile_only"):
+        aside = path.with_name(f"{path.stem}.{str(old.get('commit'))[:10]}{path.suffix}")
+        path.rename(aside)
+        print(f"{path} was written at commit {old.get('commit')}; moved to {aside}", flush=True)
+        return []
+    rows = [r for r in old["rows"] if r.get("status") == "ok" and r.get("key")]
+    ids = {r["row_id"]: i for i, r in enumerate(rows)}
+    for i, r in enumerate(rows):
+        r["row_id"], r["full_row"] = i, ids.get(r.get("full_row"))
+    head["commands"] = old.get("commands", [old.get("command")]) + head["commands"]
+    print(f"resuming {path}: {len(rows)} rows measured at this commit are kept", flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -442,6 +570,7 @@ def header(args, cfg, dtype, limit, limit_from) -> dict:
         "commit": commit(),
         "commit_dirty": _dirty(),
         "command": shlex.join([sys.executable] + sys.argv),
+        "commands": [shlex.join([sys.executable] + sys.argv)],
         "python": platform.python_version(),
         "platform": platform.platform(),
         "model": args.model,
@@ -467,7 +596,7 @@ def _f(x, fmt, suffix=""):
 
 def table(rows) -> str:
     lines = []
-    ok = [r for r in rows if "ttft_s" in r or r.get("status") == "skipped"]
+    ok = [r for r in rows if "ttft_s" in r or r.get("status") in ("skipped", "failed")]
     for n, b in dict.fromkeys((r["context"], r["batch"]) for r in ok):
         lines.append(
             f"\n== context {context_label(n)} ({next(r['prompt_len'] for r in ok if r['context'] == n)} "
@@ -478,15 +607,10 @@ def table(rows) -> str:
             f"{'thr x':>6s} {'e2e x':>6s} {'comp%':>6s} {'cache MiB':>10s} {'exec GiB':>8s}"
         )
         for r in (r for r in ok if r["context"] == n and r["batch"] == b):
-            if r.get("status") == "skipped":
-                lines.append(f"{r['label']:24s} skipped: {r['skipped'][:100]}")
+            if r.get("status") != "ok":
+                lines.append(f"{r['label']:24s} {r['status']}: {r['skipped'][:100]}")
                 continue
-            ma = r.get("memory_analysis") or {}
-            peak = (
-                max((ma.get(k) or {}).get("peak", 0) for k in ("prefill", "decode"))
-                or r.get("bytes_in_use_after_prefill")
-                or 0
-            )
+            peak = peak_bytes(r)
             lines.append(
                 f"{r['label']:24s} {1e3 * r['ttft_s']:10.1f} {1e3 * r['tpot_s']:9.2f} {r['throughput_tok_s']:9.1f} "
                 f"{_f(r['tpot_speedup_vs_full'], '7.2f')} {_f(r['ttft_overhead_vs_full'], '+7.1%')} "
@@ -494,6 +618,17 @@ def table(rows) -> str:
                 f"{_f(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}"
             )
     return "\n".join(lines)
+
+
+def peak_bytes(r: dict) -> int:
+    """A row's peak device bytes: the torch side's ``max_memory_allocated``; for kvjax, the larger
+    ``memory_analysis`` peak of its two executables (``peak_bytes_in_use`` is the process's, monotone over rows)."""
+    if r.get("torch_version"):
+        return r.get("peak_bytes_in_use") or 0
+    ma = r.get("memory_analysis") or {}
+    return (
+        max((ma.get(k) or {}).get("peak", 0) for k in ("prefill", "decode")) or r.get("bytes_in_use_after_prefill") or 0
+    )
 
 
 def _find(rows, method_label, context=None, batch=1):
@@ -557,6 +692,98 @@ def papers_block(rows) -> str:
     return "\n".join(lines)
 
 
+#: A row short of its bytes-allowed ceiling by more than this is flagged for a profile.
+SHORT_OF_CEILING = 0.15
+
+
+def ceiling(r: dict, full: dict) -> dict:
+    """The bytes-allowed ceiling of row ``r`` at kvjax ``full``'s measured bandwidth (same context and batch):
+    ``bw = (weights + full's KV bytes a step reads) / TPOT(full)`` [bytes/s], ``tpot = (weights + r's KV bytes) /
+    bw`` [s]; ``speedup`` = TPOT(full) / that tpot; ``short`` = TPOT(r) / that tpot - 1 (> 0: slower than its
+    bytes allow)."""
+    bw = (full["weights_bytes_read_per_step"] + full["kv_bytes_read_per_step"]) / full["tpot_s"]
+    tpot = (r["weights_bytes_read_per_step"] + r["kv_bytes_read_per_step"]) / bw
+    return {"bandwidth_bytes_s": bw, "tpot_s": tpot, "speedup": full["tpot_s"] / tpot, "short": r["tpot_s"] / tpot - 1}
+
+
+def paper_figure(label: str, context: int, batch: int) -> str:
+    """The papers' figure (:data:`PAPERS`) for this row's setting, or ''."""
+    p = PAPERS
+    if batch != 1:
+        return ""
+    if label == "chelsea@0.2" and context in p["chelsea"]["tpot_speedup_by_context"]:
+        c = p["chelsea"]
+        return (
+            f"Chelsea T3: TPOT {c['tpot_speedup_by_context'][context]:.2f}x, "
+            f"TTFT {c['ttft_overhead_by_context'][context]:+.1%}"
+        )
+    if label == "clusterkv@1024" and context == p["clusterkv"]["context"]:
+        return f"ClusterKV: e2e {p['clusterkv']['e2e_speedup']:.1f}x (B=1024)"
+    if label.startswith("quest@") and context == p["quest"]["context"]:
+        return f"Quest: {p['quest']['speedup']:.2f}x (quoted, unchecked)"
+    if label == "pqcache@0.2":
+        return f"PQCache: TPOT < {p['pqcache']['tpot_below_s']:.2f} s"
+    if label.startswith("chunkkv") and context == p["chunkkv"]["context"]:
+        return f"ChunkKV T8: thr {p['chunkkv']['throughput_gain_reuse_vs_full']:+.1%} (reuse)"
+    return ""
+
+
+def summary(rows) -> list[dict]:
+    """One dict per row (every status), with the ratios the markdown table shows: vs kvjax ``full`` and vs
+    transformers' full (``transformers``) of the same context and batch, the bytes-allowed ceiling
+    (:func:`ceiling`) and the papers' figure. Ratios are None where their reference row did not run."""
+    out = []
+    for r in rows:
+        s = {k: r.get(k) for k in ("context", "batch", "label", "status", "skipped", "ttft_s", "tpot_s")}
+        s.update(paper=paper_figure(r["label"], r["context"], r["batch"]), ceiling=None, short=None)
+        s["torch"] = bool(r.get("torch_version") or r["label"] in TORCH or r["label"].startswith("kvpress"))
+        full, hf = (_find(rows, lb, r["context"], r["batch"]) for lb in ("full", "transformers"))
+        if r.get("status") == "ok":
+            s["throughput_tok_s"] = r["throughput_tok_s"]
+            s["vs_full"] = full and full["tpot_s"] / r["tpot_s"]
+            s["ttft_vs_full"] = full and r["ttft_s"] / full["ttft_s"] - 1
+            s["vs_transformers"] = hf and hf["tpot_s"] / r["tpot_s"]
+            if full and "kv_bytes_read_per_step" in full and "kv_bytes_read_per_step" in r:
+                c = ceiling(r, full)
+                s["ceiling"], s["short"] = c["speedup"], c["short"]
+            s["peak_gib"] = peak_bytes(r) / 2**30
+            s["compile_s"] = r.get("prefill_compile_s") and r["prefill_compile_s"] + r["decode_compile_s"]
+        out.append(s)
+    return out
+
+
+def markdown(data: dict) -> str:
+    """The table for docs/performance.md from a run's JSON: per context and batch, a row per method@budget."""
+    rows, torch_row = data["rows"], next((r for r in data["rows"] if r.get("torch_version")), {})
+    lines = [
+        f"{data['model']} ({data['dtype']}), {data['device_kind']} ({data['backend']}), jax {data['jax_version']}, "
+        f"torch {torch_row.get('torch_version', '-')}, transformers {torch_row.get('transformers_version', '-')} "
+        f"({torch_row.get('attn_implementation', '-')}), kvpress {torch_row.get('kvpress_version', '-')}, commit "
+        f"`{(data.get('commit') or '?')[:10]}`, {data['new_tokens']} new tokens, scan_layers {data.get('scan_layers')}"
+    ]
+    head = (
+        "| method | TTFT s | TTFT vs full | TPOT ms | tok/s | × full | × transformers | ceiling × | short of ceiling "
+        "| papers | peak GiB | compile s |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    summ = summary(rows)
+    for n, b in dict.fromkeys((s["context"], s["batch"]) for s in summ):
+        lines += ["", f"**{context_label(n)} tokens, batch {b}**", "", head]
+        for s in (s for s in summ if (s["context"], s["batch"]) == (n, b)):
+            if s["status"] != "ok":
+                lines.append(f"| `{s['label']}` | {s['status']}: {s['skipped'][:120]} |" + " |" * 10)
+                continue
+            short = _f(s["short"], "+.0%") + (
+                " **profile**" if (s["short"] or 0) > SHORT_OF_CEILING and not s["torch"] else ""
+            )
+            lines.append(
+                f"| `{s['label']}` | {s['ttft_s']:.3f} | {_f(s['ttft_vs_full'], '+.1%')} | {1e3 * s['tpot_s']:.2f} | "
+                f"{s['throughput_tok_s']:.1f} | {_f(s['vs_full'], '.2f')} | {_f(s['vs_transformers'], '.2f')} | "
+                f"{_f(s['ceiling'], '.2f')} | {short} | {s['paper']} | {s['peak_gib']:.1f} | "
+                f"{_f(s['compile_s'], '.1f')} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(rows, path: Path) -> str:
     """TPOT speedup vs context, one line per method@budget, one panel per batch; returns what was done."""
     try:
@@ -609,8 +836,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated (1 from prefill + the loop's)")
     ap.add_argument(
         "--methods",
-        default=",".join(methods.names()),
-        help="registered methods, comma-separated (default: all; full always runs first)",
+        default=default_methods(),
+        help="registered methods and 'transformers', 'kvpress' (the torch side), comma-separated, in the order they "
+        "run at each context (default: PRIORITY, then the other registered methods; full always runs first)",
     )
     ap.add_argument("--budgets", type=_budgets, default=[0.1, 0.2], help="budgets of every method")
     ap.add_argument(
@@ -655,7 +883,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="lower + compile prefill and decode loop from abstract inputs; nothing allocated or run",
     )
-    ap.add_argument("--out", default="benchmarks/results/e2e.json")
+    ap.add_argument(
+        "--torch-python",
+        default=sys.executable,
+        help="the Python of the torch side (transformers, kvpress rows): torch and transformers importable there",
+    )
+    ap.add_argument("--torch-timeout", type=float, default=900.0, help="seconds one torch row may take")
+    ap.add_argument(
+        "--out",
+        default="benchmarks/results/e2e.json",
+        help="the JSON, rewritten after every row; rows already in it at this commit are not measured again",
+    )
     ap.add_argument(
         "--report",
         default=None,
@@ -694,10 +932,18 @@ def main(argv=None) -> int:
                 row = {
                     **base,
                     "label": label,
-                    "method": method.name,
+                    "method": method.name if method else label.split("@")[0],
                     "budget": budget,
-                    "reuse": getattr(method, "reuse", None) if method.name == "chunkkv" else None,
+                    "reuse": getattr(method, "reuse", None) if method and method.name == "chunkkv" else None,
                 }
+                row["key"] = row_key(row, run.head)
+                if row["key"] in run.done:  # measured at this commit by an earlier invocation: not again
+                    run.full_row = run.done[row["key"]] if label == "full" else run.full_row
+                    print(f"{context_label(n_req):>5s} b={b} {label:22s} done (row {run.done[row['key']]['row_id']})")
+                    continue
+                if method is None:
+                    run.torch_row(row)
+                    continue
                 reason = cannot_run(
                     types.SimpleNamespace(config=run.cfg, dtype=run.dtype), method, n, args.new_tokens - 1
                 )
@@ -705,6 +951,7 @@ def main(argv=None) -> int:
                     run.compile_only(row, label, method, reason)
                 else:
                     run.timed(row, label, method, reason, bucket in later_buckets)
+    run.torch.close()
     if not args.compile_only:
         report({**run.head, "rows": run.rows}, run.out_path)
     print(f"wrote {run.out_path}", flush=True)
@@ -727,7 +974,9 @@ class _Run:
         self.out_path = Path(args.out)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         self.head = {**header(args, self.cfg, self.dtype, self.limit, self.limit_from), "scan_layers": self.scan}
-        self.rows: list[dict] = []
+        self.rows = [] if args.compile_only else resume(self.out_path, self.head)
+        self.done = {r["key"]: r for r in self.rows}
+        self.torch = TorchSide(args.torch_python, self.dtype.name, args.torch_timeout)
         print(
             f"e2e: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
             f"memory limit {_f(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
@@ -739,6 +988,7 @@ class _Run:
             for lay in set(self.layouts) | {"scan" if self.scan else "unrolled"}
         }
         self.weights = tree_bytes(next(iter(self.shapes.values())))
+        self.weights_read = weights_read_bytes(self.cfg, self.weights, self.dtype)
         self.params = None if args.compile_only else device_params(self.cfg, self.dtype, self.scan)
         self.rng = np.random.default_rng(0)
         self.compiled: dict = {}
@@ -749,6 +999,7 @@ class _Run:
 
     def add(self, row: dict) -> None:
         row["row_id"] = len(self.rows)
+        row["commit"], row["measured_at"] = self.head["commit"], time.strftime("%Y-%m-%dT%H:%M:%S%z")
         row["load_average_1min"] = os.getloadavg()[0]  # other work on the host skews timings (CPU runs)
         self.rows.append(row)
         self.out_path.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
@@ -836,6 +1087,7 @@ class _Run:
         if label == "full":
             self.full_row = row
             row["row_id"] = len(self.rows)
+        row["weights_bytes_read_per_step"] = self.weights_read
         add_ratios(row, self.full_row)
         self.add(row)
         print(
@@ -843,6 +1095,34 @@ class _Run:
             f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  TTFT "
             f"{_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill {row['prefill_compile_s']:.1f}s loop "
             f"{row['decode_compile_s']:.1f}s",
+            flush=True,
+        )
+
+    def torch_row(self, row: dict) -> None:
+        """One row of the torch side (transformers' full cache, kvpress's SnapKV), in its process; skipped or failed
+        with the reason where torch, transformers or kvpress cannot run it."""
+        req = {
+            "config": dataclasses.asdict(self.cfg),
+            "prompt_len": row["prompt_len"],
+            "batch": row["batch"],
+            "new_tokens": self.args.new_tokens,
+            "labels": [row["label"]],
+            "seed": 0,
+        }
+        for r in self.torch.rows(req):
+            row.update(r)
+        where = f"{context_label(row['context']):>5s} b={row['batch']} {row['label']:22s}"
+        if row["status"] != "ok":
+            self.add(row)
+            print(f"{where} {row['status']}: {row['skipped']}", flush=True)
+            return
+        row["weights_bytes_read_per_step"] = self.weights_read
+        add_ratios(row, self.full_row)
+        self.add(row)
+        print(
+            f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
+            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  "
+            f"({row['attn_implementation']}, torch {row['torch_version']}, transformers {row['transformers_version']})",
             flush=True,
         )
 
@@ -867,6 +1147,7 @@ def report(data: dict, out_path: Path) -> None:
     text = title + "\n" + table(rows) + "\n" + papers_block(rows)
     print(text, flush=True)
     out_path.with_suffix(".txt").write_text(text + "\n")
+    out_path.with_suffix(".md").write_text(markdown(data) + "\n")
     print(plot(rows, out_path.with_suffix(".png")), flush=True)
 
 
