@@ -107,6 +107,41 @@ def test_the_main_job_figures_come_from_its_results():
         assert figure.startswith(("benchmarks/results/", "docs/images/")), figure
 
 
+EVICTING = ("streaming_llm", "h2o", "snapkv", "pyramidkv", "chunkkv", "less")
+
+
+def test_the_leaderboard_figures_come_from_its_results():
+    """Every number of the leaderboard's paragraph is the committed run's: answers a cell (and "partial" while the
+    run is), full's average, "<methods> N% at r" and "evicting methods <= N%" (at 0.25)."""
+    import json
+
+    para = _paragraph("**Quality at 4k tokens: the leaderboard**")
+    data = json.loads((RESULTS / "leaderboard-gemma3-270m" / "leaderboard.json").read_text())
+    assert "(benchmarks/results/leaderboard-gemma3-270m/leaderboard.md)" in para
+    avg = {(e["method"], e["ratio"]): e["average"] for e in data["summary"]}
+    n, total = avg[("full", 0.0)]["n"], data["config"]["contexts"] * len(data["config"]["tasks"])
+    cell = re.search(r"(?:(\d+) of )?(\d+) answers a cell", para)
+    assert cell, "the leaderboard paragraph does not say how many answers a cell holds"
+    if data.get("partial"):
+        assert "partial" in para and (int(cell.group(1)), int(cell.group(2))) == (n, total), cell.group(0)
+    else:
+        assert "partial" not in para and cell.group(1) is None and int(cell.group(2)) == n == total, cell.group(0)
+    full = re.search(r"\bfull (\d+)%", para)
+    assert full and int(full.group(1)) == round(avg[("full", 0.0)]["value"]), full and full.group(0)
+    claims = re.findall(
+        r"((?:(?:" + "|".join(NAMES) + r")(?:, | and )?)+) (\d+)% at (0\.\d+)", para
+    )  # "Quest and Chelsea 28% at 0.25"
+    assert claims, para
+    for names, pct, ratio in claims:
+        for name in re.findall("|".join(NAMES), names):
+            got = avg[(NAMES[name], float(ratio))]["value"]
+            assert round(got) == int(pct), f"README: {name} {pct}% at {ratio}; leaderboard.json: {got:.1f}"
+    bound = re.search(r"evicting methods ≤ ?(\d+)%", para)
+    if bound:
+        worst = max(avg[(m, 0.25)]["value"] for m in EVICTING)
+        assert round(worst) <= int(bound.group(1)), f"an evicting method reaches {worst:.1f}% at 0.25"
+
+
 def test_the_speed_figures_come_from_the_roofline_they_cite():
     import json
     import sys
