@@ -133,7 +133,7 @@ def fit_batch(limit: int, prefill_peak: int, decode_peaks: dict, fixed: int, per
     room = limit - prefill_peak - fixed  # P + fixed + B s <= L
     by_prefill = room // per_seq if per_seq > 0 else (max_batch if room >= 0 else 0)
     room = limit - (fixed + per_seq) - pa  # pa + (B - ba) (pb - pa) / (bb - ba) + S(1) <= L
-    if pb <= pa:  # the decode loop's peak does not grow with the batch: only its intercept binds
+    if pb <= pa:  # the peak does not grow with the batch: taken as flat at pa
         by_decode = max_batch if room >= 0 else 0
     else:
         by_decode = ba + room * (bb - ba) // (pb - pa)
@@ -142,6 +142,25 @@ def fit_batch(limit: int, prefill_peak: int, decode_peaks: dict, fixed: int, per
         "by_prefill": by_prefill,
         "by_decode": by_decode,
     }
+
+
+def probe(cfg, method, shapes, cap, dtype, scan, probe_batch, new_tokens) -> tuple[dict, dict, dict]:
+    """The fit's inputs, from abstract shapes (nothing allocated): the states' bytes (:func:`state_bytes`), the
+    batch-1 prefill's peak and the decode loop's peaks at batches 1 and ``probe_batch`` (``memory_analysis``).
+    Returns (e2e.compile_pair's dict at batch 1 + ``probe_compile_s``, ``{batch: compiled decode loop}``, inputs)."""
+    fixed, per_seq = state_bytes(cfg, method, cap, dtype, scan)
+    comp = compile_pair(
+        cfg, method, shapes, abstract_states(cfg, method, 1, cap, dtype, scan), 1, cap.prompt_len, new_tokens
+    )
+    st = abstract_states(cfg, method, probe_batch, cap, dtype, scan)
+    dec, comp["probe_compile_s"] = compile_decode(cfg, method, shapes, st, probe_batch, new_tokens)
+    inputs = {
+        "state_fixed": fixed,
+        "state_per_seq": per_seq,
+        "prefill_peak": _peak(comp["prefill"]),
+        "decode_peaks": {1: _peak(comp["decode"]), probe_batch: _peak(dec)},
+    }
+    return comp, {1: comp["decode"], probe_batch: dec}, inputs
 
 
 def need_bytes(b: int, prefill_peak: int, decode_peak_b: int, fixed: int, per_seq: int) -> int:
@@ -354,34 +373,11 @@ class Serving:
             row.update(status="skipped", skipped=reason)
             return
         cap, shapes = self.capacity(row), self.shapes
-        fixed, per_seq = state_bytes(cfg, method, cap, dt, self.scan)
-        st1 = abstract_states(cfg, method, 1, cap, dt, self.scan)
-        comp = compile_pair(cfg, method, shapes, st1, 1, row["bucket"], a.new_tokens)
-        probe, probe_s = compile_decode(
-            cfg,
-            method,
-            shapes,
-            abstract_states(cfg, method, a.probe_batch, cap, dt, self.scan),
-            a.probe_batch,
-            a.new_tokens,
-        )
-        compiled = {1: comp["decode"], a.probe_batch: probe}
-        fit = {
-            "limit": self.limit,
-            "weights": self.weights,
-            "state_fixed": fixed,
-            "state_per_seq": per_seq,
-            "prefill_peak": _peak(comp["prefill"]),
-            "decode_peaks": {1: _peak(comp["decode"]), a.probe_batch: _peak(probe)},
-        }
+        comp, compiled, fit = probe(cfg, method, shapes, cap, dt, self.scan, a.probe_batch, a.new_tokens)
+        fixed, per_seq = fit["state_fixed"], fit["state_per_seq"]
+        fit = {"limit": self.limit, "weights": self.weights, **fit}
         fit.update(fit_batch(self.limit, fit["prefill_peak"], fit["decode_peaks"], fixed, per_seq, a.max_batch))
-        row.update(
-            fit=fit,
-            prefill_compile_s=comp["prefill_compile_s"],
-            decode_compile_s=comp["decode_compile_s"],
-            probe_compile_s=probe_s,
-            tries=[],
-        )
+        row.update(fit=fit, tries=[], **{k: v for k, v in comp.items() if k.endswith("_s")})
         if fit["batch"] < 1:
             row.update(
                 status="skipped",
