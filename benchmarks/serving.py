@@ -29,9 +29,10 @@ beside the one prefilled state this benchmark keeps to copy from). The fitted ba
 has a batch axis or none (LESS's kernels), and a decode step's temporaries are per sequence (its logits, its
 scores over its slots) plus what XLA keeps whatever the batch; the confirmation below catches where XLA's buffer
 assignment departs from the line. The fitted batch is then confirmed: the decode loop compiled at ``B`` must
-satisfy ``max(P + S(B), D_compiled(B) + S(1)) <= L`` and must run; on a failure (that check, a compile error, an
-out-of-memory) the try is recorded in ``tries`` with its reason and ``B - 1`` is tried, at most ``--max-tries``
-times.
+satisfy ``max(P + S(B), D_compiled(B) + S(1)) <= L`` and must run. On a failure the try is recorded in ``tries``
+with its reason and a smaller batch is tried, at most ``--max-tries`` in all: where the compiled peak is off the
+line, the line is refitted through it and the nearest compiled point below (``refit``: XLA:CPU's temporaries, for
+one, grow faster at large batches than between 1 and 4); on a compile error or an out-of-memory, ``B - 1``.
 
 **The measurement.** One ``--context``-token random prompt is prefilled at batch 1 (``ttft_1_s``, one run of the
 compiled prefill); its states are copied ``B`` times (``jnp.broadcast_to`` of every leaf from batch 1 to the
@@ -47,10 +48,12 @@ skip rule, ``compile_pair``, ratios): the whole batch prefilled (``ttft_s``, one
 the same decode timing, ``full`` first at each context.
 
 **Resumable.** The JSON (``--out``) is rewritten after every row and read at start: a row already there with the
-same commit and settings (``settings``) is not measured again; a row marked ``running`` (the process was stopped
-inside it, e.g. by a phase's ``timeout``) becomes ``skipped`` with that reason (``--retry-interrupted`` measures it
-again), so one row too slow for a limit does not block the rows after it. Nothing crashes the run: a method that
-cannot build its cache, does not fit one sequence, or fails to compile or run is a ``skipped`` row with the reason.
+same commit (``$KVJAX_COMMIT`` where set) and settings (``settings``) is not measured again. A row is written as
+``running`` before it starts; one found so (its process was stopped inside it, e.g. by a phase's ``timeout``) is
+measured again in its place once, and skipped with that reason when stopped a second time, so a row too slow for a
+limit does not block the rows after it (``--retry-interrupted`` measures it regardless). ``--stop-after-s`` starts
+no row after that many seconds. Nothing crashes the run: a method that cannot build its cache, does not fit one
+sequence, or fails to compile or run at every batch tried is a ``skipped`` row with the reason.
 """
 
 from __future__ import annotations
@@ -257,6 +260,7 @@ class Serving:
         self.weights = tree_bytes(self.shapes)
         self.params = None
         self.rng = np.random.default_rng(0)
+        self.t0 = time.monotonic()
         print(
             f"serving: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind}, limit "
             f"{self.limit / 2**30:.2f} GiB ({self.limit_from}), scan_layers={self.scan}",
@@ -271,17 +275,20 @@ class Serving:
         return r.get("commit") == self.head["commit"] and r.get("settings") == self.settings
 
     def prior(self, row) -> dict | None:
-        """The row already measured (or interrupted) at this key, commit and settings; interrupted rows become
-        skipped here (module docstring, "Resumable")."""
+        """The row already measured at this key, commit and settings, else None. A row left ``running`` (its process
+        was stopped inside it) is measured again in its place once; stopped twice, it is skipped with that reason
+        (``--retry-interrupted``: measured again regardless)."""
         for i, r in enumerate(self.rows):
             if self.key(r) == self.key(row) and self.same(r):
                 if r["status"] == "running":
-                    if self.args.retry_interrupted:
-                        del self.rows[i]
+                    n = r.get("interrupted", 0) + 1
+                    if n < 2 or self.args.retry_interrupted:
+                        row.update(row_id=i, interrupted=n)
                         return None
                     r.update(
                         status="skipped",
-                        skipped="interrupted: an earlier run stopped inside this row (a phase's time limit, or "
+                        interrupted=n,
+                        skipped=f"interrupted {n} times: runs stopped inside this row (a phase's time limit, or "
                         "killed); --retry-interrupted measures it again",
                     )
                     self.write()
@@ -292,8 +299,12 @@ class Serving:
         self.out.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
 
     def start(self, row) -> dict:
-        row.update(commit=self.head["commit"], settings=self.settings, status="running", row_id=len(self.rows))
-        self.rows.append(row)
+        row.update(commit=self.head["commit"], settings=self.settings, status="running")
+        if "row_id" in row:  # an interrupted row, measured again in its place
+            self.rows[row["row_id"]] = row
+        else:
+            row["row_id"] = len(self.rows)
+            self.rows.append(row)
         self.write()
         return row
 
@@ -344,27 +355,32 @@ class Serving:
         model = types.SimpleNamespace(config=self.cfg, dtype=self.dtype)
         return cannot_run(model, method, n, self.steps())
 
-    # -- kind "fit" ---------------------------------------------------------------------------------------------
-    def fit_rows(self) -> None:
-        ctx, full = self.args.context, None
+    # -- the rows -------------------------------------------------------------------------------------------------
+    def sweep(self, kind: str, ctx: int) -> bool:
+        """Every method's row of ``kind`` ("fit" or "batch") at ``ctx``, full first; False when ``--stop-after-s``
+        stopped it before a row."""
+        full = None
         for label, method, budget in self.todo:
-            row = self.base("fit", ctx, label, method, budget)
-            where = f"fit {context_label(ctx):>5s} {label:20s}"
+            row = self.base(kind, ctx, label, method, budget, self.args.batch if kind == "batch" else None)
+            where = f"{kind} {context_label(ctx):>5s} {label:20s}"
             done = self.prior(row)
-            if done is None:
-                row = self.start(row)
+            if done is not None:
+                print(f"{where} already measured (row {done['row_id']}, status {done['status']})", flush=True)
+            elif time.monotonic() - self.t0 > self.args.stop_after_s:
+                print(f"{where} not started: --stop-after-s {self.args.stop_after_s:.0f} has passed", flush=True)
+                return False
+            else:
+                done = self.start(row)
                 try:
-                    self.fit_one(row, method)
+                    (self.fit_one if kind == "fit" else self.batch_one)(row, method)
                 except Exception as e:  # noqa: BLE001  (a row never crashes the run)
                     row.update(status="skipped", skipped=f"{type(e).__name__}: {str(e)[:400]}")
                 engine.release_compiled()
-                done = row
-                if label != "full":
-                    _ratios(row, full)
+                if row["status"] == "ok":
+                    (_ratios if kind == "fit" else add_ratios)(row, row if label == "full" else full)
                 self.finish(row, where)
-            else:
-                print(f"{where} already measured (row {done['row_id']}, status {done['status']})", flush=True)
             full = done if label == "full" else full
+        return True
 
     def fit_one(self, row, method) -> None:
         a, cfg, dt = self.args, self.cfg, self.dtype
@@ -428,30 +444,6 @@ class Serving:
             skipped=f"no batch from {fit['batch']} down ran in {len(row['tries'])} tries: "
             + "; ".join(f"{t['batch']}: {t['reason']}" for t in row["tries"]),
         )
-
-    # -- kind "batch" -------------------------------------------------------------------------------------------
-    def batch_rows(self) -> None:
-        a = self.args
-        for ctx in a.batch_contexts:
-            full = None
-            for label, method, budget in self.todo:
-                row = self.base("batch", ctx, label, method, budget, a.batch)
-                where = f"b={a.batch} {context_label(ctx):>5s} {label:20s}"
-                done = self.prior(row)
-                if done is None:
-                    row = self.start(row)
-                    try:
-                        self.batch_one(row, method)
-                    except Exception as e:  # noqa: BLE001
-                        row.update(status="skipped", skipped=f"{type(e).__name__}: {str(e)[:400]}")
-                    engine.release_compiled()
-                    if row["status"] == "ok":
-                        add_ratios(row, full if label != "full" else row)
-                    done = row
-                    self.finish(row, where)
-                else:
-                    print(f"{where} already measured (row {done['row_id']}, status {done['status']})", flush=True)
-                full = done if label == "full" else full
 
     def batch_one(self, row, method) -> None:
         a, cfg, dt, b = self.args, self.cfg, self.dtype, self.args.batch
@@ -574,6 +566,12 @@ def _parser() -> argparse.ArgumentParser:
         default=[32768, 65536],
         help="the batch rows' contexts ('' for none)",
     )
+    ap.add_argument(
+        "--stop-after-s",
+        type=float,
+        default=float("inf"),
+        help="start no row after this many seconds (a phase's limit)",
+    )
     ap.add_argument("--retry-interrupted", action="store_true", help="measure rows an earlier run was stopped in")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--report", default=None, metavar="JSON", help="only print and write the table of a run's JSON")
@@ -588,10 +586,9 @@ def main(argv=None) -> int:
         if args.new_tokens < 2 or args.probe_batch < 2:
             _parser().error("--new-tokens and --probe-batch must be >= 2")
         run = Serving(args)
-        if args.rows in ("fit", "all"):
-            run.fit_rows()
-        if args.rows in ("batch", "all"):
-            run.batch_rows()
+        go = args.rows == "batch" or run.sweep("fit", args.context)
+        for ctx in args.batch_contexts if args.rows != "fit" else []:
+            go = go and run.sweep("batch", ctx)
         data, args.report = {**run.head, "rows": run.rows}, str(run.out)
     text = table(data)
     print(text, flush=True)

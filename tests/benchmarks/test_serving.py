@@ -1,8 +1,8 @@
-"""benchmarks/serving.py on the 2-layer random model: the fit's arithmetic against a brute-force search of the byte
-model, the states' bytes against the method's own accounting, and (extended) the whole run: the fitted batch
-against a hand computation at a limit where it is 3, the JSON's fields, full's row first, ratios from the same
-run, resume without measuring again, an interrupted row skipped, and the step-down on a forced failure. No timing
-is checked."""
+"""benchmarks/serving.py on the 2-layer random model: the fit's arithmetic against a brute-force count of the byte
+model, the states' bytes against the method's own accounting, and (extended) the whole run: the fitted batch against
+a hand computation at a limit where it is 3, the JSON's fields, full's row first, ratios from the same run, resume
+without measuring again, an interrupted row measured again once and then skipped, the batch rows, and the step-down
+on a forced failure. No timing is checked."""
 
 from __future__ import annotations
 
@@ -138,11 +138,16 @@ def test_tiny_run(sv, tmp_path, monkeypatch, capsys):
     assert json.loads(out.read_text())["rows"] == rows
     assert capsys.readouterr().out.count("already measured") == 2
 
-    data["rows"][1]["status"] = "running"  # as a run killed inside that row leaves it
+    data["rows"][1]["status"] = "running"  # as a run stopped inside that row leaves it: measured again, in place
     out.write_text(json.dumps(data))
     assert sv.main(run + ["--out", str(out)]) == 0
     again = json.loads(out.read_text())["rows"]
-    assert again[0] == rows[0] and again[1]["status"] == "skipped" and "interrupted" in again[1]["skipped"]
+    assert again[0] == rows[0] and (again[1]["status"], again[1]["interrupted"], again[1]["row_id"]) == ("ok", 1, 1)
+    again[1]["status"] = "running"  # stopped inside it a second time: skipped with the reason
+    out.write_text(json.dumps({**data, "rows": again}))
+    assert sv.main(run + ["--out", str(out)]) == 0
+    last = json.loads(out.read_text())["rows"][1]
+    assert last["status"] == "skipped" and "interrupted 2 times" in last["skipped"]
 
     batch = ["--rows", "batch", "--batch", "2", "--batch-contexts", "40", "--memory-gb", "1", "--out", str(out_b)]
     assert sv.main(SMALL + ["--methods", "snapkv,full"] + batch) == 0  # the batch rows, e2e.py's path
