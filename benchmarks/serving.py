@@ -248,12 +248,20 @@ class Serving:
         self.todo = serving_variants(names, args.budget, args.recall_budget)
         self.out = Path(args.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        hargs = types.SimpleNamespace(**{**vars(args), "compile_only": False})
-        self.head = {**header(hargs, self.cfg, self.dtype, self.limit, self.limit_from), "benchmark": "serving"}
+        self.head = {**header(args, self.cfg, self.dtype, self.limit, self.limit_from), "benchmark": "serving"}
         self.head["commit_dirty"] = _dirty()
         self.settings = {
             k: getattr(args, k)
-            for k in ("model", "dtype", "new_tokens", "repeats", "probe_batch", "max_batch", "max_tries")
+            for k in (
+                "model",
+                "dtype",
+                "new_tokens",
+                "repeats",
+                "probe_batch",
+                "max_batch",
+                "max_tries",
+                "compile_only",
+            )
         } | {"scan_layers": self.scan, "memory_limit_bytes": self.limit}
         self.rows = json.loads(self.out.read_text())["rows"] if self.out.exists() else []
         self.shapes = abstract_params(self.cfg, self.dtype, self.scan)
@@ -317,6 +325,8 @@ class Serving:
                 f"{row['throughput_tok_s']:9.1f} tok/s  x{_f(row.get('throughput_ratio_vs_full'), '.2f')} full",
                 flush=True,
             )
+        elif row["status"] == "compiled":
+            print(f"{where} fits {row['fit']['batch']} ({_fit_text(row['fit'])})", flush=True)
         else:
             print(f"{where} skipped: {row['skipped']}", flush=True)
 
@@ -394,6 +404,9 @@ class Serving:
         fit = {"limit": self.limit, "weights": self.weights, **fit}
         fit.update(fit_batch(self.limit, fit["prefill_peak"], fit["decode_peaks"], fixed, per_seq, a.max_batch))
         row.update(fit=fit, tries=[], **{k: v for k, v in comp.items() if k.endswith("_s")})
+        if a.compile_only:
+            row["status"] = "compiled"
+            return
         if fit["batch"] < 1:
             row.update(
                 status="skipped",
@@ -516,15 +529,21 @@ def table(data) -> str:
     if fit:
         lines.append(f"\n== the largest batch at a fixed memory, {context_label(fit[0]['context'])} ==")
         lines.append(
-            f"{'method':20s} {'GiB/seq':>8s} {'fit':>5s} {'batch':>5s} {'tries':>5s} {'TPOT ms':>8s} "
+            f"{'method':20s} {'MiB/seq':>8s} {'fit':>5s} {'batch':>5s} {'tries':>5s} {'TPOT ms':>8s} "
             f"{'tok/s':>9s} {'tok/s x':>7s} {'batch x':>7s}"
         )
         for r in fit:
+            if r["status"] == "compiled":
+                lines.append(
+                    f"{r['label']:20s} {r['fit']['state_per_seq'] / 2**20:8.1f} {r['fit']['batch']:5d}     -  "
+                    f"(--compile-only: {_fit_text(r['fit'])})"
+                )
+                continue
             if r["status"] != "ok":
                 lines.append(f"{r['label']:20s} {r['status']}: {r.get('skipped', '')[:100]}")
                 continue
             lines.append(
-                f"{r['label']:20s} {r['fit']['state_per_seq'] / g:8.3f} {r['fit']['batch']:5d} {r['batch']:5d} "
+                f"{r['label']:20s} {r['fit']['state_per_seq'] / 2**20:8.1f} {r['fit']['batch']:5d} {r['batch']:5d} "
                 f"{len(r['tries']):5d} {1e3 * r['tpot_s']:8.2f} {r['throughput_tok_s']:9.1f} "
                 f"{_f(r.get('throughput_ratio_vs_full'), '7.2f')} {_f(r.get('batch_ratio_vs_full'), '7.2f')}"
             )
@@ -572,6 +591,11 @@ def _parser() -> argparse.ArgumentParser:
         default=float("inf"),
         help="start no row after this many seconds (a phase's limit)",
     )
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="fit rows only: the byte model and the fitted batch from abstract shapes; nothing allocated or run",
+    )
     ap.add_argument("--retry-interrupted", action="store_true", help="measure rows an earlier run was stopped in")
     ap.add_argument("--out", default="benchmarks/results/serving.json")
     ap.add_argument("--report", default=None, metavar="JSON", help="only print and write the table of a run's JSON")
@@ -586,6 +610,7 @@ def main(argv=None) -> int:
         if args.new_tokens < 2 or args.probe_batch < 2:
             _parser().error("--new-tokens and --probe-batch must be >= 2")
         run = Serving(args)
+        args.rows = "fit" if args.compile_only else args.rows
         go = args.rows == "batch" or run.sweep("fit", args.context)
         for ctx in args.batch_contexts if args.rows != "fit" else []:
             go = go and run.sweep("batch", ctx)

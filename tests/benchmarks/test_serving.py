@@ -171,3 +171,48 @@ def test_tiny_run(sv, tmp_path, monkeypatch, capsys):
     (r,) = json.loads(out2.read_text())["rows"]
     assert [(t["batch"], t["status"]) for t in r["tries"]] == [(3, "failed"), (2, "ok")]
     assert "RESOURCE_EXHAUSTED" in r["tries"][0]["reason"] and r["batch"] == 2 and r["status"] == "ok"
+
+
+@pytest.mark.extended  # ~2.5 min on 2 cores: every phase of the GPU script, twice
+def test_gpu_script_tiny(tmp_path):
+    """scripts/gpu_serving.sh end to end with TINY=1 (its phases at tiny shapes on the CPU): the files it leaves in
+    $OUT (at most the device tool's 8), the serving rows, the Gemma rows at batch 8 in bfloat16 with the hybrid and
+    the all-global plan, then a second call that resumes from the first's files and measures nothing again."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    env = {**os.environ, "TINY": "1", "OUT": str(out), "METHODS": "full,snapkv", "GEMMA_METHODS": "snapkv"}
+    env["PYTHON"] = sys.executable
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_serving.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "serving_tiny_cpu.json" in files and "gpu_serving.log" in files, files
+    rows = json.loads((out / "serving_tiny_cpu.json").read_text())["rows"]
+    assert [(r["kind"], r["label"], r["context"], r["status"]) for r in rows] == [
+        ("fit", "full", 64, "ok"),
+        ("fit", "snapkv@0.2", 64, "ok"),
+        ("batch", "full", 40, "ok"),
+        ("batch", "snapkv@0.2", 40, "ok"),
+        ("batch", "full", 64, "ok"),
+        ("batch", "snapkv@0.2", 64, "ok"),
+    ]
+    for shape, plan in (("gemma3", "5 local layers"), ("gemma3_global", "6 layers")):
+        data = json.loads((out / f"roofline_{shape}_tiny_cpu_64_b8.json").read_text())
+        assert [(r["label"], r["status"], r["batch"], r["dtype"]) for r in data["rows"]] == [
+            ("full", "ok", 8, "bfloat16"),
+            ("snapkv@0.2", "ok", 8, "bfloat16"),
+        ]
+        assert all(r["layer_plan"].startswith(plan) for r in data["rows"]), shape
+        assert (out / f"roofline_{shape}_tiny_cpu_64_b8.txt").exists()
+
+    again = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_serving.sh")],
+        env={**env, "OUT": str(tmp_path / "again"), "PREV": str(out)},
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    log = (tmp_path / "again" / "gpu_serving.log").read_text()
+    assert log.count("already measured") == 6 and log.count("already in") == 2, log[-3000:]
+    assert json.loads((tmp_path / "again" / "serving_tiny_cpu.json").read_text())["rows"] == rows
