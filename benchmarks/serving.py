@@ -304,7 +304,10 @@ class Serving:
         return None
 
     def write(self) -> None:
-        self.out.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
+        """The JSON, replaced whole (a process killed while writing leaves the previous one)."""
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
+        os.replace(tmp, self.out)
 
     def start(self, row) -> dict:
         row.update(commit=self.head["commit"], settings=self.settings, status="running")
