@@ -173,7 +173,7 @@ def test_tiny_run(sv, tmp_path, monkeypatch, capsys):
     assert "RESOURCE_EXHAUSTED" in r["tries"][0]["reason"] and r["batch"] == 2 and r["status"] == "ok"
 
 
-@pytest.mark.extended  # ~2.5 min on 2 cores: every phase of the GPU script, twice
+@pytest.mark.extended  # ~2 min on 2 cores: every phase of the GPU script, then its resume
 def test_gpu_script_tiny(tmp_path):
     """scripts/gpu_serving.sh end to end with TINY=1 (its phases at tiny shapes on the CPU): the files it leaves in
     $OUT (at most the device tool's 8), the serving rows, the Gemma rows at batch 8 in bfloat16 with the hybrid and
@@ -182,7 +182,7 @@ def test_gpu_script_tiny(tmp_path):
     import subprocess
 
     out = tmp_path / "out"
-    env = {**os.environ, "TINY": "1", "OUT": str(out), "METHODS": "full,snapkv", "GEMMA_METHODS": "snapkv"}
+    env = {**os.environ, "TINY": "1", "OUT": str(out), "METHODS": "full,snapkv"}  # Gemma: snapkv,quest as on the GPU
     env["PYTHON"] = sys.executable
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_serving.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -200,9 +200,8 @@ def test_gpu_script_tiny(tmp_path):
     for shape, plan in (("gemma3", "5 local layers"), ("gemma3_global", "6 layers")):
         data = json.loads((out / f"roofline_{shape}_tiny_cpu_64_b8.json").read_text())
         assert [(r["label"], r["status"], r["batch"], r["dtype"]) for r in data["rows"]] == [
-            ("full", "ok", 8, "bfloat16"),
-            ("snapkv@0.2", "ok", 8, "bfloat16"),
-        ]
+            (label, "ok", 8, "bfloat16") for label in ("full", "snapkv@0.2", "quest@0.2", "full", "quest@2048")
+        ]  # --group-size 2: each pair of variants beside its own full
         assert all(r["layer_plan"].startswith(plan) for r in data["rows"]), shape
         assert (out / f"roofline_{shape}_tiny_cpu_64_b8.txt").exists()
 
