@@ -3,7 +3,7 @@
 #
 #   run(command="KVJAX_COMMIT=<commit> bash scripts/gpu_serving.sh", timeout_s=590)
 #
-# <commit>: `git log -1 --format=%H -- kvjax benchmarks scripts` here (the last commit that changed the code: the
+# <commit>: `git log -1 --format=%H -- kvjax 'benchmarks/*.py' scripts` here (the last commit that changed the code: the
 # rows' resume key, so committing results between calls does not make the next call measure them again).
 #
 # Phases, in this order, each under `timeout` and within BUDGET_S (default 570 s) in all; each one's output goes to
