@@ -340,9 +340,10 @@ def test_resume_measures_only_what_is_missing(roofline, tmp_path, monkeypatch):
     built.clear()
     assert roofline.main(base + ["--methods", "full,snapkv,streaming_llm"]) == 0  # all measured: nothing built
     assert built == [] and len(json.loads(out.read_text())["rows"]) == 4
-    assert roofline.main(base + ["--methods", "full,snapkv", "--steps", "3"]) == 0  # other settings
-    assert built == ["full", "snapkv@0.2"] and len(json.loads(out.read_text())["rows"]) == 2
-    built.clear()
     monkeypatch.setenv("KVJAX_COMMIT", "b" * 40)  # another commit
-    assert roofline.main(base + ["--methods", "full,snapkv", "--steps", "3"]) == 0
-    assert built == ["full", "snapkv@0.2"]
+    assert roofline.main(base + ["--methods", "full,snapkv"]) == 0
+    assert built == ["full", "snapkv@0.2"] and len(json.loads(out.read_text())["rows"]) == 2
+    old = json.loads(out.read_text())  # other settings, or a tree that differs from its commit: nothing kept
+    assert roofline.resumable_rows(old, dict(old)) == old["rows"]
+    assert roofline.resumable_rows(old, {**old, "steps": old["steps"] + 1}) == []
+    assert roofline.resumable_rows(old, {**old, "commit_dirty": True}) == []
