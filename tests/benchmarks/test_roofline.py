@@ -327,7 +327,9 @@ def test_resume_measures_only_what_is_missing(roofline, tmp_path, monkeypatch):
     assert roofline.main(base + ["--methods", "full,snapkv"]) == 0
     built = []
     real = roofline.build
-    monkeypatch.setattr(roofline, "build", lambda cfg, var, *a, **kw: built.append(var.label) or real(cfg, var, *a, **kw))
+    monkeypatch.setattr(
+        roofline, "build", lambda cfg, var, *a, **kw: built.append(var.label) or real(cfg, var, *a, **kw)
+    )
     assert roofline.main(base + ["--methods", "full,snapkv,streaming_llm"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert built == ["full", "streaming_llm@0.2"]

@@ -3,12 +3,14 @@ run that resumes to the same rows, and the average's interval against an indepen
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
 import kvjax
+from kvjax import assets
 from eval import harness, leaderboard, ruler
 
 
@@ -154,3 +156,27 @@ def test_needle_failures_classify_each_expected_number():
     ]
     got = leaderboard.needle_failures(rows)
     assert got == {("a", 0.5): {"found": 2, "cut short": 1, "another number": 1, "no number": 1}}
+
+
+def test_compile_cache_is_on_unless_told_otherwise(tmp_path, monkeypatch):
+    """``--compile-cache DIR`` turns on JAX's persistent compilation cache there (a resumed run loads what it
+    compiled); ``off`` leaves it alone, and ``$JAX_COMPILATION_CACHE_DIR`` wins over the option."""
+    import jax
+
+    from eval import cli
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    try:
+        assert cli.persistent_compile_cache("off") is None and jax.config.jax_compilation_cache_dir == before[0]
+        where = tmp_path / "jax-compile"
+        assert cli.persistent_compile_cache(str(where)) == str(where) and where.is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(where)
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+        assert cli.persistent_compile_cache(str(tmp_path / "other")) == str(tmp_path / "env")
+        assert not (tmp_path / "other").exists()
+        args = cli.build_parser().parse_args(["leaderboard"])
+        assert Path(args.compile_cache) == assets.cache_dir() / "jax-compile"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_compilation_cache_max_size", before[1])
