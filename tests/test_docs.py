@@ -258,3 +258,14 @@ def test_user_docs_hold_no_notes_to_ourselves():
             for m in NOTES_TO_OURSELVES.finditer(line):
                 problems.append(f"{rel(path)}:{lineno}: {m.group(0)!r}: {line.strip()[:100]}")
     assert not problems, "notes to ourselves in the user documentation:\n" + "\n".join(problems)
+
+
+def test_the_architecture_layout_names_every_module():
+    """docs/architecture.md's layout lists every module of ``kvjax/`` and every kernel of ``kernels_pallas/`` (a module
+    added without a line there fails)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = [p.name for p in (ROOT / "kvjax").glob("*.py") if p.name != "__init__.py"]
+    kernels = [p.name for p in (ROOT / "kernels_pallas").iterdir() if (p / "__init__.py").is_file()]
+    missing = [m for m in modules + kernels if m not in layout]
+    assert not missing, f"docs/architecture.md's layout does not name {missing}"
