@@ -23,7 +23,7 @@ went 20.2 -> 31.0 ms), where the unrolled loop writes one row in place.
   its consumer where it can.
 
 At the end, a state leaf that is still a view of its own stack *is* the new stack (nothing is written back); any
-other leaf is written into its stack at ``i`` (``dynamic_update_index_in_dim``), as before.
+other leaf is written into its stack at ``i`` (``dynamic_update_index_in_dim``).
 
 The program computes the same values either way; only where they live changes. An in-place write must not leave an
 earlier value of the stack still needed, or XLA keeps it by copying the *whole* stack. So a write goes into the
@@ -31,9 +31,7 @@ stack only at the view's last use in its program, and a method orders its writes
 by a data dependency where XLA could otherwise run them first (ClusterKV's window clustering and Chelsea's decode
 rounds are ``while_loop``s whose predicate depends on the step's attention, not ``lax.cond``s). Measured on
 XLA:CPU (jax 0.10), every built-in method's scanned loop then compiles without a copy of a stack or a
-materialised K/V slice; an earlier rule that sliced a leaf read by a loop before a write (or read between two
-writes) and wrote it back is no longer needed by any of them, and for a method that breaks the ordering XLA
-inserts the copy (correct, slower).
+materialised K/V slice; for a method that breaks the ordering XLA inserts the copy (correct, slower).
 ``tests/kvjax/test_scan_layers.py`` checks the compiled decode loop: no K/V slice materialised and no stack copied
 per step, for several methods, and the same logits as the unrolled loop.
 """
