@@ -155,11 +155,12 @@ def test_llama31_8b_shapes(e2e):
 
 
 @pytest.mark.extended  # ~30 s: a torch process beside the JAX one
-def test_torch_rows_and_resume(e2e, tmp_path):
+def test_torch_rows_and_resume(e2e, tmp_path, monkeypatch):
     """transformers' and kvpress's rows in the same run as kvjax's (kvpress from the carried wheel, on whichever
     transformers is here), in PRIORITY order; a second invocation at the same commit measures nothing again."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    monkeypatch.setenv("KVJAX_COMMIT", "e" * 40)  # fixed: a commit landing between the two runs changes nothing
     out = tmp_path / "torch.json"
     argv = SMALL + ["--contexts", "100", "--batch", "1", "--new-tokens", "3", "--out", str(out)]
     assert e2e.main(argv + ["--methods", "full,transformers,kvpress,snapkv"]) == 0

@@ -184,6 +184,7 @@ def test_gpu_script_tiny(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "TINY": "1", "OUT": str(out), "METHODS": "full,snapkv"}  # Gemma: snapkv,quest as on the GPU
     env["PYTHON"] = sys.executable
+    env["KVJAX_COMMIT"] = "d" * 40  # the resume key: fixed, so a commit landing between the two calls changes nothing
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_serving.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
