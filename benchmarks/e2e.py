@@ -1087,15 +1087,13 @@ class _Run:
         if label == "full":
             self.full_row = row
             row["row_id"] = len(self.rows)
-        row["weights_bytes_read_per_step"] = self.weights_read
-        add_ratios(row, self.full_row)
-        self.add(row)
-        print(
-            f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
-            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  TTFT "
-            f"{_f(row['ttft_overhead_vs_full'], '+.1%')}  compile prefill {row['prefill_compile_s']:.1f}s loop "
-            f"{row['decode_compile_s']:.1f}s",
-            flush=True,
+        self._record_ok(
+            row,
+            where,
+            lambda r: (
+                f"TTFT {_f(r['ttft_overhead_vs_full'], '+.1%')}  compile prefill {r['prefill_compile_s']:.1f}s "
+                f"loop {r['decode_compile_s']:.1f}s"
+            ),
         )
 
     def torch_row(self, row: dict) -> None:
@@ -1116,13 +1114,23 @@ class _Run:
             self.add(row)
             print(f"{where} {row['status']}: {row['skipped']}", flush=True)
             return
+        self._record_ok(
+            row,
+            where,
+            lambda r: (
+                f"({r['attn_implementation']}, torch {r['torch_version']}, transformers {r['transformers_version']})"
+            ),
+        )
+
+    def _record_ok(self, row: dict, where: str, detail) -> None:
+        """A measured row (kvjax's or the torch side's): the weights it reads, its ratios to this context's full
+        row, written, and printed with ``detail(row)`` (after the ratios)."""
         row["weights_bytes_read_per_step"] = self.weights_read
         add_ratios(row, self.full_row)
         self.add(row)
         print(
             f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
-            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  "
-            f"({row['attn_implementation']}, torch {row['torch_version']}, transformers {row['transformers_version']})",
+            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  {detail(row)}",
             flush=True,
         )
 
