@@ -18,8 +18,9 @@ from test_docs import ROOT, notebook_text, rel, repo_files
 RESULTS = ROOT / "benchmarks" / "results"
 INDEX = RESULTS / "README.md"
 CITED = re.compile(r"benchmarks/results/([\w./{},*-]*[\w}*])")
-# Where scripts/accelerator.sh writes a lease's files when $OUT is not set: an output folder, not a result.
-OUTPUT_DIRS = {"device"}
+# Output folders, not results: where scripts/accelerator.sh writes a lease's files when $OUT is not set, and where
+# scripts/accelerator_lease.sh writes a GPU lease's JSON (empty, so absent from a clean checkout, until a lease runs).
+OUTPUT_DIRS = {"device", "gpu"}
 
 
 def index_names(text: str) -> set[str]:
