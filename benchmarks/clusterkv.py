@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax import assets, engine, methods
+from kvjax import assets, core, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model, default_dtype
 from kvjax.methods import clusterkv as ckv
@@ -92,7 +92,7 @@ def kmeans_iterations(model, method, tokens, lengths) -> list[int]:
 
     ckv.cosine_kmeans = recording
     try:
-        fn = jax.jit(lambda *a: engine._prefill(*a), static_argnums=(0, 1))  # a fresh function: traced anew
+        fn = jax.jit(lambda *a: core.prefill(*a), static_argnums=(0, 1))  # a fresh function: traced anew
         prefill(model, method, tokens, lengths, fn)
         jax.effects_barrier()
     finally:

@@ -87,7 +87,7 @@ def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 
         kw = {"previous": prev} if m.reuses_previous_layer and same_as_previous(method, layer) else {}
         prev = jax.jit(functools.partial(m.prefill, layer=layer))(st, q=q, k=k, v=v, lengths=lengths, **kw)
         per.append(prev)
-    plan = engine.layer_plan(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]
+    plan = engine.scan_runs(cfg, method, 1, cap, jnp.float32) if scan else [range(l, l + 1) for l in range(len(per))]
     return tuple(
         per[r.start]
         if len(r) == 1

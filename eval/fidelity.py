@@ -49,7 +49,6 @@ from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
-from kvjax.methods.hybrid import for_model
 from kvjax.methods.layers import same_as_previous
 
 
@@ -122,7 +121,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     attention, as the engine's prefill); traced under ``mesh`` (:func:`kvjax.sharding.tracing`) when given."""
     # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
     # are its ring buffer of the window (kvjax.methods.hybrid), so the probes measure the global layers' methods
-    method, full = for_model(cfg, method), for_model(cfg, methods.get("full"))
+    method, full = engine.plan(cfg, method).method, engine.plan(cfg, methods.get("full")).method
     cap = Capacity(n, probes + 1)
 
     def run(params, tokens):
@@ -166,7 +165,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     "topb_recall": [L] | None, "tokens_held", "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
-    method = for_model(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
     if probes < 1:
         raise ValueError(f"probes={probes} must be >= 1")
     n = len(ids) - probes

@@ -31,7 +31,6 @@ from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.budget import check_budget, check_distinct
 from kvjax.methods.base import Capacity
-from kvjax.methods.hybrid import for_model
 
 
 def check_methods(names: Sequence[str]) -> list[str]:
@@ -175,7 +174,7 @@ def answer_after_context(
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
     check_context(model, max(lengths), cap_new)
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
-    method = for_model(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
     mesh = model.mesh
     put = lambda x: S.put_batch(jnp.asarray(x), mesh)
     states = engine.init_states(
@@ -219,7 +218,7 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     on the host)."""
     import jax
 
-    method = for_model(model_cfg, method)
+    method = engine.plan(model_cfg, method).method
     states = jax.eval_shape(lambda: engine.init_states(model_cfg, method, 1, capacity, dtype))
     return engine.memory_bytes(method, states)
 

@@ -25,7 +25,6 @@ from kvjax import assets, engine
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
-from kvjax.methods.hybrid import for_model
 from kvjax.prefilled import compress, same_batch
 
 
@@ -84,7 +83,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
             "kvjax.prefilled.prefill_once(model, seqs[:, :prefix], lengths)"
         )
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
-    method = for_model(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
     states = engine.init_states(
         cfg, method, b, Capacity(prefix, n), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
     )

@@ -23,7 +23,7 @@ from flax import struct
 
 from kvjax import model as M
 from kvjax.config import ModelConfig
-from kvjax.methods.layers import same_as_previous
+from kvjax.core import TRACE_COUNTS, Stacked, method_prefill, plan, segment_previous, sliding_window
 
 
 @struct.dataclass
@@ -49,8 +49,6 @@ def nbytes(cfg: ModelConfig, batch: int, prompt_len: int, dtype) -> int:
 
 
 def _capture(cfg: ModelConfig, params, tokens, lengths) -> Prefilled:
-    from kvjax.engine import _sliding_window
-
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     x = M.embed(params, tokens, cfg)
@@ -59,7 +57,7 @@ def _capture(cfg: ModelConfig, params, tokens, lengths) -> Prefilled:
 
     def attend(layer, x, q, k, v, bufs):
         bufs = tuple(jax.lax.dynamic_update_index_in_dim(buf, a, layer, 0) for buf, a in zip(bufs, (q, k, v)))
-        return M.causal_attention(q, k, v, lengths, _sliding_window(cfg, layer)), bufs
+        return M.causal_attention(q, k, v, lengths, sliding_window(cfg, layer)), bufs
 
     live = jnp.max(lengths)
     if M.is_stacked(params):
@@ -84,21 +82,17 @@ def prefill_once(model, tokens, lengths) -> Prefilled:
 
 
 def _compress(cfg: ModelConfig, method, pre: Prefilled, states) -> tuple:
-    from kvjax.engine import TRACE_COUNTS, Stacked, method_prefill, segment_previous
-
     TRACE_COUNTS["compress"] += 1
-    from kvjax.methods.hybrid import for_model
+    layers = plan(cfg, method)
 
-    method = for_model(cfg, method)
-
-    def one(m, layer, st, q, k, v, previous):  # what engine._prefill's step does with the layer's q, k, v
+    def one(m, layer, st, q, k, v, previous):  # what core.prefill's step does with the layer's q, k, v
         return method_prefill(cfg, m, layer, st, q, k, v, pre.lengths, previous)[1]
 
     new, prev, layer = [], None, 0
     for st in states:
-        m = method.at(layer)  # the layer's method (a scanned segment's layers share it)
+        m = layers.at(layer)  # the layer's method (a scanned segment's layers share it)
         reuse = m.reuses_previous_layer
-        prev = prev if same_as_previous(method, layer) else None
+        prev = prev if layers.same_as_previous(layer) else None
         if not isinstance(st, Stacked):
             prev = one(m, layer, st, pre.q[layer], pre.k[layer], pre.v[layer], prev if reuse else None)
             new.append(prev)

@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import engine
+from kvjax import core, engine
 from kvjax import model as M
 from kvjax.methods.base import Capacity
-from kvjax.methods.hybrid import for_model
 from kvjax.sampling import Greedy
 from kvjax.sharding import BATCH
 
@@ -65,11 +64,11 @@ def compress_context(model, context, method=None, *, max_new_tokens: int = 256, 
     if method is None or isinstance(method, str):
         method = methods_lib.get(method or "full")
     cfg = model.config
-    method = for_model(cfg, method)
+    method = core.plan(cfg, method).method
     ids = engine.prepare_prompts(model, [context] if isinstance(context, str) else [list(context)])
     n = len(ids[0])
     bucket = prompt_len or engine.bucket_length(n)
-    engine._check_capacity(cfg, [n], bucket, max_new_tokens)
+    engine.check_capacity(cfg, [n], bucket, max_new_tokens)
     engine.check_method(cfg, method)
     tokens, lengths = engine.pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
@@ -86,7 +85,7 @@ def repeat_states(method, states, count: int):
     donated while ``states`` stays valid."""
     out = []
     for layer_state, (start, m) in zip(states, _segment_methods(method, states)):
-        stacked = isinstance(layer_state, engine.Stacked)
+        stacked = isinstance(layer_state, core.Stacked)
         st = layer_state.state if stacked else layer_state
         one = jax.tree.map(lambda a: a[0], st) if stacked else st
         axes = m.state_axes(one)
@@ -106,7 +105,7 @@ def _segment_methods(method, states):
     layer = 0
     for st in states:
         yield layer, method.at(layer)
-        layer = st.stop if isinstance(st, engine.Stacked) else layer + 1
+        layer = st.stop if isinstance(st, core.Stacked) else layer + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +123,7 @@ def _answer_loop(loop: _Loop, params, states, questions, qlen, pos, key):
     ``max_new_tokens`` per sequence: ``(answers [Q, max_new_tokens], answered [Q], steps, states)``. Step ``t`` feeds
     token ``t`` of the question while ``t < qlen``, else the last sampled token; the logits of step ``t >= qlen - 1``
     give answer token ``t - qlen + 1``."""
-    engine.TRACE_COUNTS["answer_loop"] += 1
+    core.TRACE_COUNTS["answer_loop"] += 1
     q, f = questions.shape
     n = loop.max_new_tokens
     limit = f + n - 1
@@ -132,7 +131,7 @@ def _answer_loop(loop: _Loop, params, states, questions, qlen, pos, key):
 
     def body(c):
         states, tok, pos, t, done, key, out, count = c
-        logits, states = engine._decode_step(loop.cfg, loop.method, params, states, tok, pos)
+        logits, states = core.decode_step(loop.cfg, loop.method, params, states, tok, pos)
         key, sub = jax.random.split(key)
         sampled = loop.sampling(logits, sub)
         g = t - (qlen - 1)  # the answer token these logits give (negative: still reading the question)
@@ -235,7 +234,9 @@ def answer(
     )
     lengths = [ctx.length + len(x) for x in ids]
     cache_bytes = engine.memory_bytes(method, states)
-    res = engine._result(model, method, out, max_new_tokens, eos, lengths, held_prefill, states, cache_bytes, shared)
+    res = engine.make_result(
+        model, method, out, max_new_tokens, eos, lengths, held_prefill, states, cache_bytes, shared
+    )
     for st, c in zip(res.stats, count):
         st["decode_steps"] = steps
         st["question_tokens"] = st["prompt_tokens"] - ctx.length

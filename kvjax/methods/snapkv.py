@@ -144,7 +144,7 @@ class PyramidKV(SnapKV):
     beta: int = 20
     #: Each layer's static slot count is rounded up to a multiple of this (None: an eighth of the budget at the
     #: bucket, at least 16), so runs of layers share one state shape and scan as one compiled body
-    #: (``engine.layer_plan``: about 8-12 bodies instead of one per layer). It sizes the buffers only: what a layer
+    #: (``engine.scan_runs``: about 8-12 bodies instead of one per layer). It sizes the buffers only: what a layer
     #: keeps is its own budget. ``1``: one exact slot count per layer.
     slot_multiple: int | None = None
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvjax import assets, engine, methods  # noqa: E402
+from kvjax import assets, core, engine, methods  # noqa: E402
 from kvjax.loading import load_model  # noqa: E402
 from kvjax.methods.base import Capacity  # noqa: E402
 
@@ -112,8 +112,8 @@ def run(name: str, feed=None, perturb=None) -> dict:
         jnp.float32,
         scan_layers=meth.traced_layer,
     )
-    prefill = jax.jit(functools.partial(engine._prefill, cfg, meth))
-    step = jax.jit(functools.partial(engine._decode_step, cfg, meth))
+    prefill = jax.jit(functools.partial(core.prefill, cfg, meth))
+    step = jax.jit(functools.partial(core.decode_step, cfg, meth))
     states, logits = prefill(params, tokens, lengths, states)
     held = np.asarray(engine.tokens_held(meth, states))
     read = engine.bytes_read_per_step(meth, states, cfg.num_heads)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.decode_attention import ENV_IMPL
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
@@ -55,8 +55,8 @@ def run(monkeypatch, params, name, impl, feed=None):
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     states = engine.init_states(CFG, m, len(LENGTHS), Capacity(BUCKET, STEPS + 1), jnp.float32)
     # fresh functions: jit's caches key on (cfg, method), not on the environment variable
-    prefill = jax.jit(functools.partial(engine._prefill, CFG, m))
-    step = jax.jit(functools.partial(engine._decode_step, CFG, m))
+    prefill = jax.jit(functools.partial(core.prefill, CFG, m))
+    step = jax.jit(functools.partial(core.decode_step, CFG, m))
     states, logits = prefill(params, tokens, lengths, states)
     out, pos, kernels = [logits], lengths, None
     for i in range(STEPS):

@@ -12,7 +12,7 @@ for the kernel comparison, ``chunked`` for the long prefill): it checks the test
   rounding of ``q/sqrt(D)``, of the probabilities and of the output), padded rows finite. The compiled program is
   checked to contain the kernel (``__cudnn$fmha`` or the splash ``pallas_call``), so it is never reference
   against reference.
-- Long prefill: ``engine._prefill`` of a one-layer model with Llama-3.1-8B's shapes (hidden 4096, 32 / 8 heads,
+- Long prefill: ``core.prefill`` of a one-layer model with Llama-3.1-8B's shapes (hidden 4096, 32 / 8 heads,
   MLP 14336, vocabulary 128256), bf16, one 65536-token prompt, the ``full`` method: finite logits; the device's
   peak memory (``memory_stats()["peak_bytes_in_use"]`` where the backend reports it) is printed and recorded as a
   test property, and must stay below 24 GiB (the weights are 2.3 GiB; one head's ``[T, T]`` float32 scores alone
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax import model as M
 from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig, RopeConfig
@@ -86,7 +86,7 @@ def test_long_prefill_8b_heads(record_property):
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, LONG_T), 1, cfg.vocab_size, jnp.int32)
     lengths = jnp.asarray([LONG_T - 5], jnp.int32)
     states = engine.init_states(cfg, method, 1, Capacity(LONG_T, 8), jnp.bfloat16)
-    prefill = jax.jit(functools.partial(engine._prefill, cfg, method))
+    prefill = jax.jit(functools.partial(core.prefill, cfg, method))
     if not DRY_RUN:
         assert KERNEL in prefill.lower(params, tokens, lengths, states).as_text()
     states, logits = prefill(params, tokens, lengths, states)

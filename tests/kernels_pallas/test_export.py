@@ -31,7 +31,7 @@ from kernels_pallas.chunked_similarity import chunk_best_match
 from kernels_pallas.cosine_kmeans import lloyd_step
 from kernels_pallas.decode_attention import ENV_IMPL, decode_attention
 from kernels_pallas.pq_lookup import pq_lookup
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax import model as M
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.methods.base import Capacity
@@ -180,7 +180,7 @@ def step_method(name: str, impl: str):
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("name", methods.names())
 def test_decode_step_exports(monkeypatch, platform, impl, suffix, model, name):
-    """``engine._decode_step`` (the body of ``engine.decode_step`` and of the compiled loop) for 2 sequences,
+    """``core.decode_step`` (the body of ``engine.decode_step`` and of the compiled loop) for 2 sequences,
     a 1024-token bucket and ``STEPS`` decode steps. The decode-attention impl is chosen by
     ``KVJAX_DECODE_ATTENTION_IMPL`` (``impl=None`` would pick ``xla`` by this CPU backend), the methods' own kernels
     by their ``impl`` option."""
@@ -191,7 +191,7 @@ def test_decode_step_exports(monkeypatch, platform, impl, suffix, model, name):
     params = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
     states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(1024, STEPS), dtype))
     token = pos = S((b,), jnp.int32)
-    step = functools.partial(engine._decode_step, cfg, method)  # a fresh function: no trace cached under xla
+    step = functools.partial(core.decode_step, cfg, method)  # a fresh function: no trace cached under xla
     want = methods.REGISTRY[name].step_kernels
     if not want:
         text = jax.export.export(jax.jit(step), platforms=[platform])(params, states, token, pos).mlir_module()
@@ -270,7 +270,7 @@ def test_prefill_attention_cudnn_export():
 
 @pytest.mark.parametrize("model", MODELS)
 def test_prefill_step_exports_splash(monkeypatch, model):
-    """``engine._prefill`` (3 layers, 2 sequences in a 1024-token bucket, the ``full`` method) for ``tpu`` with
+    """``core.prefill`` (3 layers, 2 sequences in a 1024-token bucket, the ``full`` method) for ``tpu`` with
     ``KVJAX_PREFILL_ATTENTION_IMPL=splash``: the engine's prefill attention goes through the splash kernel."""
     from kvjax.prefill_attention import ENV_IMPL as PREFILL_ENV
 
@@ -280,7 +280,7 @@ def test_prefill_step_exports_splash(monkeypatch, model):
     b, t = 2, 1024
     params = jax.eval_shape(lambda: M.random_params(cfg, jax.random.PRNGKey(0), dtype))
     states = jax.eval_shape(lambda: engine.init_states(cfg, method, b, Capacity(t, 63), dtype))
-    prefill = functools.partial(engine._prefill, cfg, method)  # a fresh function: no trace cached under chunked
+    prefill = functools.partial(core.prefill, cfg, method)  # a fresh function: no trace cached under chunked
     text = jax.export.export(jax.jit(prefill), platforms=["tpu"])(
         params, S((b, t), jnp.int32), S((b,), jnp.int32), states
     ).mlir_module()

@@ -86,7 +86,7 @@ def test_scanned_equals_unrolled_and_the_plan_splits_at_the_full_layers(tiny, na
     opts = _small(name)
     n = 2 if methods.REGISTRY[name].reuses_previous_layer else 1  # chunkkv's layer 1 follows layer 0
     plan = methods.get(name, budget=0.25, full_layers=n, **opts)
-    runs = engine.layer_plan(tiny.config, plan, 2, Capacity(64, 4), jnp.float32)
+    runs = engine.scan_runs(tiny.config, plan, 2, Capacity(64, 4), jnp.float32)
     assert [(r.start, r.stop) for r in runs] == [(0, n), (n, LAYERS)]
     ids = prompts()
     held_u, read_u, logits_u = _layer_held(tiny, plan, ids)

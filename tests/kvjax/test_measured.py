@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
@@ -61,7 +61,7 @@ def _prefilled(name):
 
     def program(params, tokens, lengths):
         states = engine.init_states(CFG, m, BATCH, CAP, jnp.float32)
-        return engine._prefill(CFG, m, params, tokens, lengths, states)[0]
+        return core.prefill(CFG, m, params, tokens, lengths, states)[0]
 
     compiled = jax.jit(program).lower(params, tokens, lengths).compile()
     states = compiled(params, tokens, lengths)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax.budget import as_fraction, budget_tokens
 from kvjax.methods.base import Capacity, evicting_budget
 from kvjax.methods.chelsea import PRESETS, Chelsea, _simulate
@@ -169,11 +169,11 @@ def test_prefill_and_decode_trace_at_a_million_tokens(name):
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, cap, jnp.float32))
     tokens = jax.ShapeDtypeStruct((1, MILLION), jnp.int32)
     one = jax.ShapeDtypeStruct((1,), jnp.int32)
-    new, logits = jax.eval_shape(lambda *a: engine._prefill(CFG, m, *a), params, tokens, one, states)
+    new, logits = jax.eval_shape(lambda *a: core.prefill(CFG, m, *a), params, tokens, one, states)
     assert logits.shape == (1, CFG.vocab_size)
     assert jax.tree.structure(new) == jax.tree.structure(states)
     assert [x.shape for x in jax.tree.leaves(new)] == [x.shape for x in jax.tree.leaves(states)]
-    logits, after = jax.eval_shape(lambda *a: engine._decode_step(CFG, m, *a), params, new, one, one)
+    logits, after = jax.eval_shape(lambda *a: core.decode_step(CFG, m, *a), params, new, one, one)
     assert logits.shape == (1, CFG.vocab_size)
     assert [x.shape for x in jax.tree.leaves(after)] == [x.shape for x in jax.tree.leaves(states)]
 
@@ -185,7 +185,7 @@ def prefill_temp_bytes(name: str, t: int, m=None) -> int:
     m = m or methods.small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, Capacity(t, 8), jnp.float32))
-    lowered = jax.jit(engine._prefill, static_argnums=(0, 1)).lower(
+    lowered = jax.jit(core.prefill, static_argnums=(0, 1)).lower(
         CFG, m, params, jax.ShapeDtypeStruct((1, t), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32), states
     )
     return lowered.compile().memory_analysis().temp_size_in_bytes

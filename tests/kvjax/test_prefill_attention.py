@@ -14,7 +14,7 @@ reference, the implementation choice, and memory linear in T for the engine's pr
   ``q/sqrt(D)`` and the probabilities to bf16 before the matmuls (measured: splash 1.0e-2, the cuDNN mapping under
   ``xla`` 1.3e-2, ``chunked`` itself in bf16 1.0e-2). Only rows of real queries are compared; padded rows must be
   finite.
-- Memory: ``engine._prefill`` of a one-layer random model compiled for abstract inputs (``jax.ShapeDtypeStruct``)
+- Memory: ``core.prefill`` of a one-layer random model compiled for abstract inputs (``jax.ShapeDtypeStruct``)
   at T = 8192 and 16384: XLA's temp bytes grow by less than 2.5x for 2x T (a ``[T, T]`` score matrix would give
   about 4x). ``full`` and ``snapkv`` (observation-window scoring) in the default run, every method with
   ``--runslow``. Measured (CPU, budget 0.1): ratios 1.47 to 1.61 for all eleven methods.
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax import model as M
 from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig
@@ -199,14 +199,14 @@ DEFAULT_METHODS = methods.cover("reuses_previous_layer")  # full and a window-sc
 
 
 def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:
-    """XLA's temp bytes for ``engine._prefill`` of CFG with ``name`` (budget 0.1) on a ``t``-token bucket,
+    """XLA's temp bytes for ``core.prefill`` of CFG with ``name`` (budget 0.1) on a ``t``-token bucket,
     compiled for abstract inputs (nothing allocated)."""
     method = methods.at_budget(name, 0.1, small_sizes=True)
     params = jax.eval_shape(lambda: M.random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, method, batch, Capacity(t, 16), jnp.float32))
     s = jax.ShapeDtypeStruct
     compiled = (
-        jax.jit(functools.partial(engine._prefill, CFG, method))
+        jax.jit(functools.partial(core.prefill, CFG, method))
         .lower(params, s((batch, t), jnp.int32), s((batch,), jnp.int32), states)
         .compile()
     )

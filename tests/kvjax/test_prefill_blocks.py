@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import engine, methods
+from kvjax import core, engine, methods
 from kvjax import model as M
 from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig
@@ -103,10 +103,10 @@ def steps(name, token_block, monkeypatch):
     tokens, lengths = engine.pad_prompts(ids, T)
     states = engine.init_states(CFG, method, len(ids), Capacity(T, STEPS + 1), jnp.float32)
     # a fresh jit per setting: TOKEN_BLOCK is read while tracing
-    prefill = jax.jit(engine._prefill, static_argnums=(0, 1))
+    prefill = jax.jit(core.prefill, static_argnums=(0, 1))
     states, logits = prefill(CFG, method, params, jnp.asarray(tokens), jnp.asarray(lengths), states)
     out, pos = [logits], jnp.asarray(lengths)
-    step = jax.jit(engine._decode_step, static_argnums=(0, 1))
+    step = jax.jit(core.decode_step, static_argnums=(0, 1))
     for _ in range(STEPS):
         logits, states = step(CFG, method, params, states, jnp.argmax(out[-1], -1).astype(jnp.int32), pos)
         out.append(logits)

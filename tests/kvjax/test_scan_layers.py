@@ -45,7 +45,7 @@ def tiny():
 def scans(m, cfg=TINY, cap=Capacity(BUCKET, STEPS + 1)) -> bool:
     """Whether some run of ``m``'s layer plan on ``cfg`` holds more than one layer (a scanned stack): not where the
     states differ per layer (PyramidKV's slot count per layer, at the tiny model's sizes)."""
-    return any(len(r) > 1 for r in engine.layer_plan(cfg, m, 3, cap, jnp.float32))
+    return any(len(r) > 1 for r in engine.scan_runs(cfg, m, 3, cap, jnp.float32))
 
 
 def slow(name: str) -> bool:
@@ -131,7 +131,7 @@ def test_scan_falls_back_to_slices_when_the_views_fail(tiny, monkeypatch):
 
 def test_layer_plan(tiny):
     cfg, cap = tiny.config, Capacity(BUCKET, 8)
-    plan = lambda m: [(r.start, r.stop) for r in engine.layer_plan(cfg, m, 2, cap, jnp.float32)]
+    plan = lambda m: [(r.start, r.stop) for r in engine.scan_runs(cfg, m, 2, cap, jnp.float32)]
     assert plan(method("snapkv")) == [(0, 4)]
     assert plan(method("clusterkv")) == [(0, 1), (1, 4)]  # n_full=1: a full layer, then three clustered ones
     assert plan(method("quest", n_full=2)) == [(0, 2), (2, 4)]  # two full layers agree with each other
