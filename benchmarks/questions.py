@@ -67,8 +67,8 @@ def main(argv=None):
         qtok = np.zeros((q, max(len(x) for x in qs)), np.int32)
         for i, x in enumerate(qs):
             qtok[i, : len(x)] = x
-        loop = questions._Loop(cfg, method, kvjax.sampling.Greedy(), a.new, ())
-        out, *_ = questions._answer_loop(
+        loop = questions.AnswerLoop(cfg, method, kvjax.sampling.Greedy(), a.new, ())
+        out, *_ = questions.answer_loop(
             loop,
             model.params,
             states,

@@ -109,7 +109,9 @@ def _segment_methods(method, states):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Loop:
+class AnswerLoop:
+    """Static description of :func:`answer_loop` (hashable: part of the jit cache key)."""
+
     cfg: Any
     method: Any
     sampling: Any
@@ -118,7 +120,7 @@ class _Loop:
 
 
 @functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("states",))
-def _answer_loop(loop: _Loop, params, states, questions, qlen, pos, key):
+def answer_loop(loop: AnswerLoop, params, states, questions, qlen, pos, key):
     """Teacher-force ``questions [Q, F]`` (``qlen [Q]`` tokens each, from position ``pos [Q]``), then sample up to
     ``max_new_tokens`` per sequence: ``(answers [Q, max_new_tokens], answered [Q], steps, states)``. Step ``t`` feeds
     token ``t`` of the question while ``t < qlen``, else the last sampled token; the logits of step ``t >= qlen - 1``
@@ -213,10 +215,10 @@ def answer(
     method = ctx.method
     states = repeat_states(method, ctx.states, q)
     eos = engine.eos_ids(model) if stop_at_eos else ()
-    loop = _Loop(cfg, method, sampling, max_new_tokens, eos)
+    loop = AnswerLoop(cfg, method, sampling, max_new_tokens, eos)
     held_prefill = np.repeat(engine.tokens_held(method, ctx.states), q)
     t1 = time.perf_counter()
-    out, count, steps, states = _answer_loop(
+    out, count, steps, states = answer_loop(
         loop,
         model.params,
         states,

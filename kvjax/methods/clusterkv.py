@@ -266,9 +266,7 @@ class ClusterKV(Method):
             max_new=new,
         )
         if self.offload:
-            from kvjax.methods.pqcache import _host_sharding
-
-            host = _host_sharding()
+            host = sharding.host_offload_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
@@ -365,9 +363,8 @@ class ClusterKV(Method):
     def _place(self, x):
         if not self.offload:
             return x
-        from kvjax.methods.pqcache import _host_sharding
 
-        return jax.device_put(x, _host_sharding())
+        return jax.device_put(x, sharding.host_offload_sharding())
 
     # ---- selection (paper §III-C, note §7.4) ----
 

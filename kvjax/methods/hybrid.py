@@ -19,7 +19,7 @@ import dataclasses
 from typing import ClassVar
 
 from kvjax.methods.base import Method, check_budget
-from kvjax.methods.layers import PerLayerPlan, _static
+from kvjax.methods.layers import PerLayerPlan, static_layer
 from kvjax.methods.streaming import StreamingLLM
 
 
@@ -74,7 +74,7 @@ class Hybrid(PerLayerPlan):
         return self.windows[layer] is not None and not self.compress_local
 
     def at(self, layer: int) -> Method:
-        layer = _static(layer, "Hybrid.at")
+        layer = static_layer(layer, "Hybrid.at")
         return Window(int(self.windows[layer])) if self.local(layer) else self.inner.at(layer)
 
     def describe(self) -> str:

@@ -20,7 +20,9 @@ from kvjax.methods.base import LayerContext, Method
 from kvjax.methods.full import Full
 
 
-def _static(layer, what: str) -> int:
+def static_layer(layer, what: str) -> int:
+    """``layer`` as a static int, or a TypeError naming ``what`` asked and the fix (a per-layer plan cannot answer a
+    traced layer index)."""
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(
             f"{what}: a per-layer plan needs a static int layer (got {type(layer).__name__}); resolve it first with "
@@ -85,19 +87,21 @@ class PerLayerPlan(Method):
         return self.at(layer).init(model_cfg, batch, capacity, layer, dtype)
 
     def prefill(self, state, layer, q, k, v, lengths, previous=None):
-        return self.at(_static(layer, f"{type(self).__name__}.prefill")).prefill(
+        return self.at(static_layer(layer, f"{type(self).__name__}.prefill")).prefill(
             state, layer, q, k, v, lengths, previous=previous
         )
 
     def prefill_attend(self, state, layer, q, k, v, lengths, previous=None):
-        m = self.at(_static(layer, f"{type(self).__name__}.prefill_attend"))
+        m = self.at(static_layer(layer, f"{type(self).__name__}.prefill_attend"))
         return m.prefill_attend(state, layer, q, k, v, lengths, previous=previous)
 
     def decode(self, state, layer, q, k, v, pos):
-        return self.at(_static(layer, f"{type(self).__name__}.decode")).decode(state, layer, q, k, v, pos)
+        return self.at(static_layer(layer, f"{type(self).__name__}.decode")).decode(state, layer, q, k, v, pos)
 
     def selected_positions(self, state, layer, q):
-        return self.at(_static(layer, f"{type(self).__name__}.selected_positions")).selected_positions(state, layer, q)
+        return self.at(static_layer(layer, f"{type(self).__name__}.selected_positions")).selected_positions(
+            state, layer, q
+        )
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         return self.at(ctx.layer).held(n, steps, ctx)
@@ -142,4 +146,4 @@ class FullFirst(PerLayerPlan):
             )
 
     def at(self, layer: int) -> Method:
-        return full_below(self.n_full, _static(layer, "FullFirst.at"), self.inner.at(layer))
+        return full_below(self.n_full, static_layer(layer, "FullFirst.at"), self.inner.at(layer))

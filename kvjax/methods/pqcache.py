@@ -77,25 +77,6 @@ class PQState:
     topk: int = struct.field(pytree_node=False, default=0)
 
 
-def _host_sharding():
-    """The ``pinned_host`` sharding of the default device, or a ValueError where the backend has none."""
-    backend = jax.default_backend()
-    dev = jax.devices()[0]
-    if backend == "cpu":
-        raise ValueError(
-            "offload=True is not supported on the CPU backend: the KV already lives in host memory "
-            "and there is no separate device memory to offload from; use offload=False on CPU "
-            "(offload needs a GPU/TPU backend with a 'pinned_host' memory kind)"
-        )
-    kinds = {m.kind for m in dev.addressable_memories()}
-    if "pinned_host" not in kinds:
-        raise ValueError(
-            f"offload=True needs the 'pinned_host' memory kind, but device {dev} offers "
-            f"{sorted(kinds)}; use offload=False"
-        )
-    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-
-
 def _rows_mask(idx, ok, s: int) -> jnp.ndarray:
     """``[B, Hkv, S]`` bool: the slots ``idx [B, Hkv, N]`` whose ``ok`` is set."""
     b, h = idx.shape[:2]
@@ -339,7 +320,7 @@ class PQCache(Method):
             topk=min(k, slots - sink),
         )
         if self.offload:
-            host = _host_sharding()
+            host = sharding.host_offload_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
@@ -366,7 +347,7 @@ class PQCache(Method):
         return state.replace(hist=hist, hist_end=end)
 
     def _place(self, x):
-        return jax.device_put(x, _host_sharding()) if self.offload else x
+        return jax.device_put(x, sharding.host_offload_sharding()) if self.offload else x
 
     def encode(self, centroids, k) -> jnp.ndarray:
         """Codes ``[B, Hkv, m]`` uint8 of keys ``k [B, Hkv, D]``: nearest frozen centroid per sub-space."""
