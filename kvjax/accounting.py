@@ -75,15 +75,14 @@ def expected_held_bytes(
 
 
 def slot_bytes(method, st, batch: int) -> tuple[float, float]:
-    """``(fixed, per_slot)`` for one layer's state (concrete or shapes) of ``batch`` sequences: the bytes of the
-    state that is not per slot (centroids, LESS's low-rank state, page summaries, counts) per sequence, and what
-    one slot costs a sequence over its KV heads (every ``[B, Hkv, S, ...]`` leaf: K, V, positions, scores, PQ
-    codes, cluster ids). ``S`` is the slot axis of the largest ``[B, Hkv, S, D]`` leaf; a method whose layers keep
-    two slot buffers of different lengths (Chelsea's outlier heads) is counted at the main buffer's slot cost,
-    and its other buffer as fixed."""
-    leaves = [x for x in jax.tree.leaves(st) if hasattr(x, "shape")]
-    slots = max((x.shape[2] for x in leaves if x.ndim == 4 and x.shape[0] == batch), default=0)
-    per_slot = [x for x in leaves if slots and x.ndim >= 3 and x.shape[0] == batch and x.shape[2] == slots]
+    """``(fixed, per_slot)`` for one layer's state (concrete or shapes) of ``batch`` sequences, from the slot buffer
+    the method declares (``method.state_axes``: the leaves whose third axis is ``slots``, e.g. a slot cache's K, V,
+    positions and scores): what one slot of it costs a sequence over its KV heads, and the bytes of the rest of the
+    state per sequence (centroids, LESS's low-rank state, page summaries, PQ codes, Chelsea's outlier heads)."""
+    axes = jax.tree.leaves(method.state_axes(st), is_leaf=lambda a: isinstance(a, tuple))
+    declared = [x for x, ax in zip(jax.tree.leaves(st), axes) if tuple(ax)[2:3] == (S.SLOTS,)]
+    slots = max((x.shape[2] for x in declared), default=0)
+    per_slot = [x for x in declared if slots and x.shape[2] == slots]  # an empty score buffer [B, Hkv, 0] is not
     slot_bytes = sum(x.size * x.dtype.itemsize for x in per_slot)  # all sequences, all slots
     fixed = method.memory_bytes(st) - slot_bytes
     return fixed / batch, (slot_bytes / (batch * slots) if slots else 0.0)

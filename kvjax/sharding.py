@@ -46,8 +46,9 @@ from kvjax.config import ModelConfig
 #: Mesh axis names: the batch is split over ``data``, heads / features over ``model``.
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
-#: Logical axis names of cache-state leaves (see ``Method.state_axes``) and the mesh axis each maps to.
-BATCH, KV_HEADS = "batch", "kv_heads"
+#: Logical axis names of cache-state leaves (see ``Method.state_axes``) and the mesh axis each maps to. ``slots``
+#: (a slot buffer's token axis, which :mod:`kvjax.accounting` charges per held token) is never split.
+BATCH, KV_HEADS, SLOTS = "batch", "kv_heads", "slots"
 LOGICAL_TO_MESH = {BATCH: DATA, KV_HEADS: MODEL}
 
 

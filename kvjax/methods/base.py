@@ -77,7 +77,7 @@ from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget  # noqa: F401  
 from kvjax.config import ModelConfig
 from kvjax.methods import boundary
 from kvjax import sharding
-from kvjax.sharding import BATCH, KV_HEADS
+from kvjax.sharding import BATCH, KV_HEADS, SLOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +283,12 @@ class Method(abc.ABC):
         """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
         leaves ``("batch",)``, ``[B, Hkv, ...]`` leaves ``("batch", "kv_heads")`` (head-major, the layout every
         method keeps). :mod:`kvjax.sharding` maps ``batch`` to the mesh axis ``data`` and ``kv_heads`` to ``model``;
-        override for leaves without a batch axis (they are then replicated)."""
+        override for leaves without a batch axis (they are then replicated). The leaves of the slot buffer, whose
+        slots hold the tokens the method keeps (K, V and per-slot metadata: ``[B, Hkv, S, ...]``), declare their
+        third axis ``slots`` (:func:`slot_axes`): :mod:`kvjax.accounting` charges each held token one slot of
+        them and counts the rest of the state as fixed. A :class:`SlotCache` declares its own."""
+        if isinstance(state, SlotCache):
+            return slot_axes(state, "k", "v", "pos", "score")
         return jax.tree.map(lambda x: default_axes(x.ndim), state)
 
     @abc.abstractmethod
@@ -500,6 +505,13 @@ def slot_tokens_held(state: SlotCache) -> jnp.ndarray:
 def default_axes(ndim: int) -> tuple:
     """Logical axes of a batch-major, head-major state leaf of ``ndim`` dimensions (see ``Method.state_axes``)."""
     return ((), (BATCH,))[ndim] if ndim < 2 else (BATCH, KV_HEADS)
+
+
+def slot_axes(state, *fields: str):
+    """``state``'s logical axes (:func:`default_axes` per leaf) with the leaves ``fields`` (``[B, Hkv, S, ...]``)
+    declared the slot buffer: ``("batch", "kv_heads", "slots")`` (``Method.state_axes``)."""
+    axes = jax.tree.map(lambda x: default_axes(x.ndim), state)
+    return axes.replace(**{f: (BATCH, KV_HEADS, SLOTS) for f in fields})
 
 
 def tree_bytes(tree) -> int:

@@ -33,7 +33,7 @@ from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
 from kvjax.budget import warn_full_attention
-from kvjax.methods.base import LayerContext, Capacity, Method, check_budget, rows_at, tree_bytes
+from kvjax.methods.base import Capacity, check_budget, LayerContext, Method, rows_at, slot_axes, tree_bytes
 from kvjax.methods.csm import Round, csm_round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
@@ -476,6 +476,11 @@ class Chelsea(Method):
             length = _after(length, part)
             kk, vv, n, length = self._compress(state, kk, vv, n, length, state.decode_rounds, need)
         return o.reshape(b, hq, d), new.replace(k=kk, v=vv, n=n, length=length)
+
+    def state_axes(self, state: ChelseaState):
+        """Batch- and head-major; the slot buffer (base.Method.state_axes): the compressed heads' merged slots (K, V,
+        counts); the outlier heads' full caches count as fixed."""
+        return slot_axes(state, "k", "v", "n")
 
     def memory_bytes(self, state: ChelseaState) -> int:
         """Every leaf: compressed K/V, counts, lengths, budgets, and the full-size outlier buffers."""

@@ -35,12 +35,13 @@ from kvjax.methods import threshold as th
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
     attends_all_steps,
-    LayerContext,
     Capacity,
-    Method,
-    full_bytes,
     evicting_budget,
+    full_bytes,
+    LayerContext,
+    Method,
     rows_at,
+    slot_axes,
 )
 from kvjax.methods.layers import full_below, refuse_full_layer
 
@@ -514,6 +515,11 @@ class ClusterKV(Method):
         put = lambda pp, m: jnp.zeros((s + 1,), bool).at[pp].max(m)[:s]  # noqa: E731
         sel = jax.vmap(jax.vmap(jax.vmap(put, in_axes=(None, 0))))(p, slots)  # [B, Hkv, G, S] by position
         return sel.reshape(b, hq, s)
+
+    def state_axes(self, state: ClusterState):
+        """Batch- and head-major; the slot buffer (base.Method.state_axes): the K/V rows and their positions;
+        centroids and cluster tables are the index (``index_bytes``)."""
+        return slot_axes(state, "k", "v", "pos")
 
     def tokens_held(self, state):
         return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)

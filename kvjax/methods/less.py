@@ -303,7 +303,7 @@ class Less(Method):
         """The sparse part and ``H``, ``z`` are batch- and head-major; the kernels (weights, no batch axis) are
         replicated."""
         axes = super().state_axes(state)
-        return axes.replace(kernels=jax.tree.map(lambda x: (), state.kernels))
+        return axes.replace(sparse=super().state_axes(state.sparse), kernels=jax.tree.map(lambda x: (), state.kernels))
 
     def memory_bytes(self, state: LessState) -> int:
         """Sparse cache + ``H`` + ``z`` (the kernel weights are model weights, like the LLM's, not cache)."""

@@ -36,12 +36,13 @@ from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, w
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
 from kvjax.methods.base import (
+    attends_all_steps,
     Capacity,
+    full_bytes,
     LayerContext,
     Method,
-    attends_all_steps,
-    full_bytes,
     rows_at,
+    slot_axes,
     sum_small_axis,
     tree_bytes,
 )
@@ -619,6 +620,11 @@ class PQCache(Method):
         oks.append(ok)
         rows = jnp.clip(jnp.concatenate(parts, axis=-1), 0, state.k.shape[2] - 1)
         return rows, jnp.concatenate(oks, axis=-1)
+
+    def state_axes(self, state: PQState):
+        """Batch- and head-major; the slot buffer (base.Method.state_axes): the K/V rows; the PQ codes and centroids are
+        the index (``index_bytes``)."""
+        return slot_axes(state, "k", "v")
 
     def memory_bytes(self, state: PQState) -> int:
         """Stored bytes: full KV + codes + centroids + tuple counts + lengths, fill counts and ends (the KV is not

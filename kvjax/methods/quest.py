@@ -34,10 +34,11 @@ from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
     attends_all_steps,
     Capacity,
+    full_bytes,
     LayerContext,
     Method,
-    full_bytes,
     rows_at,
+    slot_axes,
 )
 from kvjax.methods import threshold as th
 from kvjax.methods.layers import full_below, refuse_full_layer
@@ -343,6 +344,11 @@ class Quest(Method):
         slot = jnp.arange(s)[None, None, :]
         sel = listed & (slot < t[:, None, None]) & (slot >= lo[:, None, None])
         return jnp.repeat(sel, hq // h, axis=1)
+
+    def state_axes(self, state: QuestState):
+        """Batch- and head-major; the slot buffer (base.Method.state_axes): the K/V rows; the page summaries are the
+        index (``index_bytes``)."""
+        return slot_axes(state, "k", "v")
 
     def tokens_held(self, state):
         """``[B]`` float32 tokens stored: every token stays resident (prompt + decoded so far)."""

@@ -1,0 +1,37 @@
+"""Byte accounting asks each method for its slot buffer (``Method.state_axes``'s ``slots`` axis) and charges each held
+token one slot of it: bracketed here by what a token must cost (its K and V rows over the KV heads) and may cost
+(plus a position and a score per head), for every registered method; the rest of the state is fixed, never negative.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax import accounting, engine, methods
+from kvjax.config import ModelConfig
+from kvjax.methods.base import Capacity
+
+CFG = ModelConfig("llama", 64, 64, 96, 2, 4, 2, 16, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("name", methods.names())
+@pytest.mark.parametrize("cap", [Capacity(64, 8), Capacity(256, 16)], ids=["64", "256"])
+def test_each_method_declares_its_slot_buffer(name, cap):
+    m = methods.small(name)
+    states = jax.eval_shape(lambda: engine.init_states(CFG, m, 2, cap, jnp.float32))
+    kv = 2 * CFG.num_kv_heads * CFG.head_dim * 4  # a token's K and V rows, float32, over the KV heads
+    for layer, (lm, st) in enumerate(accounting.layer_methods(m, states)):
+        fixed, per_slot = accounting.slot_bytes(lm, st, 2)
+        assert kv <= per_slot <= kv + 2 * 4 * CFG.num_kv_heads, (layer, type(lm).__name__, per_slot)
+        assert fixed >= 0, (layer, type(lm).__name__, fixed)
+
+
+def test_an_undeclared_slot_buffer_is_charged_as_fixed():
+    """A state whose method declares no ``slots`` axis is all fixed: nothing is guessed from the leaves' shapes."""
+    m = methods.small("pqcache")
+    st = jax.eval_shape(lambda: engine.init_states(CFG, m, 2, Capacity(64, 8), jnp.float32))[1]
+    undeclared = type("Undeclared", (type(m),), {"state_axes": lambda self, s: methods.base.Method.state_axes(self, s)})
+    plain = undeclared(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})
+    assert accounting.slot_bytes(plain, st, 2) == (m.memory_bytes(st) / 2, 0.0)
