@@ -15,7 +15,6 @@ import pytest
 
 from kvjax import attention, engine, methods
 from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.chelsea import Chelsea
 from kernels_pallas.decode_attention import block_plan_bytes
@@ -26,23 +25,8 @@ import ref_chelsea as ref
 SMALL = dict(n_sink=2, n_recent=4, chunk=8, interval=4)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_windows=(None, None),
-    )
-    from kvjax.model import random_params
-
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(max_position_embeddings=512, seed=0)
 
 
 def prompts(lengths, seed=0):
