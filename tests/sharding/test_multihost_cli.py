@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,11 +9,11 @@ import pytest
 
 import kvjax
 from kvjax import cli
+from repo_scripts import load_script
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +39,7 @@ def tiny_path(tmp_path_factory):
 
 
 def test_multihost_script_single_process_equals_one_device(tiny_path, capsys):
-    spec = importlib.util.spec_from_file_location("multihost", ROOT / "scripts" / "multihost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/multihost.py", "multihost")
     assert (
         script.main(
             [
