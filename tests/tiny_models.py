@@ -48,9 +48,7 @@ def save_tiny(path, arch: str = "LlamaForCausalLM", **config) -> Path:
 
 def save_tiny_llama(path, arch: str = "LlamaForCausalLM", **config) -> Path:
     """A random Llama (``config`` overrides: sizes, heads, layers) with the embedded SmolLM2 tokenizer and chat
-    template, written to ``path`` with ``save_pretrained``; weights x3 so next-token logits are peaked and depend
-    on the input (away from a uniform distribution)."""
-    import torch
+    template, written to ``path`` with ``save_pretrained``; the weights are :func:`random_hf`'s."""
     import transformers
 
     from kvjax import assets
@@ -66,7 +64,6 @@ def save_tiny_llama(path, arch: str = "LlamaForCausalLM", **config) -> Path:
     )
     tok.chat_template = ours.chat_template
     tok.save_pretrained(path)
-    torch.manual_seed(0)
     sizes = dict(
         hidden_size=64,
         intermediate_size=96,
@@ -75,11 +72,22 @@ def save_tiny_llama(path, arch: str = "LlamaForCausalLM", **config) -> Path:
         num_key_value_heads=4,
         max_position_embeddings=512,
     )
+    random_hf(arch, vocab_size=len(tok), **{**sizes, **config}).save_pretrained(path)
+    return Path(path)
+
+
+def random_hf(arch: str = "LlamaForCausalLM", **config):
+    """A random ``transformers`` causal LM of class ``arch`` whose config has the fields ``config``, built after
+    ``torch.manual_seed(0)`` (the same arguments give the same weights) with every weight matrix x3, so that
+    next-token logits are peaked and depend on the input (away from a uniform distribution)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
     cls = getattr(transformers, arch)
-    hf = cls(cls.config_class(vocab_size=len(tok), **{**sizes, **config})).eval()
+    hf = cls(cls.config_class(**config)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             if p.ndim == 2:
                 p.mul_(3.0)
-    hf.save_pretrained(path)
-    return Path(path)
+    return hf

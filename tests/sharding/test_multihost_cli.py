@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import pytest
 import kvjax
 from kvjax import cli
 from repo_scripts import load_script
+from tiny_models import random_hf
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
 torch = pytest.importorskip("torch")
@@ -18,8 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    hf = random_hf(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -28,11 +27,6 @@ def tiny_path(tmp_path_factory):
         num_key_value_heads=4,
         max_position_embeddings=256,
     )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)
     path = tmp_path_factory.mktemp("tiny-mh")
     hf.save_pretrained(path)
     return path
