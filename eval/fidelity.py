@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.checks import check_int
 from kvjax import analysis, assets, engine, methods
 from kvjax import model as M
 from kvjax import sharding as S
@@ -166,8 +167,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
     method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
-    if probes < 1:
-        raise ValueError(f"probes={probes} must be >= 1")
+    check_int("probes", probes, numpy_ok=True)
     n = len(ids) - probes
     if n < 2:
         raise ValueError(f"a prompt of {len(ids)} tokens leaves {n} tokens before {probes} probes; use a longer one")

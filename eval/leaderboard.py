@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from kernels_pallas.checks import check_int
 from eval import harness, report, ruler
 
 TASKS = ("single_needle", "multikey", "multivalue", "variable_tracking", "common_words")
@@ -65,8 +66,7 @@ class Board:
             ("batch", self.batch),
             ("max_new_tokens", self.max_new_tokens),
         ):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+            check_int(name, value, numpy_ok=True)
         for t in self.tasks:
             if t not in ruler.BUILDERS:
                 raise ValueError(f"tasks: {t!r} is not a RULER task; choose from {', '.join(ruler.BUILDERS)}")

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kernels_pallas.checks import check_int
 from eval import harness, metrics
 from kvjax import assets
 from kvjax.engine import bucket_length
@@ -225,8 +226,7 @@ def build(
     for t in tasks:
         if t not in BUILDERS:
             raise ValueError(f"ruler task={t!r} is unknown; choose from {', '.join(BUILDERS)}")
-    if questions < 1:
-        raise ValueError(f"questions={questions} must be >= 1")
+    check_int("questions", questions, numpy_ok=True)
     if questions > 1 and tuple(tasks) != ("multikey",):
         raise ValueError(
             f"questions={questions} (several questions per context) applies to the multikey task only; "

@@ -94,13 +94,15 @@ class NeedleTask:
         return rows
 
 
-@dataclasses.dataclass(frozen=True)
-class PerplexityTask:
-    num_sequences: int = 2
-    prefix: int = 512
-    continuation: int = 64
-    book: str = "John"
-    name = "perplexity"
+class _TeacherForced:
+    """What :class:`PerplexityTask` and :class:`LongGenTask` share: ``num_sequences`` windows of the ``book``, each
+    ``prefix`` prompt tokens then ``continuation`` tokens fed through the decode step. The subclass gives those four
+    attributes and its own ``run_batch``."""
+
+    num_sequences: int
+    prefix: int
+    continuation: int
+    book: str
 
     def prepare(self, model):
         harness.check_context(model, self.prefix, self.continuation, "prefix")
@@ -118,6 +120,15 @@ class PerplexityTask:
         """``(tokens [B, T], lengths [B])``: what ``run_batch`` prefills (shared by every method, :class:`Shared`)."""
         return np.asarray(batch)[:, : self.prefix], np.full((len(batch),), self.prefix, np.int32)
 
+
+@dataclasses.dataclass(frozen=True)
+class PerplexityTask(_TeacherForced):
+    num_sequences: int = 2
+    prefix: int = 512
+    continuation: int = 64
+    book: str = "John"
+    name = "perplexity"
+
     def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
         nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True, prefilled=prefilled)
         return [
@@ -127,7 +138,7 @@ class PerplexityTask:
 
 
 @dataclasses.dataclass(frozen=True)
-class LongGenTask:
+class LongGenTask(_TeacherForced):
     """Long generation: the perplexity of a long teacher-forced continuation (every token through the compiled
     decode step, as :class:`PerplexityTask`) with the bytes each sequence holds at several continuation lengths
     (``continuations``, ascending; the last is the whole continuation). A row per sequence: ``score`` the NLL of the
@@ -150,20 +161,6 @@ class LongGenTask:
     @property
     def continuation(self) -> int:
         return self.continuations[-1]
-
-    def prepare(self, model):
-        harness.check_context(model, self.prefix, self.continuation, "prefix")
-        seqs = perplexity.build(model, self.num_sequences, self.prefix, self.continuation, self.book)
-        return self.prefix, [seqs]
-
-    def capacity(self, prepared) -> Capacity:
-        return Capacity(self.prefix, self.continuation)
-
-    def ends(self, prepared) -> list[tuple[int, int]]:
-        return [(self.prefix, self.continuation - 1)] * self.num_sequences
-
-    def prefill_batch(self, prepared, batch):
-        return np.asarray(batch)[:, : self.prefix], np.full((len(batch),), self.prefix, np.int32)
 
     def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
         nll, mem, at = perplexity.streaming_nll(

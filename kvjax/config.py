@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from kernels_pallas.checks import check_int
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "gpt_oss")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: model_type -> the families' names, for messages and docs.
@@ -123,8 +125,7 @@ class ModelConfig:
             "num_kv_heads",
             "head_dim",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+            check_int(name, getattr(self, name), numpy_ok=True)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="

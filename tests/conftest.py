@@ -95,3 +95,15 @@ def _free_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tiny(request):
+    """The tiny random model of tests/tiny_models.py, built once per test module. A module that needs other sizes,
+    weights or a seed names them in a marker, ``pytestmark = pytest.mark.tiny(num_layers=3, seed=3)``: the
+    marker's keywords go to :func:`tiny_models.tiny_model` (``ModelConfig`` fields, ``seed``, ``scale``, ``dtype``);
+    without one the module gets ``tiny_model()``. A module that defines its own ``tiny`` fixture uses that."""
+    from tiny_models import tiny_model
+
+    marker = request.node.get_closest_marker("tiny")
+    return tiny_model(**(marker.kwargs if marker else {}))

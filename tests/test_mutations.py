@@ -4,19 +4,11 @@ fixed subset itself (``--subset ci``); the full run's report is ``benchmarks/res
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("kvjax_mutations", ROOT / "scripts" / "mutations.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/mutations.py", "kvjax_mutations")
 
 
 def test_every_mutant_applies_and_names_existing_tests():

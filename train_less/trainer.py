@@ -54,6 +54,7 @@ import optax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from kernels_pallas.checks import check_int
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods import less as L
@@ -102,15 +103,13 @@ class TrainConfig:
                 f"budget={self.budget} tokens must be in [1, seq_len={self.seq_len}); the sparse "
                 "policy must evict something to train on"
             )
-        if self.layers_per_step is not None and self.layers_per_step < 1:
-            raise ValueError(f"layers_per_step={self.layers_per_step} must be >= 1 (or None for all layers)")
+        check_int("layers_per_step", self.layers_per_step, "None: all layers", none_ok=True, numpy_ok=True)
         if self.mask not in L.MASKS:
             raise ValueError(
                 f"mask={self.mask!r} (--mask): choose 'decode' (kvjax's decode semantics, the "
                 "default) or 'paper' (the paper's parallel H2O mask)"
             )
-        if self.query_chunk is not None and self.query_chunk < 1:
-            raise ValueError(f"query_chunk={self.query_chunk} (--query-chunk) must be >= 1, or None for no chunking")
+        check_int("query_chunk", self.query_chunk, "--query-chunk; None: no chunking", none_ok=True, numpy_ok=True)
         self.less  # validates policy / recent / sinks
 
     @property
@@ -488,10 +487,8 @@ def _check_args(tc: TrainConfig, mesh, capture_batch, checkpoint_every):
     if mesh is not None:
         mesh = make_mesh(mesh)
         check_mesh(mesh, tc.batch)
-    if capture_batch is not None and capture_batch < 1:
-        raise ValueError(f"capture_batch={capture_batch} (--capture-batch) must be >= 1, or None for max(batch, 4)")
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every={checkpoint_every} (--checkpoint-every) must be >= 1 step, or None")
+    check_int("capture_batch", capture_batch, "--capture-batch; None: max(batch, 4)", none_ok=True, numpy_ok=True)
+    check_int("checkpoint_every", checkpoint_every, "--checkpoint-every, in steps", none_ok=True, numpy_ok=True)
     return mesh
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.checks import is_pow2
 from kernels_pallas.accumulated_attention.reference import NEG_INF
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b^T
@@ -49,10 +50,6 @@ def columns_block_q(bq: int, bk: int, g: int, d: int, itemsize: int, stages: int
     while bq > 16 and (g * bq * max(stages, 1) + bk) * d * itemsize > COLUMNS_SMEM:
         bq //= 2
     return bq
-
-
-def _pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
 
 
 def _prec(dtype):
@@ -219,7 +216,7 @@ def accumulated_attention_gpu(
     b, hq, t, d = q.shape
     dq, dk, dw, ds = DEFAULTS.get(jnp.dtype(q.dtype).name, DEFAULTS["float32"])
     bq, bk = block_q or dq, block_k or dk
-    if not (_pow2(bq) and _pow2(bk) and _pow2(d) and bq >= 16 and bk >= 16 and d >= 16):
+    if not (is_pow2(bq) and is_pow2(bk) and is_pow2(d) and bq >= 16 and bk >= 16 and d >= 16):
         raise ValueError(
             f"pallas_gpu needs power-of-two tiles of at least 16: block_q={bq}, block_k={bk}, head_dim={d}; "
             "use impl='xla' or power-of-two blocks"

@@ -6,12 +6,18 @@ The keys ``[B, H, M, D]`` are viewed (a free, contiguous reshape) as ``[B*H, P, 
 A as a row ``[B*H, P, 1, c/2]`` and B as a column ``[B*H, P, c/2, 1]``, so that the kernel masks the transposed
 similarity ``S^T [j, i]`` without in-kernel transposes or gathers. Every block's last two dims equal the array's
 (TPU-legal for any even ``c``; ``c/2`` a multiple of 8 and ``2D`` of 128 give dense tiles).
+
+:func:`chunk_best_match_call` is the one ``pallas_call`` of both kernels: the TPU and the GPU (Triton) kernel are
+the same program over the same grid, told apart only by the platform's compiler parameters and their names.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 def pack(k: jnp.ndarray, valid: jnp.ndarray, chunk: int):
@@ -50,3 +56,39 @@ def block_body(a, bb, va, vb):
     idx = jnp.min(jnp.where(st == best, rows, half), axis=0, keepdims=True)
     idx = jnp.where(best > -jnp.inf, idx, 0)
     return best, idx.astype(jnp.int32)
+
+
+def _kernel(k_ref, va_ref, vb_ref, best_ref, idx_ref, *, d: int):
+    a = k_ref[0, 0, :, :d]
+    bb = k_ref[0, 0, :, d:]
+    best, idx = block_body(a, bb, va_ref[0, 0], vb_ref[0, 0])
+    best_ref[0, 0] = best
+    idx_ref[0, 0] = idx
+
+
+def chunk_best_match_call(k, valid, chunk: int, *, name: str, interpret: bool, compiler_params=None):
+    """``(best, idx)`` of :func:`kernels_pallas.chunked_similarity.chunk_best_match` by the Pallas kernel: grid
+    ``(B*H, P)``, one chunk's ``[c/2, 2D]`` key tile a step. ``compiler_params``: the platform's (``None``: Pallas's
+    defaults, the TPU kernel's and interpret mode's); ``name``: the kernel's name in the compiled program."""
+    b, h, m, d = k.shape
+    kp, va, vb = pack(k, valid, chunk)
+    bh, p, half, _ = kp.shape
+    out_shape = (jax.ShapeDtypeStruct((bh, p, 1, half), jnp.float32), jax.ShapeDtypeStruct((bh, p, 1, half), jnp.int32))
+    best, idx = pl.pallas_call(
+        functools.partial(_kernel, d=d),
+        grid=(bh, p),
+        in_specs=[
+            pl.BlockSpec((1, 1, half, 2 * d), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, half, 1), lambda i, j: (i, j, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((1, 1, 1, half), lambda i, j: (i, j, 0, 0)),
+        ],
+        out_shape=out_shape,
+        interpret=interpret,
+        name=name,
+        compiler_params=compiler_params,
+    )(kp, va, vb)
+    return unpack(best, idx, b, h)

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.impl_choice import choose
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans._common import ROW_ALIGN
@@ -80,11 +80,8 @@ def _check_x(x) -> None:
 
 
 def _check_block_l(block_l) -> None:
-    if block_l is not None and (isinstance(block_l, bool) or not isinstance(block_l, (int, np.integer)) or block_l < 1):
-        raise ValueError(
-            f"block_l={block_l!r} must be a positive int (pallas_tpu: a multiple of 128 or >= L; "
-            "pallas_gpu: a power of two >= 16) or None for the default"
-        )
+    why = "pallas_tpu: a multiple of 128 or >= L; pallas_gpu: a power of two >= 16; None: the default"
+    check_int("block_l", block_l, why, none_ok=True, numpy_ok=True)
 
 
 def _check_mask(name: str, m, shape) -> None:
@@ -116,8 +113,7 @@ def check_assign_inputs(x, centroids, valid, cvalid, block_l) -> None:
 def check_update_inputs(x, labels, num_clusters, block_l) -> None:
     """ValueError naming the argument for bad shapes, dtypes, ``num_clusters`` or ``block_l``."""
     _check_x(x)
-    if isinstance(num_clusters, bool) or not isinstance(num_clusters, (int, np.integer)) or num_clusters < 1:
-        raise ValueError(f"num_clusters={num_clusters!r} must be a positive int (C; labels equal to C are ignored)")
+    check_int("num_clusters", num_clusters, "C; labels equal to C are ignored", numpy_ok=True)
     if tuple(labels.shape) != tuple(x.shape[:2]):
         raise ValueError(f"labels has shape {tuple(labels.shape)}; expected [N, L] = {tuple(x.shape[:2])}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):

@@ -63,10 +63,6 @@ def pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
 def tpu_row_tile(l: int, block_l: int) -> int:
     """The TPU row tile: ``block_l``, or all of ``L`` when it fits in one tile (no padding then)."""
     return l if l <= block_l else block_l

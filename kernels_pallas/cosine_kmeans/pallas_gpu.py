@@ -33,12 +33,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.checks import is_pow2
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans.reference import HIGHEST
 
 
 def _check_block_l(block_l: int) -> None:
-    if not (_common.is_pow2(block_l) and block_l >= _common.GPU_MIN_DIM):
+    if not (is_pow2(block_l) and block_l >= _common.GPU_MIN_DIM):
         raise ValueError(
             f"block_l={block_l} must be a power of two >= {_common.GPU_MIN_DIM} for pallas_gpu "
             f"(Triton tiles); e.g. {_common.GPU_BLOCK_L}, or use impl='xla'"

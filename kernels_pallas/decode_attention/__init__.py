@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention.reference import (
     NEG_INF,
     decode_attention_reference,
@@ -82,8 +83,7 @@ def check_inputs(q, k, v, valid, lengths, bias, block_indices, block_size) -> No
         raise ValueError(f"q has shape {q.shape}; expected [B={b}, Hq, D={d}] to match k {k.shape}")
     if q.shape[1] % hkv:
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {hkv} KV heads of k (GQA)")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive integer (e.g. 128)")
+    check_int("block_size", block_size, "e.g. 128", numpy_ok=True)
     for name, x in (("valid", valid), ("bias", bias)):
         if x is not None and tuple(x.shape) != (b, hkv, s):
             raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [B, Hkv, S] = {(b, hkv, s)}")
@@ -166,10 +166,8 @@ def check_runs(q, k, starts, lens, max_rows, block_size) -> None:
     for name, x in (("starts", starts), ("lens", lens)):
         if not np.issubdtype(np.dtype(x.dtype), np.integer):
             raise ValueError(f"{name} has dtype {x.dtype}; expected an integer dtype")
-    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 0:
-        raise ValueError(f"max_rows={max_rows!r} must be a static int >= 0 (a bound on the rows listed per KV head)")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive integer (e.g. 16)")
+    check_int("max_rows", max_rows, "static: a bound on the rows listed per KV head", at_least=0, numpy_ok=True)
+    check_int("block_size", block_size, "e.g. 16", numpy_ok=True)
     cs, cl = _concrete(starts), _concrete(lens)
     if cs is not None and cl is not None and cs.size:
         ln = cl if cl.ndim == 3 else cl.max(axis=2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.impl_choice import choose
 from kernels_pallas.pq_lookup._common import CODE_ALIGN, NEG_INF
 from kernels_pallas.pq_lookup.reference import pq_lookup_reference
@@ -51,8 +52,7 @@ def check_inputs(lut, codes, block_t, lengths=None):
         raise ValueError(f"lengths has shape {jnp.shape(lengths)}; expected [{b}]")
     if not jnp.issubdtype(codes.dtype, jnp.integer):
         raise ValueError(f"codes has dtype {codes.dtype}; expected an integer dtype (uint8)")
-    if block_t is not None and (not isinstance(block_t, int) or block_t < 1):
-        raise ValueError(f"block_t={block_t!r} must be a positive int (TPU: a multiple of 128)")
+    check_int("block_t", block_t, "TPU: a multiple of 128", none_ok=True)
 
 
 def pq_lookup(lut, codes, lengths=None, impl: str | None = None, interpret: bool = False, block_t: int | None = None):

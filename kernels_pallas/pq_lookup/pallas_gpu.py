@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernels_pallas.checks import is_pow2
+
 from kernels_pallas.pq_lookup import _common
 
 
@@ -47,15 +49,11 @@ def _kernel(len_ref, lut_ref, codes_ref, out_ref, *, g: int, m: int, k: int, tt:
             out_ref[0, gi, :] = jnp.full((tt,), _common.NEG_INF, jnp.float32)
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
 @functools.partial(jax.jit, static_argnames=("block_t", "interpret", "num_warps"))
 def pq_lookup_gpu(lut, codes, lengths=None, block_t: int = 128, interpret: bool = False, num_warps: int = 4):
     b, h, g, m, k = lut.shape
     s = codes.shape[-1]
-    if not (_pow2(block_t) and _pow2(k) and _pow2(m)):
+    if not (is_pow2(block_t) and is_pow2(k) and is_pow2(m)):
         raise ValueError(
             f"pallas_gpu needs block_t, K=2^bits and m to be powers of two, got block_t={block_t}, "
             f"K={k}, m={m}; use a power-of-two block_t or impl='xla'"

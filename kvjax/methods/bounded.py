@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kvjax import attention
 from kvjax.methods.base import (
     Capacity,
@@ -113,8 +114,7 @@ class DecodeBudget(Method):
                 + _WHY_NOT.get(self.inner.name, "")
             )
         for field, value in (("decode_budget", self.decode_budget), ("every", self.every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be an int >= 1 (tokens; e.g. decode_budget=1024, every=128)")
+            check_int(field, value, "tokens; e.g. decode_budget=1024, every=128")
         t = self.threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
             raise ValueError(

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
@@ -111,10 +112,8 @@ class Chelsea(Method):
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 2 or self.chunk % 2:
             raise ValueError(f"chunk={self.chunk!r} must be an even integer >= 2 (A/B tokens alternate in a chunk)")
         for name in ("n_sink", "n_recent"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval={self.interval!r} (g) must be an integer >= 1")
+            check_int(name, getattr(self, name), at_least=0)
+        check_int("interval", self.interval, "g")
         if isinstance(self.schedule, str) and self.schedule not in PRESETS:
             raise ValueError(
                 f"schedule={self.schedule!r} is not a preset; choose one of {sorted(PRESETS)} or pass "

@@ -38,6 +38,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.checks import check_int
 from kvjax.methods.base import (
     Capacity,
     LayerContext,
@@ -86,8 +87,7 @@ class ChunkKV(SlotMethod):
             ("chunk_size", self.chunk_size, "use the paper's default 10 (1 = SnapKV without pooling)"),
             ("reuse", self.reuse, "use 1 for no index reuse or 2 for the paper's setting"),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} must be an int >= 1; {fix}")
+            check_int(field, value, fix=fix)
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
         if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:

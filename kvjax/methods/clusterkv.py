@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kernels_pallas.decode_attention import gather_runs, runs_mask
 from kvjax import attention, sharding
@@ -147,20 +148,10 @@ class ClusterKV(Method):
     def __post_init__(self):
         check_budget(self.budget)
         for name in ("sink", "n_full"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name}={v!r} must be an int >= 0")
+            check_int(name, getattr(self, name), at_least=0)
         for name in ("tokens_per_cluster", "window", "window_clusters", "iters"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
-        if self.num_clusters is not None and (
-            isinstance(self.num_clusters, bool) or not isinstance(self.num_clusters, int) or self.num_clusters < 1
-        ):
-            raise ValueError(
-                f"num_clusters={self.num_clusters!r} (C0) must be an int >= 1, or None for "
-                f"C0 = tokens // tokens_per_cluster"
-            )
+            check_int(name, getattr(self, name))
+        check_int("num_clusters", self.num_clusters, "C0; None: tokens // tokens_per_cluster", none_ok=True)
         if self.window_clusters > self.window:
             raise ValueError(
                 f"window_clusters={self.window_clusters} is more clusters than the window's "

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kvjax.budget import budget_tokens
 from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
@@ -134,10 +135,9 @@ class Less(Method):
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not a LESS sparse policy; choose 'h2o' or 'lambda'")
-        if self.rank < 1 or self.hidden < 1:
-            raise ValueError(f"rank={self.rank} and hidden={self.hidden} must be >= 1")
-        if isinstance(self.fold_chunk, bool) or not isinstance(self.fold_chunk, int) or self.fold_chunk < 1:
-            raise ValueError(f"fold_chunk={self.fold_chunk!r} must be an int >= 1 (prompt tokens per fold step)")
+        check_int("rank", self.rank, numpy_ok=True)
+        check_int("hidden", self.hidden, numpy_ok=True)
+        check_int("fold_chunk", self.fold_chunk, "prompt tokens per fold step")
         if self.kernels is not None:
             meta, _ = load_kernels(self.kernels)  # fail early: missing files or another format
             self._check_trained(meta.get("policy"), (meta.get("train") or {}).get("seq_len"))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.checks import check_int
 from kvjax import attention
 from kvjax.attention import NEG_INF
 from kvjax.sinks import current as current_sinks, sink_lse
@@ -102,8 +103,7 @@ def parallel_attention(q, k, v, mask, phq, psk, chunk: int | None = None):
     b, hq, s, d = q.shape
     if chunk is None or chunk >= s:
         return _rows_attention(q, k, v, *_mask_rows(mask, jnp.arange(s), s), phq, psk)
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk} must be >= 1 (query rows per block) or None")
+    check_int("chunk", chunk, "query rows per block", none_ok=True, numpy_ok=True)
     n = -(-s // chunk)
     pad = ((0, 0), (0, 0), (0, n * chunk - s), (0, 0))
     blocks = lambda x: jnp.moveaxis(jnp.pad(x, pad).reshape(b, x.shape[1], n, chunk, x.shape[-1]), 2, 0)

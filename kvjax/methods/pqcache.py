@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
 from kernels_pallas.decode_attention import default_impl as attention_impl
 from kernels_pallas.decode_attention.xla import chunk_rows
@@ -203,20 +204,17 @@ class PQCache(Method):
 
     def __post_init__(self):
         check_budget(self.budget)
-        if not isinstance(self.m, int) or self.m < 1:
-            raise ValueError(f"m={self.m!r} (sub-spaces) must be an int >= 1")
+        check_int("m", self.m, "sub-spaces")
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits={self.bits!r} must be an int in [1, 8]: codes are stored as uint8; use bits <= 8")
-        if not isinstance(self.sink, int) or self.sink < 0:
-            raise ValueError(f"sink={self.sink!r} must be an int >= 0")
+        check_int("sink", self.sink, at_least=0)
         if (
             isinstance(self.local_ratio, bool)
             or not isinstance(self.local_ratio, (int, float))
             or not 0.0 <= self.local_ratio <= 1.0
         ):
             raise ValueError(f"local_ratio={self.local_ratio} must be in [0, 1]")
-        if not isinstance(self.iters, int) or self.iters < 0:
-            raise ValueError(f"iters={self.iters!r} must be an int >= 0")
+        check_int("iters", self.iters, at_least=0)
         if self.impl not in (None, "xla", "pallas_tpu", "pallas_gpu"):
             raise ValueError(f"impl={self.impl!r} must be None, 'xla', 'pallas_tpu' or 'pallas_gpu'")
         if self.score_table not in (None, True, False):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax import attention, sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
@@ -101,18 +102,19 @@ class Quest(Method):
 
     def __post_init__(self):
         check_budget(self.budget)
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)) or self.page_size < 1:
-            raise ValueError(f"page_size={self.page_size!r} must be an int >= 1 (tokens per page; Quest uses 16)")
+        check_int("page_size", self.page_size, "tokens per page; Quest uses 16", numpy_ok=True)
         if isinstance(self.budget, int) and self.budget < self.page_size:
             raise ValueError(
                 f"budget={self.budget} tokens is less than one page of page_size={self.page_size}; "
                 f"pass budget >= {self.page_size} or a smaller page_size"
             )
-        if isinstance(self.n_full, bool) or not isinstance(self.n_full, (int, np.integer)) or self.n_full < 0:
-            raise ValueError(
-                f"n_full={self.n_full!r} must be an int >= 0 (layers that keep the full cache; "
-                "Quest uses 2, 0 compresses every layer)"
-            )
+        check_int(
+            "n_full",
+            self.n_full,
+            "layers that keep the full cache; Quest uses 2, 0 compresses every layer",
+            at_least=0,
+            numpy_ok=True,
+        )
 
     # ---- budget ----
 

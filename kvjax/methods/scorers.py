@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from kernels_pallas.checks import check_int
 from kvjax.methods.select import accumulated_scores, observed_votes, pool1d, window_scores
 
 
@@ -57,8 +58,7 @@ class WindowScorer(Scorer):
     pool: str = "avg"
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window={self.window!r} must be an int >= 1 (the observation window, e.g. 8)")
+        check_int("window", self.window, "the observation window, e.g. 8")
         if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel={self.kernel!r} must be an odd int >= 1 (1 disables pooling)")
         if self.pool not in ("avg", "max"):

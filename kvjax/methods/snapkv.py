@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.checks import check_int
 from kvjax.methods.base import (
     Capacity,
     LayerContext,
@@ -54,8 +55,7 @@ class SnapKV(SlotMethod):
 
     def __post_init__(self):
         check_budget(self.budget)
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window={self.window!r} must be an int >= 1 (SnapKV's observation window, e.g. 8)")
+        check_int("window", self.window, "SnapKV's observation window, e.g. 8")
         if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:
             raise ValueError(f"scorer={self.scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance")
         self.score_fn  # validates kernel / pool
@@ -150,11 +150,8 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"beta={self.beta!r} must be an int >= 1 (the harness uses 20)")
-        m = self.slot_multiple
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"slot_multiple={m!r} must be an int >= 1 or None (an eighth of the budget)")
+        check_int("beta", self.beta, "the harness uses 20")
+        check_int("slot_multiple", self.slot_multiple, "an eighth of the budget", none_ok=True)
 
     def _multiple(self, prompt_len: int) -> int:
         if self.slot_multiple is not None:

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from kernels_pallas.checks import check_int
 from kvjax import attention
 from kvjax.methods.base import (
     Capacity,
@@ -41,8 +42,7 @@ class StreamingLLM(SlotMethod):
 
     def __post_init__(self):
         check_budget(self.budget)
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise ValueError(f"sinks={self.sinks!r} must be an int >= 0 (StreamingLLM uses 4)")
+        check_int("sinks", self.sinks, "StreamingLLM uses 4", at_least=0)
 
     def sinks_for(self, s):
         """Sinks kept under a budget of ``s`` tokens: ``min(sinks, s - 1)`` (at least one recent slot)."""

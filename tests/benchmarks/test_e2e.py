@@ -3,21 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/e2e.py", "bench_e2e")
 
 
 SMALL = ["--model", "tiny", "--new-tokens", "2", "--budgets", "0.5", "--token-budgets", "", "--dtype", "float32"]

@@ -5,23 +5,15 @@ timing is checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def roofline():
-    spec = importlib.util.spec_from_file_location("bench_roofline", ROOT / "benchmarks" / "roofline.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/roofline.py", "bench_roofline")
 
 
 TINY = [

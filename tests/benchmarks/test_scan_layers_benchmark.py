@@ -4,23 +4,15 @@ is checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_scan_layers", ROOT / "benchmarks" / "scan_layers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/scan_layers.py", "bench_scan_layers", beside=True)
 
 
 @pytest.mark.parametrize(

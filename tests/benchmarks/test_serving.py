@@ -6,23 +6,19 @@ on a forced failure. No timing is checked."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def sv():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/serving.py", "bench_serving", beside=True)
 
 
 def _need(b, prefill_peak, points, fixed, per_seq):

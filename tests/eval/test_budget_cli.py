@@ -2,15 +2,11 @@
 kvjax-train-less: bad values are argparse usage errors (exit code 2) naming the option; a token budget above
 the model context is a clear error."""
 
-import jax
 import pytest
 
 from eval import cli as eval_cli
 from kvjax import cli as kvjax_cli
 from kvjax import engine, methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
-from kvjax.model import random_params
 from train_less import cli as train_cli
 
 BAD = ["0", "-1", "nan", "abc", "1.5", "true"]
@@ -49,21 +45,10 @@ def test_good_values_parse():
     assert train_cli.build_parser().parse_args(["--out", "x", "--budget", "52"]).budget == 52
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=128,
-        sliding_windows=(None,),
-    )
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0)), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(
+    num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=128, seed=0, scale=0.02
+)
 
 
 def test_token_budget_above_context(tiny, monkeypatch, capsys, tmp_path):

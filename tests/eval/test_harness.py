@@ -10,10 +10,8 @@ import pytest
 
 from eval import harness, perplexity, runner
 from kvjax import engine, methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity
-from kvjax.model import forward, random_params
+from kvjax.model import forward
 
 
 _forward = jax.jit(forward, static_argnums=0)
@@ -27,21 +25,8 @@ def dense_logits(model, seqs, pad=48):
     return np.asarray(_forward(model.config, model.params, jnp.asarray(x)), np.float64)[:, : seqs.shape[1]]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        sliding_windows=(None, None),
-    )
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(max_position_embeddings=256, seed=0)
 
 
 def test_streaming_nll_full_equals_dense_forward(tiny):

@@ -9,9 +9,9 @@ import pytest
 
 from eval import longbench as lb
 from eval import runner
-from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.model import random_params
+from tiny_models import tiny_config
 
 
 class WordTokenizer:
@@ -123,18 +123,7 @@ def test_scores_hand_computed():
 
 
 def test_task_runs_end_to_end_on_a_tiny_model(tmp_path):
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        sliding_windows=(None, None),
-    )
+    cfg = tiny_config(hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=256)
     model = Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), WordTokenizer(), "tiny")
     write(tmp_path, "hotpotqa", [record(i, context=" ".join(f"c{i}{j}" for j in range(30))) for i in range(2)])
     write(tmp_path, "trec", [record(9, "trec", answers=("Loc",), classes=["Loc", "Hum"])])

@@ -3,32 +3,15 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
 from eval import cli, perplexity, runner
 from kvjax import methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
-from kvjax.model import random_params
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_windows=(None, None),
-    )
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(max_position_embeddings=512, seed=0)
 
 
 def test_bytes_held_along_a_long_continuation(tiny):

@@ -33,23 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_bounded as refb  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_windows=(None, None),
-    )
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
-
-
 def prompts(lengths, seed=0):
     rng = np.random.RandomState(seed)
     return [list(rng.randint(2, 60, size=n)) for n in lengths]

@@ -24,10 +24,7 @@ import pytest
 import kvjax
 from kvjax import budget as kb
 from kvjax import engine, methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity, LayerContext, SlotCache
-from kvjax.model import random_params
 from extended import methods_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -141,23 +138,6 @@ def test_public_api():
 
 # ---------------------------------------------------------------------------------------------------------------
 # the bucket invariant and short prompts, every registered method
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_windows=(None, None),
-    )
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
 NEW = 5

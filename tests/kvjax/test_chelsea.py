@@ -15,34 +15,19 @@ import pytest
 
 from kvjax import attention, engine, methods
 from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.chelsea import Chelsea
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax.methods.csm import csm_round, merges_for, plan
 
 import ref_chelsea as ref
+from tiny_models import tiny_config
 
 SMALL = dict(n_sink=2, n_recent=4, chunk=8, interval=4)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_windows=(None, None),
-    )
-    from kvjax.model import random_params
-
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(max_position_embeddings=512, seed=0)
 
 
 def prompts(lengths, seed=0):
@@ -606,18 +591,7 @@ def test_bucket_invariance(tiny):
 
 def test_per_sequence_budget_is_exact():
     """B_b = floor(R (n_b + Gamma)) with R the decimal as written (Fraction), on ints, numpy and int32 arrays."""
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_windows=(None, None),
-    )
+    cfg = tiny_config(max_position_embeddings=512)
     n = np.array([1, 5, 40, 70, 99, 100, 130, 1000, 4099, 32767, 100_000, 2_000_000])
     for budget in (0.1, 0.2, 0.25, 0.3, 0.7, 0.123, 0.33333, 1.0):
         m = Chelsea(budget=budget, **SMALL)

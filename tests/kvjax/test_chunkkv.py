@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 
 from kvjax import analysis, engine, methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.chunkkv import ChunkKV
 
@@ -173,23 +171,8 @@ def test_chunk_size_one_equals_snapkv_without_pooling(hq, hkv, budget, window):
         np.testing.assert_array_equal(oa, ob)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_windows=(None,) * 4,
-    )
-    from kvjax.model import random_params
-
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(0), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(num_layers=4, max_position_embeddings=512, seed=0)
 
 
 def prompts(lengths, seed=0):

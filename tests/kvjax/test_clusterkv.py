@@ -21,11 +21,9 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.clusterkv import ClusterKV, cosine_kmeans
-from kvjax.model import random_params
+from tiny_models import tiny_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_clusterkv as ref  # noqa: E402
@@ -34,18 +32,7 @@ LAYER = 3  # a compressed layer (n_full=0 in most tests)
 
 
 def _cfg(hq, hkv, d=16, layers=2):
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=layers,
-        num_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        max_position_embeddings=1024,
-        sliding_windows=(None,) * layers,
-    )
+    return tiny_config(num_layers=layers, num_heads=hq, num_kv_heads=hkv, head_dim=d)
 
 
 def _clustered_keys(rng, shape, centers=6, noise=0.15, outliers=True):
@@ -290,10 +277,8 @@ def test_host_sizes():
     assert m2.attended(50, 19, LayerContext(capacity=Capacity(50, 40))) == 4 + 46 + 16 + 3 + 1
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = _cfg(4, 2, layers=3)
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(num_layers=3)
 
 
 def test_generate_end_to_end(tiny):

@@ -9,6 +9,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity
+from tiny_models import random_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -17,8 +18,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random GQA Llama saved with save_pretrained, loaded by kvjax and by transformers."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    hf = random_hf(  # weights x3: peaked, input-dependent logits (no EOS-like collapse)
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
@@ -30,11 +30,6 @@ def tiny(tmp_path_factory):
         bos_token_id=1,
         tie_word_embeddings=False,
     )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights give peaked, input-dependent logits (no EOS-like collapse)
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)
     path = tmp_path_factory.mktemp("tiny")
     hf.save_pretrained(path)
     return kvjax.load_model(path, dtype=jnp.float32), hf

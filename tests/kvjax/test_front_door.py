@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from kvjax import budget, engine, methods, questions
-from kvjax import model as M
-from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods import Capacity
 from kvjax.tokenizer import Tokenizer
+from tiny_models import tiny_config
 
 
 def test_import_kvjax_exposes_questions_and_prefilled():
@@ -31,18 +30,7 @@ def test_import_kvjax_exposes_questions_and_prefilled():
 
 
 def _cfg(num_layers=2, vocab=64):
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_windows=(None,) * num_layers,
-    )
+    return tiny_config(num_layers=num_layers, vocab_size=vocab)
 
 
 class _CharTokenizer(Tokenizer):
@@ -64,10 +52,8 @@ class _CharTokenizer(Tokenizer):
         return "<user>" + messages[-1]["content"] + "<assistant>"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = _cfg()
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(3), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(seed=3)
 
 
 @pytest.fixture

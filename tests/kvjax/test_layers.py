@@ -12,18 +12,16 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods, model as M
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.layers import FullFirst
 
 LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig("llama", 256, 64, 128, LAYERS, 4, 2, 16, max_position_embeddings=512)
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+# the sizes and weights of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(
+    vocab_size=256, intermediate_size=128, num_layers=LAYERS, max_position_embeddings=512, scale=0.15
+)
 
 
 def prompts():

@@ -21,23 +21,12 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import core, engine, methods
-from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
+from tiny_models import tiny_config
 
 
-CFG = ModelConfig(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    sliding_windows=(None, None),
-)
+CFG = tiny_config()
 BUCKET, NEW, BATCH, BUDGET = 128, 2, 1, 0.25
 CAP = Capacity(BUCKET, NEW)
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kvjax
 from kvjax import core, engine, methods
 from kvjax.budget import as_fraction, budget_tokens
 from kvjax.methods.base import Capacity, evicting_budget
@@ -15,22 +14,14 @@ from kvjax.methods.chelsea import PRESETS, Chelsea, _simulate
 from kvjax.methods.csm import RATIO_UNIT, merges_for, quantise_ratio
 from kvjax.methods.snapkv import pyramid_budget
 from kvjax.model import random_params
+from tiny_models import tiny_config
 
 MILLION = 1 << 20
 #: Around the old overflow of Chelsea's ``r_q * mid`` (about 430k-610k tokens at r = 0.35-0.5), a million, and
 #: beyond; the largest is 2^30 (a length + Gamma must still fit int32).
 LENGTHS = (430_000, 610_000, 700_000, MILLION, 1 << 21, 1 << 24, (1 << 30) - 1)
 
-CFG = kvjax.ModelConfig(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-)
+CFG = tiny_config(intermediate_size=64, max_position_embeddings=4096)
 
 
 def traced(fn, *arrays):

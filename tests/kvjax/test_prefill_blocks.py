@@ -18,20 +18,10 @@ import pytest
 from kvjax import core, engine, methods
 from kvjax import model as M
 from kvjax import prefill_attention as P
-from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
+from tiny_models import tiny_config
 
-CFG = ModelConfig(
-    "llama",
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=2048,
-)
+CFG = tiny_config(vocab_size=96, max_position_embeddings=2048)
 T, LENGTHS = 1024, (700, 333)
 
 

@@ -10,26 +10,12 @@ import pytest
 import kvjax
 from kvjax import engine, methods, prefilled as P
 from kvjax import model as M
-from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        sliding_windows=(None,) * 3,
-    )
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(3), scale=0.3), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(num_layers=3, max_position_embeddings=256, seed=3)
 
 
 def _method(name):

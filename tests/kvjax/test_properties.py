@@ -45,7 +45,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvjax import engine, methods
-from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods import H2O, ChunkKV, ClusterKV, Less, Quest, SnapKV, StreamingLLM
 from kvjax.methods.base import Capacity, LayerContext, SlotCache
@@ -54,7 +53,7 @@ from kvjax.methods.clusterkv import ClusterState
 from kvjax.methods.less import LessState
 from kvjax.methods.pqcache import PQState
 from kvjax.methods.quest import QuestState
-from kvjax.model import random_params
+from tiny_models import tiny_model
 
 # ---------------------------------------------------------------------------------------------------------------
 # profiles
@@ -179,19 +178,16 @@ def explicit(name: str):
 
 @functools.lru_cache(maxsize=None)
 def tiny(ratio: int, kv_heads: int, head_dim: int, dtype: str) -> Model:
-    cfg = ModelConfig(
-        model_type="llama",
+    return tiny_model(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
         num_layers=NUM_LAYERS,
         num_heads=ratio * kv_heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=256,
+        seed=ratio * 1000 + kv_heads * 100 + head_dim,
+        dtype=dtype,
     )
-    key = jax.random.PRNGKey(ratio * 1000 + kv_heads * 100 + head_dim)
-    return Model(cfg, random_params(cfg, key, dtype=jnp.dtype(dtype), scale=0.3), None, "tiny")
 
 
 @dataclasses.dataclass(frozen=True)

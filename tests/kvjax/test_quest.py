@@ -209,19 +209,8 @@ def test_layers_below_n_full_are_full():
 # ------------------------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = kvjax.ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
-    return kvjax.Model(cfg, kvjax.model.random_params(cfg, jax.random.PRNGKey(0), jnp.float32, 1.0), None, "tiny")
+# the sizes and seed of the tiny fixture's model (tests/conftest.py)
+pytestmark = pytest.mark.tiny(intermediate_size=64, max_position_embeddings=4096, seed=0, scale=1.0)
 
 
 def prompts(lengths, seed=0):

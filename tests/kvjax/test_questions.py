@@ -5,33 +5,12 @@ context compressed, the question teacher-forced after it, then greedy decoding).
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from eval import harness
 from extended import cases
 from kvjax import engine, methods, questions
-from kvjax import model as M
-from kvjax.config import ModelConfig
-from kvjax.loading import Model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_windows=(None, None),
-    )
-    return Model(cfg, M.random_params(cfg, jax.random.PRNGKey(1), scale=0.3), None, "tiny")
 
 
 def _ids(lengths, seed):

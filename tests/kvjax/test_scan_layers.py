@@ -24,6 +24,7 @@ from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
+from tiny_models import tiny_config
 
 BUCKET, STEPS = 64, 4
 
@@ -34,12 +35,10 @@ def method(name, budget=0.3, **extra):
     return methods.at_budget(name, budget, small_sizes=True, **extra)
 
 
-TINY = ModelConfig("llama", 256, 64, 128, 4, 4, 2, 16, max_position_embeddings=512)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Model(TINY, M.random_params(TINY, jax.random.PRNGKey(1), scale=0.15), None, "tiny")
+SIZES = dict(vocab_size=256, intermediate_size=128, num_layers=4, max_position_embeddings=512)
+TINY = tiny_config(**SIZES)
+# the tiny fixture's model (tests/conftest.py): TINY, with weights of std 0.15
+pytestmark = pytest.mark.tiny(**SIZES, scale=0.15)
 
 
 def scans(m, cfg=TINY, cap=Capacity(BUCKET, STEPS + 1)) -> bool:

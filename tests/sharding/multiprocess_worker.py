@@ -87,11 +87,10 @@ def main(argv=None) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py, where the reference runs
 
-    import importlib.util
+    sys.path.append(str(ROOT / "tests"))  # tests/repo_scripts.py
+    from repo_scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("multihost", ROOT / "scripts" / "multihost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/multihost.py", "multihost")
     t = time.perf_counter()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 
 import kvjax
 from kvjax import cli
+from repo_scripts import load_script
+from tiny_models import random_hf
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    hf = random_hf(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=96,
@@ -30,20 +27,13 @@ def tiny_path(tmp_path_factory):
         num_key_value_heads=4,
         max_position_embeddings=256,
     )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.ndim == 2:
-                p.mul_(3.0)
     path = tmp_path_factory.mktemp("tiny-mh")
     hf.save_pretrained(path)
     return path
 
 
 def test_multihost_script_single_process_equals_one_device(tiny_path, capsys):
-    spec = importlib.util.spec_from_file_location("multihost", ROOT / "scripts" / "multihost.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/multihost.py", "multihost")
     assert (
         script.main(
             [

@@ -28,6 +28,7 @@ from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from extended import REPRESENTATIVES
 from kvjax.model import random_params
+from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8,
@@ -43,8 +44,17 @@ def method(name, budget=0.3):
 
 
 def tiny(kv_heads: int, layers: int = 2) -> Model:
-    cfg = ModelConfig("llama", 256, 64, 128, layers, 8, kv_heads, 16, max_position_embeddings=512)
-    return Model(cfg, random_params(cfg, jax.random.PRNGKey(kv_heads), scale=0.15), None, f"tiny-kv{kv_heads}")
+    return tiny_model(
+        vocab_size=256,
+        intermediate_size=128,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=kv_heads,
+        max_position_embeddings=512,
+        seed=kv_heads,
+        scale=0.15,
+        name=f"tiny-kv{kv_heads}",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -28,17 +28,9 @@ from kvjax.methods.base import Capacity
 from train_less import capture as C
 from train_less import trainer
 from train_less.trainer import TrainConfig, merge_parts, train
+from tiny_models import tiny_config
 
-CFG = kvjax.ModelConfig(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
+CFG = tiny_config(hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=4096)
 TC = TrainConfig(
     budget=6, rank=4, hidden=16, epochs=2, batch=2, seq_len=32, num_seqs=10, val_frac=0.2, lr=1e-2, query_chunk=8
 )
