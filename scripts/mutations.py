@@ -216,9 +216,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- the model --------------------------------------------------------------------------------------------
     M(
         "rope-decode-position-off-by-one",
-        "kvjax/engine.py",
-        "cfg, method, params, M.embed(params, token[:, None], cfg), pos[:, None], states, step, mesh",
-        "cfg, method, params, M.embed(params, token[:, None], cfg), pos[:, None] + 1, states, step, mesh",
+        "kvjax/core.py",
+        "cfg, plan(cfg, method), params, M.embed(params, token[:, None], cfg), pos[:, None], states, step, mesh",
+        "cfg, plan(cfg, method), params, M.embed(params, token[:, None], cfg), pos[:, None] + 1, states, step, mesh",
         ("tests/kvjax/test_engine.py",),
         "a decode step's RoPE position is one past the token's",
     ),
@@ -275,7 +275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "engine-prefill-positions-shifted",
-        "kvjax/engine.py",
+        "kvjax/core.py",
         "positions = jnp.broadcast_to(jnp.arange(t), (b, t))",
         "positions = jnp.broadcast_to(jnp.arange(t) + 1, (b, t))",
         ("tests/kvjax/test_engine.py",),
