@@ -43,7 +43,15 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import _budgets, parse_contexts, variants  # noqa: E402
-from roofline import Variant, attention_config, build, compile_step, decode_inputs, plan_variant  # noqa: E402
+from roofline_measure import (  # noqa: E402
+    Variant,
+    attention_config,
+    build,
+    compile_step,
+    decode_inputs,
+    plan_variant,
+    random_prompt,
+)
 from scan_layers import commit  # noqa: E402
 
 from kvjax.methods.base import Capacity  # noqa: E402
@@ -246,9 +254,7 @@ def profile_variant(cfg, var: Variant, layer, batch, n, dtype, steps, do_prefill
     rows = []
     run = build(cfg, var, [layer], batch, n, cap, dtype)  # runs the compiled prefill once (its warm-up)
     if do_prefill:
-        from roofline import _prompt_jit
-
-        q, k, v = _prompt_jit(jax.random.PRNGKey(layer), batch, n, cfg, dtype)
+        q, k, v = random_prompt(jax.random.PRNGKey(layer), batch, n, cfg, dtype)
         m = var.method.at(layer)
         st = jax.block_until_ready(m.init(cfg, batch, cap, layer, dtype))
         lengths = jnp.full((batch,), n, jnp.int32)
