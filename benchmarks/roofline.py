@@ -117,8 +117,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,7 +125,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import PAPERS, context_label, parse_contexts, variants  # noqa: E402
+from bench_common import command_line, commit, device_fields, git_dirty, load_average, write_json  # noqa: E402
+from bench_common import context_label, fmt, parse_budgets, parse_contexts, parse_ints  # noqa: E402
+from e2e import PAPERS, variants  # noqa: E402
 from kvjax.methods.hybrid import describe as describe_plan, for_model  # noqa: E402
 from roofline_measure import (  # noqa: E402
     SHAPES,
@@ -150,8 +150,7 @@ from roofline_measure import (  # noqa: E402
     time_runs,
 )
 from roofline_project import MODEL_LAYERS, PROJECTION_DEVICES, WEIGHTS_8B_BF16, add_ratios  # noqa: E402
-from roofline_report import _f, merge_runs, report, table  # noqa: E402
-from scan_layers import commit  # noqa: E402
+from roofline_report import merge_runs, report, table  # noqa: E402
 
 from kvjax import methods  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
@@ -171,35 +170,21 @@ QUICK = {
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _dirty() -> bool | None:
-    """Whether kvjax/, kernels_pallas/ or benchmarks/ differ from the commit; None without git."""
-    try:
-        return bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--", "kvjax", "kernels_pallas", "benchmarks"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parents[1],
-                check=True,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
+#: what ``commit_dirty`` checks: the code a row's numbers depend on
+CODE = ("kvjax", "kernels_pallas", "benchmarks")
 
 
 def header(args, cfg, limit) -> dict:
-    dev = jax.devices()[0]
     return {
         "benchmark": "roofline",
         "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else args.shape} attention "
         f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
-        "jax_version": jax.__version__,
-        "device": str(dev),
-        "device_kind": dev.device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(),
         "commit": commit(),
-        "commit_dirty": None if os.environ.get("KVJAX_COMMIT") else _dirty(),  # a copied tree: given, not checked
-        "command": shlex.join([sys.executable] + sys.argv),
+        "commit_dirty": None
+        if os.environ.get("KVJAX_COMMIT")
+        else git_dirty(*CODE),  # a copied tree: given, not checked
+        "command": command_line(),
         "layers": args.layers,
         "first_layer": args.first_layer,
         "steps": args.steps,
@@ -212,7 +197,7 @@ def header(args, cfg, limit) -> dict:
         "projection_layers": MODEL_LAYERS,
         "projection_devices_bytes_per_s": PROJECTION_DEVICES,
         "papers": PAPERS,
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_average_1min": load_average(),
     }
 
 
@@ -237,12 +222,6 @@ def resumable_rows(old: dict, new: dict) -> list[dict]:
         return []
     print(f"--resume: keeping {len(old['rows'])} rows of the earlier run", flush=True)
     return old["rows"]
-
-
-def _budgets(text):
-    from e2e import _budgets as parse
-
-    return parse(text)
 
 
 def parse_args(argv):
@@ -325,9 +304,9 @@ def parse_args(argv):
                 setattr(args, k, v)
     try:
         args.lengths = parse_contexts(args.lengths)
-        args.batch = [int(x) for x in str(args.batch).split(",") if x.strip()]
-        args.budgets = _budgets(args.budgets)
-        args.token_budgets = _budgets(args.token_budgets)
+        args.batch = parse_ints(str(args.batch))
+        args.budgets = parse_budgets(args.budgets)
+        args.token_budgets = parse_budgets(args.token_budgets)
         args.dtypes = [jnp.dtype(d.strip()).name for d in args.dtypes.split(",") if d.strip()]
     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         p.error(str(e))
@@ -538,7 +517,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                     "state_bytes": int(sum(tree_bytes(st) for st in r.states)),
                     "estimated_state_bytes": v.state_bytes,
                     "prefill_temp_bytes": v.prefill_temp,
-                    "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                    "load_average_1min": load_average(),
                 }
             )
         add_ratios(block, len(rows))
@@ -557,7 +536,7 @@ def main(argv=None) -> int:
             report(json.loads(Path(paths[0]).read_text()), Path(paths[0]))
         else:  # merged: written to --out
             data = merge_runs([json.loads(Path(x).read_text()) for x in paths], paths)
-            Path(args.out).write_text(json.dumps(data, indent=1, default=str))
+            write_json(args.out, data, default=str)
             report(data, Path(args.out))
         return 0
     cfg = attention_config(args.tiny, args.shape)
@@ -572,16 +551,15 @@ def main(argv=None) -> int:
     data = {**header(args, cfg, limit), **bandwidth_gbs(args.bandwidth_mib << 20), "rows": []}
     print(
         f"read {data['read_gbs']:.1f} GB/s, copy {data['copy_gbs']:.1f} GB/s; memory limit "
-        f"{_f(limit and limit / 2**30, '.1f')} GiB",
+        f"{fmt(limit and limit / 2**30, '.1f')} GiB",
         flush=True,
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.resume and out.exists():
         data["rows"] = resumable_rows(json.loads(out.read_text()), data)
 
     def write():
-        out.write_text(json.dumps(data, indent=1, default=str))
+        write_json(out, data, default=str)
 
     clock = PrefillClock()
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import context_label  # noqa: E402
+from bench_common import context_label  # noqa: E402
 
 #: The plot's markers (with 28 colours: every variant of the default grid gets its own colour).
 MARKERS = "os^vDP*Xh<>"

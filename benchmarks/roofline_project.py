@@ -11,7 +11,8 @@ from pathlib import Path
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import PAPERS, context_label  # noqa: E402
+from bench_common import context_label  # noqa: E402
+from e2e import PAPERS  # noqa: E402
 
 #: The projection's model: Llama-3.1-8B, bfloat16 weights (embedding + 32 layers + head), 32 layers.
 WEIGHTS_8B_BF16 = 16.06e9

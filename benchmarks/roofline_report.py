@@ -7,13 +7,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import context_label  # noqa: E402
+from bench_common import context_label, fmt  # noqa: E402
 from roofline_plot import plot  # noqa: E402
 from roofline_project import projection, projection_text  # noqa: E402
-
-
-def _f(x, fmt, suffix=""):
-    return "-" if x is None else format(x, fmt) + suffix
 
 
 def table(rows: list[dict]) -> str:
@@ -35,11 +31,11 @@ def table(rows: list[dict]) -> str:
                 continue
             lines.append(
                 f"{label:22s} {r['step_s'] * 1e3:8.2f} {r['bytes_read'] / 2**20:9.1f} "
-                f"{_f(r.get('xla_bytes') and r['xla_bytes'] / 2**20, '8.1f'):>8s} {r['gbs']:6.1f} "
+                f"{fmt(r.get('xla_bytes') and r['xla_bytes'] / 2**20, '8.1f'):>8s} {r['gbs']:6.1f} "
                 f"{r['time_ratio']:9.3f} {r['bytes_ratio']:10.3f} {r['efficiency']:5.2f} {r['speedup']:7.2f} "
-                f"{_f(r.get('ttft_s'), '8.2f'):>8s} {_f(r.get('ttft_ratio'), '6.2f'):>6s} "
-                f"{_f(r.get('compress_share'), '6.1%'):>6s}"
-                + (f" {_f(r.get('model_ttft_ratio'), '12.3f'):>12s}" if model else "")
+                f"{fmt(r.get('ttft_s'), '8.2f'):>8s} {fmt(r.get('ttft_ratio'), '6.2f'):>6s} "
+                f"{fmt(r.get('compress_share'), '6.1%'):>6s}"
+                + (f" {fmt(r.get('model_ttft_ratio'), '12.3f'):>12s}" if model else "")
             )
         skipped_ttft = next((r.get("ttft_skipped") for r in block if r.get("ttft_skipped")), None)
         if skipped_ttft:
@@ -61,8 +57,8 @@ def report(data: dict, out_path: Path) -> str:
         f"roofline: {data['setting']}; {data.get('device_kind')} ({data.get('backend')}), jax "
         f"{data.get('jax_version')}, commit {(data.get('commit') or '?')[:10]}"
         f"{' (dirty)' if data.get('commit_dirty') else ''}; {data.get('layers')} layer(s) from "
-        f"{data.get('first_layer')}; read {_f(data.get('read_gbs'), '.1f')} GB/s, copy "
-        f"{_f(data.get('copy_gbs'), '.1f')} GB/s; load average {_f(data.get('load_average_1min'), '.2f')}"
+        f"{data.get('first_layer')}; read {fmt(data.get('read_gbs'), '.1f')} GB/s, copy "
+        f"{fmt(data.get('copy_gbs'), '.1f')} GB/s; load average {fmt(data.get('load_average_1min'), '.2f')}"
     )
     text = title + "\n" + table(rows) + "\n" + projection_text(projection(rows))
     print(text, flush=True)

@@ -336,7 +336,7 @@ def test_resume_measures_only_what_is_missing(roofline, tmp_path, monkeypatch):
     again beside them); another commit or other settings measure everything again."""
     out = tmp_path / "r.json"
     monkeypatch.setenv("KVJAX_COMMIT", "a" * 40)
-    monkeypatch.setattr(roofline, "_dirty", lambda: False)
+    monkeypatch.setattr(roofline, "git_dirty", lambda *paths: False)
     base = TINY + ["--lengths", "128", "--out", str(out), "--resume"]
     assert roofline.main(base + ["--methods", "full,snapkv"]) == 0
     built = []
