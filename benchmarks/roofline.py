@@ -167,7 +167,7 @@ QUICK = {
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- the JSON's header, --resume
 
 
 #: what ``commit_dirty`` checks: the code a row's numbers depend on
@@ -181,9 +181,8 @@ def header(args, cfg, limit) -> dict:
         f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
         **device_fields(),
         "commit": commit(),
-        "commit_dirty": None
-        if os.environ.get("KVJAX_COMMIT")
-        else git_dirty(*CODE),  # a copied tree: given, not checked
+        # a copied tree ($KVJAX_COMMIT): its commit is given, whether it differs not checked
+        "commit_dirty": None if os.environ.get("KVJAX_COMMIT") else git_dirty(*CODE),
         "command": command_line(),
         "layers": args.layers,
         "first_layer": args.first_layer,
@@ -222,6 +221,9 @@ def resumable_rows(old: dict, new: dict) -> list[dict]:
         return []
     print(f"--resume: keeping {len(old['rows'])} rows of the earlier run", flush=True)
     return old["rows"]
+
+
+# ------------------------------------------------------------------------------------------------ the options
 
 
 def parse_args(argv):
@@ -313,6 +315,9 @@ def parse_args(argv):
     if args.layers < 1 or args.steps < 1 or args.rounds < 1 or args.group_size < 0:
         p.error("--layers, --steps and --rounds must be >= 1, --group-size >= 0")
     return args
+
+
+# ------------------------------------------------------------------ the run: each configuration, in pieces
 
 
 def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
