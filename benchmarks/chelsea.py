@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvjax  # noqa: E402
+from bench_common import write_json  # noqa: E402
 from eval import fidelity  # noqa: E402
 from kvjax import assets, engine, methods  # noqa: E402
 
@@ -154,8 +155,7 @@ def main(argv=None):
             json.dumps({"n": n, "attention_rel_error": err, "needle_accuracy": acc, "decode": times}, indent=1),
             file=sys.stderr,
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -19,19 +19,17 @@ JSON includes the jax version, device and git commit. ``--tiny`` uses a 2-layer 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from bench_common import commit, device_fields, write_json
 from kvjax import assets, core, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model, default_dtype
@@ -52,15 +50,6 @@ TINY = ModelConfig(
     max_position_embeddings=8192,
 )
 MAX_NEW = 32  # decode capacity of the states (shapes only: nothing is decoded)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def prompt(ids):
@@ -143,27 +132,21 @@ def main(argv=None):
     prefill_rows, step_rows = [], []
 
     def write():
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "jax_version": jax.__version__,
-                    "device": str(jax.devices()[0]),
-                    "device_kind": jax.devices()[0].device_kind,
-                    "backend": jax.default_backend(),
-                    "commit": commit(),
-                    "python": platform.python_version(),
-                    "model": model.name,
-                    "dtype": str(model.dtype),
-                    "num_layers": nl,
-                    "repeats": args.repeats,
-                    "prefill_budget": args.prefill_budget,
-                    "prefill": prefill_rows,
-                    "per_step": step_rows,
-                },
-                indent=2,
-            )
+        write_json(
+            args.out,
+            {
+                **device_fields(),
+                "commit": commit() or "unknown",
+                "python": platform.python_version(),
+                "model": model.name,
+                "dtype": str(model.dtype),
+                "num_layers": nl,
+                "repeats": args.repeats,
+                "prefill_budget": args.prefill_budget,
+                "prefill": prefill_rows,
+                "per_step": step_rows,
+            },
+            indent=2,
         )
 
     print(f"{model.name}: {nl} layers, {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)

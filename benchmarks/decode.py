@@ -18,22 +18,19 @@ needed): step time does not depend on the weights' values, so the timings are th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from bench_common import device_fields, parse_budget, time_decode_loop, write_json
 from kvjax import assets, engine, methods
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.loading import Model, default_dtype
-from kvjax.budget import parse_budget
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
@@ -77,13 +74,6 @@ PEAK_GBS = {
 }
 
 
-def _budget(text):
-    try:
-        return parse_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def peak_bandwidth_gbs(device) -> float | None:
     kind = getattr(device, "device_kind", "")
     return next((v for k, v in PEAK_GBS.items() if k in kind), None)
@@ -111,18 +101,7 @@ def run_one(model, ids, method, steps, batch=1):
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     cap = Capacity(bucket, steps + 1)
     engine.check_method(cfg, method)
-    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
-    times = []
-    for _ in range(2):  # first run compiles
-        states = engine.init_states(cfg, method, batch, cap, model.dtype)
-        states, logits = engine.prefill(cfg, method, model.params, tokens, lengths, states)
-        first = jnp.argmax(logits, -1).astype(jnp.int32)
-        jax.block_until_ready(states)
-        t0 = time.perf_counter()
-        out, n, states = engine.run_loop(loop, "scan", model.params, states, first, lengths, jax.random.PRNGKey(0))
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    step = times[-1] / steps
+    step, states = time_decode_loop(model, method, tokens, lengths, cap, steps)
     held = engine.memory_bytes(method, states)
     kv_read = engine.bytes_read_per_step(method, states, cfg.num_heads)  # the method's own plan, all layers
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
@@ -146,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(methods.names()),
         help="comma-separated registered methods (default: all; full is always timed first)",
     )
-    p.add_argument("--budget", type=_budget, default=0.2, help="fraction in (0, 1] or token count")
+    p.add_argument("--budget", type=parse_budget, default=0.2, help="fraction in (0, 1] or token count")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--random-weights", action="store_true", help="SmolLM2-135M shapes, random weights/tokens")
@@ -205,29 +184,23 @@ def main(argv=None):
     rows = []
 
     def write():
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "jax_version": jax.__version__,
-                    "device": str(jax.devices()[0]),
-                    "device_kind": jax.devices()[0].device_kind,
-                    "batch": args.batch,
-                    "random_weights": args.random_weights or args.tiny,
-                    "model_label": model.name,
-                    "peak_bandwidth_gbs": bandwidth,
-                    "backend": jax.default_backend(),
-                    "python": platform.python_version(),
-                    "model": args.model,
-                    "dtype": str(model.dtype),
-                    "budget": args.budget,
-                    "steps": args.steps,
-                    "attention_impl": args.impl or "by backend",
-                    "rows": rows,
-                },
-                indent=2,
-            )
+        write_json(
+            args.out,
+            {
+                **device_fields(),
+                "batch": args.batch,
+                "random_weights": args.random_weights or args.tiny,
+                "model_label": model.name,
+                "peak_bandwidth_gbs": bandwidth,
+                "python": platform.python_version(),
+                "model": args.model,
+                "dtype": str(model.dtype),
+                "budget": args.budget,
+                "steps": args.steps,
+                "attention_impl": args.impl or "by backend",
+                "rows": rows,
+            },
+            indent=2,
         )
 
     for n in [int(x) for x in args.lengths.split(",")]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import time
@@ -45,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import device_fields, write_json  # noqa: E402
 from decode import peak_bandwidth_gbs  # noqa: E402  (the peak-bandwidth table lives in benchmarks/decode.py)
 
 from kernels_pallas.decode_attention import IMPLS, decode_attention, default_impl, tuning  # noqa: E402
@@ -85,13 +85,10 @@ def _time_device(fn, args, iters: int, n: int) -> float:
     return max((_time(_repeat(fn, n), args, iters) - _time(_repeat(fn, 1), args, iters)) / (n - 1), 1e-9)
 
 
-def _header(args, dev, impl: str, dtype, peak) -> dict:
+def _header(args, impl: str, dtype, peak) -> dict:
     """The JSON fields every run of this script writes: versions, device, kernel and shapes."""
     return {
-        "jax_version": jax.__version__,
-        "device": str(dev),
-        "device_kind": dev.device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(),
         "python": platform.python_version(),
         "impl": impl,
         "interpret": args.interpret,
@@ -106,9 +103,7 @@ def _header(args, dev, impl: str, dtype, peak) -> dict:
 
 
 def _write(args, header: dict, **results) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**header, **results}, indent=2))
+    write_json(args.out, {**header, **results}, indent=2)
 
 
 def _inputs(batch, hkv, g, s, d, dtype, keep, block_size, seed=0, pattern="random"):
@@ -231,7 +226,7 @@ def main(argv=None):
     rows = []
 
     def write():
-        _write(args, _header(args, dev, impl, dtype, peak), block_size=bs, rows=rows)
+        _write(args, _header(args, impl, dtype, peak), block_size=bs, rows=rows)
 
     print(
         f"{jax.__version__} {dev.device_kind} impl={impl} dtype={dtype} Hkv={hkv} G={g} D={d} bs={bs} peak={peak} GB/s",
@@ -363,7 +358,7 @@ def sweep(args) -> int:
             rows.append(r)
             total += t
         totals[cand] = total
-        _write(args, _header(args, dev, impl, dtype, peak), sweep=rows, partial=True)  # a cut run keeps its rows
+        _write(args, _header(args, impl, dtype, peak), sweep=rows, partial=True)  # a cut run keeps its rows
     ran = {c: t for c, t in totals.items() if np.isfinite(t)}  # candidates that ran at every shape
     per_shape = _fastest_per_shape(rows, shapes, peak)
     chosen = None
@@ -374,7 +369,7 @@ def sweep(args) -> int:
     print(f"chosen (lowest total time): {chosen!r}" if chosen else "chosen: none (no candidate ran at every shape)")
     _write(
         args,
-        _header(args, dev, impl, dtype, peak),
+        _header(args, impl, dtype, peak),
         sweep=rows,
         fastest_per_shape=per_shape,
         chosen=chosen and dataclasses.asdict(chosen),

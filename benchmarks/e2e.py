@@ -88,7 +88,6 @@ import functools
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -103,9 +102,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import SMOLLM2_135M, TINY, _budget, cannot_run  # noqa: E402  (shared with benchmarks/decode.py)
+from bench_common import command_line, commit, device_fields, git_dirty, load_average, write_json  # noqa: E402
+from bench_common import context_label, fmt, parse_budgets, parse_contexts, parse_ints  # noqa: E402
+from decode import SMOLLM2_135M, TINY, cannot_run  # noqa: E402  (shared with benchmarks/decode.py)
 from e2e_torch import DONE, ROW  # noqa: E402  (the torch side's protocol; it imports no torch itself)
-from scan_layers import commit  # noqa: E402
 
 from kvjax import engine, methods, model as M  # noqa: E402
 from kvjax.config import ModelConfig, RopeConfig  # noqa: E402
@@ -184,29 +184,6 @@ PAPERS = {
         "speedup": 1.74,
     },
 }
-
-
-def parse_contexts(text: str) -> list[int]:
-    """``"8k,16k,1000"`` -> ``[8192, 16384, 1000]``."""
-    out = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        try:
-            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--contexts {part!r} is not a token count; use e.g. 8k,16k or 8192")
-    return out
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _budgets(text: str) -> list:
-    return [_budget(x) for x in text.split(",") if x.strip()]
-
-
-def context_label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 #: The run's order within a context: kvjax's full, transformers' full and kvpress's SnapKV on it (TORCH),
@@ -535,42 +512,15 @@ def resume(path: Path, head: dict) -> list[dict]:
 # Output: JSON, table, papers, plot.
 
 
-def _dirty() -> bool | None:
-    """Whether kvjax/ or benchmarks/ differ from the commit (uncommitted changes); None without git."""
-    try:
-        return bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parents[1],
-                check=True,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def header(args, cfg, dtype, limit, limit_from) -> dict:
-    dev = jax.devices()[0]
-    try:
-        import jaxlib
-
-        jaxlib_version = jaxlib.__version__
-    except (ImportError, AttributeError):
-        jaxlib_version = None
     return {
         "benchmark": "e2e",
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib_version,
-        "device": str(dev),
-        "device_kind": dev.device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(jaxlib=True),
         "device_count": jax.device_count(),
         "commit": commit(),
-        "commit_dirty": _dirty(),
-        "command": shlex.join([sys.executable] + sys.argv),
-        "commands": [shlex.join([sys.executable] + sys.argv)],
+        "commit_dirty": git_dirty("kvjax", "benchmarks/e2e.py"),  # uncommitted changes
+        "command": command_line(),
+        "commands": [command_line()],
         "python": platform.python_version(),
         "platform": platform.platform(),
         "model": args.model,
@@ -588,10 +538,6 @@ def header(args, cfg, dtype, limit, limit_from) -> dict:
             else ""
         ),
     }
-
-
-def _f(x, fmt, suffix=""):
-    return "-" if x is None else format(x, fmt) + suffix
 
 
 def table(rows) -> str:
@@ -613,9 +559,9 @@ def table(rows) -> str:
             peak = peak_bytes(r)
             lines.append(
                 f"{r['label']:24s} {1e3 * r['ttft_s']:10.1f} {1e3 * r['tpot_s']:9.2f} {r['throughput_tok_s']:9.1f} "
-                f"{_f(r['tpot_speedup_vs_full'], '7.2f')} {_f(r['ttft_overhead_vs_full'], '+7.1%')} "
-                f"{_f(r['throughput_ratio_vs_full'], '6.2f')} {_f(r['e2e_speedup_vs_full'], '6.2f')} "
-                f"{_f(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}"
+                f"{fmt(r['tpot_speedup_vs_full'], '7.2f')} {fmt(r['ttft_overhead_vs_full'], '+7.1%')} "
+                f"{fmt(r['throughput_ratio_vs_full'], '6.2f')} {fmt(r['e2e_speedup_vs_full'], '6.2f')} "
+                f"{fmt(r['compress_share_of_prefill'], '6.1%')} {r['cache_bytes'] / 2**20:10.1f} {peak / 2**30:8.2f}"
             )
     return "\n".join(lines)
 
@@ -652,17 +598,17 @@ def papers_block(rows) -> str:
         r = _find(rows, "chelsea@0.2", n)
         lines.append(
             f"  {context_label(n):>4s}: TPOT speedup paper {s:.2f}x, ours "
-            f"{_f(r and r['tpot_speedup_vs_full'], '.2f', 'x')}"
+            f"{fmt(r and r['tpot_speedup_vs_full'], '.2f', 'x')}"
             f" | TTFT overhead paper {c['ttft_overhead_by_context'][n]:+.1%}, ours "
-            f"{_f(r and r['ttft_overhead_vs_full'], '+.1%')}"
+            f"{fmt(r and r['ttft_overhead_vs_full'], '+.1%')}"
         )
     c = p["clusterkv"]
     r = _find(rows, "clusterkv@1024", c["context"])
     lines.append(
         f"ClusterKV ({c['source']}):\n  32k B=1024: e2e latency speedup paper {c['e2e_speedup']:.1f}x, ours "
-        f"{_f(r and r['e2e_speedup_vs_full'], '.2f', 'x')} | decode throughput paper up to "
-        f"{c['throughput_ratio_max']:.1f}x, ours {_f(r and r['throughput_ratio_vs_full'], '.2f', 'x')} | "
-        f"clustering share of prefill paper 6-8%, ours {_f(r and r['compress_share_of_prefill'], '.1%')}"
+        f"{fmt(r and r['e2e_speedup_vs_full'], '.2f', 'x')} | decode throughput paper up to "
+        f"{c['throughput_ratio_max']:.1f}x, ours {fmt(r and r['throughput_ratio_vs_full'], '.2f', 'x')} | "
+        f"clustering share of prefill paper 6-8%, ours {fmt(r and r['compress_share_of_prefill'], '.1%')}"
     )
     c = p["chunkkv"]
     lines.append(f"ChunkKV ({c['source']}):")
@@ -675,10 +621,10 @@ def papers_block(rows) -> str:
         )
         lines.append(
             f"  8k @{bud}: throughput reuse vs full paper {c['throughput_gain_reuse_vs_full']:+.1%}, ours "
-            f"{_f(ru_gain, '+.1%')} | no reuse vs full paper "
+            f"{fmt(ru_gain, '+.1%')} | no reuse vs full paper "
             f"{c['throughput_gain_noreuse_vs_full']:+.1%}, ours "
-            f"{_f(rn_gain, '+.1%')} | reuse vs no reuse paper "
-            f"{c['throughput_gain_reuse_vs_noreuse']:+.1%}, ours {_f(gain, '+.1%')}"
+            f"{fmt(rn_gain, '+.1%')} | reuse vs no reuse paper "
+            f"{c['throughput_gain_reuse_vs_noreuse']:+.1%}, ours {fmt(gain, '+.1%')}"
         )
     c = p["pqcache"]
     lines.append(f"PQCache ({c['source']}):")
@@ -686,8 +632,8 @@ def papers_block(rows) -> str:
         lines.append(
             f"  {context_label(r['context']):>4s} batch {r['batch']}: TPOT {1e3 * r['tpot_s']:.1f} ms "
             f"({'below' if r['tpot_s'] < c['tpot_below_s'] else 'ABOVE'} the paper's 0.18 s), TPOT speedup "
-            f"{_f(r['tpot_speedup_vs_full'], '.2f', 'x')}, TTFT overhead "
-            f"{_f(r['ttft_overhead_vs_full'], '+.1%')}"
+            f"{fmt(r['tpot_speedup_vs_full'], '.2f', 'x')}, TTFT overhead "
+            f"{fmt(r['ttft_overhead_vs_full'], '+.1%')}"
         )
     return "\n".join(lines)
 
@@ -772,14 +718,14 @@ def markdown(data: dict) -> str:
             if s["status"] != "ok":
                 lines.append(f"| `{s['label']}` | {s['status']}: {s['skipped'][:120]} |" + " |" * 10)
                 continue
-            short = _f(s["short"], "+.0%") + (
+            short = fmt(s["short"], "+.0%") + (
                 " **profile**" if (s["short"] or 0) > SHORT_OF_CEILING and not s["torch"] else ""
             )
             lines.append(
-                f"| `{s['label']}` | {s['ttft_s']:.3f} | {_f(s['ttft_vs_full'], '+.1%')} | {1e3 * s['tpot_s']:.2f} | "
-                f"{s['throughput_tok_s']:.1f} | {_f(s['vs_full'], '.2f')} | {_f(s['vs_transformers'], '.2f')} | "
-                f"{_f(s['ceiling'], '.2f')} | {short} | {s['paper']} | {s['peak_gib']:.1f} | "
-                f"{_f(s['compile_s'], '.1f')} |"
+                f"| `{s['label']}` | {s['ttft_s']:.3f} | {fmt(s['ttft_vs_full'], '+.1%')} | {1e3 * s['tpot_s']:.2f} | "
+                f"{s['throughput_tok_s']:.1f} | {fmt(s['vs_full'], '.2f')} | {fmt(s['vs_transformers'], '.2f')} | "
+                f"{fmt(s['ceiling'], '.2f')} | {short} | {s['paper']} | {s['peak_gib']:.1f} | "
+                f"{fmt(s['compile_s'], '.1f')} |"
             )
     return "\n".join(lines)
 
@@ -832,7 +778,7 @@ def _parser() -> argparse.ArgumentParser:
         default=parse_contexts("8k,16k,32k,64k,128k"),
         help="prompt lengths, comma-separated (Nk = N * 1024 tokens)",
     )
-    ap.add_argument("--batch", type=_ints, default=[1, 8], help="batch sizes, comma-separated")
+    ap.add_argument("--batch", type=parse_ints, default=[1, 8], help="batch sizes, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated (1 from prefill + the loop's)")
     ap.add_argument(
         "--methods",
@@ -840,16 +786,16 @@ def _parser() -> argparse.ArgumentParser:
         help="registered methods and 'transformers', 'kvpress' (the torch side), comma-separated, in the order they "
         "run at each context (default: PRIORITY, then the other registered methods; full always runs first)",
     )
-    ap.add_argument("--budgets", type=_budgets, default=[0.1, 0.2], help="budgets of every method")
+    ap.add_argument("--budgets", type=parse_budgets, default=[0.1, 0.2], help="budgets of every method")
     ap.add_argument(
         "--token-budgets",
-        type=_budgets,
+        type=parse_budgets,
         default=[1024, 2048],
         help="extra token budgets of the recall methods (pqcache, clusterkv, quest); '' for none",
     )
     ap.add_argument(
         "--chunkkv-reuse",
-        type=_ints,
+        type=parse_ints,
         default=[1, 2],
         help="ChunkKV reuse values (1: no index reuse, 2: the paper's ChunkKV_reuse)",
     )
@@ -979,7 +925,7 @@ class _Run:
         self.torch = TorchSide(args.torch_python, self.dtype.name, args.torch_timeout)
         print(
             f"e2e: {args.model} {self.dtype.name} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-            f"memory limit {_f(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
+            f"memory limit {fmt(self.limit and self.limit / 2**30, '.1f')} GiB ({self.limit_from}), "
             f"scan_layers={self.scan}",
             flush=True,
         )
@@ -1000,9 +946,9 @@ class _Run:
     def add(self, row: dict) -> None:
         row["row_id"] = len(self.rows)
         row["commit"], row["measured_at"] = self.head["commit"], time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        row["load_average_1min"] = os.getloadavg()[0]  # other work on the host skews timings (CPU runs)
+        row["load_average_1min"] = load_average()  # other work on the host skews timings (CPU runs)
         self.rows.append(row)
-        self.out_path.write_text(json.dumps({**self.head, "rows": self.rows}, indent=1, default=str))
+        write_json(self.out_path, {**self.head, "rows": self.rows}, default=str)
 
     def compile_only(self, row: dict, label: str, method, reason) -> None:
         """``--compile-only``: lower and compile the prefill and the decode loop per layout, from abstract shapes."""
@@ -1091,7 +1037,7 @@ class _Run:
             row,
             where,
             lambda r: (
-                f"TTFT {_f(r['ttft_overhead_vs_full'], '+.1%')}  compile prefill {r['prefill_compile_s']:.1f}s "
+                f"TTFT {fmt(r['ttft_overhead_vs_full'], '+.1%')}  compile prefill {r['prefill_compile_s']:.1f}s "
                 f"loop {r['decode_compile_s']:.1f}s"
             ),
         )
@@ -1130,7 +1076,7 @@ class _Run:
         self.add(row)
         print(
             f"{where} TTFT {1e3 * row['ttft_s']:9.1f} ms  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
-            f"{row['throughput_tok_s']:8.1f} tok/s  x{_f(row['tpot_speedup_vs_full'], '.2f')} TPOT  {detail(row)}",
+            f"{row['throughput_tok_s']:8.1f} tok/s  x{fmt(row['tpot_speedup_vs_full'], '.2f')} TPOT  {detail(row)}",
             flush=True,
         )
 

@@ -315,7 +315,7 @@ def main(argv=None):
             flush=True,
         )
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from scan_layers import commit
+    from bench_common import commit
 
     summary = dict(
         command=shlex.join(["python", *sys.argv]),

@@ -19,17 +19,16 @@ The JSON records jax's version and the device.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 import kvjax
+from bench_common import write_json
 from kvjax import analysis, assets, engine, methods
 from kvjax.methods.base import Capacity
 from kvjax.methods.layers import same_as_previous
@@ -197,8 +196,7 @@ def main(argv=None):
         if "reuse1" in runs:
             a, b = runs["reuse1"]["median"], runs["reuse2"]["median"]
             print(f"  {label:28s} reuse=2 saves {a - b:+.4f} s ({100 * (a - b) / a:+.1f}%) vs reuse=1 (median)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvjax  # noqa: E402
+from bench_common import write_json  # noqa: E402
 from eval import perplexity  # noqa: E402
 from kvjax import methods  # noqa: E402
 from train_less import data  # noqa: E402
@@ -97,8 +98,7 @@ def main(argv=None):
             "gap_closed_by_less": (ppl["baseline"] - ppl["less"]) / gap if gap else None,
             "gap_closed_by_baseline+": (ppl["baseline"] - ppl["baseline+"]) / gap if gap else None,
         }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(json.dumps(out["perplexity"], indent=1))
     print(f"wrote {args.out}")
 

@@ -23,10 +23,8 @@ weights (skips recall and needle).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -35,6 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 import kvjax
+from bench_common import device_fields, time_decode_loop, write_json
 from kvjax import assets, engine, methods
 from kvjax import model as M
 from kvjax.methods.base import Capacity
@@ -154,19 +153,9 @@ def time_decode(model, ids, method, steps):
     cfg = model.config
     bucket = engine.bucket_length(len(ids))
     tokens, lengths = engine.pad_prompts([ids], bucket)
-    lengths = jnp.asarray(lengths)
-    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), steps + 1, ())
-    times = []
-    for _ in range(2):  # the first run compiles
-        states = engine.init_states(cfg, method, 1, Capacity(bucket, steps + 1), model.dtype)
-        states, logits = engine.prefill(cfg, method, model.params, jnp.asarray(tokens), lengths, states)
-        first = jnp.argmax(logits, -1).astype(jnp.int32)
-        jax.block_until_ready(states)
-        t0 = time.perf_counter()
-        out, _, states = engine.run_loop(loop, "scan", model.params, states, first, lengths, jax.random.PRNGKey(0))
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-    row = {"step_seconds": times[-1] / steps, "cache_bytes": sum(method.memory_bytes(s) for s in states)}
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    step, states = time_decode_loop(model, method, tokens, lengths, Capacity(bucket, steps + 1), steps)
+    row = {"step_seconds": step, "cache_bytes": sum(method.memory_bytes(s) for s in states)}
     if isinstance(method, PQCache):
         # Per part, all layers, for the next step of the final state (PQCache.bytes_read_breakdown: codes below
         # the candidate end, centroids, LUT, score buffers, gathered K/V rows, attention; ``total`` is
@@ -223,10 +212,7 @@ def main(argv=None):
         model = kvjax.load_model(args.model)
         ids = model.tokenizer.encode(assets.essays_text())[: args.length]
     result = {
-        "jax_version": jax.__version__,
-        "device": str(jax.devices()[0]),
-        "device_kind": jax.devices()[0].device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(),
         "python": platform.python_version(),
         "model": model.name,
         "dtype": str(model.dtype),
@@ -258,10 +244,8 @@ def main(argv=None):
             f"cache {row['cache_bytes'] / 2**20:.1f} MiB"
         )
     result["decode"] = rows
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, result, indent=2)
+    print(f"wrote {Path(args.out)}")
 
 
 def _recall(model, ids, args, ratios, result):

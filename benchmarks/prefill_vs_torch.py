@@ -61,7 +61,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import ROOT, git, parse_contexts, write_json  # noqa: E402  (the standard library only)
+
 MIB = 2**20
 
 
@@ -70,13 +71,7 @@ MIB = 2**20
 
 def parse_lengths(text: str) -> list[int]:
     """``"2k,7680"`` -> ``[2048, 7680]``."""
-    out = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        try:
-            out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--lengths {part!r} is not a token count; use e.g. 2k,7680")
-    return out
+    return parse_contexts(text, "--lengths", "2k,7680")
 
 
 def _status(key: str) -> int:
@@ -111,16 +106,9 @@ def _pin(threads: int) -> None:
 
 
 def commit(root: Path = ROOT) -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "kvjax"], capture_output=True, text=True, cwd=root, check=True
-        ).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    """``root``'s commit, ``+dirty`` where its kvjax/ differs from it (``--base-root``: another checkout)."""
+    head, dirty = git("rev-parse", "HEAD", root=root), git("status", "--porcelain", "--", "kvjax", root=root)
+    return None if head is None or dirty is None else head + ("+dirty" if dirty else "")
 
 
 def prompt_ids(n: int, vocab: int, bos: int | None) -> list[int]:
@@ -597,10 +585,7 @@ def _versions(rows) -> dict:
 
 
 def _write(path: Path, meta: dict, rows: list[dict], started: float) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(dict(meta, **_versions(rows), seconds=time.perf_counter() - started, rows=rows), indent=1)
-    )
+    write_json(path, dict(meta, **_versions(rows), seconds=time.perf_counter() - started, rows=rows))
 
 
 def _cpu_name() -> str:

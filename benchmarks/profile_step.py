@@ -32,7 +32,6 @@ import collections
 import glob
 import json
 import re
-import shlex
 import sys
 import tempfile
 import time
@@ -42,9 +41,17 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import _budgets, parse_contexts, variants  # noqa: E402
-from roofline import Variant, attention_config, build, compile_step, decode_inputs, plan_variant  # noqa: E402
-from scan_layers import commit  # noqa: E402
+from bench_common import command_line, commit, device_fields, parse_budgets, parse_contexts, write_json  # noqa: E402
+from e2e import variants  # noqa: E402
+from roofline_measure import (  # noqa: E402
+    Variant,
+    attention_config,
+    build,
+    compile_step,
+    decode_inputs,
+    plan_variant,
+    random_prompt,
+)
 
 from kvjax.methods.base import Capacity  # noqa: E402
 
@@ -208,8 +215,8 @@ def parse_args(argv):
         default="full,quest,clusterkv,pqcache,chelsea,h2o,less,snapkv,chunkkv,streaming_llm,pyramidkv",
         help="comma-separated registered method names (full only when named)",
     )
-    p.add_argument("--budgets", type=_budgets, default=[0.2])
-    p.add_argument("--token-budgets", type=_budgets, default=[2048], help="recall methods also at these")
+    p.add_argument("--budgets", type=parse_budgets, default=[0.2])
+    p.add_argument("--token-budgets", type=parse_budgets, default=[2048], help="recall methods also at these")
     p.add_argument("--layer", type=int, default=2, help="the layer profiled (its number sets per-layer rules)")
     p.add_argument("--steps", type=int, default=8, help="decode steps in the profiled program")
     p.add_argument("--prefill", action="store_true", help="also profile each method's one-layer prefill")
@@ -246,9 +253,7 @@ def profile_variant(cfg, var: Variant, layer, batch, n, dtype, steps, do_prefill
     rows = []
     run = build(cfg, var, [layer], batch, n, cap, dtype)  # runs the compiled prefill once (its warm-up)
     if do_prefill:
-        from roofline import _prompt_jit
-
-        q, k, v = _prompt_jit(jax.random.PRNGKey(layer), batch, n, cfg, dtype)
+        q, k, v = random_prompt(jax.random.PRNGKey(layer), batch, n, cfg, dtype)
         m = var.method.at(layer)
         st = jax.block_until_ready(m.init(cfg, batch, cap, layer, dtype))
         lengths = jnp.full((batch,), n, jnp.int32)
@@ -293,18 +298,14 @@ def main(argv=None) -> int:
         return 0
     cfg = attention_config(a.tiny)
     n, dtype = a.length[0], jnp.dtype(a.dtype)
-    dev = jax.devices()[0]
     sha = commit()
     data = {
         "benchmark": "profile_step",
         "setting": f"attention + cache only, one layer, {'tiny' if a.tiny else 'Llama-3.1-8B'} attention shapes "
         f"({cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim})",
-        "jax_version": jax.__version__,
-        "device": str(dev),
-        "device_kind": dev.device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(),
         "commit": sha,
-        "command": shlex.join([sys.executable] + sys.argv),
+        "command": command_line(),
         "length": n,
         "batch": a.batch,
         "dtype": a.dtype,
@@ -322,7 +323,6 @@ def main(argv=None) -> int:
         if not same:
             raise ValueError(f"--append: {out} holds another setting; write to another --out")
         data["rows"] = old["rows"] + data["rows"]
-    out.parent.mkdir(parents=True, exist_ok=True)
     names = [m.strip() for m in a.methods.split(",") if m.strip()]
     for label, method, budget in variants(names, a.budgets, a.token_budgets, (1,)):
         if label == "full" and "full" not in names:
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         rows = profile_variant(cfg, Variant(label, method, budget), a.layer, a.batch, n, dtype, a.steps, a.prefill)
         data["rows"].extend(rows)
-        out.write_text(json.dumps(data, indent=1, default=str))
+        write_json(out, data, default=str)
         for r in rows:
             print(row_text(r, a.top) if r["status"] == "ok" else f"{label}: skipped: {r['skipped']}", flush=True)
         print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)

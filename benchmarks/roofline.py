@@ -103,44 +103,58 @@ Output: the JSON (``--out``; jax version, device, commit, command, load average,
 group of variants), a printed table, and beside the JSON a ``.txt`` of it, a ``.png`` plot (speed-up vs context per
 variant, solid, with its bytes-ratio ideal ``full's bytes / its bytes`` dashed in the same colour; one panel per
 batch and dtype) and the projection: an 8B model's TPOT on an H100 and a TPU v5e as (weights + bytes read) /
-bandwidth, with this run's efficiency applied to each method's KV bytes (:func:`projection` states what it assumes),
-beside the papers' figures (``e2e.PAPERS``).
+bandwidth, with this run's efficiency applied to each method's KV bytes (``roofline_project.projection`` states what
+it assumes), beside the papers' figures (``e2e.PAPERS``).
+
+The code: this file is the command line and the run over the grid (groups, skips, failures, ``--resume``);
+``roofline_measure.py`` plans, builds and times the variants, ``roofline_project.py`` computes the ratios and the
+projection, ``roofline_report.py`` prints and writes the table and merges runs, ``roofline_plot.py`` draws.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import TINY  # noqa: E402
-from e2e import LLAMA31_8B, PAPERS, context_label, parse_contexts, variants  # noqa: E402
+from bench_common import command_line, commit, device_fields, git_dirty, load_average, write_json  # noqa: E402
+from bench_common import context_label, fmt, parse_budgets, parse_contexts, parse_ints  # noqa: E402
+from e2e import PAPERS, variants  # noqa: E402
 from kvjax.methods.hybrid import describe as describe_plan, for_model  # noqa: E402
-from scan_layers import commit  # noqa: E402
+from roofline_measure import (  # noqa: E402
+    SHAPES,
+    PrefillClock,
+    Variant,
+    attention_config,
+    bandwidth_gbs,
+    build,
+    calibrate,
+    calibrate_attention,
+    compile_step,
+    decode_inputs,
+    error_text,
+    memory_limit,
+    plan_groups,
+    plan_variant,
+    prompt_bytes,
+    time_attention,
+    time_dense,
+    time_runs,
+)
+from roofline_project import MODEL_LAYERS, PROJECTION_DEVICES, WEIGHTS_8B_BF16, add_ratios  # noqa: E402
+from roofline_report import merge_runs, report, table  # noqa: E402
 
 from kvjax import methods  # noqa: E402
-from kvjax import model as M  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
 
-#: The projection's model: Llama-3.1-8B, bfloat16 weights (embedding + 32 layers + head), 32 layers.
-WEIGHTS_8B_BF16 = 16.06e9
-MODEL_LAYERS = 32
-#: Published memory bandwidth, bytes/s.
-PROJECTION_DEVICES = {"H100": 3.35e12, "TPU v5e": 819e9}
-#: ``--tiny``: a 4-layer model with 4 query / 2 KV heads x 32 (so ``--first-layer 2`` exists).
-TINY_ATTENTION = dataclasses.replace(TINY, num_layers=4, sliding_windows=())
 #: ``--quick``: the settings it overrides.
 QUICK = {
     "lengths": "16k",
@@ -153,672 +167,23 @@ QUICK = {
 }
 
 
-#: ``--shape gemma3``: Gemma-3-12B's attention shapes and layer pattern (five local layers of a 1024-token window to
-#: one global); ``gemma3-global``: the same with every layer global.
-GEMMA3_12B_GLOBAL = dataclasses.replace(
-    LLAMA31_8B,
-    model_type="gemma3_text",
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=256,
-    num_layers=48,
-    hidden_size=3840,
-    intermediate_size=15360,
-    vocab_size=262208,
-    sliding_windows=(None,) * 48,
-)
-GEMMA3_12B = dataclasses.replace(
-    GEMMA3_12B_GLOBAL, sliding_windows=tuple(1024 if (i + 1) % 6 else None for i in range(48))
-)
-SHAPES = {"llama-3.1-8b": LLAMA31_8B, "gemma3": GEMMA3_12B, "gemma3-global": GEMMA3_12B_GLOBAL}
+# --------------------------------------------------------------------------------------- the JSON's header, --resume
 
 
-def attention_config(tiny: bool = False, shape: str = "llama-3.1-8b"):
-    """The model config the methods see: the 8B's (or ``shape``'s) heads, head dim, depth, context and layer windows
-    (nothing else is used)."""
-    return TINY_ATTENTION if tiny else SHAPES[shape]
-
-
-@dataclasses.dataclass
-class Variant:
-    """One method at one budget, and what is known about it before it runs."""
-
-    label: str
-    method: object
-    budget: object
-    state_bytes: int = 0
-    prefill_temp: int = 0
-    prefills: dict = dataclasses.field(default_factory=dict)  # layer -> compiled prefill
-    skipped: str | None = None
-    failed: str | None = None  # the error that stopped it (compile, prefill or decode): recorded, the run goes on
-
-
-@dataclasses.dataclass
-class Run:
-    """One variant's states over the benchmarked layers and its compiled decode step."""
-
-    label: str
-    method: object
-    budget: object
-    states: list
-    step: object = None
-    prefill_s: float = 0.0
-    xla_bytes: float | None = None
-    steps: int = 1  # decode steps per call of ``step``
-
-
-def _prompt(key, batch, n, cfg, dtype):
-    kq, kk, kv = jax.random.split(key, 3)
-    shape = lambda h: (batch, h, n, cfg.head_dim)  # noqa: E731
-    return (
-        jax.random.normal(kq, shape(cfg.num_heads), dtype),
-        jax.random.normal(kk, shape(cfg.num_kv_heads), dtype),
-        jax.random.normal(kv, shape(cfg.num_kv_heads), dtype),
-    )
-
-
-_prompt_jit = jax.jit(_prompt, static_argnums=(1, 2, 3, 4))
-
-
-def prompt_bytes(cfg, batch, n, dtype) -> int:
-    """Bytes of one layer's prompt ``q, k, v``."""
-    return batch * n * cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads) * jnp.dtype(dtype).itemsize
-
-
-def _abstract(x):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)
-
-
-def abstract_state(cfg, method, batch, cap, layer, dtype):
-    """The state's shapes (``jax.eval_shape`` of ``init``; a concrete ``init`` where it is not abstractly
-    evaluable). Raises the method's ValueError where it refuses the capacity. ``method``: the plan; the layer's own
-    method (``method.at(layer)``) is built."""
-    method = method.at(layer)
-    try:
-        return jax.eval_shape(lambda: method.init(cfg, batch, cap, layer, dtype))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return _abstract(method.init(cfg, batch, cap, layer, dtype))
-
-
-def compile_prefill(method, layer, state, q, k, v, lengths, previous):
-    """The method's ``prefill`` for one layer, compiled ahead of time (``state`` donated). A method that
-    ``attends_prompt`` runs ``prefill_attend`` as the engine does (the prompt's attention included: its
-    ``prefill_s`` is then its whole TTFT) and the attention output is dropped after it is computed. ``method``: the
-    plan; the layer's own method (``method.at(layer)``) runs."""
-    method = method.at(layer)
-    kw = {"previous": previous} if method.reuses_previous_layer else {}
-    if getattr(method, "attends_prompt", False):  # getattr: also an older checkout
-
-        def both(state, **a):
-            out, st = method.prefill_attend(state, layer=layer, **a)
-            return st, out[..., :1, :1]  # keep the attention live (a slice of it, not a copy of T x D)
-
-        fn = jax.jit(both, donate_argnums=0)
-        return _first(fn.lower(state, q=q, k=k, v=v, lengths=lengths, **kw).compile())
-    fn = jax.jit(functools.partial(method.prefill, layer=layer), donate_argnums=0)
-    return fn.lower(state, q=q, k=k, v=v, lengths=lengths, **kw).compile()
-
-
-class _first:
-    """A compiled function returning ``(state, x)`` called as one returning the state (after ``x`` is ready)."""
-
-    def __init__(self, compiled):
-        self.compiled = compiled
-
-    def __call__(self, *a, **kw):
-        st, x = self.compiled(*a, **kw)
-        jax.block_until_ready(x)
-        return st
-
-    def memory_analysis(self):
-        return self.compiled.memory_analysis()
-
-
-def temp_bytes(compiled) -> int:
-    try:
-        return int(compiled.memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001  (a backend without memory analysis)
-        return 0
-
-
-def plan_variant(cfg, var: Variant, layers, batch, n, cap, dtype) -> None:
-    """Fill ``var``'s state bytes, compiled prefills and their temporaries from shapes (nothing allocated), or its
-    skip reason where ``init`` refuses the capacity."""
-    q, k, v = jax.eval_shape(functools.partial(_prompt, jax.random.PRNGKey(0), batch, n, cfg, dtype))
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    prev = None
-    for layer in layers:
-        try:
-            st = abstract_state(cfg, var.method, batch, cap, layer, dtype)
-        except ValueError as e:
-            var.skipped = f"init refuses the capacity: {e}"
-            return
-        var.state_bytes += tree_bytes(st)
-        try:
-            var.prefills[layer] = compile_prefill(var.method, layer, st, q, k, v, lengths, prev)
-        except Exception as e:  # noqa: BLE001  (a kernel that fails to lower or compile on this backend)
-            var.failed = f"prefill compile: {_error(e)}"
-            return
-        var.prefill_temp = max(var.prefill_temp, temp_bytes(var.prefills[layer]))
-        prev = st
-
-
-def build(cfg, var: Variant, layers, batch, n, cap, dtype, seed=0) -> Run:
-    """Prefill every layer with its random prompt (per-layer seeds, the same for every variant); ``prefill_s`` is
-    the sum of the compiled prefills' seconds (one run each, compile excluded)."""
-    lengths = jnp.full((batch,), n, jnp.int32)
-    run, prev = Run(var.label, var.method, var.budget, []), None
-    for layer in layers:
-        q, k, v = _prompt_jit(jax.random.PRNGKey(seed * 1000 + layer), batch, n, cfg, dtype)
-        m = var.method.at(layer)
-        st = jax.block_until_ready(m.init(cfg, batch, cap, layer, dtype))
-        kw = {"previous": prev} if m.reuses_previous_layer else {}
-        jax.block_until_ready((q, k, v))
-        t0 = time.perf_counter()
-        st = jax.block_until_ready(var.prefills[layer](st, q=q, k=k, v=v, lengths=lengths, **kw))
-        run.prefill_s += time.perf_counter() - t0
-        run.states.append(st)
-        prev = st
-        del q, k, v
-    return run
-
-
-def time_attention(cfg, layers, batch, n, dtype, seed=0) -> float:
-    """Seconds of the causal prefill attention over every layer's prompt (compiled ahead of time, one run each; a
-    local layer's windowed)."""
-    lengths = jnp.full((batch,), n, jnp.int32)
-    total, fns = 0.0, {}
-    for layer in layers:
-        q, k, v = jax.block_until_ready(_prompt_jit(jax.random.PRNGKey(seed * 1000 + layer), batch, n, cfg, dtype))
-        w = cfg.sliding_windows[layer]
-        if w not in fns:
-            fns[w] = jax.jit(functools.partial(M.causal_attention, sliding_window=w)).lower(q, k, v, lengths).compile()
-        fn = fns[w]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(q, k, v, lengths))
-        total += time.perf_counter() - t0
-        del q, k, v
-    return total
-
-
-def time_dense(cfg, batch, n, dtype, seed=0) -> float:
-    """Seconds of one layer's position-wise prefill work over an ``n``-token prompt (``--model-ttft``): the engine's
-    ``layer_qkv_blocks`` then ``layer_finish_blocks`` on random weights of ``cfg``'s layer shapes (hidden size,
-    heads, intermediate size), with q standing in for the attention output between them (compiled ahead of time,
-    one run)."""
-    print("  timing one layer's projections and MLP", flush=True)
-    one = dataclasses.replace(cfg, num_layers=1, vocab_size=256, sliding_windows=cfg.sliding_windows[:1])
-    lp = M.layer_params(M.random_params(one, jax.random.PRNGKey(seed), dtype), 0)
-    x = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, n, cfg.hidden_size), dtype)
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
-    block = M.TOKEN_BLOCK if n % M.TOKEN_BLOCK == 0 else n
-
-    def dense(lp, x, positions):
-        q, _, _ = M.layer_qkv_blocks(cfg, lp, x, positions, n, block)
-        return M.layer_finish_blocks(cfg, lp, x, q, n, block)
-
-    fn = jax.jit(dense).lower(lp, x, positions).compile()
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(lp, x, positions))
-    return time.perf_counter() - t0
-
-
-class PrefillClock:
-    """The prefill-time cap: the largest measured prefill per (name, dtype), and a quadratic estimate from it."""
-
-    def __init__(self):
-        self.refs: dict = {}
-        self.dense: dict = {}  # (context, batch, dtype) -> time_dense seconds (--model-ttft)
-
-    def record(self, name, dtype, n, batch, seconds_per_layer) -> None:
-        ref = self.refs.get((name, dtype))
-        if ref is None or n * n * batch >= ref[0] * ref[0] * ref[1]:
-            self.refs[(name, dtype)] = (n, batch, seconds_per_layer)
-
-    def estimate(self, name, dtype, n, batch, layers) -> float | None:
-        """``t_ref * (n / n_ref)^2 * (batch / batch_ref) * layers`` seconds, None without a reference."""
-        ref = self.refs.get((name, dtype))
-        return None if ref is None else ref[2] * (n / ref[0]) ** 2 * (batch / ref[1]) * layers
-
-
-def calibrate(cfg, clock: PrefillClock, var: Variant, layer, dtype, n_cal) -> None:
-    """Time ``var``'s prefill once at ``n_cal`` tokens, batch 1 (compile excluded) as the clock's reference."""
-    dt = jnp.dtype(dtype).name
-    cap = Capacity(n_cal, 2)
-    q, k, v = _prompt_jit(jax.random.PRNGKey(99), 1, n_cal, cfg, dtype)
-    lengths = jnp.full((1,), n_cal, jnp.int32)
-    kw = {"previous": None} if var.method.reuses_previous_layer else {}
-    try:
-        st = var.method.at(layer).init(cfg, 1, cap, layer, dtype)
-    except ValueError:
-        return  # refuses the calibration's capacity: no reference, the run's own measurements will be
-    fn = compile_prefill(var.method, layer, _abstract(st), q, k, v, lengths, None)
-    jax.block_until_ready((q, k, v, st))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(st, q=q, k=k, v=v, lengths=lengths, **kw))
-    clock.record(var.method.name, dt, n_cal, 1, time.perf_counter() - t0)
-
-
-def calibrate_attention(cfg, clock: PrefillClock, layer, dtype, n_cal) -> None:
-    clock.record("attention", jnp.dtype(dtype).name, n_cal, 1, time_attention(cfg, [layer], 1, n_cal, dtype, 99))
-
-
-def plan_groups(full: Variant, others: list[Variant], base: int, limit: int | None):
-    """Pack ``others`` into groups that fit ``limit`` bytes with ``base`` (the prompt) and ``full``'s states.
-    Returns ``(groups, too_big)``: lists of variants (without full) and ``(variant, reason)`` pairs."""
-    groups, cur, too_big = [], [], []
-    fixed = base + full.state_bytes
-
-    def need(vs):
-        return fixed + sum(v.state_bytes for v in vs) + max([full.prefill_temp] + [v.prefill_temp for v in vs])
-
-    for v in others:
-        if limit and need([v]) > limit:
-            too_big.append(
-                (
-                    v,
-                    f"estimated memory {need([v]) / 2**30:.1f} GiB (prompt {base / 2**30:.1f} + full's "
-                    f"states {full.state_bytes / 2**30:.1f} + its states {v.state_bytes / 2**30:.1f} + "
-                    f"prefill temporaries {v.prefill_temp / 2**30:.1f}) > --memory-gb "
-                    f"{limit / 2**30:.1f} GiB",
-                )
-            )
-            continue
-        if cur and limit and need(cur + [v]) > limit:
-            groups.append(cur)
-            cur = []
-        cur.append(v)
-    if cur or not groups:
-        groups.append(cur)
-    return groups, too_big
-
-
-def decode_inputs(cfg, batch, dtype, seed=7):
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return (
-        jax.random.normal(kq, (batch, cfg.num_heads, cfg.head_dim), dtype),
-        jax.random.normal(kk, (batch, cfg.num_kv_heads, cfg.head_dim), dtype),
-        jax.random.normal(kv, (batch, cfg.num_kv_heads, cfg.head_dim), dtype),
-    )
-
-
-def compile_step(run: Run, layers, args, pos, steps: int = 1) -> None:
-    """Compile the donated decode step over every layer ahead of time. ``steps == 1`` (``--timing calls``): one step
-    per call, and XLA's bytes accessed recorded; ``steps > 1`` (``--timing loop``): ``steps`` steps in one program
-    (a ``fori_loop``, positions advancing), as the engine's decode loop runs them, so a call's fixed cost (dispatch,
-    argument handling: tens of microseconds, a large share of a compressed step on a GPU) is paid once per
-    ``steps``; XLA's cost analysis counts a loop body once, so ``xla_bytes`` is not recorded."""
-    method = run.method
-
-    def step(states, q, k, v, pos):
-        outs, new = [], []
-        for layer, st in zip(layers, states):
-            o, st = method.at(layer).decode(st, layer, q, k, v, pos)
-            outs.append(o)
-            new.append(st)
-        return sum(o.astype(jnp.float32).sum() for o in outs), new
-
-    def loop(states, q, k, v, pos):
-        def body(i, carry):
-            total, st = carry
-            out, st = step(st, q, k, v, pos + i)
-            return total + out, st
-
-        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((), jnp.float32), states))
-
-    run.steps = steps
-    run.step = jax.jit(step if steps == 1 else loop, donate_argnums=0).lower(run.states, *args, pos).compile()
-    run.xla_bytes = xla_bytes(run.step) if steps == 1 else None
-
-
-def xla_bytes(compiled) -> float | None:
-    """``cost_analysis()["bytes accessed"]`` of a compiled step (None where the backend gives none)."""
-    try:
-        ca = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001  (a backend without cost analysis)
-        return None
-    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return float(ca.get("bytes accessed", 0.0)) if ca else None
-
-
-def time_runs(runs: list[Run], args, n, steps: int, rounds: int, progress=print) -> dict[str, float]:
-    """Median step seconds per run label: ``rounds`` rounds (after one warm-up round) of ``steps`` steps of every
-    run, the order rotated each round. Positions advance from ``n`` (the method's next token). A run compiled
-    with ``steps`` steps in one program (``compile_step``) is called once per round."""
-    times = {r.label: [] for r in runs}
-    pos0 = jnp.full((args[0].shape[0],), n, jnp.int32)
-    used = {r.label: 0 for r in runs}
-    for rnd in range(rounds + 1):
-        order = runs[rnd % len(runs) :] + runs[: rnd % len(runs)]
-        for r in order:
-            t0 = time.perf_counter()
-            for _ in range(steps // r.steps):
-                out, r.states = r.step(r.states, *args, pos0 + used[r.label])
-                used[r.label] += r.steps
-            jax.block_until_ready(out)
-            if rnd:
-                times[r.label].append((time.perf_counter() - t0) / steps)
-        progress(f"  round {rnd}/{rounds}")
-    return {k: float(np.median(v)) for k, v in times.items()}
-
-
-def bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 10) -> dict:
-    """The machine's measured read bandwidth (sum of a ``nbytes`` float32 array) and copy bandwidth (read + write
-    of ``x + 1``, in place), GB/s, medians."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    read = jax.jit(jnp.sum)
-    copy = jax.jit(lambda a: a + 1.0, donate_argnums=0)  # in place: no fresh pages to fault in
-    out = {"bandwidth_bytes": nbytes}
-    for name, fn, moved in (("read_gbs", read, nbytes), ("copy_gbs", copy, 2 * nbytes)):
-        ts = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            y = jax.block_until_ready(fn(x))
-            if i:
-                ts.append(time.perf_counter() - t0)
-            if name == "copy_gbs":
-                x = y  # the input was donated
-        out[name] = moved / float(np.median(ts)) / 1e9
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Ratios, table, projection, plot.
-
-
-def add_ratios(rows: list[dict], full_index: int) -> None:
-    """Ratios of ``rows`` (one group of one configuration, full first) to the full row at ``full_index`` of the
-    run's row list (``rows[0]``)."""
-    full = rows[0]
-    for r in rows:
-        r["full_row"] = full_index
-        r["speedup"] = full["step_s"] / r["step_s"]
-        r["time_ratio"] = r["step_s"] / full["step_s"]
-        r["bytes_ratio"] = r["bytes_read"] / full["bytes_read"]
-        r["efficiency"] = r["time_ratio"] / r["bytes_ratio"]
-        if r.get("ttft_s") is not None and full.get("ttft_s") is not None:
-            r["ttft_ratio"] = r["ttft_s"] / full["ttft_s"]
-            r["compress_share"] = (r["ttft_s"] - full["ttft_s"]) / r["ttft_s"]
-        else:
-            r["ttft_ratio"] = r["compress_share"] = None
-        dense = r["layers"] * r["dense_s"] if r.get("dense_s") is not None else None
-        r["model_ttft_ratio"] = (
-            (dense + r["ttft_s"]) / (dense + full["ttft_s"]) if dense is not None and r["ttft_ratio"] else None
-        )
-
-
-def _f(x, fmt, suffix=""):
-    return "-" if x is None else format(x, fmt) + suffix
-
-
-def table(rows: list[dict]) -> str:
-    """One block per (context, batch, dtype): every row of it (skipped rows with their reason)."""
-    head = (
-        f"{'method':22s} {'step ms':>8s} {'MiB/step':>9s} {'XLA MiB':>8s} {'GB/s':>6s} {'time/full':>9s} "
-        f"{'bytes/full':>10s} {'eff':>5s} {'speedup':>7s} {'TTFT s':>8s} {'TTFT x':>6s} {'comp%':>6s}"
-    )
-    model = any(r.get("model_ttft_ratio") is not None for r in rows)
-    head += f" {'model TTFT x':>12s}" if model else ""
-    lines = []
-    for key in dict.fromkeys((r["context"], r["batch"], r["dtype"]) for r in rows):
-        block = [r for r in rows if (r["context"], r["batch"], r["dtype"]) == key]
-        lines += [f"\n== {context_label(key[0])} tokens, batch {key[1]}, {key[2]} ==", head]
-        for r in block:
-            label = r["label"] + (f" (g{r['group']})" if r.get("group") else "")
-            if r.get("status") != "ok":
-                lines.append(f"{label:22s} {r['status']}: {r.get('skipped') or r.get('error', '')}")
-                continue
-            lines.append(
-                f"{label:22s} {r['step_s'] * 1e3:8.2f} {r['bytes_read'] / 2**20:9.1f} "
-                f"{_f(r.get('xla_bytes') and r['xla_bytes'] / 2**20, '8.1f'):>8s} {r['gbs']:6.1f} "
-                f"{r['time_ratio']:9.3f} {r['bytes_ratio']:10.3f} {r['efficiency']:5.2f} {r['speedup']:7.2f} "
-                f"{_f(r.get('ttft_s'), '8.2f'):>8s} {_f(r.get('ttft_ratio'), '6.2f'):>6s} "
-                f"{_f(r.get('compress_share'), '6.1%'):>6s}"
-                + (f" {_f(r.get('model_ttft_ratio'), '12.3f'):>12s}" if model else "")
-            )
-        skipped_ttft = next((r.get("ttft_skipped") for r in block if r.get("ttft_skipped")), None)
-        if skipped_ttft:
-            lines.append(f"(TTFT not measured: {skipped_ttft})")
-        dense = next((r["dense_s"] for r in block if r.get("dense_s") is not None), None)
-        if dense is not None:
-            lines.append(
-                f"(model TTFT x: each layer adds {dense:.2f} s of projections and MLP, measured, to every method's "
-                "attention-only TTFT)"
-            )
-    return "\n".join(lines)
-
-
-def projection(
-    rows: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int = MODEL_LAYERS, devices: dict | None = None
-) -> list[dict]:
-    """Projected TPOT of an 8B model per method and context (batch 1), from this run's ratios.
-
-    Assumes a decode step reads the weights once and each layer's KV bytes once, at the device's published
-    bandwidth, with nothing else (no compute, launch or host overhead): full's TPOT = ``(W + KV_full) / BW`` with
-    ``KV_full`` = full's measured bytes read per step, per layer, x ``layers``, at bfloat16 (from the bfloat16 row
-    if the run has one, else the float32 row / 2: full reads only K/V); a method's TPOT = ``(W + KV_m * eff) / BW``
-    with ``KV_m = bytes_ratio * KV_full`` and ``eff`` its measured efficiency (the row's dtype: bfloat16 where run,
-    else float32; ``measured_dtype``), i.e. its KV part costs what its measured time ratio says. The bandwidth
-    cancels in the speed-up, which is therefore the same on every device under this model; the TPOTs differ.
-    ``ideal_speedup`` takes ``eff = 1``."""
-    devices = PROJECTION_DEVICES if devices is None else devices
-    ok = [r for r in rows if r.get("status") == "ok" and r["batch"] == 1]
-    out = []
-    for n in sorted({r["context"] for r in ok}):
-        at_n = [r for r in ok if r["context"] == n]
-        dt = "bfloat16" if any(r["dtype"] == "bfloat16" for r in at_n) else at_n[0]["dtype"]
-        sel = [r for r in at_n if r["dtype"] == dt]
-        full = next((r for r in sel if r["label"] == "full"), None)
-        if full is None:
-            continue
-        kv_full = full["bytes_read"] / full["layers"] * layers * 2 / jnp.dtype(dt).itemsize
-        for r in sel:
-            if r["label"] == "full":
-                continue
-            kv_m = r["bytes_ratio"] * kv_full
-            p = {
-                "context": n,
-                "label": r["label"],
-                "method": r["method"],
-                "budget": r["budget"],
-                "measured_dtype": dt,
-                "efficiency": r["efficiency"],
-                "bytes_ratio": r["bytes_ratio"],
-                "weights_bytes": weights,
-                "kv_full_bytes": kv_full,
-                "kv_bytes": kv_m,
-                "speedup": (weights + kv_full) / (weights + kv_m * r["efficiency"]),
-                "ideal_speedup": (weights + kv_full) / (weights + kv_m),
-            }
-            for dev, bw in devices.items():
-                p[f"tpot_full_s[{dev}]"] = (weights + kv_full) / bw
-                p[f"tpot_s[{dev}]"] = (weights + kv_m * r["efficiency"]) / bw
-            out.append(p)
-    return out
-
-
-def _paper_figure(p: dict) -> str:
-    """The papers' figure at this projection's (method, budget, context), from ``e2e.PAPERS``, else ''."""
-    ch, ck, cu = PAPERS["chelsea"], PAPERS["clusterkv"], PAPERS["chunkkv"]
-    if p["label"] == f"chelsea@{ch['budget']}" and p["context"] in ch["tpot_speedup_by_context"]:
-        return f"Chelsea Table 3: TPOT {ch['tpot_speedup_by_context'][p['context']]:.2f}x"
-    if p["label"] == f"clusterkv@{ck['budget']}" and p["context"] == ck["context"]:
-        return f"ClusterKV Fig. 12: e2e latency {ck['e2e_speedup']:.1f}x (decode + prefill)"
-    if p["method"] == "chunkkv" and p["context"] == cu["context"]:
-        return (
-            f"ChunkKV Table 8: throughput +{cu['throughput_gain_reuse_vs_full']:.1%} (reuse; budget not "
-            f"stated), i.e. {1 + cu['throughput_gain_reuse_vs_full']:.3f}x"
-        )
-    return ""
-
-
-def projection_text(proj: list[dict], weights: float = WEIGHTS_8B_BF16, layers: int = MODEL_LAYERS) -> str:
-    devs = sorted(
-        {k[k.index("[") + 1 : -1] for p in proj for k in p if k.startswith("tpot_s[")},
-        key=lambda d: list(PROJECTION_DEVICES).index(d) if d in PROJECTION_DEVICES else 99,
-    )
-    lines = [
-        "\n== PROJECTION (not a measurement): Llama-3.1-8B TPOT, batch 1, bfloat16 ==",
-        f"TPOT = (weights {weights / 1e9:.2f} GB + KV bytes read per step over {layers} layers) / bandwidth "
-        f"({', '.join(f'{d} {PROJECTION_DEVICES.get(d, 0) / 1e9:.0f} GB/s' for d in devs)}); a method's KV "
-        "part x its efficiency measured above (its time ratio on this CPU, attention + cache only). Assumes "
-        "the step is bandwidth-bound with no compute, launch or host overhead; the speed-up is then the same "
-        "on every device (the bandwidth cancels). 'ideal' takes efficiency 1. The papers' figures are "
-        "end-to-end on their own stacks.",
-    ]
-    if not proj:
-        return "\n".join(lines + ["(no batch-1 rows with a full row: nothing to project)"])
-    head = f"{'context':>7s} {'method':20s} {'eff':>5s} {'KV GB':>6s}"
-    for d in devs:
-        head += f" {d + ' full ms':>14s} {d + ' ms':>10s}"
-    lines.append(head + f" {'speedup':>7s} {'ideal':>6s}  paper")
-    for p in proj:
-        line = f"{context_label(p['context']):>7s} {p['label']:20s} {p['efficiency']:5.2f} {p['kv_bytes'] / 1e9:6.2f}"
-        for d in devs:
-            line += f" {p[f'tpot_full_s[{d}]'] * 1e3:14.2f} {p[f'tpot_s[{d}]'] * 1e3:10.2f}"
-        lines.append(line + f" {p['speedup']:6.2f}x {p['ideal_speedup']:5.2f}x  {_paper_figure(p)}")
-    return "\n".join(lines)
-
-
-#: The plot's markers (with 28 colours: every variant of the default grid gets its own colour).
-MARKERS = "os^vDP*Xh<>"
-
-
-def plot(rows: list[dict], path: Path, title: str = "") -> str:
-    """Speed-up vs context per variant (solid), its bytes-ratio ideal (dashed, same colour and hollow marker); one
-    panel per (batch, dtype); the legend outside the panels. Returns what was done."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
-        from matplotlib.ticker import FuncFormatter, NullLocator
-    except ImportError:
-        return "plot skipped: matplotlib is not importable"
-    ok = [r for r in rows if r.get("status") == "ok" and r["label"] != "full"]
-    panels = list(dict.fromkeys((r["batch"], r["dtype"]) for r in ok))
-    if not panels:
-        return "plot skipped: no rows besides full"
-    labels = list(dict.fromkeys(r["label"] for r in ok))
-    t20 = list(plt.cm.tab20.colors)
-    colours = t20[0::2] + t20[1::2] + list(plt.cm.tab20b.colors[0::4]) + list(plt.cm.tab20b.colors[2::4])  # dark first
-    style = {lab: (colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i, lab in enumerate(labels)}
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), squeeze=False)
-    for ax, (b, dt) in zip(axes[0], panels):
-        for lab in labels:
-            pts = sorted(
-                (r["context"], r["speedup"], 1 / r["bytes_ratio"])
-                for r in ok
-                if (r["batch"], r["dtype"], r["label"]) == (b, dt, lab)
-            )
-            if not pts:
-                continue
-            c, m = style[lab]
-            xs = [p[0] for p in pts]
-            ax.plot(xs, [p[1] for p in pts], color=c, marker=m, lw=1.5)
-            ax.plot(xs, [p[2] for p in pts], color=c, marker=m, mfc="none", ls="--", lw=1, alpha=0.7)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ctx = sorted({r["context"] for r in ok if (r["batch"], r["dtype"]) == (b, dt)})
-        ax.set_xticks(ctx, [context_label(c) for c in ctx])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}x"))
-        ax.axhline(1.0, color="grey", lw=0.7)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("decode-step speed-up vs full")
-        ax.set_title(f"batch {b}, {dt}")
-    handles = [Line2D([], [], color=style[lab][0], marker=style[lab][1], label=lab) for lab in labels]
-    handles += [
-        Line2D([], [], color="k", label="solid: measured"),
-        Line2D([], [], color="k", ls="--", marker="o", mfc="none", label="dashed: bytes-ratio ideal"),
-    ]
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.suptitle(title or "attention + cache only, Llama-3.1-8B attention shapes", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return f"wrote {path}"
-
-
-def report(data: dict, out_path: Path) -> str:
-    """Print the table and the projection of a run's JSON; write them as ``.txt`` and the plot as ``.png`` beside
-    it. Returns the text."""
-    rows = data["rows"]
-    title = (
-        f"roofline: {data['setting']}; {data.get('device_kind')} ({data.get('backend')}), jax "
-        f"{data.get('jax_version')}, commit {(data.get('commit') or '?')[:10]}"
-        f"{' (dirty)' if data.get('commit_dirty') else ''}; {data.get('layers')} layer(s) from "
-        f"{data.get('first_layer')}; read {_f(data.get('read_gbs'), '.1f')} GB/s, copy "
-        f"{_f(data.get('copy_gbs'), '.1f')} GB/s; load average {_f(data.get('load_average_1min'), '.2f')}"
-    )
-    text = title + "\n" + table(rows) + "\n" + projection_text(projection(rows))
-    print(text, flush=True)
-    out_path.with_suffix(".txt").write_text(text + "\n")
-    print(plot(rows, out_path.with_suffix(".png"), title=f"{data.get('device_kind')}: {data['setting']}"), flush=True)
-    return text
-
-
-def merge_runs(datas: list[dict], paths: list[str]) -> dict:
-    """Several runs' JSONs as one (``--report a.json,b.json``): the first's header, every row (``full_row``
-    re-indexed, ``source`` naming its file; each row's ratios stay those to its own run's full) and ``sources``
-    (each run's file, commit, command, bandwidth and load average)."""
-    keep = (
-        "commit",
-        "commit_dirty",
-        "command",
-        "jax_version",
-        "device_kind",
-        "read_gbs",
-        "copy_gbs",
-        "load_average_1min",
-    )
-    out = {
-        **datas[0],
-        "rows": [],
-        "sources": [{"file": p, **{k: d.get(k) for k in keep}} for d, p in zip(datas, paths)],
-    }
-    for d, p in zip(datas, paths):
-        off = len(out["rows"])
-        for r in d["rows"]:
-            out["rows"].append({**r, "source": p, **({"full_row": r["full_row"] + off} if "full_row" in r else {})})
-    if len({d.get("commit") for d in datas}) > 1:
-        out["commit"] = ",".join(dict.fromkeys(str(d.get("commit")) for d in datas))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _dirty() -> bool | None:
-    """Whether kvjax/, kernels_pallas/ or benchmarks/ differ from the commit; None without git."""
-    try:
-        return bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--", "kvjax", "kernels_pallas", "benchmarks"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).resolve().parents[1],
-                check=True,
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
+#: what ``commit_dirty`` checks: the code a row's numbers depend on
+CODE = ("kvjax", "kernels_pallas", "benchmarks")
 
 
 def header(args, cfg, limit) -> dict:
-    dev = jax.devices()[0]
     return {
         "benchmark": "roofline",
         "setting": f"attention + cache only (no weights), {'tiny' if args.tiny else args.shape} attention "
         f"shapes ({cfg.num_heads}/{cfg.num_kv_heads} heads x {cfg.head_dim})",
-        "jax_version": jax.__version__,
-        "device": str(dev),
-        "device_kind": dev.device_kind,
-        "backend": jax.default_backend(),
+        **device_fields(),
         "commit": commit(),
-        "commit_dirty": None if os.environ.get("KVJAX_COMMIT") else _dirty(),  # a copied tree: given, not checked
-        "command": shlex.join([sys.executable] + sys.argv),
+        # a copied tree ($KVJAX_COMMIT): its commit is given, whether it differs not checked
+        "commit_dirty": None if os.environ.get("KVJAX_COMMIT") else git_dirty(*CODE),
+        "command": command_line(),
         "layers": args.layers,
         "first_layer": args.first_layer,
         "steps": args.steps,
@@ -831,7 +196,7 @@ def header(args, cfg, limit) -> dict:
         "projection_layers": MODEL_LAYERS,
         "projection_devices_bytes_per_s": PROJECTION_DEVICES,
         "papers": PAPERS,
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_average_1min": load_average(),
     }
 
 
@@ -858,10 +223,7 @@ def resumable_rows(old: dict, new: dict) -> list[dict]:
     return old["rows"]
 
 
-def _budgets(text):
-    from e2e import _budgets as parse
-
-    return parse(text)
+# ------------------------------------------------------------------------------------------------ the options
 
 
 def parse_args(argv):
@@ -944,9 +306,9 @@ def parse_args(argv):
                 setattr(args, k, v)
     try:
         args.lengths = parse_contexts(args.lengths)
-        args.batch = [int(x) for x in str(args.batch).split(",") if x.strip()]
-        args.budgets = _budgets(args.budgets)
-        args.token_budgets = _budgets(args.token_budgets)
+        args.batch = parse_ints(str(args.batch))
+        args.budgets = parse_budgets(args.budgets)
+        args.token_budgets = parse_budgets(args.token_budgets)
         args.dtypes = [jnp.dtype(d.strip()).name for d in args.dtypes.split(",") if d.strip()]
     except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
         p.error(str(e))
@@ -955,21 +317,7 @@ def parse_args(argv):
     return args
 
 
-def memory_limit(gb: float | None) -> int | None:
-    """Bytes for the memory rule: ``--memory-gb``, else 90% of the device's ``bytes_limit`` (GPU, TPU), else 60%
-    of the host's RAM (CPU: the host is shared)."""
-    if gb:
-        return int(gb * 2**30)
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001  (backends without memory stats raise various errors)
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(0.9 * stats["bytes_limit"])
-    try:
-        return int(0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
+# ------------------------------------------------------------------ the run: each configuration, in pieces
 
 
 def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
@@ -1037,11 +385,6 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
     print(table([r for r in rows if (r["context"], r["batch"], r["dtype"]) == (n, batch, dt)]), flush=True)
 
 
-def _error(e: BaseException) -> str:
-    """``Type: message`` of an exception, its first 400 characters (a Pallas lowering error runs to pages)."""
-    return f"{type(e).__name__}: {e}"[:400]
-
-
 def _failed_row(base, v, error) -> dict:
     return {**base, "label": v.label, "method": v.method.name, "budget": v.budget, "status": "failed", "error": error}
 
@@ -1062,13 +405,13 @@ def _time_each_on_failure(runs, ran, dargs, n, args, rows, base) -> dict[str, fl
     try:
         return time_runs(runs, dargs, n, args.steps, args.rounds)
     except Exception as e:  # noqa: BLE001
-        print(f"  timing together failed ({_error(e)}); timing each alone", flush=True)
+        print(f"  timing together failed ({error_text(e)}); timing each alone", flush=True)
     times = {}
     for r, v in zip(runs, ran):
         try:
             times.update(time_runs([r], dargs, n, args.steps, args.rounds))
         except Exception as e:  # noqa: BLE001
-            v.failed = f"decode: {_error(e)}"
+            v.failed = f"decode: {error_text(e)}"
             if v is not ran[0]:
                 rows.append(_failed_row(base, v, v.failed))
             print(f"  {v.label} failed: {v.failed}", flush=True)
@@ -1131,7 +474,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                 run = build(cfg, v, layers, batch, n, cap, dtype)
                 compile_step(run, layers, dargs, pos, args.steps if args.timing == "loop" else 1)
             except Exception as e:  # noqa: BLE001  (recorded; the other variants go on)
-                v.failed = f"prefill or decode compile: {_error(e)}"
+                v.failed = f"prefill or decode compile: {error_text(e)}"
                 if v is full:
                     return _full_failed(rows, base, [full] + group, write)
                 rows.append(_failed_row(base, v, v.failed))
@@ -1179,7 +522,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                     "state_bytes": int(sum(tree_bytes(st) for st in r.states)),
                     "estimated_state_bytes": v.state_bytes,
                     "prefill_temp_bytes": v.prefill_temp,
-                    "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                    "load_average_1min": load_average(),
                 }
             )
         add_ratios(block, len(rows))
@@ -1198,7 +541,7 @@ def main(argv=None) -> int:
             report(json.loads(Path(paths[0]).read_text()), Path(paths[0]))
         else:  # merged: written to --out
             data = merge_runs([json.loads(Path(x).read_text()) for x in paths], paths)
-            Path(args.out).write_text(json.dumps(data, indent=1, default=str))
+            write_json(args.out, data, default=str)
             report(data, Path(args.out))
         return 0
     cfg = attention_config(args.tiny, args.shape)
@@ -1213,16 +556,15 @@ def main(argv=None) -> int:
     data = {**header(args, cfg, limit), **bandwidth_gbs(args.bandwidth_mib << 20), "rows": []}
     print(
         f"read {data['read_gbs']:.1f} GB/s, copy {data['copy_gbs']:.1f} GB/s; memory limit "
-        f"{_f(limit and limit / 2**30, '.1f')} GiB",
+        f"{fmt(limit and limit / 2**30, '.1f')} GiB",
         flush=True,
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.resume and out.exists():
         data["rows"] = resumable_rows(json.loads(out.read_text()), data)
 
     def write():
-        out.write_text(json.dumps(data, indent=1, default=str))
+        write_json(out, data, default=str)
 
     clock = PrefillClock()
     t0 = time.perf_counter()

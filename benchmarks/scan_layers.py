@@ -29,18 +29,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import commit, load_average, write_json
 from kvjax import engine, methods, model as M
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
@@ -54,19 +51,6 @@ SMALL = {
     "quest": dict(page_size=16),
     "less": dict(hidden=64),
 }
-
-
-def commit() -> str | None:
-    """The checkout's commit: ``$KVJAX_COMMIT`` if set (a copied tree whose .git is not this one's: a device
-    lease), else ``git rev-parse HEAD``."""
-    if os.environ.get("KVJAX_COMMIT"):
-        return os.environ["KVJAX_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def random_prefill(cfg, method, cap: Capacity, lengths, scan: bool, seed: int = 0):
@@ -185,7 +169,7 @@ def main(argv=None) -> int:
                 "scan_segments": s["segments"],
                 **{f"{k}_{lay}": res[lay][k] for lay in res for k in ("lower_s", "compile_s", "step_ms")},
             }
-            row["load_average_1min"] = os.getloadavg()[0]  # other work on the machine skews the timings
+            row["load_average_1min"] = load_average()  # other work on the machine skews the timings
             rows.append(row)
             print(
                 f"L={depth:3d} {name:14s} lower {u['lower_s']:6.1f}s -> {s['lower_s']:5.1f}s | compile "
@@ -202,8 +186,7 @@ def main(argv=None) -> int:
             "args": vars(args),
             "rows": rows,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
         print(f"wrote {args.out}")
     return 0
 

@@ -62,7 +62,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -73,22 +72,20 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import context_label, fmt, git_dirty, load_average, parse_budgets, parse_contexts  # noqa: E402
 from e2e import (  # noqa: E402
     MODELS,
-    _budgets,
     _memory_stats,
     abstract_params,
     abstract_states,
     add_ratios,
     cannot_run,
     compile_pair,
-    context_label,
     device_memory_bytes,
     device_params,
     estimate_bytes,
     header,
     memory_analysis,
-    parse_contexts,
 )
 
 from kvjax import engine, methods  # noqa: E402
@@ -249,7 +246,7 @@ class Serving:
         self.out = Path(args.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.head = {**header(args, self.cfg, self.dtype, self.limit, self.limit_from), "benchmark": "serving"}
-        self.head["commit_dirty"] = _dirty()
+        self.head["commit_dirty"] = git_dirty("kvjax", "benchmarks/e2e.py", "benchmarks/serving.py")
         self.settings = {
             k: getattr(args, k)
             for k in (
@@ -320,12 +317,12 @@ class Serving:
         return row
 
     def finish(self, row, where) -> None:
-        row["load_average_1min"] = os.getloadavg()[0]
+        row["load_average_1min"] = load_average()
         self.write()
         if row["status"] == "ok":
             print(
                 f"{where} batch {row['batch']:4d}  TPOT {1e3 * row['tpot_s']:8.2f} ms  "
-                f"{row['throughput_tok_s']:9.1f} tok/s  x{_f(row.get('throughput_ratio_vs_full'), '.2f')} full",
+                f"{row['throughput_tok_s']:9.1f} tok/s  x{fmt(row.get('throughput_ratio_vs_full'), '.2f')} full",
                 flush=True,
             )
         elif row["status"] == "compiled":
@@ -494,22 +491,6 @@ def _ratios(row, full) -> None:
     row["tpot_ratio_vs_full"] = row["tpot_s"] / full["tpot_s"] if ok else None
 
 
-def _dirty() -> bool | None:
-    try:
-        cmd = ["git", "status", "--porcelain", "--", "kvjax", "benchmarks/e2e.py", "benchmarks/serving.py"]
-        return bool(
-            subprocess.run(
-                cmd, capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]
-            ).stdout.strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _f(x, fmt) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def _fit_text(fit) -> str:
     g, peaks = 2**30, {b: round(p / 2**30, 3) for b, p in fit["decode_peaks"].items()}
     return (
@@ -548,7 +529,7 @@ def table(data) -> str:
             lines.append(
                 f"{r['label']:20s} {r['fit']['state_per_seq'] / 2**20:8.1f} {r['fit']['batch']:5d} {r['batch']:5d} "
                 f"{len(r['tries']):5d} {1e3 * r['tpot_s']:8.2f} {r['throughput_tok_s']:9.1f} "
-                f"{_f(r.get('throughput_ratio_vs_full'), '7.2f')} {_f(r.get('batch_ratio_vs_full'), '7.2f')}"
+                f"{fmt(r.get('throughput_ratio_vs_full'), '7.2f')} {fmt(r.get('batch_ratio_vs_full'), '7.2f')}"
             )
     for ctx in dict.fromkeys(r["context"] for r in rows if r["kind"] == "batch"):
         sel = [r for r in rows if r["kind"] == "batch" and r["context"] == ctx]
@@ -560,7 +541,7 @@ def table(data) -> str:
                 continue
             lines.append(
                 f"{r['label']:20s} {r['ttft_s']:8.2f} {1e3 * r['tpot_s']:8.2f} {r['throughput_tok_s']:9.1f} "
-                f"{_f(r.get('throughput_ratio_vs_full'), '7.2f')} {_f(r.get('tpot_speedup_vs_full'), '7.2f')}"
+                f"{fmt(r.get('throughput_ratio_vs_full'), '7.2f')} {fmt(r.get('tpot_speedup_vs_full'), '7.2f')}"
             )
     return "\n".join(lines)
 
@@ -570,8 +551,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     ap.add_argument("--context", type=lambda s: parse_contexts(s)[0], default=32768, help="prompt tokens (Nk = N*1024)")
     ap.add_argument("--methods", default=",".join(methods.names()), help="registered methods (full always first)")
-    ap.add_argument("--budget", type=lambda s: _budgets(s)[0], default=0.2, help="every method's budget")
-    ap.add_argument("--recall-budget", type=lambda s: _budgets(s)[0], default=2048, help="the recall methods' budget")
+    ap.add_argument("--budget", type=lambda s: parse_budgets(s)[0], default=0.2, help="every method's budget")
+    ap.add_argument(
+        "--recall-budget", type=lambda s: parse_budgets(s)[0], default=2048, help="the recall methods' budget"
+    )
     ap.add_argument("--new-tokens", type=int, default=33, help="tokens generated: 1 from prefill + the timed steps")
     ap.add_argument("--repeats", type=int, default=3, help="timed decode-loop runs after the warm-up (median)")
     ap.add_argument("--dtype", default="bfloat16")

@@ -160,9 +160,9 @@ def test_the_speed_figures_come_from_the_roofline_they_cite():
     lo, hi = _range(step.group(1))
     assert (lo, hi) == (round(min(r["speedup"] for r in rows), 1), round(max(r["speedup"] for r in rows), 1))
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import roofline
+    import roofline_project
 
-    proj = roofline.projection(data["rows"], data["projection_weights_bytes"], data["projection_layers"])
+    proj = roofline_project.projection(data["rows"], data["projection_weights_bytes"], data["projection_layers"])
     whole = re.search(r"whole 8B model.*?([0-9.]+[-–][0-9.]+)× per token", speed)
     assert whole, "the speed headline gives no whole-model projection beside it"
     lo, hi = _range(whole.group(1))

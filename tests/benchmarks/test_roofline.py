@@ -16,6 +16,20 @@ def roofline():
     return load_script("benchmarks/roofline.py", "bench_roofline")
 
 
+@pytest.fixture(scope="module")
+def measure(roofline):
+    import roofline_measure
+
+    return roofline_measure
+
+
+@pytest.fixture(scope="module")
+def project(roofline):
+    import roofline_project
+
+    return roofline_project
+
+
 TINY = [
     "--tiny",
     "--batch",
@@ -176,23 +190,23 @@ def test_skips_with_reasons(roofline, tmp_path):
     assert all("prefill estimated at" in r["skipped"] for r in rows)
 
 
-def test_prefill_clock_and_groups(roofline):
-    clock = roofline.PrefillClock()
+def test_prefill_clock_and_groups(measure):
+    clock = measure.PrefillClock()
     assert clock.estimate("h2o", "float32", 8192, 1, 1) is None
     clock.record("h2o", "float32", 4096, 1, 1.25)
     assert clock.estimate("h2o", "float32", 32768, 4, 2) == pytest.approx(1.25 * 64 * 4 * 2)
     clock.record("h2o", "float32", 2048, 1, 9.0)  # a smaller measurement does not replace the reference
     assert clock.refs[("h2o", "float32")] == (4096, 1, 1.25)
 
-    V = roofline.Variant
+    V = measure.Variant
     full = V("full", None, None, state_bytes=10, prefill_temp=1)
     a, b, c, big = (
         V(x, None, None, state_bytes=s, prefill_temp=2) for x, s in (("a", 30), ("b", 30), ("c", 30), ("big", 100))
     )
-    groups, too_big = roofline.plan_groups(full, [a, b, big, c], base=5, limit=80)
+    groups, too_big = measure.plan_groups(full, [a, b, big, c], base=5, limit=80)
     assert [[v.label for v in g] for g in groups] == [["a", "b"], ["c"]]  # 5 + 10 + 60 + 2 = 77 <= 80
     assert [v.label for v, _ in too_big] == ["big"] and "--memory-gb" in too_big[0][1]
-    groups, too_big = roofline.plan_groups(full, [a, b, c], base=5, limit=None)
+    groups, too_big = measure.plan_groups(full, [a, b, c], base=5, limit=None)
     assert [[v.label for v in g] for g in groups] == [["a", "b", "c"]] and not too_big
 
 
@@ -211,16 +225,16 @@ def _row(label, dtype, step_s, bytes_read, context=32768, batch=1, method=None, 
     }
 
 
-def test_projection_arithmetic(roofline):
+def test_projection_arithmetic(project):
     # full at 32k, float32, 1 layer: K + V = 2 * 8 heads * 32768 * 128 * 4 bytes = 268,435,456 bytes.
     rows = [
         _row("full", "float32", 0.020, 268435456),
         _row("chelsea@0.2", "float32", 0.006, 268435456 // 5, budget=0.2),  # bytes 0.2, time 0.3: eff 1.5
         _row("full", "float32", 0.010, 1000, batch=4),
     ]  # batch 4: not projected
-    roofline.add_ratios(rows[:2], 0)
-    roofline.add_ratios(rows[2:], 2)
-    proj = roofline.projection(rows)
+    project.add_ratios(rows[:2], 0)
+    project.add_ratios(rows[2:], 2)
+    proj = project.projection(rows)
     assert len(proj) == 1
     p = proj[0]
     # By hand: KV_full at bf16 over 32 layers = 268,435,456 / 2 * 32 = 4,294,967,296 bytes;
@@ -238,7 +252,7 @@ def test_projection_arithmetic(roofline):
     assert p["tpot_s[TPU v5e]"] == pytest.approx(21.1825e-3, rel=1e-4)
     assert p["speedup"] == pytest.approx(1.17330, rel=1e-5)
     assert p["ideal_speedup"] == pytest.approx(1.20309, rel=1e-5)
-    text = roofline.projection_text(proj)
+    text = project.projection_text(proj)
     assert "PROJECTION" in text and "Chelsea Table 3: TPOT 1.97x" in text and "1.17x" in text
 
     # a bfloat16 row at the same context is preferred; full's bytes are then taken as they are
@@ -246,8 +260,8 @@ def test_projection_arithmetic(roofline):
         _row("full", "bfloat16", 0.030, 134217728),
         _row("chelsea@0.2", "bfloat16", 0.015, 134217728 // 5, budget=0.2),
     ]  # bytes 0.2, time 0.5: eff 2.5
-    roofline.add_ratios(bf, 3)
-    (p,) = roofline.projection(rows + bf)
+    project.add_ratios(bf, 3)
+    (p,) = project.projection(rows + bf)
     assert p["measured_dtype"] == "bfloat16" and p["efficiency"] == pytest.approx(2.5)
     assert p["kv_full_bytes"] == pytest.approx(4_294_967_296)
     assert p["speedup"] == pytest.approx(20_354_967_296 / (16.06e9 + 0.5 * 4_294_967_296))
@@ -266,12 +280,12 @@ def test_quick_preset(roofline):
     assert args.lengths == [8192] and args.rounds == 3
 
 
-def test_failures_are_recorded_and_the_run_goes_on(roofline, tmp_path, monkeypatch):
+def test_failures_are_recorded_and_the_run_goes_on(roofline, measure, tmp_path, monkeypatch):
     """A variant that fails to compile its prefill, or whose decode raises while timed, gets a ``failed`` row with
     its error; the others are timed beside full as usual (a kernel failing on a device must not end a short
     lease's run)."""
     out = tmp_path / "f.json"
-    real_compile, real_time = roofline.compile_prefill, roofline.time_runs
+    real_compile, real_time = measure.compile_prefill, roofline.time_runs
 
     def compile_prefill(method, *a, **kw):
         if method.name == "streaming_llm":
@@ -283,7 +297,7 @@ def test_failures_are_recorded_and_the_run_goes_on(roofline, tmp_path, monkeypat
             raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (a test's)")
         return real_time(runs, *a, **kw)
 
-    monkeypatch.setattr(roofline, "compile_prefill", compile_prefill)
+    monkeypatch.setattr(measure, "compile_prefill", compile_prefill)  # where plan_variant looks it up
     monkeypatch.setattr(roofline, "time_runs", time_runs)
     argv = TINY + ["--lengths", "128", "--methods", "full,snapkv,streaming_llm,quest", "--out", str(out)]
     assert roofline.main(argv) == 0
@@ -295,7 +309,7 @@ def test_failures_are_recorded_and_the_run_goes_on(roofline, tmp_path, monkeypat
     assert rows["quest@0.2"]["speedup"] == pytest.approx(rows["full"]["step_s"] / rows["quest@0.2"]["step_s"])
     monkeypatch.setattr(roofline, "time_runs", real_time)
     monkeypatch.setattr(  # full fails: its configuration's variants are recorded failed with it
-        roofline, "compile_prefill", lambda m, *a, **kw: (_ for _ in ()).throw(RuntimeError(m.name))
+        measure, "compile_prefill", lambda m, *a, **kw: (_ for _ in ()).throw(RuntimeError(m.name))
     )
     assert roofline.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
@@ -314,7 +328,7 @@ def test_resume_measures_only_what_is_missing(roofline, tmp_path, monkeypatch):
     again beside them); another commit or other settings measure everything again."""
     out = tmp_path / "r.json"
     monkeypatch.setenv("KVJAX_COMMIT", "a" * 40)
-    monkeypatch.setattr(roofline, "_dirty", lambda: False)
+    monkeypatch.setattr(roofline, "git_dirty", lambda *paths: False)
     base = TINY + ["--lengths", "128", "--out", str(out), "--resume"]
     assert roofline.main(base + ["--methods", "full,snapkv"]) == 0
     built = []

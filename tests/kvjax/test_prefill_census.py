@@ -18,7 +18,7 @@ from kvjax.census import Census, loop_census
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from roofline import abstract_state, attention_config  # noqa: E402
+from roofline_measure import abstract_state, attention_config  # noqa: E402
 
 #: method -> (the census at most, why it is not zero)
 BOUNDS = {
