@@ -176,31 +176,6 @@ class Method(abc.ABC):
     #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
     recompressible: ClassVar[bool] = False
 
-    #: XLA's ``cost_analysis()["bytes accessed"]`` of one compiled decode step over what :meth:`bytes_read_per_step`
-    #: declares, on tests/kvjax/test_measured.py's tiny model (prompts that fill the bucket): the band it must fall
-    #: in. XLA counts an in-place scatter as the whole buffer read and written, and loops and branches whole;
-    #: docs/interface.md#measured-against-xla says what each method's band holds.
-    xla_bytes_band: ClassVar[tuple[float, float]] = (3.0, 5.0)
-
-    @classmethod
-    def own_kernels(cls) -> tuple[str, ...]:
-        """The method's own Pallas kernels (``step_kernels`` besides the decode attention): set by its ``impl``."""
-        return tuple(k for k in cls.step_kernels if k != "decode_attention")
-
-    @classmethod
-    def small_options(cls) -> dict:
-        """Options that make the method compress at test sizes (prompts of tens of tokens, two layers): its
-        windows, chunks, pages and sinks shrunk. The property, budget-contract, sharding and accelerator tests
-        build every registered method with these (``methods.get(name, **REGISTRY[name].small_options())``), so a
-        new method is tested at its own small sizes with no table in the tests. Default: none needed."""
-        return {}
-
-    @classmethod
-    def small_variants(cls) -> tuple[dict, ...]:
-        """Static options the property tests vary over :meth:`small_options` (each value compiles, so few): the
-        first is the one their fixed example runs. Default: the options as they are."""
-        return ({},)
-
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
         page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""

@@ -115,7 +115,6 @@ def take_by_rank(score, size, bsel):
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (26.0, 40.0)  # base.Method.xla_bytes_band
     step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
@@ -135,10 +134,6 @@ class ClusterKV(Method):
     @property
     def offloads(self) -> bool:  # base.Method.offloads
         return self.offload
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: one full layer of two, clusters of 4 tokens
-        return dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1)
 
     def min_legal_budget(self) -> int:
         return self.sink  # the budget counts the sinks (__post_init__)

@@ -107,7 +107,6 @@ class Less(Method):
     """
 
     name: ClassVar[str] = "less"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (2.5, 4.5)  # base.Method.xla_bytes_band
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     policy: str = "h2o"
@@ -122,14 +121,6 @@ class Less(Method):
     psi_fn: Callable | None = None
     fold_chunk: int = 2048  # prompt tokens per step of the prefill fold into H, z (memory, not results)
     strict: bool = False
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: a 16-wide kernel hidden layer
-        return dict(hidden=16)
-
-    @classmethod
-    def small_variants(cls) -> tuple[dict, ...]:  # base.Method.small_variants: both sparse policies
-        return ({"policy": "lambda"}, {"policy": "h2o"})
 
     def __post_init__(self):
         if self.policy not in POLICIES:

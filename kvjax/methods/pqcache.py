@@ -195,7 +195,6 @@ def _row_chunk(k) -> int:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 15.0)  # base.Method.xla_bytes_band
     step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention", "pq_lookup")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
@@ -214,10 +213,6 @@ class PQCache(Method):
     @property
     def offloads(self) -> bool:  # base.Method.offloads
         return self.offload
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options (4 bits: at 3 a retrieval near-tie flips under a
-        return dict(sink=2, bits=4)  # 1e-6 weight perturbation in the sharding tests)
 
     def __post_init__(self):
         check_budget(self.budget)

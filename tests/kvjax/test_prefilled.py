@@ -13,6 +13,7 @@ from kvjax import model as M
 from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
+from methods_table import small
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def tiny():
 
 
 def _method(name):
-    return methods.small(name, **({} if name == "full" else {"budget": 0.3}))
+    return small(name, **({} if name == "full" else {"budget": 0.3}))
 
 
 def _batch():
