@@ -80,6 +80,13 @@ from kvjax import sharding
 from kvjax.sharding import BATCH, KV_HEADS
 
 
+#: The recall methods' :attr:`Method.why_no_decode_budget`.
+RECALL_NO_DECODE_BUDGET = (
+    "The recall methods (pqcache, clusterkv, quest) keep every token by design and bound what a step reads (their "
+    "budget), not what is held."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Capacity:
     """Static sizes a cache is built for: the padded prompt length (bucket) and the decode steps."""
@@ -175,6 +182,19 @@ class Method(abc.ABC):
     #: (:class:`SlotMethod`'s), and it implements :meth:`rescorer`, :meth:`reselect`, :meth:`observation_window`
     #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
     recompressible: ClassVar[bool] = False
+
+    #: Why a decode budget (:class:`~kvjax.methods.bounded.DecodeBudget`) does not compose over a method that is not
+    #: ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
+    #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
+    why_no_decode_budget: ClassVar[str] = ""
+
+    @classmethod
+    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
+        """``(options, warnings)``: the options a run of this method on ``model`` (a model name, as ``kvjax-eval
+        --model`` takes it) gets where the user gives none of them, and the warning messages (regular expressions)
+        those defaults make expected, which ``kvjax-eval main`` silences (LESS: the kernels shipped for an embedded
+        model, and their warning that they were trained at another budget). Default: ``({}, ())``."""
+        return {}, ()
 
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one

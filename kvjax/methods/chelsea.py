@@ -86,6 +86,9 @@ class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 
     name: ClassVar[str] = "chelsea"
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "chelsea already bounds decode: it re-compresses to its budget every `interval` steps."
+    )
     step_kernels: ClassVar[tuple[str, ...]] = ("chunk_best_match", "decode_attention")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recompresses: ClassVar[bool] = True  # a merge round every `interval` steps (base.Method.recompresses)

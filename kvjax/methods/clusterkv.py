@@ -34,6 +34,7 @@ from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     LayerContext,
     Capacity,
@@ -115,6 +116,7 @@ def take_by_rank(score, size, bsel):
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True

@@ -36,6 +36,7 @@ from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, w
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     Capacity,
     LayerContext,
     Method,
@@ -195,6 +196,7 @@ def _row_chunk(k) -> int:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention", "pq_lookup")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set

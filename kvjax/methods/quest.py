@@ -32,6 +32,7 @@ from kvjax import attention, sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
     LayerContext,
@@ -84,6 +85,7 @@ class QuestState:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Quest(Method):
     name: ClassVar[str] = "quest"
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)
