@@ -30,6 +30,7 @@ from kvjax.methods.layers import FullFirst
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
+from kvjax.methods.scoring import ScoringMethod
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
@@ -188,6 +189,7 @@ __all__ = [
     "Quest",
     "REGISTRY",
     "SlotCache",
+    "ScoringMethod",
     "SlotMethod",
     "SnapKV",
     "StreamingLLM",
