@@ -33,6 +33,7 @@ from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
 from kvjax.budget import warn_full_attention
+from kvjax.methods.offload import host_sharding
 from kvjax.methods.base import (
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
@@ -263,9 +264,7 @@ class ClusterKV(Method):
             max_new=new,
         )
         if self.offload:
-            from kvjax.methods.pqcache import _host_sharding
-
-            host = _host_sharding()
+            host = host_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
@@ -362,9 +361,7 @@ class ClusterKV(Method):
     def _place(self, x):
         if not self.offload:
             return x
-        from kvjax.methods.pqcache import _host_sharding
-
-        return jax.device_put(x, _host_sharding())
+        return jax.device_put(x, host_sharding())
 
     # ---- selection (paper §III-C, note §7.4) ----
 
