@@ -225,16 +225,14 @@ def cmd_run(args) -> int:
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
     options = method_options(list(dict.fromkeys(n for n, _ in grid)), args.option)
-    shipped = assets.LESS_KERNELS.get(args.model)
-    if "less" in names and shipped is not None and "kernels" not in options.get("less", {}):
-        # the kernels shipped for an embedded model, trained with H2O at 103 tokens (0.2 of 512); the main job
-        # uses them at 0.2 of each prompt and says so once (MAIN_NOTES) instead of warning per prompt length
-        options["less"] = {**options.get("less", {}), "kernels": str(shipped)}
-        warnings.filterwarnings(
-            "ignore",
-            message=r"kernels=.* were trained for another sparse policy setting: budget: "
-            r"trained \d+( tokens( of \d+-token sequences)?)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels",
-        )
+    from kvjax import methods
+
+    for name in names:  # what a method takes by default on this model (LESS: the kernels shipped for it)
+        defaults, expected = methods.REGISTRY[name].model_defaults(args.model)
+        if defaults and not set(defaults) & set(options.get(name, {})):
+            options[name] = {**options.get(name, {}), **defaults}
+            for message in expected:
+                warnings.filterwarnings("ignore", message=message)
     for name, b in grid:
         _check_method(name, b, options.get(name))  # bad option values fail here too
     also_equal_bytes = _also_equal_bytes(args, names)

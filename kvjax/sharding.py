@@ -360,23 +360,3 @@ def per_head(fn, *arrays, batch_only: Sequence[int] = ()):
     heads = MODEL if all(a.shape[1] % tp == 0 for a, h in zip(present, headed) if h) else None
     specs = tuple(P(batch, heads) if h else P(batch) for h in headed)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(batch, heads), check_vma=False)(*present)
-
-
-def host_offload_sharding():
-    """The ``pinned_host`` sharding of the default device, where an offloading method (PQCache, ClusterKV with
-    ``offload=True``) keeps its K/V; a ValueError where the backend has none."""
-    backend = jax.default_backend()
-    dev = jax.devices()[0]
-    if backend == "cpu":
-        raise ValueError(
-            "offload=True is not supported on the CPU backend: the KV already lives in host memory "
-            "and there is no separate device memory to offload from; use offload=False on CPU "
-            "(offload needs a GPU/TPU backend with a 'pinned_host' memory kind)"
-        )
-    kinds = {m.kind for m in dev.addressable_memories()}
-    if "pinned_host" not in kinds:
-        raise ValueError(
-            f"offload=True needs the 'pinned_host' memory kind, but device {dev} offers "
-            f"{sorted(kinds)}; use offload=False"
-        )
-    return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")

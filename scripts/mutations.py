@@ -505,7 +505,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "pq-group-softmax-unnormalised",
-        "kvjax/methods/pqcache.py",
+        "kvjax/methods/pq_retrieval.py",
         "agg = sum_small_axis(p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), 2)",
         "agg = sum_small_axis(p, 2)",
         ("tests/kvjax/test_pqcache.py",),
@@ -514,8 +514,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "pq-kmeans-includes-sinks",
-        "kvjax/methods/pqcache.py",
-        "valid = (pos[None, :] >= self.sink) & (pos[None, :] < lengths[:, None])",
+        "kvjax/methods/pq_index.py",
+        "valid = (pos[None, :] >= sink) & (pos[None, :] < lengths[:, None])",
         "valid = (pos[None, :] >= 0) & (pos[None, :] < lengths[:, None])",
         ("tests/kvjax/test_pqcache.py",),
         "the prompt's K-means (codebooks and codes) also takes the sink tokens",

@@ -31,6 +31,7 @@ if __name__ == "__main__":  # the same environment as the tests (tests/conftest.
 
 import pytest
 from extended import methods_params
+from methods_table import small
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "bad-inputs.md"
@@ -164,14 +165,13 @@ def pure_call(name: str, case: str):
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax import methods
     from kvjax.config import ModelConfig
     from kvjax.methods import Capacity
 
     z = PURE_SIZES
     b, hq, hkv, d, t = z["batch"], z["heads"], z["kv_heads"], z["dim"], z["tokens"]
     cfg = ModelConfig("llama", 1, 64, 1, num_layers=2, num_heads=hq, num_kv_heads=hkv, head_dim=d)
-    m = methods.small(name).at(1)
+    m = small(name).at(1)
     state = m.init(cfg, b, Capacity(z["bucket"], z["steps"]), 1, jnp.float32)
     x = lambda *shape: np.random.default_rng(0).normal(size=shape).astype(np.float32)
     q, k, lengths = x(b, hq, t, d), x(b, hkv, t, d), jnp.full((b,), t)
@@ -602,12 +602,11 @@ def test_lengths_and_pos_as_lists(name):
     import jax.numpy as jnp
     import numpy as np
 
-    from kvjax import methods
     from kvjax.config import ModelConfig
     from kvjax.methods import Capacity
 
     cfg = ModelConfig("llama", 1, 64, 1, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-    m = methods.small(name).at(1)
+    m = small(name).at(1)
     x = np.random.default_rng(1).normal(size=(3, 2, 4, 24, 16)).astype(np.float32)
     q, k, v = x[0], x[1, :, :2], x[2, :, :2]
     runs = []

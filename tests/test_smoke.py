@@ -23,6 +23,7 @@ import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
 from tiny_models import save_tiny_llama
+from methods_table import small_at_budget
 
 pytestmark = pytest.mark.smoke
 torch = pytest.importorskip("torch")
@@ -97,14 +98,14 @@ def test_every_help_shows_defaults_and_method_names():
 @pytest.mark.filterwarnings("ignore::kvjax.budget.BudgetWarning")  # 0.5 of 40 tokens is below Chelsea's windows
 @pytest.mark.parametrize("name", methods.names())
 def test_every_method_generates(tiny, name):
-    """Each method at budget 0.5 and its small options (``methods.small``: its own code runs on a two-layer model
+    """Each method at budget 0.5 and its small options (``methods_table.small``: its own code runs on a two-layer model
     and a 40-token prompt) generates the tokens asked for, reports its bytes, and after prefill holds at most what
     its budget contract says (``held(n, 0)`` of each layer's method, averaged over the layers as the stats are).
     (That a method keeping every token generates what ``full`` does is tests/kvjax/test_engine.py's, for every
     method.)"""
     rng = np.random.RandomState(0)
     prompt = [int(t) for t in rng.randint(3, 2000, size=40)]
-    method = methods.at_budget(name, 0.5, small_sizes=True)
+    method = small_at_budget(name, 0.5)
     out = engine.generate(tiny, [prompt], method, max_new_tokens=4, stop_at_eos=False)
     s = out.stats[0]
     assert len(out.tokens[0]) == 4 and s["cache_bytes"] > 0 and s["bytes_read_per_step"] > 0

@@ -30,6 +30,7 @@ from kvjax.methods.layers import FullFirst
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
+from kvjax.methods.scoring import ScoringMethod
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
@@ -115,15 +116,14 @@ def takes_budget(name: str) -> bool:
     return "budget" in {f.name for f in dataclasses.fields(REGISTRY[name])}
 
 
-def at_budget(name: str, budget, *, small_sizes: bool = False, **options):
-    """The method ``name`` at ``budget`` (a fraction or a token count) with ``options``: ``get`` (``small`` with
-    ``small_sizes``), the budget passed only to a method that declares one (:func:`takes_budget`), so ``full`` comes
-    back as itself, the baseline a sweep over methods at one budget compares with.
+def at_budget(name: str, budget, **options):
+    """The method ``name`` at ``budget`` (a fraction or a token count) with ``options``: ``get``, the budget passed
+    only to a method that declares one (:func:`takes_budget`), so ``full`` comes back as itself, the baseline a sweep
+    over methods at one budget compares with.
 
     >>> at_budget("full", 0.2), at_budget("snapkv", 0.2).budget
     (Full(), 0.2)"""
-    build = small if small_sizes else get
-    return build(name, **({"budget": budget} if takes_budget(name) else {}), **options)
+    return get(name, **({"budget": budget} if takes_budget(name) else {}), **options)
 
 
 def register(cls: type) -> type:
@@ -172,14 +172,6 @@ def load_plugin(spec: str) -> list[str]:
     return sorted(set(REGISTRY) - before)
 
 
-def small(name: str, **options):
-    """``get(name, ...)`` at test sizes: the method's own :meth:`~kvjax.methods.base.Method.small_options` (windows,
-    chunks, pages and sinks shrunk so that it compresses prompts of tens of tokens), then ``options`` over them."""
-    if name not in REGISTRY:
-        get(name)  # the unknown-name error
-    return get(name, **{**REGISTRY[name].small_options(), **options})
-
-
 __all__ = [
     "Capacity",
     "Chelsea",
@@ -197,6 +189,7 @@ __all__ = [
     "Quest",
     "REGISTRY",
     "SlotCache",
+    "ScoringMethod",
     "SlotMethod",
     "SnapKV",
     "StreamingLLM",
@@ -207,6 +200,5 @@ __all__ = [
     "load_plugin",
     "names",
     "register",
-    "small",
     "takes_budget",
 ]

@@ -80,6 +80,13 @@ from kvjax import sharding
 from kvjax.sharding import BATCH, KV_HEADS, SLOTS
 
 
+#: The recall methods' :attr:`Method.why_no_decode_budget`.
+RECALL_NO_DECODE_BUDGET = (
+    "The recall methods (pqcache, clusterkv, quest) keep every token by design and bound what a step reads (their "
+    "budget), not what is held."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Capacity:
     """Static sizes a cache is built for: the padded prompt length (bucket) and the decode steps."""
@@ -176,30 +183,18 @@ class Method(abc.ABC):
     #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
     recompressible: ClassVar[bool] = False
 
-    #: XLA's ``cost_analysis()["bytes accessed"]`` of one compiled decode step over what :meth:`bytes_read_per_step`
-    #: declares, on tests/kvjax/test_measured.py's tiny model (prompts that fill the bucket): the band it must fall
-    #: in. XLA counts an in-place scatter as the whole buffer read and written, and loops and branches whole;
-    #: docs/interface.md#measured-against-xla says what each method's band holds.
-    xla_bytes_band: ClassVar[tuple[float, float]] = (3.0, 5.0)
+    #: Why a decode budget (:class:`~kvjax.methods.bounded.DecodeBudget`) does not compose over a method that is not
+    #: ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
+    #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
+    why_no_decode_budget: ClassVar[str] = ""
 
     @classmethod
-    def own_kernels(cls) -> tuple[str, ...]:
-        """The method's own Pallas kernels (``step_kernels`` besides the decode attention): set by its ``impl``."""
-        return tuple(k for k in cls.step_kernels if k != "decode_attention")
-
-    @classmethod
-    def small_options(cls) -> dict:
-        """Options that make the method compress at test sizes (prompts of tens of tokens, two layers): its
-        windows, chunks, pages and sinks shrunk. The property, budget-contract, sharding and accelerator tests
-        build every registered method with these (``methods.get(name, **REGISTRY[name].small_options())``), so a
-        new method is tested at its own small sizes with no table in the tests. Default: none needed."""
-        return {}
-
-    @classmethod
-    def small_variants(cls) -> tuple[dict, ...]:
-        """Static options the property tests vary over :meth:`small_options` (each value compiles, so few): the
-        first is the one their fixed example runs. Default: the options as they are."""
-        return ({},)
+    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
+        """``(options, warnings)``: the options a run of this method on ``model`` (a model name, as ``kvjax-eval
+        --model`` takes it) gets where the user gives none of them, and the warning messages (regular expressions)
+        those defaults make expected, which ``kvjax-eval main`` silences (LESS: the kernels shipped for an embedded
+        model, and their warning that they were trained at another budget). Default: ``({}, ())``."""
+        return {}, ()
 
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one

@@ -111,7 +111,7 @@ class DecodeBudget(Method):
             raise ValueError(
                 f"decode_budget= composes over a method that scores and re-selects the tokens it holds (snapkv, "
                 f"pyramidkv, chunkkv); {self.inner.name!r} does not declare recompressible. "
-                + _WHY_NOT.get(self.inner.name, "")
+                + self.inner.why_no_decode_budget
             )
         for field, value in (("decode_budget", self.decode_budget), ("every", self.every)):
             check_int(field, value, "tokens; e.g. decode_budget=1024, every=128")
@@ -274,21 +274,6 @@ class DecodeBudget(Method):
         if h0 + k * self.every <= target:
             return h0 + steps
         return target + steps - k * self.every
-
-
-_WHY_NOT = {
-    "h2o": "h2o already bounds decode: it evicts to its budget at every step (a token budget covers generated tokens).",
-    "streaming_llm": "streaming_llm already bounds decode: its window rolls (a token budget covers generated tokens).",
-    "chelsea": "chelsea already bounds decode: it re-compresses to its budget every `interval` steps.",
-    "less": "less already bounds decode through its evicting policy (h2o or lambda).",
-    "full": "full keeps every token by definition; use snapkv with budget=1.0 and a decode_budget.",
-    "pqcache": "The recall methods (pqcache, clusterkv, quest) keep every token by design and bound what a step "
-    "reads (their budget), not what is held.",
-    "clusterkv": "The recall methods (pqcache, clusterkv, quest) keep every token by design and bound what a step "
-    "reads (their budget), not what is held.",
-    "quest": "The recall methods (pqcache, clusterkv, quest) keep every token by design and bound what a step "
-    "reads (their budget), not what is held.",
-}
 
 
 def recompress(

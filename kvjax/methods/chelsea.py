@@ -87,7 +87,9 @@ class Chelsea(Method):
     """Chelsea config (static). ``schedule``: a ``PRESETS`` name or ``(r_init, alpha, m)``."""
 
     name: ClassVar[str] = "chelsea"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (13.0, 21.0)  # base.Method.xla_bytes_band
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "chelsea already bounds decode: it re-compresses to its budget every `interval` steps."
+    )
     step_kernels: ClassVar[tuple[str, ...]] = ("chunk_best_match", "decode_attention")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recompresses: ClassVar[bool] = True  # a merge round every `interval` steps (base.Method.recompresses)
@@ -102,10 +104,6 @@ class Chelsea(Method):
     reallocate: bool = True
     impl: str | None = None
     unroll_rounds: bool = False
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: 2 sinks, 4 recent, chunks of 8, every 4 steps
-        return dict(n_sink=2, n_recent=4, chunk=8, interval=4)
 
     def __post_init__(self):
         check_budget(self.budget)

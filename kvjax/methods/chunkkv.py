@@ -51,7 +51,7 @@ from kvjax.methods.base import (
     store_prompt,
     top_k,
 )
-from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
+from kvjax.methods.scorers import Scorer, check_scorer, make_scorer
 from kvjax.methods.select import NEG_INF, append_window
 
 MODES = ("prefix_exclusive", "paper_literal")
@@ -76,10 +76,6 @@ class ChunkKV(SlotMethod):
     mode: str = "prefix_exclusive"
     scorer: str | Scorer = "snapkv"
 
-    @classmethod
-    def small_variants(cls) -> tuple[dict, ...]:  # base.Method.small_variants: index reuse, a chunk of 3
-        return ({"reuse": 2}, {}, {"chunk_size": 3})
-
     def __post_init__(self):
         check_budget(self.budget)
         for field, value, fix in (
@@ -90,8 +86,7 @@ class ChunkKV(SlotMethod):
             check_int(field, value, fix=fix)
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
-        if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:
-            raise ValueError(f"scorer={self.scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance")
+        check_scorer(self.scorer)
 
     # ------------------------------------------------------------------------------------------------------
     # static sizes and the budget contract

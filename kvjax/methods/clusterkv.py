@@ -34,7 +34,9 @@ from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th
 from kvjax.budget import warn_full_attention
+from kvjax.methods.offload import host_sharding
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
     evicting_budget,
@@ -117,7 +119,7 @@ def take_by_rank(score, size, bsel):
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClusterKV(Method):
     name: ClassVar[str] = "clusterkv"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (26.0, 40.0)  # base.Method.xla_bytes_band
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
@@ -137,10 +139,6 @@ class ClusterKV(Method):
     @property
     def offloads(self) -> bool:  # base.Method.offloads
         return self.offload
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: one full layer of two, clusters of 4 tokens
-        return dict(sink=2, tokens_per_cluster=4, window=2, window_clusters=1, n_full=1)
 
     def min_legal_budget(self) -> int:
         return self.sink  # the budget counts the sinks (__post_init__)
@@ -258,7 +256,7 @@ class ClusterKV(Method):
             max_new=new,
         )
         if self.offload:
-            host = sharding.host_offload_sharding()
+            host = host_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
@@ -355,8 +353,7 @@ class ClusterKV(Method):
     def _place(self, x):
         if not self.offload:
             return x
-
-        return jax.device_put(x, sharding.host_offload_sharding())
+        return jax.device_put(x, host_sharding())
 
     # ---- selection (paper §III-C, note §7.4) ----
 

@@ -17,6 +17,9 @@ from kvjax.methods.base import Capacity, LayerContext, SlotCache, SlotMethod, em
 @dataclasses.dataclass(frozen=True, eq=False)
 class Full(SlotMethod):
     name: ClassVar[str] = "full"
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "full keeps every token by definition; use snapkv with budget=1.0 and a decode_budget."
+    )
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
 
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> SlotCache:

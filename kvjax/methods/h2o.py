@@ -55,6 +55,9 @@ from kvjax.methods.select import accumulated_attention, accumulated_scores, topk
 @dataclasses.dataclass(frozen=True, eq=False)
 class H2O(SlotMethod):
     name: ClassVar[str] = "h2o"
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "h2o already bounds decode: it evicts to its budget at every step (a token budget covers generated tokens)."
+    )
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.checks import check_int
+from kvjax import assets
 from kvjax.budget import budget_tokens
 from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
@@ -108,7 +109,9 @@ class Less(Method):
     """
 
     name: ClassVar[str] = "less"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (2.5, 4.5)  # base.Method.xla_bytes_band
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "less already bounds decode through its evicting policy (h2o or lambda)."
+    )
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     policy: str = "h2o"
@@ -125,12 +128,18 @@ class Less(Method):
     strict: bool = False
 
     @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: a 16-wide kernel hidden layer
-        return dict(hidden=16)
-
-    @classmethod
-    def small_variants(cls) -> tuple[dict, ...]:  # base.Method.small_variants: both sparse policies
-        return ({"policy": "lambda"}, {"policy": "h2o"})
+    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
+        """The kernels shipped for an embedded model (``kvjax.assets.LESS_KERNELS``), trained with H2O at 0.2 of
+        512 tokens: ``kvjax-eval main`` uses them at 0.2 of each prompt and says so once (its notes) instead of
+        warning per prompt length that they were trained at another budget (base.Method.model_defaults)."""
+        shipped = assets.LESS_KERNELS.get(model)
+        if shipped is None:
+            return {}, ()
+        budget_only = (
+            r"kernels=.* were trained for another sparse policy setting: budget: "
+            r"trained \d+( tokens( of \d+-token sequences)?)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels"
+        )
+        return {"kernels": str(shipped)}, (budget_only,)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -29,26 +29,23 @@ from flax import struct
 
 from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
-from kernels_pallas.decode_attention import default_impl as attention_impl
-from kernels_pallas.decode_attention.xla import chunk_rows
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
 from kvjax import attention, sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, warn_full_attention
-from kvjax.methods import kmeans as km
-from kvjax.methods import threshold as th
+from kvjax.methods import pq_attend, pq_index, pq_retrieval
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
+    slot_axes,
     Capacity,
     full_bytes,
     LayerContext,
     Method,
     rows_at,
-    slot_axes,
-    sum_small_axis,
     tree_bytes,
 )
-
-from kvjax.attention import NEG_INF  # noqa: E402  (defined once)
+from kvjax.methods.offload import device_sharding, host_sharding
+from kvjax.methods.pq_retrieval import WORD as _WORD
 
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
 _EXACT_Q = 46340
@@ -56,10 +53,6 @@ _EXACT_Q = 46340
 #: accepts up to ``_TABLE_MAX``.
 _TABLE_AUTO = 1 << 13
 _TABLE_MAX = 1 << 16
-#: Slots per chunk of the code pass on CPU (a multiple of the 32-slot bit word; :func:`_scan_chunk`).
-_SCAN_CHUNK = 4096
-#: Code buffers are allocated in whole bit words.
-_WORD = 32
 
 
 @struct.dataclass
@@ -79,106 +72,15 @@ class PQState:
     topk: int = struct.field(pytree_node=False, default=0)
 
 
-def _rows_mask(idx, ok, s: int) -> jnp.ndarray:
-    """``[B, Hkv, S]`` bool: the slots ``idx [B, Hkv, N]`` whose ``ok`` is set."""
-    b, h = idx.shape[:2]
-    return rows_at(jnp.zeros((b, h, s), bool), idx, ok, "max")
-
-
 def _int32_fraction(f: Fraction) -> tuple[int, int]:
     """``(p, q)`` of ``f`` in ``[0, 1]``, exact when ``q^2 < 2^31``, else rounded down to ``1/MAX_DENOMINATOR``."""
     return floor_fraction(f, _EXACT_Q)
 
 
-def _write_codes(codes, t, code):
-    """``codes [B, Hkv, m, S_c]`` with slot ``t [B]`` set to ``code [B, Hkv, m]`` (in place; out of range:
-    dropped)."""
-    one = lambda row, tb, cb: row.at[:, :, tb].set(cb, mode="drop")  # noqa: E731
-    return jax.vmap(one)(codes, t, code.astype(codes.dtype))
-
-
-def _empty_partial(q):
-    b, hq, d = q.shape
-    return (
-        jnp.zeros((b, hq, d), jnp.float32),
-        jnp.full((b, hq), NEG_INF, jnp.float32),
-        jnp.zeros((b, hq), jnp.float32),
-    )
-
-
-def _attend_range(q, k, v, lo, hi, chunk: int):
-    """Partials of ``q [B, Hq, D]`` over the contiguous slots ``[lo[b], hi[b])`` of ``k, v [B, Hkv, S, D]``, read
-    in chunks of ``chunk`` slots from ``min(lo)`` (one slice of every row per chunk; trip count: the span
-    ``max(hi) - min(lo)`` over ``chunk``; rows of a row's chunk outside its own range are masked)."""
-    b, h, s, _ = k.shape
-    c = min(chunk, s)
-    lo0 = jnp.min(lo)
-    trips = jnp.maximum(jnp.max(hi) - lo0 + c - 1, 0) // c
-
-    def body(i, acc):
-        first = lo0 + i * c
-        start = jnp.clip(first, 0, s - c)
-        rows = start + jnp.arange(c, dtype=jnp.int32)  # [C]
-        take = (rows[None, :] >= jnp.maximum(first, lo)[:, None]) & (rows[None, :] < hi[:, None])  # [B, C]
-        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2)  # noqa: E731
-        return attention.merge(acc, attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, c))))
-
-    return jax.lax.fori_loop(0, trips, body, _empty_partial(q))
-
-
-def _attend_rows(q, k, v, idx, ok, chunk: int):
-    """Partials of ``q`` over the rows ``idx [B, Hkv, N]`` (``ok`` a prefix of each row) of ``k, v``, gathered
-    ``chunk`` rows at a time (trip count: the most ``ok`` entries of any row over ``chunk``)."""
-    n = idx.shape[-1]
-    c = min(chunk, n)
-    pad = -n % c
-    if pad:
-        idx = jnp.concatenate([idx, jnp.broadcast_to(idx[..., -1:], (*idx.shape[:2], pad))], axis=-1)
-        ok = jnp.concatenate([ok, jnp.zeros((*ok.shape[:2], pad), bool)], axis=-1)
-    trips = (jnp.max(jnp.sum(ok, axis=-1)) + c - 1) // c
-
-    def body(i, acc):
-        ii = jax.lax.dynamic_slice_in_dim(idx, i * c, c, axis=2)
-        take = jax.lax.dynamic_slice_in_dim(ok, i * c, c, axis=2)
-        kk = jnp.take_along_axis(k, ii[..., None], axis=2, mode="clip")
-        vv = jnp.take_along_axis(v, ii[..., None], axis=2, mode="clip")
-        return attention.merge(acc, attention.attend(q, kk, vv, take))
-
-    return attention.chunk_loop(trips, c, idx.shape[-1], body, _empty_partial(q))
-
-
-def _scan_chunk(sc: int) -> int:
-    """Slots per chunk of the code pass over ``sc`` slots: ``_SCAN_CHUNK`` on CPU, every slot in one pass
-    (:func:`kvjax.attention.one_pass`)."""
-    return sc if attention.one_pass() else min(_SCAN_CHUNK, sc)
-
-
-def _attend_window(q, k, v, lo, hi, width: int):
-    """Partials of ``q`` over ``[lo[b], hi[b])`` (at most ``width`` rows each) without a loop: one slice of ``width``
-    rows per sequence from ``clip(lo, 0, S - width)`` (a gather on XLA:CPU, so the CPU takes
-    :func:`_attend_range`'s shared slices instead)."""
-    b, h, s, _ = k.shape
-    width = min(width, s)
-    start = jnp.clip(lo, 0, s - width)
-    cut = lambda x: jax.vmap(lambda xb, st: jax.lax.dynamic_slice_in_dim(xb, st, width, axis=1))(x, start)  # noqa: E731
-    rows = start[:, None] + jnp.arange(width, dtype=jnp.int32)
-    take = (rows >= lo[:, None]) & (rows < hi[:, None])  # [B, W]
-    return attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, width)))
-
-
-def _row_chunk(k) -> int:
-    """Rows per attention chunk: cache-sized on the XLA path (``chunk_rows``), everything at once where the
-    decode attention is a Pallas kernel (one gather, one kernel call)."""
-    if attention_impl() == "xla":
-        b, h, _, d = k.shape
-        return chunk_rows(b, h, d, np.dtype(k.dtype).itemsize)
-    return 1 << 30
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PQCache(Method):
     name: ClassVar[str] = "pqcache"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 15.0)  # base.Method.xla_bytes_band
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention", "pq_lookup")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
@@ -197,10 +99,6 @@ class PQCache(Method):
     @property
     def offloads(self) -> bool:  # base.Method.offloads
         return self.offload
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options (4 bits: at 3 a retrieval near-tie flips under a
-        return dict(sink=2, bits=4)  # 1e-6 weight perturbation in the sharding tests)
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -319,21 +217,17 @@ class PQCache(Method):
             topk=min(k, slots - sink),
         )
         if self.offload:
-            host = sharding.host_offload_sharding()
+            host = host_sharding()
             state = state.replace(k=jax.device_put(state.k, host), v=jax.device_put(state.v, host))
         return state
 
     def prefill(self, state: PQState, layer: int, q, k, v, lengths, previous=None) -> PQState:
         """Store the prompt KV and build the PQ index (paper §3.1; note §2.3 with A3 resolved: fit on
         ``[sink, L)``). k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        b, h, t, d = k.shape
-        m, dm = self.m, d // self.m
-        pos = jnp.arange(t)
-        valid = (pos[None, :] >= self.sink) & (pos[None, :] < lengths[:, None])  # [B, T]
-        x = k.astype(jnp.float32).reshape(b, h, t, m, dm).transpose(0, 1, 3, 2, 4)  # [B, Hkv, m, T, dm]
-        init = km.init_rows(jax.random.PRNGKey(self.seed), valid, self.num_centroids)  # [B, K]
-        c0 = jnp.take_along_axis(x, init[:, None, None, :, None], axis=3)  # [B, Hkv, m, K, dm]
-        cent, labels = km.kmeans(x, valid[:, None, None, :], c0, self.iters)  # labels [B, Hkv, m, T]
+        t = k.shape[2]
+        cent, labels = pq_index.fit(  # labels [B, Hkv, m, T]
+            k, lengths, sink=self.sink, m=self.m, kc=self.num_centroids, seed=self.seed, iters=self.iters
+        )
         new_k = state.k.at[:, :, :t].set(k.astype(state.k.dtype))
         new_v = state.v.at[:, :, :t].set(v.astype(state.v.dtype))
         lengths = jnp.asarray(lengths, jnp.int32)
@@ -342,24 +236,13 @@ class PQCache(Method):
             k=self._place(new_k), v=self._place(new_v), codes=codes, centroids=cent, lengths=lengths, filled=lengths
         )
         end = self._cand_end(state, lengths)  # the first step's candidate end (new token at t = L)
-        hist = self._histogram(state, end) if self.uses_table() else state.hist
+        hist = state.hist
+        if self.uses_table():  # the first step's counts: [sink, end)
+            hist = pq_index.histogram(codes, hist, state.k.shape[2], state.sink, end, self.num_centroids)
         return state.replace(hist=hist, hist_end=end)
 
     def _place(self, x):
-        return jax.device_put(x, sharding.host_offload_sharding()) if self.offload else x
-
-    def encode(self, centroids, k) -> jnp.ndarray:
-        """Codes ``[B, Hkv, m]`` uint8 of keys ``k [B, Hkv, D]``: nearest frozen centroid per sub-space."""
-        b, h, d = k.shape
-        x = k.astype(jnp.float32).reshape(b, h, self.m, 1, d // self.m)
-        return km.assign(x, centroids)[..., 0].astype(jnp.uint8)
-
-    def _lut(self, state: PQState, q) -> jnp.ndarray:
-        """``lut [B, Hkv, G, m, K]`` float32: ``q_i · C_{i,c}`` per query head (paper §3.1)."""
-        b, hq, d = q.shape
-        h = state.k.shape[1]
-        qs = q.astype(jnp.float32).reshape(b, h, hq // h, self.m, d // self.m)
-        return jnp.einsum("bhgid,bhicd->bhgic", qs, state.centroids, precision=jax.lax.Precision.HIGHEST)
+        return jax.device_put(x, host_sharding()) if self.offload else x
 
     def scores(self, state: PQState, q, lengths=None) -> jnp.ndarray:
         """Approximate logits ``q · k_hat`` ``[B, Hkv, G, S]`` float32 from the codes (unscaled); slots
@@ -367,7 +250,7 @@ class PQCache(Method):
         s = state.k.shape[2]
         lengths = state.filled if lengths is None else lengths
         lookup = lambda t, c, n: pq_lookup(t, c, n, impl=self.impl)  # noqa: E731  (per device on a mesh)
-        return sharding.per_head(lookup, self._lut(state, q), state.codes, lengths)[..., :s]
+        return sharding.per_head(lookup, pq_retrieval.lut(state.centroids, q), state.codes, lengths)[..., :s]
 
     # ---- retrieval ----
 
@@ -378,120 +261,15 @@ class PQCache(Method):
         end = jnp.minimum(jnp.asarray(t, jnp.int32) - w, state.filled)
         return jnp.clip(end, state.sink, state.k.shape[2]).astype(jnp.int32)
 
-    def _tuples(self, codes) -> jnp.ndarray:
-        """Code tuple index ``sum_i c_i K^(m-1-i)`` int32 ``[..., N]`` of codes ``[..., m, N]``."""
-        u = codes[..., 0, :].astype(jnp.int32)
-        for i in range(1, self.m):
-            u = u * self.num_centroids + codes[..., i, :].astype(jnp.int32)
-        return u
-
-    def _histogram(self, state: PQState, end) -> jnp.ndarray:
-        """``[B, Hkv, K^m]`` int32: candidates ``[sink, end[b])`` per code tuple (one scatter-add, at prefill)."""
-        s = state.k.shape[2]
-        u = self._tuples(state.codes[..., :s])  # [B, Hkv, S]
-        j = jnp.arange(s)
-        cand = ((j[None, :] >= state.sink) & (j[None, :] < end[:, None])).astype(jnp.int32)  # [B, S]
-        return rows_at(jnp.zeros_like(state.hist), u, cand[:, None, :], "add")
-
-    def _tuple_at(self, codes, p) -> jnp.ndarray:
-        """``[B, Hkv]`` tuple of the codes at slot ``p [B]`` (clipped into the buffer)."""
-        c = jax.vmap(lambda row, pb: jax.lax.dynamic_slice_in_dim(row, pb, 1, axis=2))(codes, p)  # [B, Hkv, m, 1]
-        return self._tuples(c)[..., 0]
-
-    def _advance(self, codes, hist, hist_end, end) -> jnp.ndarray:
-        """``hist`` counted over ``[sink, hist_end)`` -> over ``[sink, end)``: one count added (or removed) per
-        slot between the two ends, a loop of ``max |end - hist_end|`` steps (one per decode step)."""
-        lo, hi = jnp.minimum(hist_end, end), jnp.maximum(hist_end, end)
-        sign = jnp.where(end >= hist_end, 1, -1).astype(jnp.int32)
-
-        def body(i, hst):
-            p = lo + i
-            add = jnp.where(p < hi, sign, 0)[:, None]  # [B, 1]
-            return rows_at(hst, self._tuple_at(codes, p), add, "add")
-
-        return jax.lax.fori_loop(0, jnp.max(hi - lo), body, hist)
-
-    def _tuple_keys(self, lut, hist, d: int) -> jnp.ndarray:
-        """``[B, Hkv, K^m]`` uint32 order keys (:func:`~kvjax.methods.threshold.sortable`) of each code tuple's
-        aggregated score; 0 for a tuple no candidate holds. ``d`` the head dim. G = 1: ``s_hat / sqrt(D)``; else the sum
-        over the group of ``softmax(s_hat / sqrt(D))`` over the candidates, whose maximum and normaliser come from the
-        tuples weighted by ``hist`` (their counts)."""
-        b, h, g, m, kc = lut.shape
-        s = lut[..., 0, :]  # [B, Hkv, G, K]
-        for i in range(1, m):  # the lookup's sum over sub-spaces, in its order
-            s = (s[..., :, None] + lut[..., i, None, :]).reshape(b, h, g, -1)
-        z = s / jnp.sqrt(jnp.float32(d))  # [B, Hkv, G, K^m]
-        present = (hist > 0)[:, :, None, :]
-        if g == 1:
-            agg = z[:, :, 0]
-        else:
-            mx = jnp.max(jnp.where(present, z, NEG_INF), axis=-1, keepdims=True)
-            e = jnp.where(present, jnp.exp(z - mx), 0.0)
-            # the count-weighted sum as a dot: XLA:CPU's fused multiply-reduce took 10x as long (0.46 ms at 4096 tuples)
-            tot = jnp.einsum("bhgk,bhk->bhg", e, hist.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)[
-                ..., None
-            ]
-            agg = sum_small_axis(e / jnp.maximum(tot, 1e-30), 2)
-        return jnp.where(present[:, :, 0], th.sortable(agg), jnp.uint32(0))
-
-    def _scan_codes(self, codes, keys, tau, sink: int, end):
-        """One pass over the candidates' codes (:func:`kvjax.attention.live_pass`: chunks of :func:`_scan_chunk` up
-        to ``max(end)``, or every slot at once where at least half are candidates): each slot's
-        tuple key looked up in ``keys [B, Hkv, K^m]``, compared with ``tau [B, Hkv]``. Returns the bit words
-        ``(above, tied) [B, Hkv, S_c / 32]`` uint32 of the candidates ``[sink, end[b])`` (zero past them)."""
-        b, h, _, sc = codes.shape
-        c = _scan_chunk(sc)
-        words = jnp.zeros((b, h, sc // _WORD), jnp.uint32)
-
-        def scan(start, c, acc):  # the words of slots [start, start + c)
-            above, tied = acc
-            key = jnp.take_along_axis(
-                keys, self._tuples(jax.lax.dynamic_slice_in_dim(codes, start, c, axis=3)), axis=-1
-            )  # [B, Hkv, C]
-            j = start + jnp.arange(c, dtype=jnp.int32)
-            cand = ((j[None, :] >= sink) & (j[None, :] < end[:, None]))[:, None, :]  # [B, 1, C]
-            put = lambda w, bits: jax.lax.dynamic_update_slice_in_dim(w, th.pack_bits(bits), start // _WORD, 2)  # noqa
-            return (put(above, cand & (key > tau[..., None])), put(tied, cand & (key == tau[..., None])))
-
-        body = lambda i, acc: scan(jnp.minimum(i * c, sc - c), c, acc)  # noqa: E731 (a clamped last chunk: same words)
-        init = (words, words)
-        return attention.live_pass(jnp.max(end), c, sc, body, init, lambda: scan(0, sc, init))
-
-    def _slot_keys(self, lut, codes, sink: int, end, d: int):
-        """Per-slot path: ``(keys [B, Hkv, S_c] uint32, cand [B, 1, S_c] bool)`` from the lookup's scores
-        (:func:`~kernels_pallas.pq_lookup.pq_lookup`, no block past ``end`` read) and the group softmax over the
-        candidates ``[sink, end)`` taken per slot (note §8.7)."""
-        s_hat = pq_lookup(lut, codes, end, impl=self.impl)  # [B, Hkv, G, S_c]
-        j = jnp.arange(codes.shape[-1])
-        cand = ((j[None, :] >= sink) & (j[None, :] < end[:, None]))[:, None, None, :]  # [B, 1, 1, S_c]
-        z = jnp.where(cand, s_hat / jnp.sqrt(jnp.float32(d)), NEG_INF)
-        if lut.shape[2] == 1:
-            agg = z[:, :, 0]
-        else:
-            p = jnp.where(cand, jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), 0.0)
-            agg = sum_small_axis(p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), 2)
-        cand = cand[:, :, 0]
-        return jnp.where(cand, th.sortable(agg), jnp.uint32(0)), cand
-
-    def _retrieve_local(self, lut, codes, hist, end, kk, *, sink: int, topk: int, d: int):
-        """``(slots, ok) [B, Hkv, topk]``: the ``kk[b]`` candidates of ``[sink, end[b])`` with the largest
-        aggregated scores, ties to the lower slot (= ``lax.top_k``), ascending; per device on a mesh."""
-        if not self.uses_table():
-            keys, cand = self._slot_keys(lut, codes, sink, end, d)
-            return th.top_set(keys, jnp.broadcast_to(cand, keys.shape), kk[:, None], topk)
-        keys = self._tuple_keys(lut, hist, d)
-        tau, above = th.kth_key(keys, hist, kk[:, None])
-        up, tie = self._scan_codes(codes, keys, tau, sink, end)
-        return th.compact(up | th.keep_first(tie, kk[:, None] - above), topk)
-
     def _retrieve(self, state: PQState, q, end, hist):
         """Retrieved slots ``[B, Hkv, topk]`` int32 and ``ok`` bool for candidates ``[sink, end)`` (``hist``
         counted over them on the table path)."""
         _, kk = self.split_dynamic(state.lengths)
-        run = lambda lut, codes, hst, e, k: self._retrieve_local(  # noqa: E731
-            lut, codes, hst, e, k, sink=state.sink, topk=state.topk, d=q.shape[-1]
+        opts = dict(sink=state.sink, topk=state.topk, d=q.shape[-1], table=self.uses_table(), impl=self.impl)
+        run = lambda lut, codes, hst, e, k: pq_retrieval.retrieve(  # noqa: E731
+            lut, codes, hst, e, k, **opts, kc=self.num_centroids
         )
-        idx, ok = sharding.per_head(run, self._lut(state, q), state.codes, hist, end, kk)
+        idx, ok = sharding.per_head(run, pq_retrieval.lut(state.centroids, q), state.codes, hist, end, kk)
         return jnp.minimum(idx, state.k.shape[2] - 1), ok  # unset entries point into the buffer
 
     def select(self, state: PQState, q, t):
@@ -499,7 +277,10 @@ class PQCache(Method):
         there are fewer candidates) for the step whose new token is at ``t [B]`` (note §8.7). Candidates
         ``[sink, t - W_b)``; the same set the step's ``decode`` retrieves."""
         end = self._cand_end(state, t)
-        hist = self._advance(state.codes, state.hist, state.hist_end, end) if self.uses_table() else state.hist
+        if self.uses_table():  # the counts the step's decode would have: [sink, end)
+            hist = pq_index.advance(state.codes, state.hist, state.hist_end, end, self.num_centroids)
+        else:
+            hist = state.hist
         return self._retrieve(state, q, end, hist)
 
     def decode(self, state: PQState, layer: int, q, k, v, pos):
@@ -508,9 +289,9 @@ class PQCache(Method):
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
-        code = self.encode(state.centroids, k)  # [B, Hkv, m]
+        code = pq_index.encode(state.centroids, k)  # [B, Hkv, m]
         rewrite = jnp.any((t >= state.sink) & (t < state.hist_end))  # a counted slot rewritten: never in a plain decode
-        codes = _write_codes(state.codes, t, code)  # [B, Hkv, m, S_c]
+        codes = pq_index.write_codes(state.codes, t, code)  # [B, Hkv, m, S_c]
         state = state.replace(
             k=self._place(rows_at(state.k, ti, k)),
             v=self._place(rows_at(state.v, ti, v)),
@@ -519,11 +300,12 @@ class PQCache(Method):
         )
         end = self._cand_end(state, t)
         hist = state.hist
+        kc = self.num_centroids
         if self.uses_table():  # one count per step; a rewritten counted slot (a rewind) recounts them all
             hist = jax.lax.cond(
                 rewrite,
-                lambda: self._histogram(state, end),
-                lambda: self._advance(codes, state.hist, state.hist_end, end),
+                lambda: pq_index.histogram(codes, state.hist, state.k.shape[2], state.sink, end, kc),
+                lambda: pq_index.advance(codes, state.hist, state.hist_end, end, kc),
             )
         state = state.replace(hist=hist, hist_end=end)
         w, _ = self.split_dynamic(state.lengths)
@@ -533,28 +315,14 @@ class PQCache(Method):
             idx, ok = jnp.zeros((b, h, 0), jnp.int32), jnp.zeros((b, h, 0), bool)
 
         def sparse(_):
-            # Reads the sinks, the window [t - W_b, t) and the retrieved rows; the new token is the input.
-            kv = state.k, state.v
+            # Reads the sinks, the window [t - W_b, t) and the retrieved rows (pq_attend.parts); the new token is the
+            # input.
+            kc, vc = state.k, state.v
             if self.offload:
-                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-                kv = tuple(jax.device_put(x, dev) for x in kv)
-            kc, vc = kv
-            dt = kc.dtype
-            part = attention.token_partial(q, k.astype(dt), v.astype(dt))
-            chunk = _row_chunk(kc)
-            if state.sink:
-                live = jnp.broadcast_to((jnp.arange(state.sink)[None, :] < t[:, None])[:, None, :], (b, h, state.sink))
-                part = attention.merge(part, attention.attend(q, kc[:, :, : state.sink], vc[:, :, : state.sink], live))
-            if state.window:
-                hi = jnp.minimum(t, kc.shape[2])
-                lo = jnp.maximum(t - w, state.sink)
-                if attention.one_pass():
-                    part = attention.merge(part, _attend_window(q, kc, vc, lo, hi, state.window))
-                else:
-                    part = attention.merge(part, _attend_range(q, kc, vc, lo, hi, min(chunk, state.window)))
-            if state.topk:
-                part = attention.merge(part, _attend_rows(q, kc, vc, idx, ok, chunk))
-            return part
+                kc, vc = (jax.device_put(x, device_sharding()) for x in (kc, vc))
+            return pq_attend.sparse_attend(
+                q, k, v, kc, vc, t, w, idx, ok, sink=state.sink, window=state.window, topk=state.topk
+            )
 
         if not self.dense_short:
             return attention.normalise(sparse(None)), state
@@ -572,7 +340,7 @@ class PQCache(Method):
                 q,
                 state.k,
                 state.v,
-                jnp.where(short[:, None, None], every, _rows_mask(rows, oks, s)),
+                jnp.where(short[:, None, None], every, pq_attend.rows_mask(rows, oks, s)),
                 lengths=state.filled,
             )
 
@@ -588,7 +356,7 @@ class PQCache(Method):
         hq = q.shape[1]
         h, s = state.k.shape[1], state.k.shape[2]
         t = state.filled  # [B]
-        sel = _rows_mask(*self._attended_rows(state, t, *self.select(state, q, t)), s)
+        sel = pq_attend.rows_mask(*self._attended_rows(state, t, *self.select(state, q, t)), s)
         if self.dense_short:
             every = (jnp.arange(s)[None, :] < t[:, None])[:, None, :]
             sel = jnp.where(self._short(state)[:, None, None], every, sel)
@@ -652,7 +420,7 @@ class PQCache(Method):
         counted once).
 
         - ``codes``: ``m`` bytes per slot the code pass visits (:func:`kvjax.attention.live_pass`: every slot
-          where at least half are candidates, else whole chunks of ``_SCAN_CHUNK`` slots up to the largest
+          where at least half are candidates, else whole chunks of ``pq_retrieval.SCAN_CHUNK`` slots up to the largest
           candidate end of the batch) on the table path; on the per-slot path the lookup's reads (the
           Pallas kernels stop at the candidate end, the XLA reference reads all ``S_c`` slots);
         - ``centroids`` (read for the LUT) and ``lut`` (float32, written then read);
@@ -670,56 +438,24 @@ class PQCache(Method):
         A step of a batch with a ``dense_short`` row reads, instead of ``kv`` and ``attention``, the block plan
         over the live slots ``[0, t + 1)`` of the full cache (with its mask). ``full_kv`` (not in ``total``) is
         what full attention over the same live slots would read, for comparison."""
-        b, h, s, d = state.k.shape
+        b, h, s, _ = state.k.shape
         hq = num_heads or h
-        g = hq // h
-        item = np.dtype(state.k.dtype).itemsize
-        sc = state.codes.shape[-1]
         t = np.asarray(state.filled, np.int64)  # the next step's new token position
         w, kk = (np.asarray(x, np.int64) for x in self.split_dynamic(state.lengths))
         end = np.clip(t - w, state.sink, s)  # the step writes slot t first: filled = t + 1 > t - W_b
         live = jnp.asarray(np.minimum(t + 1, s), jnp.int32)
         out = dict.fromkeys(("codes", "centroids", "lut", "table", "scores", "words", "indices", "kv", "attention"), 0)
         if state.topk:  # no retrieval, no lookup
-            out["centroids"] = int(state.centroids.size * 4)
-            out["lut"] = 2 * b * hq * self.m * self.num_centroids * 4
-            if self.uses_table():
-                scanned = attention.live_pass_rows(int(end.max()), _scan_chunk(sc), sc)
-                out["codes"] = b * h * self.m * scanned
-                out["table"] = b * h * self.num_tuples * 4 * (2 + g)
-            else:
-                scanned = sc
-                pallas = (self.impl or default_impl()) != "xla"
-                out["codes"] = int(h * self.m * end.sum()) if pallas else b * h * self.m * sc
-                out["scores"] = 2 * b * hq * sc * 4 + b * h * sc * 4
-            out["words"] = 2 * 2 * b * h * (scanned // _WORD) * 4
-            out["indices"] = b * h * state.topk * (4 + 1)
+            pallas = (self.impl or default_impl()) != "xla"
+            table = self.uses_table()
+            opts = dict(hq=hq, topk=state.topk, table=table, pallas=pallas, kc=self.num_centroids)
+            out.update(pq_retrieval.read_bytes(state.centroids, state.codes, end, **opts))
         short = np.asarray(state.lengths) - state.sink <= self.num_centroids
         if self.dense_short and short.any():
             out["attention"] = block_plan_bytes(state.k, live, num_heads=hq, with_mask=True)
         else:
-            chunk = _row_chunk(state.k)
-            qo = b * hq * d * item + b * hq * (d + 2) * 4  # one call's query and partial outputs
-            calls, rows = 1, 1  # the new token: from the input, its mask row
-            out["kv"] = 0
-            if state.sink:
-                calls, rows = calls + 1, rows + state.sink
-                out["kv"] += b * h * state.sink * 2 * d * item
-            if state.window:
-                c = min(chunk, state.window, s)
-                span = max(int(np.minimum(t, s).max() - np.maximum(t - w, state.sink).min()), 0)
-                trips = -(-span // c)
-                if attention.one_pass():  # _attend_window: one slice of the window's width per sequence
-                    c, trips = min(state.window, s), 1
-                calls, rows = calls + trips, rows + trips * c
-                out["kv"] += b * h * trips * c * 2 * d * item
-            if state.topk:
-                c = min(chunk, state.topk)
-                got = np.minimum(kk, np.maximum(end - state.sink, 0))
-                trips = attention.chunk_trips(got.max(), c, state.topk)
-                calls, rows = calls + trips, rows + trips * c
-                out["kv"] += b * h * trips * c * 2 * d * item
-            out["attention"] = calls * qo + b * h * rows
+            opts = dict(hq=hq, sink=state.sink, window=state.window, topk=state.topk)
+            out.update(pq_attend.read_bytes(state.k, t, w, kk, end, **opts))
         out["total"] = sum(out.values())
         out["full_kv"] = block_plan_bytes(state.k, live, num_heads=hq, with_mask=False)
         return out

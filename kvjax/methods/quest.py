@@ -33,6 +33,7 @@ from kvjax import attention, sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
     full_bytes,
@@ -86,16 +87,12 @@ class QuestState:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Quest(Method):
     name: ClassVar[str] = "quest"
-    xla_bytes_band: ClassVar[tuple[float, float]] = (9.0, 14.0)  # base.Method.xla_bytes_band
+    why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     recalls: ClassVar[bool] = True
     budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)
     page_size: int = 16  # tokens per page (Quest's and ClusterKV's setting)
     n_full: int = 2  # the first n_full layers keep and attend the full cache (Quest skips the first two)
-
-    @classmethod
-    def small_options(cls) -> dict:  # base.Method.small_options: pages of 4, both layers of two compressed
-        return dict(page_size=4, n_full=0)
 
     def min_legal_budget(self) -> int:
         return self.page_size  # at least one page (__post_init__)

@@ -11,6 +11,9 @@ wraps any press: ``methods.get("chunkkv", scorer="h2o")``.
   not leak into the prefix.
 - ``h2o`` (:class:`AccumulatedScorer`, H2O §3): column sums of the causal softmax of every real prompt query.
 
+A scorer joins :data:`SCORERS` with :func:`register_scorer` (a class decorator, as ``kvjax.methods.register`` for
+methods), so a plugin adds one by name: ``methods.get("snapkv", scorer="mine")``.
+
 At decode time (a decode budget, :mod:`kvjax.methods.bounded`) a scorer ranks the held slots from a ring of the
 most recent queries (:meth:`Scorer.observed`, then :meth:`Scorer.finish` in position order): the window scorer's
 votes of its last ``window`` queries, pooled as at prefill; the accumulated scorer's sum over the same ring (its
@@ -83,19 +86,52 @@ class AccumulatedScorer(Scorer):
         return accumulated_scores(q, k, lengths, self.chunk)
 
 
-SCORERS = ("snapkv", "h2o")
+#: The registered scorers, by name (:func:`register_scorer`): the built-in ones, then those a plugin adds.
+SCORERS: dict[str, type] = {}
+
+
+def register_scorer(cls: type) -> type:
+    """Add the scorer class ``cls`` (a frozen dataclass subclassing :class:`Scorer` with a ``name``) to
+    :data:`SCORERS` and return it, so it works as a class decorator, as :func:`kvjax.methods.register` does for
+    methods: then ``methods.get("snapkv", scorer=cls.name)`` (any method with a ``scorer`` option) builds it with the
+    options it shares with the method (``window``, ``kernel``, ``pool``; its other fields at their defaults).
+    ValueError for a class that is not one, or a name another class already holds."""
+    if not (isinstance(cls, type) and issubclass(cls, Scorer) and dataclasses.is_dataclass(cls) and cls.name):
+        raise ValueError(
+            f"register_scorer({cls!r}): a scorer is a frozen dataclass subclassing kvjax.methods.scorers.Scorer with "
+            "a non-empty `name: ClassVar[str]`"
+        )
+    have = SCORERS.get(cls.name)
+    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(
+            f"scorer name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
+            f"{cls.__qualname__} another name"
+        )
+    SCORERS[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself
+    return cls
+
+
+register_scorer(WindowScorer)
+register_scorer(AccumulatedScorer)
+
+
+def check_scorer(scorer) -> None:
+    """ValueError unless ``scorer`` is a :class:`Scorer` instance or a registered name (:data:`SCORERS`)."""
+    if not isinstance(scorer, Scorer) and not (isinstance(scorer, str) and scorer in SCORERS):
+        raise ValueError(
+            f"scorer={scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance (a plugin registers its own "
+            "with kvjax.methods.scorers.register_scorer)"
+        )
 
 
 def make_scorer(scorer, window: int, kernel: int = 5, pool: str = "avg") -> Scorer:
-    """A scorer from a name (``"snapkv"`` with the method's ``window``/``kernel``/``pool``, or ``"h2o"``) or a
+    """A scorer from a registered name (:data:`SCORERS`: ``"snapkv"`` with the method's ``window``/``kernel``/
+    ``pool``, ``"h2o"``, or a plugin's, built with those of the method's options it declares as fields) or a
     :class:`Scorer` instance (used as is)."""
     if isinstance(scorer, Scorer):
         return scorer
-    if scorer == "snapkv":
-        return WindowScorer(window=window, kernel=kernel, pool=pool)
-    if scorer == "h2o":
-        return AccumulatedScorer()
-    raise ValueError(
-        f"scorer={scorer!r} is not a scorer; choose one of {', '.join(SCORERS)} or pass a "
-        "kvjax.methods.scorers.Scorer instance"
-    )
+    check_scorer(scorer)
+    cls = SCORERS[scorer]
+    shared = {"window": window, "kernel": kernel, "pool": pool}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in shared.items() if k in fields})

@@ -39,7 +39,7 @@ from kvjax.methods.base import (
     slot_bytes,
     store_prompt,
 )
-from kvjax.methods.scorers import SCORERS, Scorer, make_scorer
+from kvjax.methods.scorers import Scorer, check_scorer, make_scorer
 from kvjax.methods.select import kept_window, topk_with_window
 
 
@@ -56,8 +56,7 @@ class SnapKV(SlotMethod):
     def __post_init__(self):
         check_budget(self.budget)
         check_int("window", self.window, "SnapKV's observation window, e.g. 8")
-        if not isinstance(self.scorer, Scorer) and self.scorer not in SCORERS:
-            raise ValueError(f"scorer={self.scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance")
+        check_scorer(self.scorer)
         self.score_fn  # validates kernel / pool
 
     @property

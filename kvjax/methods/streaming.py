@@ -35,6 +35,9 @@ from kvjax.methods.base import (
 @dataclasses.dataclass(frozen=True, eq=False)
 class StreamingLLM(SlotMethod):
     name: ClassVar[str] = "streaming_llm"
+    why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
+        "streaming_llm already bounds decode: its window rolls (a token budget covers generated tokens)."
+    )
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     has_decode_partial: ClassVar[bool] = True
     budget: float | int = 0.2

@@ -4,8 +4,8 @@ the same method on the same device with the pure-JAX references (``KVJAX_DECODE_
 
 Runs only on a GPU/TPU backend: ``JAX_PLATFORMS=cuda python3 -m pytest tests/accelerator -m accelerator``
 (``tpu`` on a TPU). A tiny random float32 model with SmolLM2's heads (9 query / 3 KV heads, head_dim 64), three
-sequences of odd lengths in a 64-token bucket, the prefill and 6 greedy decode steps; each method's own
-``small_options`` (``methods.small``) make it compress at these lengths (ClusterKV re-clusters and Chelsea re-compresses
+sequences of odd lengths in a 64-token bucket, the prefill and 6 greedy decode steps; each method's small options
+(tests/methods_table.py) make it compress at these lengths (ClusterKV re-clusters and Chelsea re-compresses
 inside the decode steps). Both runs are fed the reference run's tokens, so every step compares like with like:
 logits within 1e-3 (absolute and relative; float32, the kernels' dots at ``HIGHEST``) and the same greedy
 tokens. The compiled decode step is checked to contain the expected Pallas kernels (the method's declared
@@ -28,6 +28,7 @@ from kvjax import core, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
+from methods_table import own_kernels, small_at_budget
 
 
 pytestmark = pytest.mark.accelerator
@@ -48,8 +49,8 @@ def run(monkeypatch, params, name, impl, feed=None):
     """Prefill and STEPS decode steps with every kernel at ``impl``: (logits [STEPS+1, B, V], tokens, the
     Pallas kernels in the compiled decode step). ``feed``: the tokens to decode (default: this run's argmax)."""
     monkeypatch.setenv(ENV_IMPL, impl)
-    opts = {"impl": impl} if methods.REGISTRY[name].own_kernels() else {}
-    m = methods.at_budget(name, 0.3, small_sizes=True, **opts)
+    opts = {"impl": impl} if own_kernels(methods.REGISTRY[name]) else {}
+    m = small_at_budget(name, 0.3, **opts)
     rng = np.random.default_rng(1)
     tokens, lengths = engine.pad_prompts([list(rng.integers(1, 255, n)) for n in LENGTHS], BUCKET)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)

@@ -36,6 +36,7 @@ from kvjax import model as M
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.methods.base import Capacity
 from kvjax.prefill_attention import prefill_attention
+from methods_table import own_kernels
 
 S = jax.ShapeDtypeStruct
 PLATFORMS = [("cuda", "pallas_gpu", "gpu"), ("tpu", "pallas_tpu", "tpu")]  # (export platform, impl, name suffix)
@@ -171,8 +172,8 @@ STEPS = 330
 
 def step_method(name: str, impl: str):
     """``name`` at its default options, budget 0.2 of the 1024-token bucket (none for ``full``), ``impl`` for its
-    own kernels (``Method.own_kernels``)."""
-    opts = {"impl": impl} if methods.REGISTRY[name].own_kernels() else {}
+    own kernels (``methods_table.own_kernels``)."""
+    opts = {"impl": impl} if own_kernels(methods.REGISTRY[name]) else {}
     return methods.at_budget(name, 0.2, **opts)
 
 

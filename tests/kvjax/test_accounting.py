@@ -12,6 +12,7 @@ import pytest
 from kvjax import accounting, engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
+from methods_table import small
 
 CFG = ModelConfig("llama", 64, 64, 96, 2, 4, 2, 16, max_position_embeddings=1024)
 
@@ -19,7 +20,7 @@ CFG = ModelConfig("llama", 64, 64, 96, 2, 4, 2, 16, max_position_embeddings=1024
 @pytest.mark.parametrize("name", methods.names())
 @pytest.mark.parametrize("cap", [Capacity(64, 8), Capacity(256, 16)], ids=["64", "256"])
 def test_each_method_declares_its_slot_buffer(name, cap):
-    m = methods.small(name)
+    m = small(name)
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 2, cap, jnp.float32))
     kv = 2 * CFG.num_kv_heads * CFG.head_dim * 4  # a token's K and V rows, float32, over the KV heads
     for layer, (lm, st) in enumerate(accounting.layer_methods(m, states)):
@@ -30,7 +31,7 @@ def test_each_method_declares_its_slot_buffer(name, cap):
 
 def test_an_undeclared_slot_buffer_is_charged_as_fixed():
     """A state whose method declares no ``slots`` axis is all fixed: nothing is guessed from the leaves' shapes."""
-    m = methods.small("pqcache")
+    m = small("pqcache")
     st = jax.eval_shape(lambda: engine.init_states(CFG, m, 2, Capacity(64, 8), jnp.float32))[1]
     undeclared = type("Undeclared", (type(m),), {"state_axes": lambda self, s: methods.base.Method.state_axes(self, s)})
     plain = undeclared(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})

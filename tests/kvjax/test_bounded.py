@@ -310,8 +310,10 @@ def test_the_bucket_is_a_shape_not_a_semantic(tiny, threshold):
 
 def test_bad_compositions():
     for name in ("h2o", "streaming_llm", "chelsea", "quest", "pqcache", "clusterkv", "full", "less"):
-        with pytest.raises(ValueError, match="recompressible"):
+        with pytest.raises(ValueError, match="recompressible") as e:
             methods.get(name, decode_budget=64)
+        why = methods.REGISTRY[name].why_no_decode_budget  # declared by the method, read through the registry
+        assert why and str(e.value).endswith(why) and (name in why or "recall methods" in why), name
     with pytest.raises(ValueError, match="needs decode_budget"):
         methods.get("snapkv", every=8)
     with pytest.raises(ValueError, match="observation window"):

@@ -29,6 +29,7 @@ from extended import methods_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ref_baselines as ref  # noqa: E402
+from methods_table import small_at_budget  # noqa: E402
 
 
 def exact_tokens(b: float, n: int) -> int:
@@ -144,7 +145,7 @@ NEW = 5
 
 
 def _method(name, budget):
-    return methods.at_budget(name, budget, small_sizes=True)
+    return small_at_budget(name, budget)
 
 
 def _prompts(lengths, seed=0):

@@ -12,6 +12,7 @@ import kvjax
 from kvjax import engine, methods
 from extended import GROUPS, group
 from kvjax.model import forward
+from methods_table import small
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -191,7 +192,7 @@ def test_greedy_tokens_equal_transformers(case, built):
 
 def covering(name: str, total: int):
     """``name`` at its test sizes with a budget covering ``total`` tokens (prompt + generated)."""
-    return methods.small(name, **({"budget": total} if methods.takes_budget(name) else {}))
+    return small(name, **({"budget": total} if methods.takes_budget(name) else {}))
 
 
 #: YaRN, Qwen3's windows and Gemma 3's QK-norm are the model's (before the cache): every method on them in CI's second
@@ -299,7 +300,7 @@ def test_hybrid_plan_holds_the_window_on_local_layers(built):
     cfg = model.config
     rng = np.random.RandomState(5)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (40, 21)]
-    snap = methods.small("snapkv", budget=12)
+    snap = small("snapkv", budget=12)
     out = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False)
     plan = for_model(cfg, snap)
     assert isinstance(plan, Hybrid) and plan.at(0) == Window(8) and plan.at(2) == snap
@@ -467,7 +468,7 @@ def test_gpt_oss_every_method_compresses(built):
     rng = np.random.RandomState(4)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (40, 26)]
     for name in ("streaming_llm", "snapkv", "chelsea", "less"):
-        out = engine.generate(model, ps, methods.small(name, budget=12), max_new_tokens=4, driver="scan")
+        out = engine.generate(model, ps, small(name, budget=12), max_new_tokens=4, driver="scan")
         assert all(len(t) == 4 for t in out.tokens), name
         assert out.stats[0]["layer_plan"].startswith("2 local layers: window ring buffers (8 tokens)")
 
@@ -608,7 +609,7 @@ def test_fidelity_probes_a_hybrid_model_as_the_engine_runs_it(built):
     model, _, _ = built("gemma3", 3.0)
     ids = list(np.random.RandomState(0).randint(2, VOCAB - 2, size=40))
     full = fidelity.probe(model, ids, methods.get("full"), probes=4)
-    snap = fidelity.probe(model, ids, methods.small("snapkv", budget=12), probes=4)
+    snap = fidelity.probe(model, ids, small("snapkv", budget=12), probes=4)
     assert full["rel_error"] == [0.0, 0.0, 0.0]
     assert snap["rel_error"][:2] == [0.0, 0.0] and snap["rel_error"][2] > 0
     assert snap["tokens_held"] == pytest.approx((8 + 8 + 12) / 3)
@@ -620,7 +621,7 @@ def test_hybrid_plan_is_bucket_independent_and_compiles_once(built):
     model, _, _ = built("gemma3", 3.0)
     rng = np.random.RandomState(6)
     ps = [list(rng.randint(2, VOCAB - 2, size=n)) for n in (37, 12)]
-    snap = methods.small("snapkv", budget=10)
+    snap = small("snapkv", budget=10)
     a = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, prompt_len=64)
     b = engine.generate(model, ps, snap, max_new_tokens=5, driver="scan", stop_at_eos=False, prompt_len=128)
     assert a.tokens == b.tokens

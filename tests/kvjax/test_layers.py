@@ -14,6 +14,7 @@ import kvjax
 from kvjax import engine, methods, model as M
 from kvjax.methods.base import Capacity
 from kvjax.methods.layers import FullFirst
+from methods_table import small_options, small_variants
 
 LAYERS = 4
 
@@ -46,7 +47,7 @@ def _layer_held(model, method, ids, scan=False):
 
 def _small(name):
     """``name``'s test-size options with its first declared variant (ChunkKV: index reuse, so layer 1 follows 0)."""
-    return {**methods.REGISTRY[name].small_options(), **methods.REGISTRY[name].small_variants()[0]}
+    return {**small_options(name), **small_variants(name)[0]}
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "chunkkv", "streaming_llm"])

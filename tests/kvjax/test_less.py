@@ -271,3 +271,26 @@ def test_bad_input():
         methods.get("less", budget=0)
     with pytest.raises(ValueError, match="fraction"):
         L.Less(budget=0.1).parallel_mask(jnp.zeros((1, 2, 4, 2)), jnp.zeros((1, 1, 4, 2)))
+
+
+def test_model_defaults_are_the_shipped_kernels_and_quiet_only_their_budget_warning():
+    """``Less.model_defaults(model)`` (base.Method.model_defaults, which ``kvjax-eval main`` reads through the
+    registry instead of a special case for ``"less"``): the kernels shipped for an embedded model, and a warning
+    pattern that silences their trained-at-another-budget warning, not a policy mismatch; none elsewhere."""
+    import warnings
+
+    from kvjax import assets
+
+    assert methods.REGISTRY["less"].model_defaults("no/such-model") == ({}, ())
+    assert all(
+        methods.REGISTRY[n].model_defaults(assets.SMOLLM2_NAME) == ({}, ()) for n in methods.names() if n != "less"
+    )
+    for model, shipped in assets.LESS_KERNELS.items():
+        defaults, expected = methods.REGISTRY["less"].model_defaults(model)
+        assert defaults == {"kernels": str(shipped)} and len(expected) == 1
+        for budget, policy, quiet in ((0.3, "h2o", True), (77, "h2o", True), (0.3, "lambda", False)):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                warnings.filterwarnings("ignore", message=expected[0])
+                methods.get("less", budget=budget, policy=policy, **defaults)
+            assert (not seen) == quiet, (model, budget, policy, [str(w.message) for w in seen])

@@ -14,6 +14,7 @@ from kvjax.methods.chelsea import PRESETS, Chelsea, _simulate
 from kvjax.methods.csm import RATIO_UNIT, merges_for, quantise_ratio
 from kvjax.methods.snapkv import pyramid_budget
 from kvjax.model import random_params
+from methods_table import small
 from tiny_models import tiny_config
 
 MILLION = 1 << 20
@@ -154,7 +155,7 @@ def test_method_counts_are_exact_in_int32():
 def test_prefill_and_decode_trace_at_a_million_tokens(name):
     """``jax.eval_shape`` of the engine's prefill and one decode step for a 2^20-token bucket (nothing is
     compiled or run): every method builds its state, compresses and decodes at fixed shapes there."""
-    m = methods.small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
+    m = small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
     cap = Capacity(MILLION, 8)
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, cap, jnp.float32))
@@ -173,7 +174,7 @@ def test_prefill_and_decode_trace_at_a_million_tokens(name):
 
 
 def prefill_temp_bytes(name: str, t: int, m=None) -> int:
-    m = m or methods.small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
+    m = m or small(name)  # its small options: the tiny model's layers compress, LESS's kernels small
     params = jax.eval_shape(lambda: random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, m, 1, Capacity(t, 8), jnp.float32))
     lowered = jax.jit(core.prefill, static_argnums=(0, 1)).lower(

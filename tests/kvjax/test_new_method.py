@@ -56,7 +56,7 @@ def test_at_budget_passes_the_budget_only_where_it_is_declared(knorm):
         assert methods.takes_budget(n) == declared == (methods.get(n).budget is not None), n
     assert methods.at_budget("full", 0.2) == methods.get("full")
     assert methods.at_budget("knorm", 8) == knorm(budget=8) and methods.at_budget("snapkv", 0.2).budget == 0.2
-    assert methods.at_budget("quest", 0.3, small_sizes=True) == methods.small("quest", budget=0.3)
+    assert methods.at_budget("quest", 0.3, page_size=4) == methods.get("quest", budget=0.3, page_size=4)
     with pytest.raises(ValueError, match="not registered"):
         methods.at_budget("nope", 0.2)
     with pytest.raises(ValueError, match="budget"):

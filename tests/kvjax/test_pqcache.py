@@ -18,6 +18,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods import kmeans as km
+from kvjax.methods import pq_index, pq_retrieval
 from kvjax.methods import pqcache as pqcache_mod
 from extended import cases
 from kvjax.methods.base import Capacity
@@ -199,7 +200,7 @@ def test_long_decode_matches_reference(score_table, hq, budget, scan, monkeypatc
     if scan == "one-pass":
         monkeypatch.setattr(pqcache_mod.attention, "one_pass", lambda: True)
     elif scan:
-        monkeypatch.setattr(pqcache_mod, "_scan_chunk", lambda sc: min(32, sc))
+        monkeypatch.setattr(pq_retrieval, "scan_chunk", lambda sc: min(32, sc))
         whole = scan == "whole"
         monkeypatch.setattr(pqcache_mod.attention, "half_live", lambda live, s: live * 0 == (0 if whole else 1))
     t, steps, hkv, lengths = 24, 12, 2, (24, 17)
@@ -247,7 +248,7 @@ def test_rewind_recounts_tuples():
         _, state = decode(state, qn, kn * p, vn, state.filled)
     _, state = decode(state, qn, -kn, vn, jnp.asarray([30, 26]))  # back to the first decode position
     s = state.k.shape[2]
-    tup = np.asarray(method._tuples(state.codes[..., :s]))
+    tup = np.asarray(pq_index.tuples(state.codes[..., :s], method.num_centroids))
     end = np.asarray(state.hist_end)
     want = np.zeros((2, 2, 64), int)
     for bi in range(2):

@@ -34,6 +34,7 @@ from kvjax import model as M
 from kvjax import prefill_attention as P
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
+from methods_table import small_at_budget
 
 
 HEADS = {"smollm2": (9, 3, 64), "llama31_8b": (32, 8, 128)}  # query heads, KV heads, head_dim
@@ -201,7 +202,7 @@ DEFAULT_METHODS = methods.cover("reuses_previous_layer")  # full and a window-sc
 def prefill_temp_bytes(name: str, t: int, batch: int = 1) -> int:
     """XLA's temp bytes for ``core.prefill`` of CFG with ``name`` (budget 0.1) on a ``t``-token bucket,
     compiled for abstract inputs (nothing allocated)."""
-    method = methods.at_budget(name, 0.1, small_sizes=True)
+    method = small_at_budget(name, 0.1)
     params = jax.eval_shape(lambda: M.random_params(CFG, jax.random.PRNGKey(0)))
     states = jax.eval_shape(lambda: engine.init_states(CFG, method, batch, Capacity(t, 16), jnp.float32))
     s = jax.ShapeDtypeStruct

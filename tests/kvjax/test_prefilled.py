@@ -12,6 +12,7 @@ from kvjax import engine, methods, prefilled as P
 from kvjax import model as M
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
+from methods_table import small
 
 
 # the sizes and seed of the tiny fixture's model (tests/conftest.py)
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.tiny(num_layers=3, max_position_embeddings=256, seed=3)
 
 
 def _method(name):
-    return methods.small(name, **({} if name == "full" else {"budget": 0.3}))
+    return small(name, **({} if name == "full" else {"budget": 0.3}))
 
 
 def _batch():

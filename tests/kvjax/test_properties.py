@@ -53,6 +53,7 @@ from kvjax.methods.clusterkv import ClusterState
 from kvjax.methods.less import LessState
 from kvjax.methods.pqcache import PQState
 from kvjax.methods.quest import QuestState
+from methods_table import small, small_at_budget, small_variants
 from tiny_models import tiny_model
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,7 +79,7 @@ NEW = STEPS + 1
 VOCAB = 64
 NUM_LAYERS = 2
 
-# Every method is built at its own test sizes (``methods.small``: base.Method.small_options); its smallest legal
+# Every method is built at its own test sizes (``methods_table.small``); its smallest legal
 # count budget (``min_legal_budget``), whether it holds exactly ``held`` tokens (``holds_exactly``) and whether it
 # recalls (``recalls``) are its declarations, not tables here.
 
@@ -100,13 +101,13 @@ class Case:
     options: tuple = ()  # extra static options, e.g. LESS's policy
 
     def method(self):
-        return methods.at_budget(self.name, self.budget, small_sizes=True, **dict(self.options))
+        return small_at_budget(self.name, self.budget, **dict(self.options))
 
 
 def budgets(name: str, bucket: int):
     """Fractions from the smallest legal one (1/10000: one token) to 1.0, and counts from the smallest legal
     one to beyond the bucket + decode steps."""
-    low = methods.small(name).min_legal_budget()
+    low = small(name).min_legal_budget()
     frac = st.one_of(
         st.sampled_from([0.0001, 0.1, 0.25, 0.3, 0.5, 1.0]), st.integers(1, 10_000).map(lambda i: i / 10_000)
     )
@@ -142,8 +143,8 @@ def any_case(draw, name: str):
 
 
 def options(name: str):
-    """Static options varied per method: its declared ``small_variants`` (sparingly: each value compiles)."""
-    return st.sampled_from([tuple(v.items()) for v in methods.REGISTRY[name].small_variants()])
+    """Static options varied per method: its ``small_variants`` (tests/methods_table.py; each value compiles)."""
+    return st.sampled_from([tuple(v.items()) for v in small_variants(name)])
 
 
 #: A dynamic draw: up to 4 prompt lengths (clipped to the bucket, the first ``batch`` used; 1 and the bucket
@@ -161,7 +162,7 @@ def explicit(name: str):
     """The fixed example every profile runs for this method: large batches, GQA, bf16, mid and extreme budgets,
     rotated over the methods so that the default profile covers every dimension; two draws of varied lengths."""
     i = methods.names().index(name)
-    low = methods.small(name).min_legal_budget()
+    low = small(name).min_legal_budget()
     table = [
         dict(batch=4, bucket=32, ratio=3, kv_heads=2, head_dim=64, dtype="bfloat16", budget=0.3),
         dict(batch=3, bucket=32, ratio=8, kv_heads=1, head_dim=128, dtype="float32", budget=max(low, 12)),
@@ -171,7 +172,7 @@ def explicit(name: str):
     ]
     row = dict(table[i % len(table)])
     row["budget"] = row["budget"] if methods.takes_budget(name) else 0
-    case = Case(name, **row, options=tuple(methods.REGISTRY[name].small_variants()[0].items()))
+    case = Case(name, **row, options=tuple(small_variants(name)[0].items()))
     draws = [([1, 64, 17, 40], 1), ([64, 3, 33, 64], 2)]
     return case, draws
 

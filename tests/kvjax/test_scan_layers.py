@@ -24,15 +24,16 @@ from kvjax.config import ModelConfig
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
+from methods_table import small_at_budget
 from tiny_models import tiny_config
 
 BUCKET, STEPS = 64, 4
 
 
 def method(name, budget=0.3, **extra):
-    """``name`` at its small options (``methods.small``: every method compresses at these lengths, as in the
+    """``name`` at its small options (``methods_table.small``: every method compresses at these lengths, as in the
     budget-contract tests), then ``extra``."""
-    return methods.at_budget(name, budget, small_sizes=True, **extra)
+    return small_at_budget(name, budget, **extra)
 
 
 SIZES = dict(vocab_size=256, intermediate_size=128, num_layers=4, max_position_embeddings=512)

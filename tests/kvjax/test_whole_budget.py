@@ -1,6 +1,6 @@
 """Which methods generate what ``full`` does at ``budget=1.0``, as docs/interface.md's budget section says.
 
-Each registered method at its small sizes (``methods.small``: windows, pages and clusters of a few tokens, so its
+Each registered method at its small sizes (``methods_table.small``: windows, pages and clusters of a few tokens, so its
 decode-time mechanics run on a 48-token prompt) generates greedily on a tiny random Llama (tests/tiny_models.py)
 beside ``full``. The budget contract predicts the outcome: a method equals ``full`` when it holds ``n + s``
 tokens at every step ``s`` and, for a recall method, attends all of them (``attended(n, s) >= n + s + 1``, the new
@@ -21,6 +21,7 @@ from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
 from extended import GROUPS, cases, group
 from tiny_models import save_tiny_llama
+from methods_table import small_at_budget
 
 pytest.importorskip("transformers")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "interface.md"
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # small windows: budget warnings
             for name in dict.fromkeys(("full", *names)):  # full: the reference, once
-                m = methods.at_budget(name, 1.0, small_sizes=True)
+                m = small_at_budget(name, 1.0)
                 out[name] = (m, engine.generate(model, prompts, m, max_new_tokens=NEW, stop_at_eos=False).tokens)
         return model, out
 

@@ -28,6 +28,7 @@ from kvjax.loading import Model
 from kvjax.methods.base import Capacity
 from extended import REPRESENTATIVES
 from kvjax.model import random_params
+from methods_table import small
 from tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +41,7 @@ BATCH, BUCKET, STEPS = 8, 64, 5
 
 
 def method(name, budget=0.3):
-    return methods.small(name, **({} if name == "full" else {"budget": budget}))
+    return small(name, **({} if name == "full" else {"budget": budget}))
 
 
 def tiny(kv_heads: int, layers: int = 2) -> Model:
