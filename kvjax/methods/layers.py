@@ -70,7 +70,6 @@ class PerLayerPlan(Method):
     holds_exactly = property(lambda self: self.inner.holds_exactly)
     offloads = property(lambda self: self.inner.offloads)
     step_kernels = property(lambda self: self.inner.step_kernels)
-    xla_bytes_band = property(lambda self: self.inner.xla_bytes_band)
     recompresses = property(lambda self: self.inner.recompresses)
 
     def min_legal_budget(self) -> int:
