@@ -71,6 +71,7 @@ class PerLayerPlan(Method):
     offloads = property(lambda self: self.inner.offloads)
     step_kernels = property(lambda self: self.inner.step_kernels)
     recompresses = property(lambda self: self.inner.recompresses)
+    why_no_decode_budget = property(lambda self: self.inner.why_no_decode_budget)
 
     def min_legal_budget(self) -> int:
         return self.inner.min_legal_budget()
