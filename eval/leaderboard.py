@@ -52,7 +52,7 @@ class Board:
     tasks: tuple[str, ...] = TASKS
     length: int = 4096
     contexts: int = 10  # per task
-    batch: int = 5
+    batch: int = 10
     max_new_tokens: int = 40  # four 7-digit numbers (multivalue) take about 36 tokens of a digit-wise tokenizer
     seed: int = 0
     options: tuple = ()  # ((method, ((key, value), ...)), ...): method options, hashable
