@@ -18,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod
+from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod, check_registrable
 from kvjax.methods.chelsea import Chelsea
 from kvjax.methods.bounded import DEFAULT_EVERY, DecodeBudget
 from kvjax.methods.chunkkv import ChunkKV
@@ -132,17 +132,7 @@ def register(cls: type) -> type:
     grid and the registry-driven tests know it. ValueError for a class that is not a dataclass subclassing
     :class:`Method` with a ``name``, or a name another class already holds. A class whose dataclass made its
     ``__eq__`` (``eq=True``, the default) gets :class:`Method`'s, which tells ``budget=1`` from ``budget=1.0``."""
-    if not (isinstance(cls, type) and issubclass(cls, Method) and dataclasses.is_dataclass(cls) and cls.name):
-        raise ValueError(
-            f"register({cls!r}): a method is a frozen dataclass subclassing kvjax.methods.Method with a non-empty "
-            "`name: ClassVar[str]`"
-        )
-    have = REGISTRY.get(cls.name)
-    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(
-            f"method name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
-            f"{cls.__qualname__} another name"
-        )
+    check_registrable(cls, Method, "kvjax.methods.Method", REGISTRY, "register", "method")
     if "__eq__" in cls.__dict__:  # the dataclass default compares values only (budget=1 == budget=1.0)
         cls.__eq__, cls.__hash__ = Method.__eq__, Method.__hash__
     REGISTRY[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself

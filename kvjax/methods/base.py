@@ -523,3 +523,20 @@ def sum_small_axis(x: jnp.ndarray, axis: int) -> jnp.ndarray:
     for p in parts[1:]:
         out = out + p
     return out
+
+
+def check_registrable(cls, base: type, base_path: str, registry: dict, register: str, kind: str) -> None:
+    """The checks :func:`kvjax.methods.register` and :func:`kvjax.methods.scorers.register_scorer` share: ``cls`` is a
+    dataclass subclassing ``base`` with a non-empty ``name``, and no other class holds that name in ``registry`` (the
+    same class loaded again, a plugin file run twice, may replace itself). ValueError naming the fix otherwise."""
+    if not (isinstance(cls, type) and issubclass(cls, base) and dataclasses.is_dataclass(cls) and cls.name):
+        raise ValueError(
+            f"{register}({cls!r}): a {kind} is a frozen dataclass subclassing {base_path} with a non-empty "
+            "`name: ClassVar[str]`"
+        )
+    have = registry.get(cls.name)
+    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(
+            f"{kind} name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
+            f"{cls.__qualname__} another name"
+        )

@@ -29,6 +29,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kernels_pallas.checks import check_int
+from kvjax.methods.base import check_registrable
 from kvjax.methods.select import accumulated_scores, observed_votes, pool1d, window_scores
 
 
@@ -96,17 +97,7 @@ def register_scorer(cls: type) -> type:
     methods: then ``methods.get("snapkv", scorer=cls.name)`` (any method with a ``scorer`` option) builds it with the
     options it shares with the method (``window``, ``kernel``, ``pool``; its other fields at their defaults).
     ValueError for a class that is not one, or a name another class already holds."""
-    if not (isinstance(cls, type) and issubclass(cls, Scorer) and dataclasses.is_dataclass(cls) and cls.name):
-        raise ValueError(
-            f"register_scorer({cls!r}): a scorer is a frozen dataclass subclassing kvjax.methods.scorers.Scorer with "
-            "a non-empty `name: ClassVar[str]`"
-        )
-    have = SCORERS.get(cls.name)
-    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(
-            f"scorer name {cls.name!r} is already registered by {have.__module__}.{have.__qualname__}; give "
-            f"{cls.__qualname__} another name"
-        )
+    check_registrable(cls, Scorer, "kvjax.methods.scorers.Scorer", SCORERS, "register_scorer", "scorer")
     SCORERS[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself
     return cls
 
