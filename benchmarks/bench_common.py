@@ -135,7 +135,7 @@ def time_decode_loop(model, method, tokens, lengths, cap, steps: int):
     import jax.numpy as jnp
 
     from kvjax import engine
-    from kvjax.sampling import Greedy
+    from kvjax.engine.sampling import Greedy
 
     cfg = model.config
     loop = engine.DecodeLoop(cfg, method, Greedy(), steps + 1, ())

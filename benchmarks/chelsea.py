@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvjax  # noqa: E402
 from bench_common import write_json  # noqa: E402
 from eval import fidelity  # noqa: E402
-from kvjax import assets, engine, methods  # noqa: E402
+from kvjax.loading import assets  # noqa: E402
+from kvjax import engine, methods
 
 NEEDLE = "The secret passcode for the vault is {code}."
 QUESTION = "What is the secret passcode for the vault? Answer with the number only."

@@ -30,7 +30,9 @@ import numpy as np
 
 import kvjax
 from bench_common import commit, device_fields, write_json
-from kvjax import assets, core, engine, methods
+from kvjax.loading import assets
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model, default_dtype
 from kvjax.methods import clusterkv as ckv

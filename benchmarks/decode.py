@@ -28,7 +28,8 @@ import numpy as np
 
 import kvjax
 from bench_common import device_fields, parse_budget, time_decode_loop, write_json
-from kvjax import assets, engine, methods
+from kvjax.loading import assets
+from kvjax import engine, methods
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.loading import Model, default_dtype
 from kvjax.methods.base import Capacity

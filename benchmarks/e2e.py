@@ -110,7 +110,7 @@ from e2e_torch import DONE, ROW  # noqa: E402  (the torch side's protocol; it im
 from kvjax import engine, methods, model as M  # noqa: E402
 from kvjax.config import ModelConfig, RopeConfig  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
-from kvjax.sampling import Greedy  # noqa: E402
+from kvjax.engine.sampling import Greedy  # noqa: E402
 
 #: Llama-3.1-8B(-Instruct)'s shapes (its config.json): GQA 32/8 heads, llama3 rope scaling, 128k context.
 LLAMA31_8B = ModelConfig(

@@ -239,7 +239,7 @@ def main(argv=None):
     import jax
 
     import kvjax
-    from kvjax import assets
+    from kvjax.loading import assets
 
     hf = Path(a.hf_dir)
     if not (hf / "ok.npy").exists():

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     presses = [p.strip() for p in a.presses.split(",") if p.strip()]
     done = {r["job_key"] for r in leaderboard.read_jsonl(out / leaderboard.PEER_ROWS)}
     jobs = [j for j in _jobs(examples, presses, ratios) if j["key"] not in done]
-    from kvjax import assets
+    from kvjax.loading import assets
 
     gguf = assets.gemma3_270m_gguf_path() if board.model == assets.GEMMA3_270M_NAME else Path(board.model)
     if gguf.suffix != ".gguf":

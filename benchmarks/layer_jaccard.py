@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 import kvjax
 from bench_common import write_json
-from kvjax import analysis, assets, engine, methods
+from kvjax import analysis, engine, methods
+from kvjax.loading import assets
 from kvjax.methods.base import Capacity
 from kvjax.methods.layers import same_as_previous
 

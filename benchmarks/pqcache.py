@@ -34,7 +34,8 @@ from tqdm import tqdm
 
 import kvjax
 from bench_common import device_fields, time_decode_loop, write_json
-from kvjax import assets, engine, methods
+from kvjax.loading import assets
+from kvjax import engine, methods
 from kvjax import model as M
 from kvjax.methods.base import Capacity
 from kvjax.methods.pqcache import PQCache

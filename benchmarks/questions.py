@@ -1,4 +1,4 @@
-"""One compressed context, many questions, against compressing the context per question (kvjax.questions).
+"""One compressed context, many questions, against compressing the context per question (kvjax.engine.questions).
 
 On the embedded SmolLM2 (float32): a context of ``--context`` tokens (the essays), ``--questions`` questions of
 different lengths, ``--new`` greedy tokens each, under ``--method`` at ``--budget``. Three ways, each timed warm
@@ -24,7 +24,9 @@ import numpy as np
 
 import kvjax
 from eval import harness
-from kvjax import assets, methods, questions
+from kvjax.loading import assets
+from kvjax import methods
+from kvjax.engine import questions
 
 
 def main(argv=None):
@@ -67,7 +69,7 @@ def main(argv=None):
         qtok = np.zeros((q, max(len(x) for x in qs)), np.int32)
         for i, x in enumerate(qs):
             qtok[i, : len(x)] = x
-        loop = questions.AnswerLoop(cfg, method, kvjax.sampling.Greedy(), a.new, ())
+        loop = questions.AnswerLoop(cfg, method, kvjax.engine.sampling.Greedy(), a.new, ())
         out, *_ = questions.answer_loop(
             loop,
             model.params,

@@ -14,7 +14,7 @@ For each depth and method it builds a random-weight model (``--hidden`` / ``--he
 
 It prints a table and writes JSON (jax version, device, commit) with ``--out``. Compile time is what
 ``scan_layers`` is for; the step time shows what running the layers as one loop body costs (the method's writes go
-into the stacked cache in place, :mod:`kvjax.inplace`).
+into the stacked cache in place, :mod:`kvjax.engine.inplace`).
 
 Where the cache dominates (Llama-3.1-8B's attention shapes, long prompts) the model's own prefill would take
 minutes on a CPU; ``--prefill random`` fills every layer's state through the method's own ``prefill`` with random
@@ -42,7 +42,7 @@ from kvjax import engine, methods, model as M
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.methods.layers import same_as_previous
-from kvjax.sampling import Greedy
+from kvjax.engine.sampling import Greedy
 
 #: Options that make the windowed methods compress at short prompts (as the tests use).
 SMALL = {

@@ -21,7 +21,7 @@ import time
 import warnings
 from pathlib import Path
 
-from kvjax import assets
+from kvjax.loading import assets
 from kvjax.cli import (
     HelpFormatter,
     add_plugin_option,
@@ -356,7 +356,7 @@ def _common(
         action=argparse.BooleanOptionalAction,
         default=True,
         help="needle, perplexity and ruler: run the model's prefill of each batch once and let every "
-        "method compress it (kvjax.prefilled; same results up to float rounding; "
+        "method compress it (kvjax.engine.prefilled; same results up to float rounding; "
         "--no-share-prefill prefills per method)",
     )
     sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
@@ -496,7 +496,7 @@ def _add_tasks(add) -> None:
         type=int,
         default=1,
         help="multikey only: ask this many questions (distinct needles) per context; the context is compressed "
-        "once and its questions answered in one batch (kvjax.questions)",
+        "once and its questions answered in one batch (kvjax.engine.questions)",
     )
 
     f = add(

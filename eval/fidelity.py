@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.checks import check_int
-from kvjax import analysis, assets, engine, methods
+from kvjax import analysis, engine, methods
+from kvjax.loading import assets
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity

@@ -158,7 +158,7 @@ def answer_after_context(
     Returns the decoded answers (up to EOS or ``max_new_tokens`` tokens); token id lists for a model loaded
     without a tokenizer. With ``memory=True``: ``(answers, memory rows)`` (:func:`memory_rows` of the final
     states). ``prefilled``: the model's prefill of these very contexts padded to ``bucket``
-    (:func:`kvjax.prefilled.prefill_once`), which ``method`` then only compresses (one prefill for many methods).
+    (:func:`kvjax.engine.prefilled.prefill_once`), which ``method`` then only compresses (one prefill for many methods).
     """
     cfg = model.config
     b = len(contexts)

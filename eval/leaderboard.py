@@ -14,7 +14,7 @@ prompts, no chat template; by default the embedded Gemma 3 270M):
   scores it; a cell is the mean over its contexts in percent with a 95% interval, and the average over tasks is the
   mean of the task means (kvpress's "average"), its interval from the tasks' variances (stratified).
 
-One prefill per batch of contexts serves every method (:mod:`kvjax.prefilled`): the loop runs batch-major, so each
+One prefill per batch of contexts serves every method (:mod:`kvjax.engine.prefilled`), batch-major, so each
 batch's prefill lives only while its configurations run. Every finished (batch, configuration) appends its rows to
 ``rows.jsonl`` in the output folder; a run started again with the same settings skips what that file holds (a killed
 run resumes where it stopped). Outputs: ``leaderboard.json``, ``leaderboard.md`` and ``leaderboard.png``.
@@ -261,7 +261,7 @@ def run(
     not among the settings a resumed run must match, since the folder's path differs between machines)."""
     from tqdm.auto import tqdm
 
-    from kvjax import prefilled as P
+    from kvjax.engine import prefilled as P
 
     out = Path(out)
     options = board.method_options()

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvjax import assets
+from kvjax.loading import assets
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 INSTRUCTION = "Read the text and find the pass key.\n\n"

@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import assets, engine
+from kvjax.loading import assets
+from kvjax import engine
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
-from kvjax.prefilled import compress, same_batch
+from kvjax.engine.prefilled import compress, same_batch
 
 
 @functools.lru_cache(maxsize=2)
@@ -61,7 +62,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
     ``Capacity(prefix, N)``; ``N - 1`` decode steps, all through the same compiled ``decode_step``.
     With ``memory=True``: ``(nll, memory rows)`` (:func:`eval.harness.memory_rows` of the final states).
-    ``prefilled``: the model's prefill of ``seqs[:, :prefix]`` (:func:`kvjax.prefilled.prefill_once`), which the
+    ``prefilled``: the model's prefill of ``seqs[:, :prefix]`` (:func:`kvjax.engine.prefilled.prefill_once`), which the
     method then only compresses. ``memory_at`` (with ``memory=True``): continuation lengths ``L`` at which the
     memory rows are also read (after the ``L``-th token is scored, ``L - 1`` decode steps); the result is then
     ``(nll, rows, {L: rows})``.
@@ -80,7 +81,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     if prefilled is not None and not same_batch(prefilled, np.asarray(seqs)[:, :prefix], np.full((b,), prefix)):
         raise ValueError(
             f"prefilled= is not the prefill of these sequences' {prefix}-token prefixes; pass "
-            "kvjax.prefilled.prefill_once(model, seqs[:, :prefix], lengths)"
+            "kvjax.engine.prefilled.prefill_once(model, seqs[:, :prefix], lengths)"
         )
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
     method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)

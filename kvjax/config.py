@@ -211,7 +211,7 @@ def _rope_from_hf(cfg: Mapping[str, Any], layer_type: str | None = None, default
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported by kvjax (supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or add it to kvjax/rope.py"
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a checkpoint without it or add it to kvjax/model/rope.py"
         )
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):

@@ -47,7 +47,7 @@ from kvjax.config import ModelConfig
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 #: Logical axis names of cache-state leaves (see ``Method.state_axes``) and the mesh axis each maps to. ``slots``
-#: (a slot buffer's token axis, which :mod:`kvjax.accounting` charges per held token) is never split.
+#: (a slot buffer's token axis, which :mod:`kvjax.engine.accounting` charges per held token) is never split.
 BATCH, KV_HEADS, SLOTS = "batch", "kv_heads", "slots"
 LOGICAL_TO_MESH = {BATCH: DATA, KV_HEADS: MODEL}
 

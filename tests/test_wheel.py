@@ -57,7 +57,7 @@ def test_build_makes_an_sdist_and_a_wheel_with_the_package_data(dist):
     names = set(zipfile.ZipFile(wheels[0]).namelist())
     for package in ("kvjax", "kernels_pallas", "train_less", "eval"):
         assert f"{package}/py.typed" in names, f"{package}/py.typed is not in the wheel"
-    # LESS's kernels for the embedded models, read at run time (kvjax.assets.LESS_KERNELS)
+    # LESS's kernels for the embedded models, read at run time (kvjax.loading.assets.LESS_KERNELS)
     for folder in ("less-smollm2", "less-gemma3-270m"):
         for f in (ROOT / "kvjax" / "data" / folder).iterdir():
             assert f"kvjax/data/{folder}/{f.name}" in names, f"{f} is not in the wheel"

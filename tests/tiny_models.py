@@ -51,8 +51,8 @@ def save_tiny_llama(path, arch: str = "LlamaForCausalLM", **config) -> Path:
     template, written to ``path`` with ``save_pretrained``; the weights are :func:`random_hf`'s."""
     import transformers
 
-    from kvjax import assets
-    from kvjax.tokenizer import GGUFTokenizer
+    from kvjax.loading import assets
+    from kvjax.loading.tokenizer import GGUFTokenizer
 
     ours = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path())
     tok = transformers.PreTrainedTokenizerFast(

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
-from kvjax import assets
+from kvjax.loading import assets
 
 HELDOUT_ESSAYS = 8
 HELDOUT_BOOK = "John"

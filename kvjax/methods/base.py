@@ -72,7 +72,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.decode_attention import block_plan_bytes
-from kvjax import attention
+from kvjax.model import attention
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget  # noqa: F401  (re-exported for the methods)
 from kvjax.config import ModelConfig
 from kvjax.methods import boundary
@@ -280,7 +280,7 @@ class Method(abc.ABC):
         method keeps). :mod:`kvjax.sharding` maps ``batch`` to the mesh axis ``data`` and ``kv_heads`` to ``model``;
         override for leaves without a batch axis (they are then replicated). The leaves of the slot buffer, whose
         slots hold the tokens the method keeps (K, V and per-slot metadata: ``[B, Hkv, S, ...]``), declare their
-        third axis ``slots`` (:func:`slot_axes`): :mod:`kvjax.accounting` charges each held token one slot of
+        third axis ``slots`` (:func:`slot_axes`): :mod:`kvjax.engine.accounting` charges each held token one slot of
         them and counts the rest of the state as fixed. A :class:`SlotCache` declares its own."""
         if isinstance(state, SlotCache):
             return slot_axes(state, "k", "v", "pos", "score")

@@ -20,7 +20,7 @@ wraps such a method (one that declares ``recompressible``) and bounds what it ho
   slots per layer whatever ``max_new_tokens`` is: held and allocated memory are flat over any generation length.
 
 Everything is at fixed shapes: the re-compression runs when "a multiple of ``E`` steps and some sequence above
-``D_l``" holds (a while loop of at most one trip, which :mod:`kvjax.inplace` runs in place on a scanned layer);
+``D_l``" holds (a while loop of at most one trip, which :mod:`kvjax.engine.inplace` runs in place on a scanned layer);
 the step that does not re-compress updates the cache in place (no copy of a buffer; tested on the compiled loop).
 A step that re-compresses computes over every slot of the layer (``recompresses``).
 
@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.checks import check_int
-from kvjax import attention
+from kvjax.model import attention
 from kvjax.methods.base import (
     Capacity,
     LayerContext,
@@ -224,7 +224,7 @@ class DecodeBudget(Method):
         target = self._target_of(state)
         floor = target if self.threshold is None else w  # with a threshold any sequence beyond its window
         need = (jnp.mod(steps, self.every) == 0) & (cache.length > floor)
-        # At most one trip of a while loop rather than a lax.cond (kvjax.inplace): the loop carries the cache, so a
+        # At most one trip of a while loop, not a lax.cond (kvjax.engine.inplace): the loop carries the cache, so a
         # scanned layer's stack is re-compressed in place and a step that does not re-compress copies nothing. Its
         # predicate reads the attention's sum (l >= 0 always), which orders the writes after the attention's reads.
         go = jnp.any(need) & ~jnp.any(part[2] < 0)

@@ -31,7 +31,7 @@ from flax import struct
 
 from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
-from kvjax import attention
+from kvjax.model import attention
 from kvjax.budget import as_fraction, floor_fraction, floor_mul
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import Capacity, check_budget, LayerContext, Method, rows_at, slot_axes, tree_bytes
@@ -609,9 +609,9 @@ def _heads(x, heads: tuple) -> jnp.ndarray:
 
 
 def _head_sinks(kv_heads, g: int):
-    """The layer's attention sinks (:mod:`kvjax.sinks`) of the query heads of ``kv_heads`` (each KV head's ``g``
+    """The layer's attention sinks (:mod:`kvjax.model.sinks`) of the query heads of ``kv_heads`` (each KV head's ``g``
     query heads, in order), or None on a model without sinks."""
-    from kvjax import sinks
+    from kvjax.model import sinks
 
     s = sinks.current()
     if s is None:

@@ -28,8 +28,9 @@ from flax import struct
 from kernels_pallas.checks import check_int
 from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kernels_pallas.decode_attention import gather_runs, runs_mask
-from kvjax import attention, sharding
-from kvjax.attention import NEG_INF
+from kvjax.model import attention
+from kvjax import sharding
+from kvjax.model.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
 from kvjax.methods import kmeans as km
 from kvjax.methods import threshold as th

@@ -16,7 +16,7 @@ One spare slot makes this exact at a fixed shape; a sequence's live slots are ``
 those.
 
 The step (``decode_partial``) reads K and V once: one loop over the live slots in cache-sized chunks
-(:func:`kvjax.attention.attend_with_scores`) gives the attention partials, every slot's score ``q·k`` (kept in a
+(:func:`kvjax.model.attention.attend_with_scores`) gives the attention partials, every slot's score ``q·k`` (kept in a
 ``[B, Hkv, G, S]`` float32 scratch), the held count and the first empty slot; the new token is attended as its
 own partial. Two loops over the small per-slot arrays follow (:func:`_accumulate`): ``score += mean_g exp(s - m) /
 l`` in place, then the victim search (lowest score outside the recent window, first slot on ties). One scatter per
@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax import attention
+from kvjax.model import attention
 from kvjax.budget import as_fraction, floor_mul
 from kvjax.methods.base import (
     MIN_TOKENS,
@@ -114,8 +114,8 @@ class H2O(SlotMethod):
         """``decode`` returning the attention partials ``(o, m, l)`` and the pair evicted this step
         ``(k [B,Hkv,D], v [B,Hkv,D], evicted [B,Hkv] bool)`` (attended this step, evicted after it), for LESS.
 
-        Two loops over the live slots ``[0, length)`` (``chunk`` slots per step, :func:`kvjax.attention.live_chunk`):
-        :func:`kvjax.attention.attend_with_scores` reads K, V and ``pos`` once (partials, each slot's score, the
+        Two loops over live slots ``[0, length)`` (``chunk`` slots per step, :func:`kvjax.model.attention.live_chunk`):
+        :func:`kvjax.model.attention.attend_with_scores` reads K, V and ``pos`` once (partials, each slot's score, the
         held count and the first empty slot); :func:`_accumulate` reads the scores, ``score`` and ``pos`` once, adds
         the weights into ``score`` in place and finds the victim. The new token is attended as its own partial
         (merged exactly) and written after."""

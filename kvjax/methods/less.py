@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.checks import check_int
-from kvjax import assets
+from kvjax.loading import assets
 from kvjax.budget import budget_tokens
 from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
@@ -129,7 +129,7 @@ class Less(Method):
 
     @classmethod
     def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
-        """The kernels shipped for an embedded model (``kvjax.assets.LESS_KERNELS``), trained with H2O at 0.2 of
+        """The kernels shipped for an embedded model (``kvjax.loading.assets.LESS_KERNELS``), trained with H2O at 0.2 of
         512 tokens: ``kvjax-eval main`` uses them at 0.2 of each prompt and says so once (its notes) instead of
         warning per prompt length that they were trained at another budget (base.Method.model_defaults)."""
         shipped = assets.LESS_KERNELS.get(model)

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.checks import check_int
-from kvjax import attention
-from kvjax.attention import NEG_INF
-from kvjax.sinks import current as current_sinks, sink_lse
+from kvjax.model import attention
+from kvjax.model.attention import NEG_INF
+from kvjax.model.sinks import current as current_sinks, sink_lse
 
 
 def _safe_log(x):
@@ -40,7 +40,7 @@ def synthesize(part, phq, H, z):
     b, hq, r = phq.shape
     hkv, d = H.shape[1], H.shape[-1]
     phg = phq.reshape(b, hkv, hq // hkv, r).astype(jnp.float32)
-    # the sparse part's log-sum-exp, with the layer's attention sinks (kvjax.sinks) where the model has them: the
+    # the sparse part's log-sum-exp, with the layer's attention sinks (kvjax.model.sinks) where the model has them: the
     # sink is one more term of the shared denominator, and normalise(part) below divides by it too
     lse_sp = sink_lse(m, l, current_sinks())
     log_lr = _safe_log(jnp.einsum("bhgr,bhr->bhg", phg, z).reshape(b, hq))

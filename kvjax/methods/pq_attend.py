@@ -13,8 +13,8 @@ import numpy as np
 
 from kernels_pallas.decode_attention import default_impl as attention_impl
 from kernels_pallas.decode_attention.xla import chunk_rows
-from kvjax import attention
-from kvjax.attention import NEG_INF
+from kvjax.model import attention
+from kvjax.model.attention import NEG_INF
 from kvjax.methods.base import rows_at
 
 
@@ -61,7 +61,7 @@ def attend_range(q, k, v, lo, hi, chunk: int):
 def attend_rows(q, k, v, idx, ok, chunk: int):
     """Partials of ``q`` over the rows ``idx [B, Hkv, N]`` (``ok`` a prefix of each row) of ``k, v``, gathered
     ``chunk`` rows at a time (trip count: the most ``ok`` entries of any row over ``chunk``, as
-    :func:`kvjax.attention.chunk_trips` counts them)."""
+    :func:`kvjax.model.attention.chunk_trips` counts them)."""
     n = idx.shape[-1]
     c = min(chunk, n)
     pad = -n % c
@@ -105,7 +105,7 @@ def row_chunk(k) -> int:
 def parts(k, *, sink: int, window: int, topk: int) -> tuple[tuple[str, int], ...]:
     """The sparse step's attention calls over ``k [B, Hkv, S, D]``, in merge order, with the rows each call reads:
     the new token (``"token"``, 1, from the step's input), the sinks (``"sink"``, all ``sink`` rows), the local window
-    (``"window"``: one slice of its width per sequence in one pass, :func:`kvjax.attention.one_pass`, else chunks of
+    (``"window"``: one slice of its width per sequence, one pass, :func:`kvjax.model.attention.one_pass`, else chunks of
     ``min(chunk, W)`` from the batch's earliest window start) and the retrieved rows (``"retrieved"``: chunks of
     ``min(chunk, topk)``); ``chunk``: :func:`row_chunk`. Static: read at trace time (the step) or on the host (the
     byte count)."""

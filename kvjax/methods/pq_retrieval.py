@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.pq_lookup import pq_lookup
-from kvjax import attention
-from kvjax.attention import NEG_INF
+from kvjax.model import attention
+from kvjax.model.attention import NEG_INF
 from kvjax.methods import pq_index
 from kvjax.methods import threshold as th
 from kvjax.methods.base import sum_small_axis
@@ -31,7 +31,7 @@ WORD = 32
 
 def scan_chunk(sc: int) -> int:
     """Slots per chunk of the code pass over ``sc`` slots: ``SCAN_CHUNK`` on CPU, every slot in one pass
-    (:func:`kvjax.attention.one_pass`)."""
+    (:func:`kvjax.model.attention.one_pass`)."""
     return sc if attention.one_pass() else min(SCAN_CHUNK, sc)
 
 
@@ -67,7 +67,7 @@ def tuple_keys(lut, hist, d: int) -> jnp.ndarray:
 
 
 def scan_codes(codes, keys, tau, sink: int, end, kc: int):
-    """One pass over the candidates' codes (:func:`kvjax.attention.live_pass`: chunks of :func:`scan_chunk` up
+    """One pass over the candidates' codes (:func:`kvjax.model.attention.live_pass`: chunks of :func:`scan_chunk` up
     to ``max(end)``, or every slot at once where at least half are candidates): each slot's
     tuple key looked up in ``keys [B, Hkv, K^m]``, compared with ``tau [B, Hkv]``. Returns the bit words
     ``(above, tied) [B, Hkv, S_c / 32]`` uint32 of the candidates ``[sink, end[b])`` (zero past them)."""

@@ -30,7 +30,8 @@ from flax import struct
 from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
 from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
-from kvjax import attention, sharding
+from kvjax.model import attention
+from kvjax import sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, warn_full_attention
 from kvjax.methods import pq_attend, pq_index, pq_retrieval
 from kvjax.methods.base import (
@@ -419,7 +420,7 @@ class PQCache(Method):
         counted once per pass that streams it (the bisection's 32 counts re-read a table that stays in cache:
         counted once).
 
-        - ``codes``: ``m`` bytes per slot the code pass visits (:func:`kvjax.attention.live_pass`: every slot
+        - ``codes``: ``m`` bytes per slot the code pass visits (:func:`kvjax.model.attention.live_pass`: every slot
           where at least half are candidates, else whole chunks of ``pq_retrieval.SCAN_CHUNK`` slots up to the largest
           candidate end of the batch) on the table path; on the per-slot path the lookup's reads (the
           Pallas kernels stop at the candidate end, the XLA reference reads all ``S_c`` slots);

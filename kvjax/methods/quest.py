@@ -29,7 +29,8 @@ from flax import struct
 
 from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import block_plan_bytes
-from kvjax import attention, sharding
+from kvjax.model import attention
+from kvjax import sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
@@ -63,7 +64,7 @@ def _top_pages(score, cur, keep, topk: int):
 
 def _score_chunk(h: int, d: int, itemsize: int, n_pages: int) -> int:
     """Pages per scoring chunk: on CPU about ``SCORE_CHUNK_BYTES`` of ``kmax`` for one sequence, at least 16;
-    elsewhere every page at once (one pass, no loop: :func:`kvjax.attention.chunk_loop`). At most ``n_pages``."""
+    elsewhere every page at once (one pass, no loop: :func:`kvjax.model.attention.chunk_loop`). At most ``n_pages``."""
     if attention.one_pass():
         return n_pages
     return min(max(SCORE_CHUNK_BYTES // max(h * d * itemsize, 1), 16), n_pages)

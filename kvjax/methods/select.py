@@ -13,8 +13,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from kvjax import attention, sharding
-from kvjax.attention import NEG_INF
+from kvjax.model import attention
+from kvjax import sharding
+from kvjax.model.attention import NEG_INF
 from kvjax.methods.base import top_k
 
 
@@ -71,7 +72,7 @@ ENV_PROMPT_PASS = "KVJAX_PROMPT_PASS"
 
 def prompt_pass_method(path: str | None = None) -> str:
     """``path`` if given, else ``$KVJAX_PROMPT_PASS`` if set, else ``tiles`` on the CPU backend and ``bands`` on a
-    GPU/TPU (:func:`kvjax.attention.one_pass`: there every loop trip is a host round trip and every small tile a
+    GPU/TPU (:func:`kvjax.model.attention.one_pass`: there every loop trip is a host round trip and every small tile a
     kernel launch). Read at trace time. Both give the same scores and output to float32 rounding
     (tests/kvjax/test_prompt_pass.py)."""
     how = path or os.environ.get(ENV_PROMPT_PASS) or ("bands" if attention.one_pass() else "tiles")

@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from kernels_pallas.checks import check_int
-from kvjax import attention
+from kvjax.model import attention
 from kvjax.methods.base import (
     Capacity,
     LayerContext,

@@ -30,7 +30,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from kvjax import attention
+from kvjax.model import attention
 
 _SIGN = 0x80000000
 #: Environment variable choosing :func:`kth_key`'s method: "bisect" or "sort" (unset: by backend).

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kvjax import assets, core, engine, methods  # noqa: E402
+from kvjax.loading import assets  # noqa: E402
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax.loading import load_model  # noqa: E402
 from kvjax.methods.base import Capacity  # noqa: E402
 

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.decode_attention import ENV_IMPL
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params

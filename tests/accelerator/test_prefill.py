@@ -1,5 +1,5 @@
 """Prefill attention on the device: the platform's fused kernel (``cudnn`` on a GPU, ``splash`` on a TPU; see
-``kvjax.prefill_attention``) compiled, against the pure-JAX ``chunked`` reference on the same device, and a
+``kvjax.model.prefill_attention``) compiled, against the pure-JAX ``chunked`` reference on the same device, and a
 64k-token prefill that must run in memory linear in T.
 
 Runs only on a GPU/TPU backend: ``JAX_PLATFORMS=cuda python3 -m pytest tests/accelerator -m accelerator``
@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax import model as M
-from kvjax import prefill_attention as P
+from kvjax.model import prefill_attention as P
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.methods.base import Capacity
 

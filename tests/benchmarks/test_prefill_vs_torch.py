@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_smoke(tmp_path):
-    from kvjax import assets
+    from kvjax.loading import assets
 
     try:
         assets.smollm2_gguf_path()

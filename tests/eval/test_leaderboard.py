@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 import kvjax
-from kvjax import assets
+from kvjax.loading import assets
 from eval import harness, leaderboard, ruler
 
 
@@ -56,7 +56,8 @@ def test_a_killed_run_resumes_to_the_same_rows(smol, tmp_path, monkeypatch):
     """The whole run; then its rows.jsonl cut after two cells (the third written half): the rerun runs only the
     missing cells, with one model prefill per batch, and gives the same rows. Every cell's answers equal a prefill
     of its own (harness.answer_after_context without ``prefilled``)."""
-    from kvjax import engine, prefilled as P
+    from kvjax import engine
+    from kvjax.engine import prefilled as P
 
     board = _board()
     whole = leaderboard.run(smol, board, tmp_path / "a", progress=False)

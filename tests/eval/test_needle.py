@@ -62,7 +62,7 @@ def test_ruler_examples(smol):
 @pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
 def test_ruler_questions_share_one_context(smol):
     """``questions=3``: one multikey context, three questions on distinct needles; the context compressed once
-    (kvjax.questions) gives the answers of compressing it for each question (harness.answer_after_context)."""
+    (kvjax.engine.questions) gives the answers of compressing it for each question (harness.answer_after_context)."""
     task = ruler.RulerTask(lengths=(320,), tasks=("multikey",), samples=1, batch=1, max_new_tokens=8, questions=3)
     prepared = task.prepare(smol)
     (e,) = prepared[1][0]

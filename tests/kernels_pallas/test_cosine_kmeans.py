@@ -18,7 +18,7 @@ from kernels_pallas.cosine_kmeans import (
     default_impl,
     lloyd_step,
 )
-from kvjax.census import Census, loop_census
+from kvjax.engine.census import Census, loop_census
 
 # ---------------------------------------------------------------------------------------------- numpy float64
 

@@ -221,7 +221,7 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_kvjax_attend_routes_through_decode_attention():
-    from kvjax import attention
+    from kvjax.model import attention
 
     q, k, v, kw = _case("g1_odd_valid_bias_lengths")
     got = attention.attend(q, k, v, kw["valid"], bias=kw["bias"])  # CPU: xla
@@ -235,9 +235,9 @@ def test_kvjax_attend_routes_through_decode_attention():
 @pytest.mark.parametrize("impl", ("reference", "xla") + tuple(PALLAS))
 @pytest.mark.parametrize("case", ("g1_odd_valid_bias_lengths", "g8_empty_and_full_mask_tpu_legal"))
 def test_learned_sinks_join_every_kernels_softmax(impl, case):
-    """gpt-oss's attention sinks (kvjax.sinks): a sink logit per query head merged into each kernel's partials before
+    """gpt-oss's sinks (kvjax.model.sinks): a sink logit per query head merged into each kernel's partials before
     normalising equals a NumPy softmax with the sink as one more logit (its value zero); an empty row stays 0."""
-    from kvjax.attention import normalise as normalise_sinks
+    from kvjax.model.attention import normalise as normalise_sinks
 
     q, k, v, kw = _case(case)
     b, hq, d = q.shape

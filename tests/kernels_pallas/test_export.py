@@ -11,7 +11,7 @@ nothing. Shapes: SmolLM2's heads (9 query / 3 KV, head_dim 64) and Llama-3.1-8B'
 odd buffer lengths, per-sequence lengths and block lists. The numbers are checked elsewhere: interpret mode on
 CPU (the other files here) and compiled on a device (tests/accelerator).
 
-Prefill attention (``kvjax.prefill_attention``): its ``splash`` path (jax's Pallas splash-attention kernel) is
+Prefill attention (``kvjax.model.prefill_attention``): its ``splash`` path (jax's Pallas splash-attention kernel) is
 exported for ``tpu`` the same way. Its ``cudnn`` path cannot be exported from a CPU-only jaxlib: jax refuses to
 build the cuDNN call without cuDNN ("cuDNN is not detected."), which ``test_prefill_attention_cudnn_export``
 checks (and, where the CUDA plugin is installed, the export itself).
@@ -31,11 +31,12 @@ from kernels_pallas.chunked_similarity import chunk_best_match
 from kernels_pallas.cosine_kmeans import lloyd_step
 from kernels_pallas.decode_attention import ENV_IMPL, decode_attention
 from kernels_pallas.pq_lookup import pq_lookup
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax import model as M
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.methods.base import Capacity
-from kvjax.prefill_attention import prefill_attention
+from kvjax.model.prefill_attention import prefill_attention
 from methods_table import own_kernels
 
 S = jax.ShapeDtypeStruct
@@ -210,7 +211,7 @@ PREFILL_T = 4099  # a 4096-token prompt plus a ragged tail: padded to the 512-to
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 4096])
 def test_prefill_attention_splash_exports(heads, dtype, window):
-    """``kvjax.prefill_attention`` with ``impl="splash"`` (jax's splash-attention kernel) for ``tpu``: two
+    """``kvjax.model.prefill_attention`` with ``impl="splash"`` (jax's splash-attention kernel) for ``tpu``: two
     right-padded sequences (segment ids), causal or a sliding window (``LocalMask``), GQA through one
     multi-head kernel."""
     hq, hkv, d = HEADS[heads]
@@ -273,7 +274,7 @@ def test_prefill_attention_cudnn_export():
 def test_prefill_step_exports_splash(monkeypatch, model):
     """``core.prefill`` (3 layers, 2 sequences in a 1024-token bucket, the ``full`` method) for ``tpu`` with
     ``KVJAX_PREFILL_ATTENTION_IMPL=splash``: the engine's prefill attention goes through the splash kernel."""
-    from kvjax.prefill_attention import ENV_IMPL as PREFILL_ENV
+    from kvjax.model.prefill_attention import ENV_IMPL as PREFILL_ENV
 
     cfg, dtype = MODELS[model]
     monkeypatch.setenv(PREFILL_ENV, "splash")

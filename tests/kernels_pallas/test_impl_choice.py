@@ -20,7 +20,7 @@ import kernels_pallas.cosine_kmeans as ck
 import kernels_pallas.decode_attention as da
 import kernels_pallas.pq_lookup as pq
 from kernels_pallas import impl_choice as IC
-from kvjax import prefill_attention as P
+from kvjax.model import prefill_attention as P
 
 #: kernel -> (its default_impl, the XLA path's name)
 KERNELS = {

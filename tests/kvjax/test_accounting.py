@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import accounting, engine, methods
+from kvjax.engine import accounting
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from methods_table import small

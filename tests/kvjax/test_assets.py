@@ -1,11 +1,11 @@
-"""kvjax.assets: the Gemma 3 270M file joined from its chunk packages (fake packages written here, no download)."""
+"""kvjax.loading.assets: the Gemma 3 270M file joined from its chunk packages (fake packages, no download)."""
 
 import hashlib
 import importlib.util
 
 import pytest
 
-from kvjax import assets
+from kvjax.loading import assets
 
 
 @pytest.fixture

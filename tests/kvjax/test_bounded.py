@@ -259,7 +259,7 @@ def test_the_compiled_loop_updates_the_cache_in_place(tiny, name):
     states = engine.init_states(cfg, m, 2, Capacity(32, 40), jnp.float32)
     b, h, s, d = states[0].cache.k.shape
     shapes = (f"f32[{b},{h},{s},{d}]", f"s32[{b},{h},{s}]")
-    loop = engine.DecodeLoop(cfg, m, kvjax.sampling.Greedy(), 16, (63,))
+    loop = engine.DecodeLoop(cfg, m, kvjax.engine.sampling.Greedy(), 16, (63,))
     args = (tiny.params, states, jnp.zeros((2,), jnp.int32), jnp.asarray([20, 30]), jax.random.PRNGKey(0))
     hlo = engine.run_loop.lower(loop, "while", *args).compile().as_text()
     assert hlo.count(shapes[0]) > 0 and ("TopK" in hlo or " sort(" in hlo)
@@ -274,7 +274,7 @@ def test_scanned_layers_update_the_stack_in_place(tiny):
     states = jax.eval_shape(lambda: engine.init_states(cfg, m, b, cap, jnp.float32, scan_layers=True))
     assert [type(s) for s in states] == [engine.Stacked]
     params = jax.eval_shape(lambda: M.stack_layers(M.random_params(cfg, jax.random.PRNGKey(0))))
-    loop = engine.DecodeLoop(cfg, m, kvjax.sampling.Greedy(), cap.max_new_tokens, (63,))
+    loop = engine.DecodeLoop(cfg, m, kvjax.engine.sampling.Greedy(), cap.max_new_tokens, (63,))
     ints = jax.ShapeDtypeStruct((b,), jnp.int32)
     hlo = engine.run_loop.lower(loop, "while", params, states, ints, ints, jax.random.PRNGKey(0)).compile().as_text()
     L, _, h, s, d = states[0].state.cache.k.shape

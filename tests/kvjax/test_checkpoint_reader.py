@@ -1,4 +1,4 @@
-"""kvjax.checkpoint's safetensors reader (``_mapped``: the file mapped, each tensor a numpy view) against the
+"""kvjax.loading.checkpoint's safetensors reader (``_mapped``: the file mapped, each tensor a numpy view) against the
 ``safetensors`` package's own PyTorch reader, for every dtype it maps, and its error for a dtype it does not."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvjax.checkpoint import _mapped  # noqa: E402
+from kvjax.loading.checkpoint import _mapped  # noqa: E402
 
 
 def test_mapped_matches_safetensors(tmp_path):

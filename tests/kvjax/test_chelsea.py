@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import attention, engine, methods
+from kvjax.model import attention
+from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.chelsea import Chelsea
@@ -752,7 +753,7 @@ def test_decode_updates_the_cache_in_place(tiny):
     assert st.decode_rounds  # the step can compress
     b, hc, s, d = st.k.shape
     shapes = (f"f32[{b},{hc},{s},{d}]", f"f32[{b},{hc},{s}]")
-    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), 16, (95,))
+    loop = engine.DecodeLoop(cfg, method, kvjax.engine.sampling.Greedy(), 16, (95,))
     args = (tiny.params, states, jnp.zeros((2,), jnp.int32), jnp.asarray([50, 64]), jax.random.PRNGKey(0))
     hlo = engine.run_loop.lower(loop, "while", *args).compile().as_text()
     assert hlo.count(shapes[0]) > 0 and ("TopK" in hlo or " sort(" in hlo)  # the rounds are in the program

@@ -175,7 +175,7 @@ def test_loop_updates_cache_in_place(tiny):
     cap = Capacity(32, 16)
     method = methods.get("full")
     states = engine.init_states(cfg, method, 2, cap, jnp.float32)
-    loop = engine.DecodeLoop(cfg, method, kvjax.sampling.Greedy(), 16, (95,))
+    loop = engine.DecodeLoop(cfg, method, kvjax.engine.sampling.Greedy(), 16, (95,))
     args = (model.params, states, jnp.zeros((2,), jnp.int32), jnp.asarray([5, 9]), jax.random.PRNGKey(0))
     hlo = engine.run_loop.lower(loop, "while", *args).compile().as_text()
     cache_shape = "f32[2,2,48,16]"

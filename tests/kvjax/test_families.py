@@ -257,7 +257,7 @@ def test_window_ring_buffer_against_numpy_with_sinks():
     attention, with and without learned sinks."""
     from kvjax.methods.base import Capacity
     from kvjax.methods.hybrid import Window
-    from kvjax.sinks import layer_sinks
+    from kvjax.model.sinks import layer_sinks
     from ref_baselines import attend, attend_sink, window_keep
 
     cfg = kvjax.ModelConfig("llama", 16, 16, 16, 1, 4, 2, 8, sliding_windows=(6,))
@@ -403,7 +403,7 @@ def test_gemma3_text_tower_of_the_multimodal_checkpoint(tmp_path):
 def test_prefill_attention_with_sinks_against_numpy(window):
     """The prefill attention with learned sinks, dense and in chunks (an online softmax whose sink joins at the
     end), against NumPy: each row's softmax over its causal (windowed) keys and the head's sink logit."""
-    from kvjax.prefill_attention import chunked_attention, dense_attention, prefill_attention
+    from kvjax.model.prefill_attention import chunked_attention, dense_attention, prefill_attention
     from ref_baselines import attend_sink
 
     rng = np.random.RandomState(0)

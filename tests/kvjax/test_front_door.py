@@ -1,4 +1,4 @@
-"""What a new user meets first in the API: the modules the docs call as ``kvjax.questions`` and ``kvjax.prefilled``
+"""What a new user meets first: the modules the docs call ``kvjax.engine.questions`` and ``kvjax.engine.prefilled``
 after a plain ``import kvjax``; the bytes a generation holds along the way (``generate(..., track_held=True)``);
 a method that computes exactly full attention at the size asked for says so once
 (``kvjax.budget.FullAttentionWarning``); an instruct model's questions use its chat template by default, and raw
@@ -15,15 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import budget, engine, methods, questions
+from kvjax import budget, engine, methods
+from kvjax.engine import questions
 from kvjax.loading import Model
 from kvjax.methods import Capacity
-from kvjax.tokenizer import Tokenizer
+from kvjax.loading.tokenizer import Tokenizer
 from tiny_models import tiny_config
 
 
 def test_import_kvjax_exposes_questions_and_prefilled():
-    code = "import kvjax; print(kvjax.questions.answer.__name__, kvjax.prefilled.prefill_once.__name__)"
+    code = "import kvjax; print(kvjax.engine.questions.answer.__name__, kvjax.engine.prefilled.prefill_once.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["answer", "prefill_once"]

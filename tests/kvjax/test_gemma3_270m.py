@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import assets, engine, methods
+from kvjax.loading import assets
+from kvjax import engine, methods
 
 pytestmark = pytest.mark.slow
 

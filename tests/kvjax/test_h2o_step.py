@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.decode_attention import decode_attention_reference
-from kvjax import attention, methods
+from kvjax.model import attention
+from kvjax import methods
 from kvjax.methods import select
 from kvjax.methods.base import Capacity
 
@@ -175,7 +176,7 @@ def test_step_copies_nothing_and_spans_no_slot_loop(name, prompt):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_accumulated_attention_is_attention_and_scores(dtype, heads_at_once):
     """The fused prompt pass equals the prefill attention (real rows) and the accumulated scores."""
-    from kvjax.prefill_attention import prefill_attention
+    from kvjax.model.prefill_attention import prefill_attention
 
     rng = np.random.default_rng(5)
     lengths = np.array([45, 30, 1])

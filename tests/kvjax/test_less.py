@@ -279,7 +279,7 @@ def test_model_defaults_are_the_shipped_kernels_and_quiet_only_their_budget_warn
     pattern that silences their trained-at-another-budget warning, not a policy mismatch; none elsewhere."""
     import warnings
 
-    from kvjax import assets
+    from kvjax.loading import assets
 
     assert methods.REGISTRY["less"].model_defaults("no/such-model") == ({}, ())
     assert all(

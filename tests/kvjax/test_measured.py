@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 from methods_table import small_at_budget, xla_bytes_band

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax.budget import as_fraction, budget_tokens
 from kvjax.methods.base import Capacity, evicting_budget
 from kvjax.methods.chelsea import PRESETS, Chelsea, _simulate

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import assets
+from kvjax.loading import assets
 from kvjax.model import forward
 
 torch = pytest.importorskip("torch")
@@ -205,8 +205,8 @@ def _write_gguf(path, arch, tokenizer_model="gpt2"):
 
 
 def test_bad_input(tmp_path):
-    from kvjax.gguf_loader import config_from_gguf, open_gguf
-    from kvjax.tokenizer import GGUFTokenizer
+    from kvjax.loading.gguf_loader import config_from_gguf, open_gguf
+    from kvjax.loading.tokenizer import GGUFTokenizer
 
     with pytest.raises(FileNotFoundError, match="neither"):
         kvjax.load_model(tmp_path / "missing")

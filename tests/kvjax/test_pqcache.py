@@ -374,7 +374,7 @@ def smollm():
 def test_recall_real_keys(smollm):
     """Real post-RoPE keys and the next query of SmolLM2-135M on a 512-token essay excerpt, 3 layers, r = 1/5:
     mean top-k recall of PQ retrieval against the exact (Oracle) top-k (measured 0.60/0.68/0.67); ~12 s."""
-    from kvjax import assets
+    from kvjax.loading import assets
     from kvjax import model as M
 
     model = smollm

@@ -1,4 +1,4 @@
-"""Prefill attention (``kvjax.prefill_attention``): every implementation against the pure-JAX ``chunked``
+"""Prefill attention (``kvjax.model.prefill_attention``): every implementation against the pure-JAX ``chunked``
 reference, the implementation choice, and memory linear in T for the engine's prefill with every method.
 
 - ``splash`` (jax's Pallas TPU kernel) runs here in interpret mode: SmolLM2's heads (9 query / 3 KV, head_dim 64)
@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax import model as M
-from kvjax import prefill_attention as P
+from kvjax.model import prefill_attention as P
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
 from methods_table import small_at_budget

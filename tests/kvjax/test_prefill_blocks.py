@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import core, engine, methods
+from kvjax.engine import core
+from kvjax import engine, methods
 from kvjax import model as M
-from kvjax import prefill_attention as P
+from kvjax.model import prefill_attention as P
 from kvjax.methods.base import Capacity
 from tiny_models import tiny_config
 

@@ -1,7 +1,7 @@
 """The prefill census (DESIGN principle 15, issue 51): each registered method's one-layer prefill traced for a GPU
 at 32k tokens x batch 8, bfloat16, Llama-3.1-8B attention shapes (abstract inputs: nothing allocated; the backend
 reads as a GPU, so the accelerator paths and the verified kernels are traced), with its while loops, scan trips,
-conds and host callbacks counted (:func:`kvjax.census.loop_census`) against the bound declared here. Zero unless the
+conds and host callbacks counted (:func:`kvjax.engine.census.loop_census`) against the bound here. Zero unless the
 algorithm itself iterates; where not, the bound says why. A method without a declared bound fails: declare one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from kvjax import methods
-from kvjax.census import Census, loop_census
+from kvjax.engine.census import Census, loop_census
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))

@@ -1,4 +1,4 @@
-"""One prefill of the model compressed by many methods (``kvjax.prefilled``): for every registered method, the
+"""One prefill of the model compressed by many methods (``kvjax.engine.prefilled``): for every registered method, the
 states and logits of ``compress(prefill_once(...))`` equal ``engine.prefill``'s (the per-method path, which the
 oracle tests check), unrolled and scanned, and ``generate(..., prefilled=)`` gives the same tokens."""
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import engine, methods, prefilled as P
+from kvjax import engine, methods
+from kvjax.engine import prefilled as P
 from kvjax import model as M
 from kvjax.loading import Model
 from kvjax.methods.base import Capacity

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import attention, engine, methods
+from kvjax.model import attention
+from kvjax import engine, methods
 from kvjax.methods.base import Capacity
 from kvjax.methods import quest as quest_mod
 from kvjax.methods.quest import Quest, QuestState

@@ -1,4 +1,4 @@
-"""One compressed context, many questions (kvjax.questions): the context is prefilled and compressed once, the
+"""One compressed context, many questions (kvjax.engine.questions): the context is prefilled and compressed once, the
 questions (of different lengths) continue from it in one batch and one compiled loop; the tokens are those of
 compressing the context for each question separately (eval.harness.answer_after_context, kvpress's protocol: the
 context compressed, the question teacher-forced after it, then greedy decoding)."""
@@ -10,7 +10,8 @@ import pytest
 
 from eval import harness
 from extended import cases
-from kvjax import engine, methods, questions
+from kvjax import engine, methods
+from kvjax.engine import questions
 
 
 def _ids(lengths, seed):

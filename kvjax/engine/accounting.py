@@ -3,9 +3,9 @@ allocated, what the budget contract predicts, and what one decode step reads.
 
 Every measure walks the states with each layer's own method (:func:`layer_methods`: ``method.at(layer)``, the method
 that built the state) and asks it: ``tokens_held``, ``memory_bytes``, ``index_bytes``, ``bytes_read_per_step`` and
-``held`` (the budget contract). ``method`` is the method as it runs on the model (:func:`kvjax.core.plan`'s
-``.method``, which ``generate`` passes) or its :class:`~kvjax.core.LayerPlan`. :mod:`kvjax.engine` re-exports these
-names.
+``held`` (the budget contract). ``method`` is the method as it runs on the model (:func:`kvjax.engine.core.plan`'s
+``.method``, which ``generate`` passes) or its :class:`~kvjax.engine.core.LayerPlan`. :mod:`kvjax.engine` re-exports
+these names.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
-from kvjax.core import init_states, layer_states, plan
+from kvjax.engine.core import init_states, layer_states, plan
 from kvjax.methods.base import Capacity, LayerContext
 
 

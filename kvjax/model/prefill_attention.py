@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.impl_choice import choose, env_impl
-from kvjax.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
+from kvjax.model.attention import NEG_INF  # -1e30: finite, so fully masked rows give 0 weights instead of NaN
 from kvjax.sharding import per_head
 
 IMPLS = ("chunked", "cudnn", "splash")
@@ -139,7 +139,7 @@ def prefill_attention(
     """Causal GQA attention over a right-padded prompt: ``[B, Hq, T, D]`` in ``q.dtype`` (module docstring).
 
     chunk: ``chunked``'s query/key chunk; block_size: ``splash``'s block (a multiple of 128); interpret: run
-    ``splash`` in Pallas interpret mode. sinks: ``[Hq]`` learned sink logits (gpt-oss, :mod:`kvjax.sinks`) that join
+    ``splash`` in Pallas interpret mode. sinks: ``[Hq]`` sink logits (gpt-oss, :mod:`kvjax.model.sinks`) that join
     every row's softmax denominator, or None; attention with sinks runs the pure-JAX ``chunked`` path (cuDNN's and
     splash's kernels take no sink term: naming one of them with sinks is a ValueError).
     """
@@ -231,7 +231,7 @@ def chunked_attention(q, k, v, lengths=None, sliding_window=None, chunk: int = A
     Keys past a sequence's length are not masked: by causality only that sequence's padded queries see them.
     The output is written block by block over a copy of q, so no separate ``[B, Hq, T, D]`` buffer lives beside
     it; rows of query blocks past the longest prompt keep q's values (meaningless, finite). ``sinks [Hq]``: a
-    sink logit per query head joins each row's denominator at the end (:mod:`kvjax.sinks`)."""
+    sink logit per query head joins each row's denominator at the end (:mod:`kvjax.model.sinks`)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from kvjax import assets
-from kvjax.checkpoint import check_shapes, load_safetensors_params
+from kvjax.loading import assets
+from kvjax.loading.checkpoint import check_shapes, load_safetensors_params
 from kvjax.config import ModelConfig
-from kvjax.gguf_loader import config_from_gguf, load_gguf_params, open_gguf
+from kvjax.loading.gguf_loader import config_from_gguf, load_gguf_params, open_gguf
 from kvjax.model import Params
 
 if TYPE_CHECKING:
-    from kvjax.tokenizer import Tokenizer
+    from kvjax.loading.tokenizer import Tokenizer
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
@@ -133,7 +133,7 @@ def load_model(
         _check(mesh, cfg)
         params = load_gguf_params(reader, cfg, dtype)
         if tokenizer:
-            from kvjax.tokenizer import GGUFTokenizer
+            from kvjax.loading.tokenizer import GGUFTokenizer
 
             tok = GGUFTokenizer.from_gguf(reader)
         else:
@@ -145,7 +145,7 @@ def load_model(
         check_shapes(cfg, params)
         has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
         if tokenizer and has_tok:
-            from kvjax.tokenizer import HFTokenizer
+            from kvjax.loading.tokenizer import HFTokenizer
 
             tok = HFTokenizer(path)
         else:

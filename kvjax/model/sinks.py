@@ -4,7 +4,7 @@ term of its denominator, ``softmax([q·k_1/√D, ..., q·k_S/√D, sink])[:S]`` 
 Because decode attention returns partials ``(o, m, l)`` (docs/architecture.md#kernels-return-partials), a sink is
 one more partial, ``(0, sink, 1)``, merged before normalising: ``o / (l + exp(sink - m))``, exact whatever
 kernel produced the partials (the Pallas decode kernels, their references, a method's own gathers). So no kernel
-and no method changes: :func:`kvjax.attention.normalise` and the prefill attention take the sinks of the layer
+and no method changes: :func:`kvjax.model.attention.normalise` and the prefill attention take the sinks of the layer
 being run.
 
 The layer loop (:func:`kvjax.model.layer_step`) runs each layer's attention inside ``with layer_sinks(lp["sinks"])``
@@ -45,7 +45,7 @@ def normalise_with_sinks(partial, sinks) -> jnp.ndarray:
     if sinks.shape != m.shape[-1:]:
         raise ValueError(
             f"sinks of shape {tuple(sinks.shape)} do not match the partials' {m.shape[-1]} query heads; pass "
-            "the sinks of the heads being normalised (sinks=kvjax.sinks.current()[heads])"
+            "the sinks of the heads being normalised (sinks=kvjax.model.sinks.current()[heads])"
         )
     s = sinks.astype(jnp.float32)
     top = jnp.maximum(m, s)

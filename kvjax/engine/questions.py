@@ -3,8 +3,8 @@
 A compressed context is a value (the method's per-layer states: fixed-shape pytrees), so several questions can
 continue from the same one. kvpress's pipeline answers every question of a context from one compression; here:
 
-    ctx = kvjax.questions.compress_context(model, context, method, max_new_tokens=80)  # prefill + compress, once
-    res = kvjax.questions.answer(model, ctx, ["Q1 ...", "Q2 ..."], max_new_tokens=32)   # every question, batched
+    ctx = kvjax.engine.questions.compress_context(model, context, method, max_new_tokens=80)  # prefill + compress, once
+    res = kvjax.engine.questions.answer(model, ctx, ["Q1 ...", "Q2 ..."], max_new_tokens=32)   # every question, batched
 
 :func:`compress_context` runs the model's prefill of the context (batch 1) and the method's compression, once.
 :func:`answer` repeats those states over the questions' batch (an array copy per question: each question then
@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import core, engine
+from kvjax.engine import core
+from kvjax import engine
 from kvjax import model as M
 from kvjax.methods.base import Capacity
-from kvjax.sampling import Greedy
+from kvjax.engine.sampling import Greedy
 from kvjax.sharding import BATCH
 
 

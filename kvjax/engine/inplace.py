@@ -117,7 +117,7 @@ def _warn_fallback(e: Exception):
         import warnings
 
         warnings.warn(
-            f"kvjax.inplace: scanned layers fall back to slice-and-write-back ({type(e).__name__}: {e}); "
+            f"kvjax.engine.inplace: scanned layers fall back to slice-and-write-back ({type(e).__name__}: {e}); "
             f"the results are the same, the step copies each layer's changed state",
             RuntimeWarning,
             stacklevel=3,

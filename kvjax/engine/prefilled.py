@@ -23,7 +23,7 @@ from flax import struct
 
 from kvjax import model as M
 from kvjax.config import ModelConfig
-from kvjax.core import TRACE_COUNTS, Stacked, method_prefill, plan, segment_previous, sliding_window
+from kvjax.engine.core import TRACE_COUNTS, Stacked, method_prefill, plan, segment_previous, sliding_window
 
 
 @struct.dataclass

@@ -12,7 +12,7 @@ RoPE pairs are interleaved (``convert_hf_to_gguf.py: LlamaModel.permute``); we u
   and ``post_ffw_norm``, and fixes in code what the file does not say: five local layers to one global
   (``gemma3.attention.sliding_window`` the window), a local RoPE base of 10000, and scores scaled by
   ``1/sqrt(head_dim)`` (``1/sqrt(hidden / heads)`` for the 62-layer 27B model). Its tokenizer is SentencePiece
-  (``tokenizer.ggml.model = "llama"``), which :class:`kvjax.tokenizer.GGUFTokenizer` does not read: load such a
+  (``tokenizer.ggml.model = "llama"``), which :class:`kvjax.loading.tokenizer.GGUFTokenizer` does not read: load such a
   file with ``tokenizer=False`` (token ids), or its Hugging Face folder.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.checkpoint import assemble, check_shapes
+from kvjax.loading.checkpoint import assemble, check_shapes
 from kvjax.config import ModelConfig, RopeConfig
 from kvjax.model import Params
 

@@ -2,8 +2,8 @@
 
 - :func:`plan`: (model config, method) resolved once into a :class:`LayerPlan`: the method as it runs on the model
   (:func:`kvjax.methods.hybrid.for_model`: ring buffers of the window on local layers) and each layer's own method
-  (``method.at(layer)``), cached, so every entry point (the engine's drivers, :mod:`kvjax.prefilled`,
-  :mod:`kvjax.questions`, the accounting) asks the same plan instead of rebuilding it.
+  (``method.at(layer)``), cached, so every entry point (the engine's drivers, :mod:`kvjax.engine.prefilled`,
+  :mod:`kvjax.engine.questions`, the accounting) asks the same plan instead of rebuilding it.
 - :func:`init_states`: the empty per-layer states; with ``scan_layers``, runs of agreeing layers (:func:`scan_runs`)
   become :class:`Stacked` segments run as one compiled loop body.
 - :func:`run_layers`: every layer with its method state, unrolled or scanned (in place).
@@ -12,9 +12,9 @@
   :data:`TRACE_COUNTS` counts their traces, for the no-retrace tests.
 - :func:`method_prefill` and :func:`sliding_window`: one layer's prefill of a method and the layer's window.
 
-Drivers over it: :mod:`kvjax.engine` (generate, the decode loops, streaming), :mod:`kvjax.prefilled` (one prefill
-compressed by many methods), :mod:`kvjax.questions` (many questions on one compressed context); byte and token
-accounting is :mod:`kvjax.accounting`.
+Drivers over it: :mod:`kvjax.engine` (generate, the decode loops, streaming), :mod:`kvjax.engine.prefilled` (one prefill
+compressed by many methods), :mod:`kvjax.engine.questions` (many questions on one compressed context); byte and token
+accounting is :mod:`kvjax.engine.accounting`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax import inplace, model as M
+from kvjax.engine import inplace
+from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.budget import warn_full_attention
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, Method
 from kvjax.methods.hybrid import for_model
-from kvjax.prefill_attention import default_impl as default_prefill_impl
+from kvjax.model.prefill_attention import default_impl as default_prefill_impl
 
 #: Traces of the layer core's programs by name (``prefill``, ``decode_step``, ``compress``, ``loop_scan``, ...).
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -125,7 +126,7 @@ def init_states(
 
     On a model with local (sliding-window) layers the method runs as :func:`kvjax.methods.hybrid.for_model` plans
     it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
-    measures that take no config, :mod:`kvjax.accounting`'s; ``generate`` does)."""
+    measures that take no config, :mod:`kvjax.engine.accounting`'s; ``generate`` does)."""
     layers = plan(cfg, method)
     method = layers.method
     warn_full_attention(method, cfg, capacity, stacklevel=4)  # once per method and capacity, on the host
@@ -197,7 +198,7 @@ def run_layers(cfg: ModelConfig, method, params, x, positions, states, step, mes
     Single-layer entries of ``states`` run unrolled (:func:`kvjax.model.run_layers`), :class:`Stacked` segments as
     one loop body (:func:`kvjax.model.scan_layers`) whose carry is the stack: the method runs on the traced layer's
     slice and its writes (the new token's K/V rows, evictions) go into the stack in place
-    (:func:`kvjax.inplace.run_on_layer`). ``live`` (prefill): the longest prompt's length, so bucket padding costs
+    (:func:`kvjax.engine.inplace.run_on_layer`). ``live`` (prefill): the longest prompt, so bucket padding costs
     no position-wise work (:func:`kvjax.model.layer_step`). Returns ``(x, new states tuple)`` in the layout of
     ``states``."""
     layers = plan(cfg, method)

@@ -27,7 +27,7 @@ from kernels_pallas.decode_attention import (
     merge,
 )
 from kernels_pallas.decode_attention import normalise as _normalise
-from kvjax import sinks as _sinks
+from kvjax.model import sinks as _sinks
 from kernels_pallas.decode_attention.xla import chunk_rows
 from kvjax import sharding
 
@@ -49,7 +49,7 @@ _CURRENT = object()
 
 def normalise(partial, sinks=_CURRENT) -> jnp.ndarray:
     """Softmax-normalised output ``[B, Hq, D]`` float32 of partials ``(o, m, l)`` (zero where no slot took part).
-    With attention sinks (``sinks [Hq]``; default: the sinks of the layer being run, :mod:`kvjax.sinks`, None on a
+    With attention sinks (``sinks [Hq]``; default: the sinks of the layer being run, :mod:`kvjax.model.sinks`, None on a
     model without them) each head's sink logit joins the denominator: ``o / (l + exp(sink - m))``."""
     sinks = _sinks.current() if sinks is _CURRENT else sinks
     if sinks is None:

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.config import ModelConfig
-from kvjax.prefill_attention import ATTENTION_CHUNK, prefill_attention
-from kvjax.rope import apply_rope, cos_sin
-from kvjax.sinks import current as current_sinks, layer_sinks
+from kvjax.model.prefill_attention import ATTENTION_CHUNK, prefill_attention
+from kvjax.model.rope import apply_rope, cos_sin
+from kvjax.model.sinks import current as current_sinks, layer_sinks
 
 Params = dict[str, Any]
 _CURRENT = object()
@@ -186,8 +186,8 @@ def causal_attention(
     ``t - s < w``. Returns ``[B, Hq, T, D]`` in ``q.dtype`` (rows of padded queries are meaningless, finite).
     impl: ``"chunked"`` (pure JAX: dense for ``T <= chunk``, above that query chunks with an online softmax over
     key chunks, memory linear in T), ``"cudnn"`` (GPU), ``"splash"`` (TPU) or None: ``$KVJAX_PREFILL_ATTENTION_IMPL``,
-    else by backend, cuDNN only for float16/bfloat16 inputs (:mod:`kvjax.prefill_attention` has the rules).
-    sinks: ``[Hq]`` sink logits or None; default: the sinks of the layer being run (:mod:`kvjax.sinks`).
+    else by backend, cuDNN only for float16/bfloat16 inputs (:mod:`kvjax.model.prefill_attention` has the rules).
+    sinks: ``[Hq]`` sink logits or None; default: the sinks of the layer being run (:mod:`kvjax.model.sinks`).
     """
     sinks = current_sinks() if sinks is _CURRENT else sinks
     return prefill_attention(q, k, v, lengths, sliding_window, impl=impl, chunk=chunk, sinks=sinks)
