@@ -80,11 +80,10 @@ def memory_rows(method, states, batch: int | None = None, num_heads: int | None 
     (:func:`kvjax.engine.held_bytes`: what the sequence holds now), ``cache_bytes`` (the batch's allocated
     :func:`kvjax.engine.memory_bytes` / B), ``kib_per_seq`` (the allocated size in KiB) and, with ``num_heads``,
     ``bytes_read_per_step`` (the next decode step's reads / B). The first ``batch`` sequences (default all)."""
-    held = engine.tokens_held(method, states)
-    held_b = engine.held_bytes(method, states)
+    held, held_b, allocated, read = engine.measure(method, states, num_heads)
     b = len(held)
-    per_seq = engine.memory_bytes(method, states) // b
-    read = None if num_heads is None else engine.bytes_read_per_step(method, states, num_heads) // b
+    per_seq = allocated // b
+    read = None if read is None else read // b
     return [
         {
             "tokens_held": float(h),

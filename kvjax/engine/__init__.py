@@ -17,7 +17,9 @@ from kvjax.engine.accounting import (
     bytes_read_per_step,
     expected_held_bytes,
     held_bytes,
+    Measures,
     layer_methods,
+    measure,
     memory_bytes,
     slot_bytes,
     tokens_held,
@@ -54,6 +56,7 @@ from kvjax.methods.base import Capacity
 
 __all__ = [
     "MIN_BUCKET",
+    "Measures",
     "TRACE_COUNTS",
     "Capacity",
     "ChatTemplateWarning",
@@ -79,6 +82,7 @@ __all__ = [
     "layer_methods",
     "layer_states",
     "make_result",
+    "measure",
     "memory_bytes",
     "pad_prompts",
     "plan",

@@ -1,16 +1,16 @@
 """Byte and token accounting of a method's states, per layer: what each sequence holds (tokens, bytes), what is
 allocated, what the budget contract predicts, and what one decode step reads.
 
-Every measure walks the states with each layer's own method (:func:`layer_methods`: ``method.at(layer)``, the method
+Each measure walks the states with each layer's own method (:func:`layer_methods`: ``method.at(layer)``, the method
 that built the state) and asks it: ``tokens_held``, ``memory_bytes``, ``index_bytes``, ``bytes_read_per_step`` and
 ``held`` (the budget contract). ``method`` is the method as it runs on the model (:func:`kvjax.engine.core.plan`'s
-``.method``, which ``generate`` passes) or its :class:`~kvjax.engine.core.LayerPlan`. :mod:`kvjax.engine` re-exports
-these names.
+``.method``, which ``generate`` passes) or its :class:`~kvjax.engine.core.LayerPlan`. :func:`measure` takes all of
+them in one walk (what a result reports). :mod:`kvjax.engine` re-exports these names.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -41,16 +41,46 @@ def held_bytes(method, states) -> np.ndarray:
     """``[B]`` int: bytes each sequence holds now, over all layers; :func:`memory_bytes` is what is allocated.
 
     Per layer: the slots the sequence holds (``method.tokens_held``, mean over KV heads) times the bytes one slot
-    costs (:func:`_slot_bytes`), plus the index it has written (``method.index_bytes``: Quest's pages, PQCache's
+    costs (:func:`slot_bytes`), plus the index it has written (``method.index_bytes``: Quest's pages, PQCache's
     codes, ClusterKV's clusters; sized by the bucket, counted by what the sequence holds), plus the rest of the
     layer's state that is not per slot split evenly over the batch. The same prompt in any bucket holds the same."""
-    total = 0.0
-    for m, st in layer_methods(method, states):
-        held = S.to_host(m.tokens_held(st)).astype(np.float64)
-        fixed, per_slot = slot_bytes(m, st, held.shape[0])
-        allocated, live = m.index_bytes(S.host_state(st))
-        total = total + fixed - allocated / held.shape[0] + live + held * per_slot
+    total = sum(_layer_held_bytes(m, st, S.to_host(m.tokens_held(st))) for m, st in layer_methods(method, states))
     return np.rint(total).astype(np.int64)
+
+
+def _layer_held_bytes(m, st, held: np.ndarray) -> np.ndarray:
+    """``[B]`` float: one layer's held bytes per sequence (:func:`held_bytes`), ``held`` its tokens held ``[B]``."""
+    held = held.astype(np.float64)
+    fixed, per_slot = slot_bytes(m, st, held.shape[0])
+    allocated, live = m.index_bytes(S.host_state(st))
+    return fixed - allocated / held.shape[0] + live + held * per_slot
+
+
+class Measures(NamedTuple):
+    """What a generation reports of its states, from one walk over the layers (:func:`measure`)."""
+
+    tokens_held: np.ndarray  #: ``[B]`` float, :func:`tokens_held`
+    held_bytes: np.ndarray  #: ``[B]`` int, :func:`held_bytes`
+    memory_bytes: int  #: :func:`memory_bytes` (the batch's)
+    bytes_read: int | None  #: :func:`bytes_read_per_step` (the batch's); None without ``num_heads``
+
+
+def measure(method, states, num_heads: int | None = None) -> Measures:
+    """:func:`tokens_held`, :func:`held_bytes`, :func:`memory_bytes` and, with ``num_heads``,
+    :func:`bytes_read_per_step` in one walk over the layers: each layer's counts come to the host once."""
+    tokens, held, allocated, read = [], 0.0, 0, 0
+    for m, st in layer_methods(method, states):
+        tokens.append(S.to_host(m.tokens_held(st)))
+        held = held + _layer_held_bytes(m, st, tokens[-1])
+        allocated += m.memory_bytes(st)
+        if num_heads is not None:
+            read += m.bytes_read_per_step(S.host_state(st), num_heads)
+    return Measures(
+        np.mean(tokens, axis=0),
+        np.rint(held).astype(np.int64),
+        int(allocated),
+        None if num_heads is None else int(read),
+    )
 
 
 def expected_held_bytes(

@@ -41,7 +41,7 @@ from kvjax import sharding as S
 from kvjax.budget import warn_small_budget
 from kvjax.config import ModelConfig
 from kvjax.engine import core, prefilled as P
-from kvjax.engine.accounting import bytes_read_per_step, held_bytes, memory_bytes, tokens_held
+from kvjax.engine.accounting import Measures, held_bytes, measure, tokens_held
 from kvjax.engine.core import TRACE_COUNTS, init_states, plan
 from kvjax.engine.prompts import bucket_length, check_capacity, check_method, eos_ids, pad_prompts, prepare_prompts
 from kvjax.engine.prompts import until_eos, warn_without_chat
@@ -241,7 +241,6 @@ def generate(
     first = sampling(logits, sub)
     first.block_until_ready()
     t1 = time.perf_counter()
-    cache_bytes = memory_bytes(method, states)
     held_prefill = tokens_held(method, states)
     loop = DecodeLoop(cfg, method, sampling, max_new_tokens, eos, mesh)
     trace = [held_bytes(method, states)] if track_held else None
@@ -255,10 +254,9 @@ def generate(
         out = S.to_host(out)
         steps = int(S.to_host(steps))
     t2 = time.perf_counter()
-    shared = dict(
-        prefill_seconds=t1 - t0, decode_seconds=t2 - t1, read=bytes_read_per_step(method, states, cfg.num_heads)
-    )
-    result = make_result(model, method, out, steps, eos, lengths_list, held_prefill, states, cache_bytes, shared)
+    end = measure(method, states, cfg.num_heads)
+    seconds = dict(prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+    result = make_result(model, method, out, steps, eos, lengths_list, held_prefill, end, seconds)
     warn_without_chat(model, prompts, chat, result.text)
     if trace is not None:
         for i, st in enumerate(result.stats):
@@ -277,10 +275,11 @@ def compress_prefilled(cfg, method, prefilled, states, tokens: np.ndarray, lengt
     return P.compress(cfg, method, prefilled, states), prefilled.logits
 
 
-def make_result(model, method, out, steps: int, eos, lengths_list, held_prefill, states, cache_bytes, shared) -> Result:
-    """:func:`generate`'s :class:`Result`: each sequence's tokens up to EOS, its text and its stats (``shared``:
-    the prefill and decode seconds and the bytes read per step of the whole batch)."""
-    held_end, held_end_bytes, b = tokens_held(method, states), held_bytes(method, states), len(lengths_list)
+def make_result(model, method, out, steps: int, eos, lengths_list, held_prefill, end: Measures, seconds) -> Result:
+    """:func:`generate`'s :class:`Result`: each sequence's tokens up to EOS, its text and its stats (``end``: the
+    final states' :func:`~kvjax.engine.accounting.measure`, with ``bytes_read``; ``seconds``: ``prefill_seconds``
+    and ``decode_seconds`` of the whole batch)."""
+    held_end, held_end_bytes, b = end.tokens_held, end.held_bytes, len(lengths_list)
     result = Result([], [], [])
     for i, n in enumerate(lengths_list):
         seq = until_eos([int(x) for x in out[i, :steps]], eos)
@@ -294,13 +293,13 @@ def make_result(model, method, out, steps: int, eos, lengths_list, held_prefill,
                 "layer_plan": describe_plan(model.config, method),
                 "tokens_held_prefill": float(held_prefill[i]),
                 "tokens_held": float(held_end[i]),
-                "cache_bytes": cache_bytes // b,
+                "cache_bytes": end.memory_bytes // b,
                 "held_bytes": int(held_end_bytes[i]),
-                "bytes_read_per_step": shared["read"] // b,
-                "prefill_seconds": shared["prefill_seconds"],
-                "decode_seconds": shared["decode_seconds"],
+                "bytes_read_per_step": end.bytes_read // b,
+                "prefill_seconds": seconds["prefill_seconds"],
+                "decode_seconds": seconds["decode_seconds"],
                 "decode_steps": steps,
-                "tokens_per_second": steps * b / max(shared["decode_seconds"], 1e-9),
+                "tokens_per_second": steps * b / max(seconds["decode_seconds"], 1e-9),
             }
         )
     return result

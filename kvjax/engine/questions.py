@@ -230,16 +230,10 @@ def answer(
     )
     out, count, steps = np.asarray(out), np.asarray(count), int(steps)
     t2 = time.perf_counter()
-    shared = dict(
-        prefill_seconds=ctx.prefill_seconds,
-        decode_seconds=t2 - t1,
-        read=engine.bytes_read_per_step(method, states, cfg.num_heads),
-    )
+    seconds = dict(prefill_seconds=ctx.prefill_seconds, decode_seconds=t2 - t1)
     lengths = [ctx.length + len(x) for x in ids]
-    cache_bytes = engine.memory_bytes(method, states)
-    res = engine.make_result(
-        model, method, out, max_new_tokens, eos, lengths, held_prefill, states, cache_bytes, shared
-    )
+    end = engine.measure(method, states, cfg.num_heads)
+    res = engine.make_result(model, method, out, max_new_tokens, eos, lengths, held_prefill, end, seconds)
     for st, c in zip(res.stats, count):
         st["decode_steps"] = steps
         st["question_tokens"] = st["prompt_tokens"] - ctx.length

@@ -37,3 +37,24 @@ def test_an_undeclared_slot_buffer_is_charged_as_fixed():
     undeclared = type("Undeclared", (type(m),), {"state_axes": lambda self, s: methods.base.Method.state_axes(self, s)})
     plain = undeclared(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.init})
     assert accounting.slot_bytes(plain, st, 2) == (m.memory_bytes(st) / 2, 0.0)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "pqcache", "quest", "clusterkv", "chelsea"])
+def test_measure_takes_every_statistic_in_one_walk(name):
+    """``accounting.measure`` (what a result reports) equals the four statistics taken one by one, on states a
+    prefill of two prompts of different lengths filled; ``bytes_read`` is None without ``num_heads``."""
+    from kvjax.model import random_params
+
+    m = small(name)
+    params = random_params(CFG, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 64), 0, CFG.vocab_size)
+    lengths = jnp.asarray([64, 40])
+    states = engine.init_states(CFG, m, 2, Capacity(64, 8), jnp.float32)
+    states, _ = engine.prefill(CFG, m, params, tokens, lengths, states)
+    got = accounting.measure(m, states, CFG.num_heads)
+    assert got.tokens_held.tolist() == engine.tokens_held(m, states).tolist()
+    assert got.held_bytes.tolist() == engine.held_bytes(m, states).tolist()
+    assert got.memory_bytes == engine.memory_bytes(m, states)
+    assert got.bytes_read == engine.bytes_read_per_step(m, states, CFG.num_heads)
+    assert got.tokens_held[0] > got.tokens_held[1]  # the shorter prompt holds fewer: the states are not empty
+    assert accounting.measure(m, states).bytes_read is None
