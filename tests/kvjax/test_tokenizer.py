@@ -118,7 +118,7 @@ def test_special_ids_match_transformers(ours, ref):
 
 def test_gguf_tokenizer_needs_neither_torch_nor_transformers():
     code = (
-        "import sys; from kvjax import assets; from kvjax.loading.tokenizer import GGUFTokenizer; "
+        "import sys; from kvjax.loading import assets; from kvjax.loading.tokenizer import GGUFTokenizer; "
         "t = GGUFTokenizer.from_gguf(assets.smollm2_gguf_path()); assert t.encode('hi'); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
