@@ -26,7 +26,7 @@ from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hybrid import Hybrid, Window, for_model
-from kvjax.methods.layers import FullFirst
+from kvjax.methods.layers import FullFirst, PerLayerPlan, method_of
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
@@ -175,6 +175,7 @@ __all__ = [
     "Less",
     "Method",
     "PQCache",
+    "PerLayerPlan",
     "PyramidKV",
     "Quest",
     "REGISTRY",
@@ -188,6 +189,7 @@ __all__ = [
     "for_model",
     "get",
     "load_plugin",
+    "method_of",
     "names",
     "register",
     "takes_budget",
