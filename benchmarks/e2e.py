@@ -878,7 +878,7 @@ def main(argv=None) -> int:
                 row = {
                     **base,
                     "label": label,
-                    "method": method.name if method else label.split("@")[0],
+                    "method": methods.method_of(method).name if method else label.split("@")[0],
                     "budget": budget,
                     "reuse": getattr(method, "reuse", None) if method and method.name == "chunkkv" else None,
                 }

@@ -278,7 +278,7 @@ def profile_variant(cfg, var: Variant, layer, batch, n, dtype, steps, do_prefill
 def _row(var, phase, wall, tr, ops, groups, per) -> dict:
     return {
         "label": var.label,
-        "method": var.method.name,
+        "method": var.name,
         "budget": var.budget,
         "phase": phase,
         "status": "ok",

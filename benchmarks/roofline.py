@@ -330,12 +330,12 @@ def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
     for v in vars_:  # the prefill-time cap
         if v.skipped or not capped:
             continue
-        est = clock.estimate(v.method.name, dt, n, batch, len(layers))
-        if est is None and n > args.calibration_len and v.method.name not in calibrated:
-            print(f"  calibrating {v.method.name}'s prefill at {args.calibration_len} tokens", flush=True)
+        est = clock.estimate(v.name, dt, n, batch, len(layers))
+        if est is None and n > args.calibration_len and v.name not in calibrated:
+            print(f"  calibrating {v.name}'s prefill at {args.calibration_len} tokens", flush=True)
             calibrate(cfg, clock, v, layers[0], dtype, args.calibration_len)
-            calibrated.add(v.method.name)
-            est = clock.estimate(v.method.name, dt, n, batch, len(layers))
+            calibrated.add(v.name)
+            est = clock.estimate(v.name, dt, n, batch, len(layers))
         if est is not None and est > args.max_prefill_s:
             v.skipped = (
                 f"prefill estimated at {est:.0f} s > --max-prefill-s {args.max_prefill_s:.0f} "
@@ -386,7 +386,7 @@ def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write
 
 
 def _failed_row(base, v, error) -> dict:
-    return {**base, "label": v.label, "method": v.method.name, "budget": v.budget, "status": "failed", "error": error}
+    return {**base, "label": v.label, "method": v.name, "budget": v.budget, "status": "failed", "error": error}
 
 
 def _full_failed(rows, base, vars_, write) -> bool:
@@ -422,7 +422,7 @@ def _skipped_row(base, v, reason) -> dict:
     return {
         **base,
         "label": v.label,
-        "method": v.method.name,
+        "method": v.name,
         "budget": v.budget,
         "status": "skipped",
         "skipped": reason,
@@ -480,7 +480,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                 rows.append(_failed_row(base, v, v.failed))
                 print(f"  {v.label} failed: {v.failed}", flush=True)
                 continue
-            clock.record(v.method.name, dt, n, batch, run.prefill_s / len(layers))
+            clock.record(v.name, dt, n, batch, run.prefill_s / len(layers))
             runs.append(run)
             ran.append(v)
         times = _time_each_on_failure(runs, ran, dargs, n, args, rows, base)
@@ -491,7 +491,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
             read = sum(r.method.at(l).bytes_read_per_step(st, cfg.num_heads) for l, st in zip(layers, r.states))
             ttft = (
                 r.prefill_s
-                if getattr(r.method, "attends_prompt", False)  # prefill_attend: attention included
+                if methods.method_of(r.method).attends_prompt  # prefill_attend: attention included
                 else None
                 if attention_s is None
                 else attention_s + r.prefill_s
@@ -500,7 +500,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                 {
                     **base,
                     "label": r.label,
-                    "method": r.method.name,
+                    "method": r.name,
                     "budget": r.budget,
                     "group": done + gi,
                     "status": "ok",
@@ -508,7 +508,7 @@ def _run_piece(cfg, args, n, batch, dtype, vars_, layers, clock, limit, rows, wr
                         dataclasses.replace(
                             cfg, num_layers=len(layers), sliding_windows=tuple(cfg.sliding_windows[l] for l in layers)
                         ),
-                        r.method.inner if hasattr(r.method, "windows") else r.method,
+                        methods.method_of(r.method),
                     ),
                     "step_s": times[r.label],
                     "bytes_read": int(read),

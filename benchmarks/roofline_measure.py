@@ -23,6 +23,7 @@ from e2e import LLAMA31_8B  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
+from kvjax.methods.layers import method_of  # noqa: E402
 
 #: ``--tiny``: a 4-layer model with 4 query / 2 KV heads x 32 (so ``--first-layer 2`` exists).
 TINY_ATTENTION = dataclasses.replace(TINY, num_layers=4, sliding_windows=())
@@ -66,6 +67,11 @@ class Variant:
     skipped: str | None = None
     failed: str | None = None  # the error that stopped it (compile, prefill or decode): recorded, the run goes on
 
+    @property
+    def name(self) -> str:
+        """The method's name (a per-layer plan's: its inner method's)."""
+        return method_of(self.method).name
+
 
 @dataclasses.dataclass
 class Run:
@@ -79,6 +85,11 @@ class Run:
     prefill_s: float = 0.0
     xla_bytes: float | None = None
     steps: int = 1  # decode steps per call of ``step``
+
+    @property
+    def name(self) -> str:
+        """The method's name (a per-layer plan's: its inner method's)."""
+        return method_of(self.method).name
 
 
 def _prompt(key, batch, n, cfg, dtype):
@@ -261,7 +272,7 @@ def calibrate(cfg, clock: PrefillClock, var: Variant, layer, dtype, n_cal) -> No
     cap = Capacity(n_cal, 2)
     q, k, v = random_prompt(jax.random.PRNGKey(99), 1, n_cal, cfg, dtype)
     lengths = jnp.full((1,), n_cal, jnp.int32)
-    kw = {"previous": None} if var.method.reuses_previous_layer else {}
+    kw = {"previous": None} if var.method.at(layer).reuses_previous_layer else {}
     try:
         st = var.method.at(layer).init(cfg, 1, cap, layer, dtype)
     except ValueError:
@@ -270,7 +281,7 @@ def calibrate(cfg, clock: PrefillClock, var: Variant, layer, dtype, n_cal) -> No
     jax.block_until_ready((q, k, v, st))
     t0 = time.perf_counter()
     jax.block_until_ready(fn(st, q=q, k=k, v=v, lengths=lengths, **kw))
-    clock.record(var.method.name, dt, n_cal, 1, time.perf_counter() - t0)
+    clock.record(var.name, dt, n_cal, 1, time.perf_counter() - t0)
 
 
 def calibrate_attention(cfg, clock: PrefillClock, layer, dtype, n_cal) -> None:

@@ -344,7 +344,7 @@ class Serving:
         return {
             "kind": kind,
             "label": label,
-            "method": method.name,
+            "method": methods.method_of(method).name,
             "budget": budget,
             "model": self.args.model,
             "context": ctx,

@@ -51,7 +51,7 @@ from kvjax.loading import assets
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
-from kvjax.methods.layers import same_as_previous
+from kvjax.methods.layers import method_of, same_as_previous
 
 
 def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int, recalls: bool = False):
@@ -124,7 +124,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
     # are its ring buffer of the window (kvjax.methods.hybrid), so the probes measure the global layers' methods
     method, full = engine.plan(cfg, method).method, engine.plan(cfg, methods.get("full")).method
-    cap = Capacity(n, probes + 1)
+    cap, recalls = Capacity(n, probes + 1), method_of(method).recalls
 
     def run(params, tokens):
         with S.tracing(mesh):
@@ -138,7 +138,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
             prev = out[-1][2] if same_as_previous(method, layer) else None
             f = full.at(layer)
             _, ref, _ = _layer(f, layer, f.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
-            st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, method.recalls)
+            st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, recalls)
             attn = M.causal_attention(q, k, v, None, cfg.sliding_windows[layer])
             return attn, out + [(ref, o, st, full_weights(q, k, n), rec)]
 
@@ -168,6 +168,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
     method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    recall_method = method_of(method).recalls
     check_int("probes", probes, numpy_ok=True)
     n = len(ids) - probes
     if n < 2:
@@ -181,13 +182,13 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         num = np.linalg.norm(o - ref, axis=-1)
         errors.append(float(np.mean(num / np.maximum(np.linalg.norm(ref, axis=-1), 1e-12))))
         states.append(st)
-        if hasattr(st, "pos") and not method.recalls:  # a recall method stores every token: see topb_recall
+        if hasattr(st, "pos") and not recall_method:  # a recall method stores every token: see topb_recall
             kept = analysis.mask_from_states([st], np.asarray([n]), n).mask[0]
             recalls.append(topk_recall(np.asarray(weights), kept))
         if rec is not None:
             topb.append(float(np.mean(np.asarray(rec, np.float64))))  # mean over probes and query heads
     # Every layer must hold kept positions (quest's full first layers are slot caches, the others are not).
-    has_pos = all(hasattr(st, "pos") for st in states) and not method.recalls
+    has_pos = all(hasattr(st, "pos") for st in states) and not recall_method
     jac = None
     if has_pos and len(states) > 1:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
@@ -197,7 +198,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         "rel_error": errors,
         "recall": recalls if has_pos else None,
         "jaccard": jac,
-        "topb_recall": topb if method.recalls else None,
+        "topb_recall": topb if recall_method else None,
         "tokens_held": held,
         "cache_bytes": cache,
         "kib_per_seq": cache / 1024,

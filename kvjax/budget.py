@@ -202,27 +202,29 @@ class FullAttentionWarning(BudgetWarning):
     """At the size asked for, a compressing method computes exactly full attention (:func:`warn_full_attention`)."""
 
 
-def warn_full_attention(method, model_cfg, capacity, layers=None, stacklevel: int = 3) -> bool:
+def warn_full_attention(method, model_cfg, capacity, layers=None, stacklevel: int = 3, plan=None) -> bool:
     """Warn (:class:`FullAttentionWarning`, once per method config and capacity) when ``method`` computes exactly
     full attention in a cache built for ``capacity``: every one of ``layers`` (default: all the model's) runs
     ``full`` (ClusterKV's and Quest's ``n_full`` first layers) or attends every token
     (:meth:`kvjax.methods.base.Method.attends_everything`: too few tokens to compress). Methods that are ``full``
     never warn. Host-side, at ``init`` (static sizes only); ``stacklevel`` as ``warnings.warn``'s, from the caller of
-    the function that calls this one. Returns whether it warned."""
+    the function that calls this one. ``plan``: the per-layer plan ``method`` runs under, whose ``at(layer)`` says
+    which method runs each layer (default: ``method``'s own ``at``). Returns whether it warned."""
     if method.name == "full" or (isinstance(method.budget, float) and method.budget == 1.0):
         return False  # full, or a budget of the whole prompt: asked for
-    key = ("full attention", method.name, repr(method), capacity)
+    plan = method if plan is None else plan
+    key = ("full attention", method.name, repr(plan), capacity)
     if key in _warned:
         return False
     whole = layers is None
     layers = list(range(model_cfg.num_layers)) if whole else list(layers)
     if whole:
         _warned.add(key)  # the whole model is checked once; the layers' own init then stays quiet
-    first_full = [l for l in layers if method.at(l).name == "full"]
-    own = [l for l in layers if method.at(l).name == method.name]
+    first_full = [l for l in layers if plan.at(l).name == "full"]
+    own = [l for l in layers if plan.at(l).name == method.name]
     if not layers or len(first_full) + len(own) < len(layers):
         return False
-    if not all(method.at(l).attends_everything(model_cfg, capacity, l) for l in own):
+    if not all(plan.at(l).attends_everything(model_cfg, capacity, l) for l in own):
         return False
     _warned.add(key)
     if own:

@@ -635,6 +635,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "the merges a SentencePiece vocabulary implies are applied lowest score first",
         k="sentencepiece",
     ),
+    # ---- per-layer plans (kvjax/methods/layers.py) ------------------------------------------------------------
+    M(
+        "fullfirst-one-full-layer-short",
+        "kvjax/methods/layers.py",
+        'return full_below(self.n_full, static_layer(layer, "FullFirst.at"), self.inner.at(layer))',
+        'return full_below(self.n_full - 1, static_layer(layer, "FullFirst.at"), self.inner.at(layer))',
+        ("tests/kvjax/test_layers.py",),
+        "full_layers=N runs full on N - 1 layers",
+        k="by_hand or not_a_method",
+    ),
 )
 
 #: ``--subset ci``: a fixed handful of fast mutants across a method, a kernel reference, the budget and the model

@@ -33,7 +33,7 @@ def teacher_forced_nll(model, method, seqs: np.ndarray):
     n, s = seqs.shape
     bucket = engine.MIN_BUCKET
     states = engine.init_states(model.config, method, n, Capacity(bucket, s), model.dtype)
-    cache_bytes = sum(method.memory_bytes(st) for st in states) // n
+    cache_bytes = engine.memory_bytes(method, states) // n
     tokens = np.zeros((n, bucket), np.int32)
     tokens[:, 0] = seqs[:, 0]
     lengths = jnp.ones((n,), jnp.int32)

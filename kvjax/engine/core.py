@@ -35,6 +35,7 @@ from kvjax.budget import warn_full_attention
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, Method
 from kvjax.methods.hybrid import for_model
+from kvjax.methods.layers import PerLayerPlan, method_of
 from kvjax.model.prefill_attention import default_impl as default_prefill_impl
 
 #: Traces of the layer core's programs by name (``prefill``, ``decode_step``, ``compress``, ``loop_scan``, ...).
@@ -44,10 +45,10 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     """(model, method) resolved once: ``method`` as it runs on the model (a :class:`~kvjax.methods.hybrid.Hybrid`
-    plan on a model with local layers, else the method itself), ``layers[l]`` the method of layer ``l``
+    plan on a model with local layers, else the method or plan given), ``layers[l]`` the method of layer ``l``
     (``method.at(l)``), ``windows[l]`` its sliding window (None: none). Build it with :func:`plan`."""
 
-    method: Method
+    method: Method | PerLayerPlan
     layers: tuple[Method, ...]
     windows: tuple
 
@@ -62,14 +63,15 @@ class LayerPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(cfg: ModelConfig, method: Method, compress_local: bool) -> LayerPlan:
+def _plan(cfg: ModelConfig, method: Method | PerLayerPlan, compress_local: bool) -> LayerPlan:
     as_run = for_model(cfg, method, compress_local)
     return LayerPlan(as_run, tuple(as_run.at(l) for l in range(cfg.num_layers)), tuple(cfg.sliding_windows))
 
 
 def plan(cfg: ModelConfig, method, compress_local: bool = False) -> LayerPlan:
-    """The :class:`LayerPlan` of ``method`` on ``cfg`` (idempotent: a plan, or a method already planned for
-    ``cfg``, comes back as planned; resolved once per (config, method), then cached)."""
+    """The :class:`LayerPlan` of ``method`` (a method or a per-layer plan) on ``cfg`` (idempotent: a
+    :class:`LayerPlan`, or a method already planned for ``cfg``, comes back as planned; resolved once per (config,
+    method), then cached)."""
     if isinstance(method, LayerPlan):
         return method
     return _plan(cfg, method, compress_local)
@@ -128,14 +130,14 @@ def init_states(
     it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
     measures that take no config, :mod:`kvjax.engine.accounting`'s; ``generate`` does)."""
     layers = plan(cfg, method)
-    method = layers.method
-    warn_full_attention(method, cfg, capacity, stacklevel=4)  # once per method and capacity, on the host
+    method, named = layers.method, method_of(layers.method)
+    warn_full_attention(named, cfg, capacity, stacklevel=4, plan=method)  # once per method and capacity, on the host
     if scan_layers and cfg.layers_differ:
         raise ValueError(
             "scan_layers=True needs layers alike, but this model's layers differ in window/RoPE "
             f"(sliding_windows={cfg.sliding_windows}); load it with scan_layers=False"
         )
-    if scan_layers and not method.traced_layer:
+    if scan_layers and not named.traced_layer:
         raise ValueError(
             f"scan_layers=True needs a method that accepts a traced layer index (traced_layer=True); "
             f"{type(method).__name__} does not declare it, so use scan_layers=False"
@@ -158,9 +160,9 @@ def init_states(
     if mesh is None:
         return make()
     S.check_mesh(mesh, cfg, batch)
-    if method.offloads:
+    if named.offloads:
         raise ValueError(
-            f"method {method.name!r} with offload=True keeps its K/V on one device's host memory, "
+            f"method {named.name!r} with offload=True keeps its K/V on one device's host memory, "
             "which does not combine with a mesh; use offload=False (the cache is then split over "
             "the mesh's devices)"
         )

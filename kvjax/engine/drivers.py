@@ -48,6 +48,7 @@ from kvjax.engine.prompts import until_eos, warn_without_chat
 from kvjax.engine.sampling import Greedy
 from kvjax.methods.base import Capacity
 from kvjax.methods.hybrid import describe
+from kvjax.methods.layers import method_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +225,9 @@ def generate(
     bucket = prompt_len or bucket_length(max(lengths_list))
     check_capacity(cfg, lengths_list, bucket, max_new_tokens)
     check_method(cfg, method)
-    warn_small_budget(method, lengths_list, max_new_tokens, cfg)  # on the host, once per method config: never in jit
+    warn_small_budget(
+        method_of(method), lengths_list, max_new_tokens, cfg
+    )  # on the host, once per method config: never in jit
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = eos_ids(model) if stop_at_eos else ()
@@ -289,7 +292,7 @@ def make_result(model, method, out, steps: int, eos, lengths_list, held_prefill,
             {
                 "prompt_tokens": n,
                 "new_tokens": len(seq),
-                "method": method.name,
+                "method": method_of(method).name,
                 "layer_plan": describe_plan(model.config, method),
                 "tokens_held_prefill": float(held_prefill[i]),
                 "tokens_held": float(held_end[i]),

@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from kvjax.config import ModelConfig
+from kvjax.methods.layers import method_of
 
 MIN_BUCKET = 32
 
@@ -70,11 +71,13 @@ def warn_without_chat(model, prompts, chat: bool, texts, argument: str = "chat")
 
 
 def check_method(cfg: ModelConfig, method) -> None:
-    """A ValueError when the method's token budget exceeds the model context (the fix: a smaller count)."""
+    """A ValueError when the token budget of ``method`` (a method or a per-layer plan) exceeds the model context (the
+    fix: a smaller count)."""
     from kvjax.budget import check_budget
 
-    if method.budget is not None:  # declared (base.Method.budget); the method validated its type and range
-        check_budget(method.budget, "budget", max_tokens=cfg.max_position_embeddings)
+    budget = method_of(method).budget  # declared (base.Method.budget); the method validated its type and range
+    if budget is not None:
+        check_budget(budget, "budget", max_tokens=cfg.max_position_embeddings)
 
 
 def check_capacity(cfg: ModelConfig, lengths: Sequence[int], bucket: int, max_new_tokens: int):

@@ -26,7 +26,7 @@ from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
 from kvjax.methods.hybrid import Hybrid, Window, for_model
-from kvjax.methods.layers import FullFirst
+from kvjax.methods.layers import FullFirst, PerLayerPlan, method_of
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
@@ -76,15 +76,16 @@ def get(
     threshold: float | None = None,
     **options,
 ):
-    """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``).
-    ``full_layers=N`` (any method): the first ``N`` layers keep the full cache, as
-    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)``. ``decode_budget=D`` (a method that scores its tokens:
-    snapkv, pyramidkv, chunkkv): at most ``D`` tokens per layer and KV head plus ``every`` (default 128) while
-    decoding, re-compressed every ``every`` steps, as :class:`~kvjax.methods.bounded.DecodeBudget` ``(method, D,
-    every)``; with ``threshold=tau`` each re-compression keeps the tokens whose score passes ``tau``, at most ``D``.
-    ``D`` is per layer for snapkv and chunkkv; pyramidkv splits it over the layers by its pyramid (their mean is
-    ``D``; layer ``l`` keeps ``method.target(l, num_layers)``: at ``D=4096`` on 30 layers, 7980 at layer 0 down to 237
-    at the top), so its top layers re-compress long before a sequence reaches ``D`` tokens."""
+    """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``). ``full_layers=N``
+    (any method): the first ``N`` layers keep the full cache, as the per-layer plan
+    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)`` (not a method: :func:`method_of` names it).
+    ``decode_budget=D`` (a method that scores its tokens: snapkv, pyramidkv, chunkkv): at most ``D`` tokens per
+    layer and KV head plus ``every`` (default 128) while decoding, re-compressed every ``every`` steps, as
+    :class:`~kvjax.methods.bounded.DecodeBudget` ``(method, D, every)``; with ``threshold=tau`` each re-compression
+    keeps the tokens whose score passes ``tau``, at most ``D``. ``D`` is per layer for snapkv and chunkkv; pyramidkv
+    splits it over the layers by its pyramid (their mean is ``D``; layer ``l`` keeps ``method.target(l,
+    num_layers)``: at ``D=4096`` on 30 layers, 7980 at layer 0 down to 237 at the top), so its top layers
+    re-compress long before a sequence reaches ``D`` tokens."""
     if full_layers:
         return FullFirst(
             full_layers, get(name, decode_budget=decode_budget, every=every, threshold=threshold, **options)
@@ -175,6 +176,7 @@ __all__ = [
     "Less",
     "Method",
     "PQCache",
+    "PerLayerPlan",
     "PyramidKV",
     "Quest",
     "REGISTRY",
@@ -188,6 +190,7 @@ __all__ = [
     "for_model",
     "get",
     "load_plugin",
+    "method_of",
     "names",
     "register",
     "takes_budget",

@@ -35,11 +35,12 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   layer and cache :class:`LayerContext` names (PyramidKV's budget depends on the layer, Chelsea's on the
   ``max_new_tokens`` to come and the model's outlier heads). The budget table of
   docs/interface.md#the-budget-contract is this function.
-- ``at(layer) -> Method``: the method that runs layer ``layer`` (a static int), by default the method itself. A
-  per-layer plan is composition: :class:`~kvjax.methods.layers.FullFirst` gives the first layers to ``full``
-  (ClusterKV's and Quest's ``n_full`` are the same rule), and every caller that builds, runs or measures a layer's
-  state (the engine, eval, the benchmarks) asks ``method.at(layer)`` first, so no method dispatches on its
-  state's type.
+- ``at(layer) -> Method``: the method that runs layer ``layer`` (a static int), by default the method itself
+  (ClusterKV's and Quest's ``full`` below their ``n_full``). A per-layer plan
+  (:class:`~kvjax.methods.layers.PerLayerPlan`: ``FullFirst``, ``Hybrid``) is not a method but answers ``at`` too,
+  and every caller that builds, runs or measures a layer's state (the engine, eval, the benchmarks) takes either
+  and asks ``m.at(layer)`` first, so no method dispatches on its state's type; what names either is
+  :func:`kvjax.methods.layers.method_of`'s.
 - ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
   scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
@@ -113,10 +114,10 @@ def _typed(value):
     return type(value), value
 
 
-class Method(abc.ABC):
-    """The interface every cache method implements (see the module docstring). Subclasses are frozen
-    dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
-    by :meth:`__eq__` / :meth:`__hash__` below; ``name`` is the registry name."""
+class StaticConfig:
+    """A frozen config dataclass that is a static ``jit`` argument: it compares and hashes by its class and its typed
+    field values (:meth:`__eq__`), so subclasses are declared with ``eq=False``. :class:`Method` and the per-layer
+    plans (:class:`kvjax.methods.layers.PerLayerPlan`) are ones."""
 
     @functools.cached_property
     def _key(self) -> tuple:
@@ -129,10 +130,17 @@ class Method(abc.ABC):
         ``budget=1.0`` (the whole prompt) are equal in Python but different methods. ``jax.jit`` keys its
         compiled programs on a static method by this, so the dataclass default (``1 == 1.0``) ran the program
         compiled for one budget for the other."""
-        return self is other or (isinstance(other, Method) and self._key == other._key)
+        return self is other or (isinstance(other, StaticConfig) and self._key == other._key)
 
     def __hash__(self) -> int:
         return hash(self._key)
+
+
+class Method(StaticConfig, abc.ABC):
+    """The interface every cache method implements (see the module docstring). Subclasses are frozen
+    dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
+    as a :class:`StaticConfig`; ``name`` is the registry name. A per-layer plan
+    (:class:`kvjax.methods.layers.PerLayerPlan`) is not a method: it answers :meth:`at` only."""
 
     def __init_subclass__(cls, **kwargs):
         """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
@@ -207,9 +215,9 @@ class Method(abc.ABC):
         return True
 
     def at(self, layer: int) -> "Method":
-        """The method that runs layer ``layer`` (a static int): this one. A per-layer plan (``FullFirst``, the
-        ``n_full`` of ClusterKV and Quest) returns another method for some layers; callers resolve it before
-        ``init``, ``prefill``, ``decode`` and every per-state measure (module docstring)."""
+        """The method that runs layer ``layer`` (a static int): this one (ClusterKV's and Quest's: ``full`` below
+        their ``n_full``). Callers resolve it before ``init``, ``prefill``, ``decode`` and every per-state measure,
+        as they resolve a per-layer plan's (module docstring)."""
         return self
 
     @abc.abstractmethod

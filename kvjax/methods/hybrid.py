@@ -19,7 +19,7 @@ import dataclasses
 from typing import ClassVar
 
 from kvjax.methods.base import Method, check_budget
-from kvjax.methods.layers import PerLayerPlan, static_layer
+from kvjax.methods.layers import PerLayerPlan, check_inner, method_of, static_layer
 from kvjax.methods.streaming import StreamingLLM
 
 
@@ -49,24 +49,24 @@ class Window(StreamingLLM):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Hybrid(PerLayerPlan):
     """Per layer: :class:`Window` of ``windows[layer]`` tokens on a local layer (unless ``compress_local``), else
-    ``inner.at(layer)``. ``windows``: the model's ``sliding_windows`` (None: a global layer)."""
+    ``inner.at(layer)`` (``inner``: a method or a plan). ``windows``: the model's ``sliding_windows`` (None: a
+    global layer)."""
 
     windows: tuple
-    inner: Method
+    inner: Method | PerLayerPlan
     compress_local: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.inner, Method):
-            raise ValueError(f"Hybrid(inner={self.inner!r}): inner must be a kvjax method")
+        check_inner(self)
         if isinstance(self.inner, Hybrid):
             raise ValueError("Hybrid(inner=Hybrid(...)): the method is already a hybrid plan")
         for layer in range(len(self.windows)):
             if not self.local(layer) and not self.inner.at(layer).starts_at(layer):
                 if layer == 0 or self.local(layer - 1):
                     raise ValueError(
-                        f"{self.inner.name}'s layer {layer} reuses the layer before it (index reuse across layers), "
-                        f"but layer {layer - 1} is a local sliding-window layer with a ring buffer; use reuse=1 on "
-                        "this model"
+                        f"{method_of(self).name}'s layer {layer} reuses the layer before it (index reuse across "
+                        f"layers), but layer {layer - 1} is a local sliding-window layer with a ring buffer; use "
+                        "reuse=1 on this model"
                     )
 
     def local(self, layer: int) -> bool:
@@ -87,15 +87,15 @@ class Hybrid(PerLayerPlan):
             parts.append(f"{len(local)} local layer{'s' * (len(local) != 1)}: window ring buffers ({sizes} tokens)")
         if n_global:
             kind = "" if self.compress_local else "global "
-            parts.append(f"{n_global} {kind}layer{'s' * (n_global != 1)}: {self.inner.name}")
+            parts.append(f"{n_global} {kind}layer{'s' * (n_global != 1)}: {method_of(self).name}")
         return "; ".join(parts)
 
 
-def for_model(model_cfg, method: Method, compress_local: bool = False) -> Method:
+def for_model(model_cfg, method: Method | PerLayerPlan, compress_local: bool = False) -> Method | PerLayerPlan:
     """``method`` as it runs on ``model_cfg``: on a model with a local (sliding-window) layer, the :class:`Hybrid`
     plan (ring buffers on the local layers, ``method`` on the global ones; ``compress_local=True``: ``method`` on
-    every layer); else ``method`` itself. Idempotent: a plan for this model comes back as it is (ValueError for a
-    plan built for other windows)."""
+    every layer); else ``method`` itself (a method or a plan). Idempotent: a plan for this model comes back as it
+    is (ValueError for a plan built for other windows)."""
     if isinstance(method, Hybrid):
         if method.windows != tuple(model_cfg.sliding_windows):
             raise ValueError(
@@ -108,10 +108,10 @@ def for_model(model_cfg, method: Method, compress_local: bool = False) -> Method
     return Hybrid(tuple(model_cfg.sliding_windows), method, compress_local)
 
 
-def describe(model_cfg, method: Method) -> str:
+def describe(model_cfg, method: Method | PerLayerPlan) -> str:
     """What each kind of layer holds under ``method`` on ``model_cfg`` (``generate``'s ``layer_plan`` stat)."""
     plan = for_model(model_cfg, method)
     if isinstance(plan, Hybrid):
         return plan.describe()
     n = model_cfg.num_layers
-    return f"{n} layer{'s' * (n != 1)}: {method.name}"
+    return f"{n} layer{'s' * (n != 1)}: {method_of(method).name}"

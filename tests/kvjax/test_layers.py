@@ -1,7 +1,9 @@
 """Per-layer plans as composition (``kvjax.methods.layers.FullFirst``, ``methods.get(..., full_layers=N)``,
-``Method.at``): the reference is ``full`` itself. A plan's full layers hold and read what ``full`` does and give
-its outputs; a plan whose every layer is full gives full's greedy tokens; unrolled and scanned engines agree; the
-layer plan never mixes the full layers into the inner method's scanned run; and the misuses say how to fix them."""
+``Hybrid``, ``Method.at``): the references are ``full`` itself and the same per-layer methods listed by hand. A
+plan is not a method (nothing on it takes a state); its full layers hold and read what ``full`` does and give its
+outputs; a plan whose every layer is full gives full's greedy tokens; a plan's generation is that of its layers'
+methods listed by hand; unrolled and scanned engines agree; the layer plan never mixes the full layers into the
+inner method's scanned run; and the misuses say how to fix them."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods, model as M
-from kvjax.methods.base import Capacity
-from kvjax.methods.layers import FullFirst
+from kvjax.engine.core import LayerPlan
+from kvjax.methods.base import Capacity, Method
+from kvjax.methods.hybrid import Hybrid, Window
+from kvjax.methods.layers import FullFirst, PerLayerPlan, method_of
 from methods_table import small_options, small_variants
 
 LAYERS = 4
@@ -54,7 +58,7 @@ def _small(name):
 def test_full_layers_hold_and_read_what_full_does(tiny, name):
     opts = _small(name)
     plan = methods.get(name, budget=0.25, full_layers=2, **opts)
-    assert isinstance(plan, FullFirst) and plan.name == name and plan.budget == 0.25
+    assert isinstance(plan, FullFirst) and method_of(plan).name == name and method_of(plan).budget == 0.25
     assert plan.at(0) == plan.at(1) == methods.get("full") and plan.at(2) == methods.get(name, budget=0.25, **opts)
     ids = prompts()
     held, read, _ = _layer_held(tiny, plan, ids)
@@ -117,13 +121,91 @@ def test_recall_methods_n_full_is_the_same_plan(tiny, name, opts):
 
 def test_misuse_says_how_to_fix_it(tiny):
     plan = methods.get("snapkv", budget=0.25, full_layers=1)
-    st = plan.init(tiny.config, 1, Capacity(32, 2), 0, jnp.float32)  # a static layer resolves itself
-    with pytest.raises(TypeError, match=r"method.at\(layer\).tokens_held"):
-        plan.tokens_held(st)
     with pytest.raises(TypeError, match="static int layer"):
-        jax.jit(lambda s, l: plan.decode(s, l, *[jnp.zeros((1, h, 16)) for h in (4, 2, 2)], jnp.zeros(1, int)))(st, 0)
+        jax.jit(lambda l: plan.at(l).decode)(0)
+    with pytest.raises(ValueError, match="neither a kvjax method nor a per-layer plan"):
+        method_of("snapkv")
+    with pytest.raises(ValueError, match="inner must be a kvjax method"):
+        FullFirst(1, "snapkv")
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="full_layers"):
             methods.get("snapkv", budget=0.25, full_layers=bad)
     with pytest.raises(ValueError, match="full_layers a multiple of its reuse"):
         methods.get("chunkkv", budget=0.25, reuse=2, full_layers=1)
+
+
+def _plans():
+    snap = methods.get("snapkv", budget=0.25, **_small("snapkv"))
+    return snap, [
+        FullFirst(2, snap),
+        Hybrid((8, None, 8, None), snap),
+        Hybrid((8, None, None, None), FullFirst(2, snap)),
+    ]
+
+
+#: What takes a layer's state, or a layer, on a :class:`Method`: a plan offers none of it.
+STATEFUL = [
+    name
+    for name in dir(Method)
+    if not name.startswith("_") and callable(getattr(Method, name)) and name not in ("at", "model_defaults")
+]
+
+
+def test_a_plan_is_not_a_method_and_takes_no_state():
+    """A plan answers ``at`` (and its own fields); nothing on it takes a state or a layer, so nothing can call it and
+    get a TypeError back. What names it is its inner method's, through nested plans; it compares and hashes by its
+    typed fields, as a method does (a static ``jit`` argument)."""
+    snap, plans = _plans()
+    assert {"init", "prefill", "decode", "tokens_held", "memory_bytes", "held", "state_axes"} <= set(STATEFUL)
+    for plan in plans:
+        assert isinstance(plan, PerLayerPlan) and not isinstance(plan, Method)
+        assert [name for name in STATEFUL if hasattr(plan, name)] == [], type(plan).__name__
+        assert not hasattr(plan, "name") and not hasattr(plan, "budget") and not hasattr(plan, "recalls")
+        assert method_of(plan) is snap and method_of(snap) is snap
+        assert all(isinstance(plan.at(layer), Method) for layer in range(LAYERS))
+    assert [plans[0].at(l) for l in range(LAYERS)] == [methods.Full()] * 2 + [snap] * 2
+    assert [plans[1].at(l) for l in range(LAYERS)] == [Window(8), snap, Window(8), snap]
+    assert [plans[2].at(l) for l in range(LAYERS)] == [Window(8), methods.Full(), snap, snap]
+    one, other = methods.get("snapkv", budget=1, full_layers=2), methods.get("snapkv", budget=1.0, full_layers=2)
+    assert one == methods.get("snapkv", budget=1, full_layers=2) and hash(one) == hash(
+        FullFirst(2, methods.get("snapkv", budget=1))
+    )
+    assert one != other and one != one.inner and len({one, other, one.inner}) == 3
+
+
+def _greedy_by_hand(model, layers, ids, steps):
+    """Greedy tokens, tokens held and bytes read per step of ``layers`` (one method per layer, listed by hand, no
+    plan's ``at``): the engine's prefill and decode steps over a :class:`LayerPlan` built from the list."""
+    cfg = model.config
+    by_hand = LayerPlan(layers[-1], tuple(layers), tuple(cfg.sliding_windows))
+    cap = Capacity(64, steps)
+    lengths = jnp.asarray([len(x) for x in ids], jnp.int32)
+    tokens = jnp.asarray([x + [0] * (64 - len(x)) for x in ids], jnp.int32)
+    states = engine.init_states(cfg, by_hand, len(ids), cap, jnp.float32)
+    states, logits = engine.prefill(cfg, by_hand, model.params, tokens, lengths, states)
+    out, pos = [], lengths
+    for step in range(steps):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out.append(np.asarray(token))
+        if step + 1 < steps:
+            logits, states = engine.decode_step(cfg, by_hand, model.params, states, token, pos)
+            pos = pos + 1
+    read = engine.bytes_read_per_step(by_hand, states, cfg.num_heads) // len(ids)
+    return np.stack(out, axis=1).tolist(), engine.tokens_held(by_hand, states).tolist(), read
+
+
+@pytest.mark.parametrize("name,opts,n_full", [("snapkv", {}, 2), ("quest", dict(page_size=4, n_full=0), 1)])
+def test_a_plan_generates_what_its_layers_by_hand_do(tiny, name, opts, n_full):
+    """``methods.get(name, ..., full_layers=N)`` through ``generate`` gives the greedy tokens and the tokens held of
+    ``full`` on the first ``N`` layers and the method on the others, run from that list of methods; and its stats
+    are the inner method's name and what those layers hold and read."""
+    ids, steps = prompts(), 5
+    inner = methods.get(name, budget=0.45, **{**_small(name), **opts})
+    plan = methods.get(name, budget=0.45, full_layers=n_full, **{**_small(name), **opts})
+    got = kvjax.generate(tiny, ids, plan, max_new_tokens=steps, driver="scan", stop_at_eos=False)
+    want, held, read = _greedy_by_hand(tiny, [methods.Full()] * n_full + [inner] * (LAYERS - n_full), ids, steps)
+    assert got.tokens == want
+    assert [s["tokens_held"] for s in got.stats] == held
+    assert all(s["method"] == name and s["bytes_read_per_step"] == read for s in got.stats)
+    alone = kvjax.generate(tiny, ids, inner, max_new_tokens=steps, driver="scan", stop_at_eos=False)
+    assert alone.stats[0]["bytes_read_per_step"] < read  # the full layers read more: the plan was not ignored
