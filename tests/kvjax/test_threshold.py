@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.methods import threshold as th
-from kvjax.methods.clusterkv import take_by_rank
+from kvjax.methods.cluster_recall import take_by_rank
 
 
 def _tied_scores(rng, shape, distinct):
