@@ -1,5 +1,5 @@
-"""Selection without a sort (``kvjax.methods.threshold``, ``clusterkv.take_by_rank``) against the sorts it replaces:
-``lax.top_k``'s set (ties to the lower index) and a NumPy ranking of clusters, on scores with many ties (a few
+"""Selection without a sort (``kvjax.methods.threshold``, ``cluster_recall.take_by_rank``) against the sorts it
+replaces: ``lax.top_k``'s set (ties to the lower index) and a NumPy ranking of clusters, on scores with many ties (a few
 distinct values), candidate masks, ``k`` of 0, within and beyond the candidates, and empty clusters."""
 
 from __future__ import annotations
