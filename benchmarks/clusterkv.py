@@ -35,7 +35,7 @@ from kvjax.engine import core
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model, default_dtype
-from kvjax.methods import clusterkv as ckv
+from kvjax.methods import cluster_index
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 
@@ -74,20 +74,20 @@ def kmeans_iterations(model, method, tokens, lengths) -> list[int]:
     """K-means updates run in each compressed layer's prefill clustering (an untimed, separately traced run that
     reports ``cosine_kmeans``' third output through a debug callback)."""
     got = []
-    orig = ckv.cosine_kmeans
+    orig = cluster_index.cosine_kmeans
 
     def recording(*a, **kw):
         mu, labels, it = orig(*a, **kw)
         jax.debug.callback(lambda i: got.append(int(i)), it)
         return mu, labels, it
 
-    ckv.cosine_kmeans = recording
+    cluster_index.cosine_kmeans = recording
     try:
         fn = jax.jit(lambda *a: core.prefill(*a), static_argnums=(0, 1))  # a fresh function: traced anew
         prefill(model, method, tokens, lengths, fn)
         jax.effects_barrier()
     finally:
-        ckv.cosine_kmeans = orig
+        cluster_index.cosine_kmeans = orig
     return got
 
 

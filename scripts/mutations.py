@@ -62,10 +62,10 @@ K_BOUNDED = "recompression or threshold"  # the reference tests, not the engine'
 K_BUDGET = "mul or exact or trap or overflow or four_decimals or counts"  # the arithmetic tests of the budget file
 
 MUTANTS: tuple[Mutant, ...] = (
-    # ---- Chelsea (kvjax/methods/chelsea.py, csm.py) ------------------------------------------------------------
+    # ---- Chelsea (kvjax/methods/chelsea*.py, csm.py) -----------------------------------------------------------
     M(
         "chelsea-no-log-bias",
-        "kvjax/methods/chelsea.py",
+        "kvjax/methods/chelsea_attend.py",
         "bias = jnp.log(jnp.where(valid, n, 1.0))",
         "bias = jnp.zeros_like(n)",
         T_CHELSEA,
@@ -105,7 +105,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "chelsea-budget-rounded-up",
-        "kvjax/methods/chelsea.py",
+        "kvjax/methods/chelsea_budget.py",
         "t = floor_mul(full, rule[1], rule[2])",
         "t = -(-full * rule[1] // rule[2])",
         T_CHELSEA,
@@ -113,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "chelsea-outlier-misses-new-token",
-        "kvjax/methods/chelsea.py",
+        "kvjax/methods/chelsea_attend.py",
         "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])",
         "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] < pos[:, None, None], ko.shape[:3])",
         T_CHELSEA,
@@ -524,7 +524,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- ClusterKV and the cosine K-means references -----------------------------------------------------------
     M(
         "clusterkv-group-max",
-        "kvjax/methods/clusterkv.py",
+        "kvjax/methods/cluster_recall.py",
         "qg = qg.mean(axis=2, keepdims=True)",
         "qg = qg.max(axis=2, keepdims=True)",
         ("tests/kvjax/test_clusterkv.py",),

@@ -5,6 +5,12 @@ centroids score highest against the query, and the recent not-yet-clustered toke
 ``docs/notes/clusterkv.md`` (§2, §6 resolutions, §7 layout); paper §III (semantic clustering, selection
 at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
 
+The method's parts, each a module of pure functions: :mod:`~kvjax.methods.cluster_index` (cosine K-means per KV
+head, the clusters as CSR runs, the prompt and each decode window put in cluster order),
+:mod:`~kvjax.methods.cluster_recall` (the clusters a query ranks highest, as runs of slots) and
+:mod:`~kvjax.methods.cluster_attend` (attention over those runs, offloaded or not, and what a step reads). This
+module holds the state and the :class:`ClusterKV` method that ties them together.
+
 Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = bucket + max_new_tokens); pos ``[B, Hkv, S]``
 int32 (-1 empty); mu ``[B, Hkv, C, D]`` float32 with ``C = C0_max + window_clusters * W_max`` (prompt clusters
 ``[0, C0_max)``, window ``w``'s at ``C0_max + w * window_clusters``); csize, cstart ``[B, Hkv, C]`` int32;
@@ -26,56 +32,29 @@ import numpy as np
 from flax import struct
 
 from kernels_pallas.checks import check_int
-from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
-from kernels_pallas.decode_attention import gather_runs, runs_mask
+from kernels_pallas.decode_attention import runs_mask
 from kvjax.model import attention
-from kvjax import sharding
-from kvjax.model.attention import NEG_INF
 from kvjax.budget import MIN_TOKENS, check_budget
-from kvjax.methods import kmeans as km
-from kvjax.methods import threshold as th
+from kvjax.methods import cluster_attend, cluster_budget, cluster_index, cluster_recall
 from kvjax.budget import warn_full_attention
 from kvjax.methods.offload import host_sharding
 from kvjax.methods.base import (
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
-    evicting_budget,
     full_bytes,
     LayerContext,
     Method,
     rows_at,
     slot_axes,
 )
+from kvjax.methods.cluster_attend import RUN_BLOCK
+from kvjax.methods.cluster_index import cosine_kmeans
+from kvjax.methods.cluster_recall import take_by_rank
 from kvjax.methods.layers import full_below, refuse_full_layer
 
-
-#: Rows per window of the decode step's run reads (``kernels_pallas.decode_attention.decode_attention_runs``).
-RUN_BLOCK = 16
-
-
-def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):
-    """Lloyd K-means under cosine distance (paper §III-B, note §2.3).
-
-    x ``[N, L, D]`` keys, valid ``[N, L]`` bool, c0 ``[N, C, D]`` initial centroids, cvalid ``[N, C]`` bool ->
-    (mu ``[N, C, D]`` float32, labels ``[N, L]`` int32, ``C`` for invalid rows, updates run ``[]`` int32).
-    Each iteration assigns with the current centroids (argmax cosine similarity, ties to the lower index) and, if
-    some label changed, moves each centroid to the mean of its members' raw keys (empty: unchanged); at most
-    ``iters`` updates; then a last assignment (the labels returned)."""
-
-    def cond(carry):
-        _, _, it, done = carry
-        return (it < iters) & ~done
-
-    def body(carry):
-        mu, prev, it, _ = carry
-        new, labels = lloyd_step(x, mu, valid, cvalid, impl=impl)  # labels: the assignment against mu
-        done = jnp.all(labels == prev)
-        return jnp.where(done, mu, new), labels, it + jnp.where(done, 0, 1), done
-
-    start = (c0.astype(jnp.float32), jnp.full(x.shape[:2], -1, jnp.int32), jnp.int32(0), jnp.bool_(False))
-    mu, _, it, _ = jax.lax.while_loop(cond, body, start)
-    return mu, cosine_assign(x, mu, valid, cvalid, impl=impl), it
+#: The public names, some re-exported from the parts.
+__all__ = ["ClusterKV", "ClusterState", "RUN_BLOCK", "cosine_kmeans", "take_by_rank"]
 
 
 @struct.dataclass
@@ -99,22 +78,6 @@ class ClusterState:
     c0: int = struct.field(pytree_node=False, default=0)  # static: prompt cluster ids [0, c0)
     select: int = struct.field(pytree_node=False, default=0)  # static: gathered rows per selecting head
     max_new: int = struct.field(pytree_node=False, default=0)  # static: capacity.max_new_tokens
-
-
-def take_by_rank(score, size, bsel):
-    """Rows taken per cluster when clusters are taken whole in descending ``score`` order (ties: the lower index)
-    until ``bsel`` rows, the last one cut: ``clip(bsel - (rows of the clusters ranked before), 0, size)`` ``[...,
-    C]`` int32, in cluster order. ``score [..., C]`` float32, ``size [..., C]`` int (``>= 0``), ``bsel`` broadcastable
-    to ``score.shape[:-1]``. No sort: ``tau``, the cut cluster's score, from a size-weighted bisection
-    (:func:`~kvjax.methods.threshold.kth_key`); the clusters above it are taken whole (their rows sum to less than
-    ``bsel``), those tied with it in index order, those below not at all."""
-    keys = th.sortable(score)
-    size = size.astype(jnp.int32)
-    bsel = jnp.broadcast_to(jnp.asarray(bsel, jnp.int32), score.shape[:-1])
-    tau, above = th.kth_key(keys, size, bsel)
-    tied = jnp.where(keys == tau[..., None], size, 0)
-    cut = jnp.clip((bsel - above)[..., None] - (jnp.cumsum(tied, axis=-1) - tied), 0, size)
-    return jnp.where(keys > tau[..., None], size, jnp.where(keys == tau[..., None], cut, 0)).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -171,24 +134,17 @@ class ClusterKV(Method):
     def split(self, n: int, max_new_tokens: int = 0) -> tuple[int, int]:
         """``(sink_b, bsel_b)`` for an ``n``-token prompt: sinks and tokens taken from clusters. A token count
         can cover the generated tokens too (``min(count, n + max_new_tokens)``), a fraction is ``ceil(b n)``."""
-        b = int(evicting_budget(self.budget, int(n), int(n) + max_new_tokens)) if n else 0
-        s = min(self.sink, b, n)
-        return s, b - s
+        return cluster_budget.split(self.budget, self.sink, n, max_new_tokens)
 
     def clusters_for(self, n: int) -> int:
         """Prompt clusters ``C0`` of an ``n``-token prompt (0 when nothing is clustered)."""
-        lc = n - min(self.sink, n)
-        if lc <= 0:
-            return 0
-        c0 = self.num_clusters if self.num_clusters is not None else max(1, lc // self.tokens_per_cluster)
-        return min(c0, lc)
+        return cluster_budget.clusters_for(self.sink, self.tokens_per_cluster, self.num_clusters, n)
 
     def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Tokens (per query head) the decode step writing position ``n + steps`` attends: sinks + selected +
         the unclustered window + the new token (a token budget covers ``ctx.capacity.max_new_tokens`` too)."""
         s, bsel = self.split(n, ctx.capacity.max_new_tokens if ctx.capacity else 0)
-        unclustered = steps % self.window
-        return s + min(bsel, n - s + steps - unclustered) + unclustered + 1
+        return cluster_budget.attended(s, bsel, n, steps, self.window)
 
     def min_budget(self) -> tuple[int, str]:
         return self.sink + MIN_TOKENS, f"sink={self.sink} + at least {MIN_TOKENS} tokens selected from clusters"
@@ -205,9 +161,7 @@ class ClusterKV(Method):
         else:
             n, windows = np.asarray(n), min(steps // self.window, wmax)
         c0 = np.asarray(self._split_dynamic(jnp.asarray(n, jnp.int32), state.max_new)[2]).astype(np.int64)
-        b, h, c, d = state.mu.shape
-        per = h * (d * np.dtype(state.mu.dtype).itemsize + 2 * np.dtype(state.csize.dtype).itemsize)
-        return b * c * per, (c0 + windows * self.window_clusters) * per
+        return cluster_index.index_bytes(state.mu, state.csize, c0 + windows * self.window_clusters)
 
     # ---- the method interface ----
 
@@ -263,79 +217,33 @@ class ClusterKV(Method):
 
     def _split_dynamic(self, lengths, max_new_tokens: int):
         """Per-sequence ``(sink_b, bsel_b, c0_b)`` ``[B]`` int32 (exactly :meth:`split`, :meth:`clusters_for`)."""
-        n = jnp.asarray(lengths, jnp.int32)
-        b = jnp.where(n > 0, evicting_budget(self.budget, n, n + max_new_tokens), 0).astype(jnp.int32)
-        s = jnp.minimum(jnp.minimum(self.sink, b), n)
-        lc = n - s
-        c0 = (
-            jnp.full_like(n, self.num_clusters)
-            if self.num_clusters is not None
-            else jnp.maximum(1, lc // self.tokens_per_cluster)
-        )
-        return s, b - s, jnp.where(lc > 0, jnp.minimum(c0, lc), 0)
+        opts = (self.budget, self.sink, self.tokens_per_cluster, self.num_clusters)
+        return cluster_budget.split_dynamic(*opts, lengths, max_new_tokens)
 
     def init_rows(self, stream, num_heads: int, positions, valid, num: int):
-        """Initial centroid rows ``[B, Hkv, num]`` int32 (note §6 #3: sampled without replacement, independent per
-        KV head; ``stream`` is the layer for the prompt, :meth:`window_stream` for a decode window). positions,
-        valid ``[B, L]``."""
-        key = jax.random.fold_in(jax.random.PRNGKey(self.seed), stream)
-        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_heads))  # one stream per KV head
-        return jax.vmap(lambda kk: km.init_rows(kk, valid, num, positions), out_axes=1)(keys)
+        """Initial centroid rows ``[B, Hkv, num]`` int32 (:func:`~kvjax.methods.cluster_index.init_rows`; ``stream``
+        is the layer for the prompt, :meth:`window_stream` for a decode window). positions, valid ``[B, L]``."""
+        return cluster_index.init_rows(self.seed, stream, num_heads, positions, valid, num)
 
     @staticmethod
     def window_stream(layer, window):
         """The init stream of decode window ``window`` (0-based) of ``layer``."""
-        return layer * 100003 + 7919 * (window + 1)
+        return cluster_index.window_stream(layer, window)
 
-    def _cluster(self, layer: int, k, positions, valid, ncl, num: int):
-        """K-means of rows ``k [B, Hkv, L, D]`` (positions ``[L]`` or ``[B, L]``, valid ``[B, L]``) into ``ncl [B]`` of
-        ``num`` clusters -> (mu ``[B, Hkv, num, D]``, labels ``[B, Hkv, L]`` with ``num`` for invalid rows)."""
-        b, h, l, d = k.shape
-        init = self.init_rows(layer, h, positions, valid, num)  # [B, Hkv, num]
-        c0 = jnp.take_along_axis(k, init[..., None], axis=2)  # [B, Hkv, num, D]
-        cvalid = jnp.broadcast_to((jnp.arange(num)[None, :] < ncl[:, None])[:, None], (b, h, num))
-        vmask = jnp.broadcast_to(valid[:, None], (b, h, l))
-
-        def rows(x, vm, c, cv):  # one device's (sequences, KV heads) as rows of the k-means kernel
-            bb, hh = x.shape[:2]
-            mu, labels, _ = cosine_kmeans(
-                x.reshape(bb * hh, l, d),
-                vm.reshape(bb * hh, l),
-                c.reshape(bb * hh, num, d),
-                cv.reshape(bb * hh, num),
-                self.iters,
-                self.impl,
-            )
-            return mu.reshape(bb, hh, num, d), labels.reshape(bb, hh, l)
-
-        return sharding.per_head(rows, k, vmask, c0, cvalid)
-
-    @staticmethod
-    def _csr(labels, num: int, base):
-        """Sizes ``[B, Hkv, num]`` (a bincount: no ``[L, num]`` one-hot) and starts (``base [B]`` + exclusive
-        prefix sums) of labels ``[B, Hkv, L]`` (``num`` = invalid, not counted)."""
-        lead = labels.shape[:-1]
-        count = jax.vmap(lambda x: jnp.bincount(x, length=num + 1))(labels.reshape(-1, labels.shape[-1]))
-        size = count[:, :num].reshape(*lead, num).astype(jnp.int32)
-        start = base[:, None, None] + jnp.cumsum(size, axis=-1) - size
-        return size, start.astype(jnp.int32)
+    def _kmeans(self) -> dict:
+        """The K-means options of :mod:`~kvjax.methods.cluster_index`."""
+        return dict(seed=self.seed, iters=self.iters, impl=self.impl)
 
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
-        """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order.
-        k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
-        b, h, t, d = k.shape
+        """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order
+        (:func:`~kvjax.methods.cluster_index.cluster_prompt`). k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
+        t = k.shape[2]
         n = jnp.asarray(lengths, jnp.int32)
         sinks, bsel, ncl = self._split_dynamic(n, state.max_new)
-        p = jnp.arange(t, dtype=jnp.int32)
-        valid = (p[None, :] >= sinks[:, None]) & (p[None, :] < n[:, None])  # [B, T]
-        mu, labels = self._cluster(layer, k, p, valid, ncl, state.c0)  # positions shared by the rows
-        size, start = self._csr(labels, state.c0, sinks)
-        # slot order: sinks (group -1), clusters by id, then padding (group c0); stable keeps positions ascending
-        group = jnp.where(p[None, None, :] < sinks[:, None, None], -1, labels)
-        order = jnp.argsort(group, axis=-1, stable=True).astype(jnp.int32)  # [B, Hkv, T]
-        ks = jnp.take_along_axis(k, order[..., None], axis=2).astype(state.k.dtype)
-        vs = jnp.take_along_axis(v, order[..., None], axis=2).astype(state.v.dtype)
-        pos = jnp.where(order < n[:, None, None], order, -1)
+        dtypes = (state.k.dtype, state.v.dtype)
+        ks, vs, pos, mu, size, start = cluster_index.cluster_prompt(
+            k, v, n, sinks, ncl, state.c0, dtypes, layer=layer, **self._kmeans()
+        )
         return state.replace(
             k=self._place(state.k.at[:, :, :t].set(ks)),
             v=self._place(state.v.at[:, :, :t].set(vs)),
@@ -352,48 +260,23 @@ class ClusterKV(Method):
         )
 
     def _place(self, x):
-        if not self.offload:
-            return x
-        return jax.device_put(x, host_sharding())
+        return jax.device_put(x, host_sharding()) if self.offload else x
 
     # ---- selection (paper §III-C, note §7.4) ----
 
     def take_lengths(self, state: ClusterState, q):
         """Tokens each selecting head takes from each cluster: ``(starts [B, Hkv, C], take [B, Hkv, G', C])`` int32
-        in cluster-id order, ``G' = G`` for ``gqa="query"``, 1 for ``group_mean``. The clusters are ranked by
-        ``q·mu`` (ties: the lower id), whole clusters taken until ``bsel`` tokens, the last one cut to its first
-        (earliest-position) rows: cluster ``c`` at rank ``r`` gives ``clip(bsel - Σ_{r' < r} size, 0, size)`` rows
-        from ``cstart[c]``, computed without a sort (:func:`take_by_rank`; XLA:CPU's sort of 8 x 409 scores took
-        0.4-0.5 ms a step at 32k). q ``[B, Hq, D]``."""
-        b, hq, d = q.shape
-        h = state.mu.shape[1]
-        qg = q.astype(jnp.float32).reshape(b, h, hq // h, d)
-        if self.gqa == "group_mean":
-            qg = qg.mean(axis=2, keepdims=True)
-        s = jnp.einsum("bhgd,bhcd->bhgc", qg, state.mu, precision=jax.lax.Precision.HIGHEST)
-        live = (state.csize > 0)[:, :, None, :]
-        size = jnp.broadcast_to(state.csize[:, :, None], s.shape)
-        return state.cstart, take_by_rank(jnp.where(live, s, NEG_INF), size, state.bsel[:, None, None])
+        in cluster-id order, ``G' = G`` for ``gqa="query"``, 1 for ``group_mean``; the clusters ranked by ``q·mu``,
+        taken whole until ``bsel`` tokens, the last one cut (:func:`~kvjax.methods.cluster_recall.take_lengths`).
+        q ``[B, Hq, D]``."""
+        return state.cstart, cluster_recall.take_lengths(q, state.mu, state.csize, state.bsel, self.gqa)
 
     def runs(self, state: ClusterState, q, t):
         """The runs of slots the step whose new token is at ``t [B]`` attends: ``(starts [B, Hkv, R], lens [B, Hkv,
-        R] or [B, Hkv, G, R])`` (``R = C + 2``): the sinks ``[0, sink_b)``, the unclustered window ``[clustered,
-        t]``, then the clusters (:meth:`take_lengths`). ``gqa="query"`` gives every query head its own lengths over
-        the clusters any head of its group takes (read once per KV head, masked per query head)."""
-        b, h = state.k.shape[0], state.k.shape[1]
+        R] or [B, Hkv, G, R])`` (``R = C + 2``): the sinks, the unclustered window ``[clustered, t]``, then the
+        clusters (:meth:`take_lengths`, :func:`~kvjax.methods.cluster_recall.runs`)."""
         cstart, take = self.take_lengths(state, q)
-        g = take.shape[2]
-        fixed = lambda x: jnp.broadcast_to(x.astype(jnp.int32)[:, None, None, None], (b, h, g, 1))  # noqa: E731
-        lens = jnp.concatenate([fixed(state.sinks), fixed(t + 1 - state.clustered), take], axis=-1)
-        starts = jnp.concatenate(
-            [
-                jnp.zeros((b, h, 1), jnp.int32),
-                jnp.broadcast_to(state.clustered[:, None, None], (b, h, 1)).astype(jnp.int32),
-                cstart.astype(jnp.int32),
-            ],
-            axis=-1,
-        )
-        return starts, (lens[:, :, 0] if g == 1 else lens)
+        return cluster_recall.runs(take, cstart, state.sinks, state.clustered, t)
 
     def max_rows(self, state: ClusterState, num_heads: int) -> int:
         """Static bound on the rows a step's runs list per KV head: the sinks, the unclustered window (at most
@@ -401,15 +284,10 @@ class ClusterKV(Method):
         g = 1 if self.gqa == "group_mean" else num_heads // state.k.shape[1]
         return int(state.sink + min(self.window, state.max_new) + min(g * state.select, state.k.shape[2]))
 
-    @staticmethod
-    def _run_block(s: int) -> int:
-        """Rows per window of the run reads (``decode_attention_runs``' ``block_size``)."""
-        return min(RUN_BLOCK, s)
-
     def decode(self, state, layer: int, q, k, v, pos):
         """Store the new token at slot ``pos``, attend sinks + selected clusters + the window (runs of slots, each
-        read once per KV head), then cluster the window when it is full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``;
-        pos ``[B]``."""
+        read once per KV head, :func:`~kvjax.methods.cluster_attend.attend`), then cluster the window when it is
+        full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
         ti = jnp.broadcast_to(t[:, None], (b, h))
@@ -420,16 +298,8 @@ class ClusterKV(Method):
             filled=jnp.maximum(state.filled, t + 1),
         )
         starts, lens = self.runs(state, q, t)
-        bs = self._run_block(state.k.shape[2])
         rows = self.max_rows(state, q.shape[1])
-        if self.offload:  # gather the windows from host memory, attend them on the device
-            kk, vv, valid = gather_runs(state.k, state.v, starts, lens, max_rows=rows, block_size=bs)
-            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
-            part = attention.attend(q, jax.device_put(kk, dev), jax.device_put(vv, dev), valid)
-        else:
-            part = attention.attend_runs(q, state.k, state.v, starts, lens, max_rows=rows, block_size=bs)
-        span = lens if lens.ndim == 3 else jnp.max(lens, axis=2)
-        read = jnp.sum(jnp.where(span > 0, jnp.maximum(span, bs), 0), axis=-1).astype(jnp.int32)  # [B, Hkv]
+        part, read = cluster_attend.attend(q, state.k, state.v, starts, lens, max_rows=rows, offload=self.offload)
         state = state.replace(rows_read=read)
         # The window's clustering permutes K/V rows in place. Without a data dependency XLA may run it before the
         # attention that reads those rows and copy K and V (both branches of the cond) to keep the old rows; its
@@ -456,28 +326,13 @@ class ClusterKV(Method):
 
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:
         """Cluster slots ``[clustered, clustered + window)`` into ``window_clusters`` clusters, permute the rows
-        into cluster order in place and append the clusters (ids ``c0 + windows * window_clusters + j``)."""
-        b, h, _, d = state.k.shape
-        m, cp = self.window, self.window_clusters
-        slots = state.clustered[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]  # [B, m]
-        idx = jnp.broadcast_to(slots[:, None, :, None], (b, h, m, 1))
-        kw = jnp.take_along_axis(state.k, idx, axis=2)
-        vw = jnp.take_along_axis(state.v, idx, axis=2)
-        pw = jnp.take_along_axis(state.pos, idx[..., 0], axis=2)
-        mu, labels = self._cluster(
-            self.window_stream(layer, state.windows),
-            kw,
-            slots,
-            jnp.ones((b, m), bool),
-            jnp.full((b,), cp, jnp.int32),
-            cp,
+        into cluster order in place and append the clusters (ids ``c0 + windows * window_clusters + j``;
+        :func:`~kvjax.methods.cluster_index.cluster_window`)."""
+        cp = self.window_clusters
+        opts = dict(window=self.window, clusters=cp, layer=layer, **self._kmeans())
+        si, ks, vs, ps, mu, size, start = cluster_index.cluster_window(
+            state.k, state.v, state.pos, state.clustered, state.windows, **opts
         )
-        size, start = self._csr(labels, cp, state.clustered)
-        order = jnp.argsort(labels, axis=-1, stable=True).astype(jnp.int32)  # cluster order, positions ascending
-        ks = jnp.take_along_axis(kw, order[..., None], axis=2)
-        vs = jnp.take_along_axis(vw, order[..., None], axis=2)
-        ps = jnp.take_along_axis(pw, order, axis=2)
-        si = jnp.broadcast_to(slots[:, None, :], (b, h, m))
         at = state.c0 + state.windows * cp
         return state.replace(
             k=self._place(rows_at(state.k, si, ks)),
@@ -486,7 +341,7 @@ class ClusterKV(Method):
             mu=jax.lax.dynamic_update_slice_in_dim(state.mu, mu, at, axis=2),
             csize=jax.lax.dynamic_update_slice_in_dim(state.csize, size, at, axis=2),
             cstart=jax.lax.dynamic_update_slice_in_dim(state.cstart, start, at, axis=2),
-            clustered=state.clustered + m,
+            clustered=state.clustered + self.window,
             windows=state.windows + 1,
         )
 
@@ -498,12 +353,8 @@ class ClusterKV(Method):
         b, hq, _ = q.shape
         h, s = state.k.shape[1], state.k.shape[2]
         starts, lens = self.runs(state, q, state.filled - 1)  # the window [clustered, filled): t excluded
-        g = hq // h
-        slots = runs_mask(b, h, g, s, starts, lens)  # [B, Hkv, G, S] by slot
-        p = jnp.where(state.pos >= 0, state.pos, s)  # [B, Hkv, S] the position each slot holds
-        put = lambda pp, m: jnp.zeros((s + 1,), bool).at[pp].max(m)[:s]  # noqa: E731
-        sel = jax.vmap(jax.vmap(jax.vmap(put, in_axes=(None, 0))))(p, slots)  # [B, Hkv, G, S] by position
-        return sel.reshape(b, hq, s)
+        slots = runs_mask(b, h, hq // h, s, starts, lens)  # [B, Hkv, G, S] by slot
+        return cluster_recall.positions_of(state.pos, slots).reshape(b, hq, s)
 
     def state_axes(self, state: ClusterState):
         """Batch- and head-major; the slot buffer (base.Method.state_axes): the K/V rows and their positions;
@@ -514,43 +365,13 @@ class ClusterKV(Method):
         return jnp.mean(jnp.sum(state.pos >= 0, axis=-1), axis=-1).astype(jnp.float32)
 
     def bytes_read_breakdown(self, state: ClusterState, num_heads: int) -> dict[str, int]:
-        """Bytes one decode step of this compressed layer reads, by part (concrete state; call outside ``jit``):
-
-        - ``centroids``: ``mu`` (float32), ``csize`` and ``cstart`` of the live clusters per KV head;
-        - ``ranking``: the float32 score and the size of each live cluster, per selecting head (the size-weighted
-          bisection, :meth:`take_lengths`, passes over these small arrays 32 times, in cache).
-        The scoring einsum and the bisection run over the static ``C``-cluster buffers (the bucket's ``C0_max``
-        prompt clusters and every decode window's slots); the slots no cluster of the sequence uses are not
-        counted (at most ``bucket / tokens_per_cluster`` centroids of ``4 D`` bytes per KV head, well under 1% of
-        a step's reads at the budgets of the paper);
-        - ``runs``: the K and V rows the run reads touch (:func:`~kernels_pallas.decode_attention.runs_plan_bytes`:
-          every listed run's rows, a run shorter than ``RUN_BLOCK`` rows a whole window): the sinks, the unclustered
-          window and the selected clusters, read once per KV head (``gqa="query"``: the union of the group's
-          selections). The rows depend on the query: after a decode step, the rows that step read
-          (``rows_read``, recorded by :meth:`decode`); before the first, the bound ``bsel`` per selecting head
-          plus the sink and window runs. Plus the query and the partial outputs;
-        - ``full_kv``, not in ``total``: full attention over the same live slots."""
-        b, h, s, d = state.k.shape
-        item = np.dtype(state.k.dtype).itemsize
-        g = 1 if self.gqa == "group_mean" else num_heads // h
-        bs = self._run_block(s)
-        live = int(np.sum(np.asarray(state.csize) > 0))
-        filled, clustered = np.asarray(state.filled), np.asarray(state.clustered)
-        if np.any(filled > np.asarray(state.lengths)):  # a decode step has run: what it read
-            rows = int(np.sum(np.asarray(state.rows_read)))
-        else:  # the next step's bound: bsel per selecting head (at most the clustered tokens), sinks, window
-            sinks, bsel = np.asarray(state.sinks), np.asarray(state.bsel)
-            run = lambda n: np.where(n > 0, np.maximum(n, bs), 0)  # noqa: E731
-            sel = np.minimum(g * bsel, clustered - sinks)
-            rows = int(h * np.sum(run(sinks) + run(filled + 1 - clustered) + sel))
-        out = {
-            "centroids": live * (d * 4 + 8),
-            "ranking": live * g * 8,
-            "runs": rows * 2 * d * item + b * num_heads * d * item + b * num_heads * (d + 2) * 4,
-        }
-        out["total"] = sum(out.values())
-        out["full_kv"] = int(h * np.sum(filled + 1) * 2 * d * item + b * num_heads * (2 * d * item + (d + 2) * 4))
-        return out
+        """Bytes one decode step of this compressed layer reads, by part: ``centroids``, ``ranking``, ``runs`` (the
+        K/V rows the run reads touch: after a decode step the rows it read, before the first a bound), ``total``,
+        and ``full_kv`` for comparison (:func:`~kvjax.methods.cluster_attend.read_bytes`; concrete state, call
+        outside ``jit``)."""
+        g = 1 if self.gqa == "group_mean" else num_heads // state.k.shape[1]
+        arrays = (state.csize, state.lengths, state.filled, state.clustered, state.sinks, state.bsel, state.rows_read)
+        return cluster_attend.read_bytes(state.k, *arrays, num_heads=num_heads, g=g)
 
     def held_overhead_bytes(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype) -> int:
         """A recall method keeps everything: full's bytes, plus per cluster a float32 centroid, its size and

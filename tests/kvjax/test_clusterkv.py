@@ -22,7 +22,8 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
-from kvjax.methods.clusterkv import ClusterKV, cosine_kmeans
+from kvjax.methods.cluster_index import cosine_kmeans
+from kvjax.methods.clusterkv import ClusterKV
 from tiny_models import tiny_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,8 @@ from kvjax.engine import core
 from kvjax import engine, methods
 from kvjax.budget import as_fraction, budget_tokens
 from kvjax.methods.base import Capacity, evicting_budget
-from kvjax.methods.chelsea import PRESETS, Chelsea, _simulate
+from kvjax.methods.chelsea import Chelsea
+from kvjax.methods.chelsea_schedule import PRESETS, simulate
 from kvjax.methods.csm import RATIO_UNIT, merges_for, quantise_ratio
 from kvjax.methods.snapkv import pyramid_budget
 from kvjax.model import random_params
@@ -57,7 +58,7 @@ def test_merge_count_is_exact_in_int32(r_q):
 @pytest.mark.parametrize("n", (430_000, 610_000, 700_000, MILLION, 1 << 21))
 def test_chelsea_traced_rounds_match_the_host_plan(n):
     """The merge counts a bucket-length prompt gets in the traced round loop (int32, ``merges_for`` with the
-    quantised ratio table, as ``Chelsea._compress``) equal the host plan's rounds for it (numpy int64) and an
+    quantised ratio table, as ``chelsea_merge.compress``) equal the host plan's rounds for it (numpy int64) and an
     independent Python-int recurrence, bound by the bucket's plan, and land exactly on the budget (before the fix, at
     700k the first traced round merged 1 token where the plan expected 244,972)."""
     m = Chelsea(budget=0.2)
@@ -70,7 +71,7 @@ def test_chelsea_traced_rounds_match_the_host_plan(n):
         s -= want[-1]
         i += 1
     assert s == b_max
-    one = _simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table, idle=np.array([n]))
+    one = simulate(np.array([n]), np.array([b_max]), sink, recent, np.array([True]), table, idle=np.array([n]))
     assert [r.max_merges for r in one] == want  # the host plan (numpy int64) of this prompt length
     # the bucket's plan is the worst case over every length <= n: this one's counts first, never above it
     assert pre[0].max_merges == want[0] and all(r.max_merges >= w for r, w in zip(pre, want))

@@ -1,5 +1,5 @@
-"""Selection without a sort (``kvjax.methods.threshold``, ``clusterkv.take_by_rank``) against the sorts it replaces:
-``lax.top_k``'s set (ties to the lower index) and a NumPy ranking of clusters, on scores with many ties (a few
+"""Selection without a sort (``kvjax.methods.threshold``, ``cluster_recall.take_by_rank``) against the sorts it
+replaces: ``lax.top_k``'s set (ties to the lower index) and a NumPy ranking of clusters, on scores with many ties (a few
 distinct values), candidate masks, ``k`` of 0, within and beyond the candidates, and empty clusters."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax.methods import threshold as th
-from kvjax.methods.clusterkv import take_by_rank
+from kvjax.methods.cluster_recall import take_by_rank
 
 
 def _tied_scores(rng, shape, distinct):
