@@ -225,9 +225,8 @@ def generate(
     bucket = prompt_len or bucket_length(max(lengths_list))
     check_capacity(cfg, lengths_list, bucket, max_new_tokens)
     check_method(cfg, method)
-    warn_small_budget(
-        method_of(method), lengths_list, max_new_tokens, cfg
-    )  # on the host, once per method config: never in jit
+    # on the host, once per method config: never in jit
+    warn_small_budget(method_of(method), lengths_list, max_new_tokens, cfg)
     tokens, lengths = pad_prompts(ids, bucket)
     capacity = Capacity(bucket, max_new_tokens)
     eos = eos_ids(model) if stop_at_eos else ()
