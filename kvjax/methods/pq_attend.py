@@ -33,10 +33,11 @@ def empty_partial(q):
     )
 
 
-def range_trips(lo, hi, c: int):
-    """Chunks of ``c`` slots from ``min(lo)`` that cover every ``[lo[b], hi[b])`` (traced or host arrays)."""
+def range_trips(lo, hi, c: int, lo0=None):
+    """Chunks of ``c`` slots from ``min(lo)`` that cover every ``[lo[b], hi[b])`` (traced or host arrays; ``lo0``:
+    ``min(lo)`` where the caller has it)."""
     xp = jnp if isinstance(lo, jax.Array) or isinstance(hi, jax.Array) else np
-    return xp.maximum(xp.max(hi) - xp.min(lo) + c - 1, 0) // c
+    return xp.maximum(xp.max(hi) - (xp.min(lo) if lo0 is None else lo0) + c - 1, 0) // c
 
 
 def attend_range(q, k, v, lo, hi, chunk: int):
@@ -55,7 +56,7 @@ def attend_range(q, k, v, lo, hi, chunk: int):
         cut = lambda x: jax.lax.dynamic_slice_in_dim(x, start, c, axis=2)  # noqa: E731
         return attention.merge(acc, attention.attend(q, cut(k), cut(v), jnp.broadcast_to(take[:, None], (b, h, c))))
 
-    return jax.lax.fori_loop(0, range_trips(lo, hi, c), body, empty_partial(q))
+    return jax.lax.fori_loop(0, range_trips(lo, hi, c, lo0), body, empty_partial(q))
 
 
 def attend_rows(q, k, v, idx, ok, chunk: int):
