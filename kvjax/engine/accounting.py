@@ -44,15 +44,19 @@ def held_bytes(method, states) -> np.ndarray:
     costs (:func:`slot_bytes`), plus the index it has written (``method.index_bytes``: Quest's pages, PQCache's
     codes, ClusterKV's clusters; sized by the bucket, counted by what the sequence holds), plus the rest of the
     layer's state that is not per slot split evenly over the batch. The same prompt in any bucket holds the same."""
-    total = sum(_layer_held_bytes(m, st, S.to_host(m.tokens_held(st))) for m, st in layer_methods(method, states))
+    total = sum(
+        _layer_held_bytes(m, st, S.to_host(m.tokens_held(st)), S.host_state(st))
+        for m, st in layer_methods(method, states)
+    )
     return np.rint(total).astype(np.int64)
 
 
-def _layer_held_bytes(m, st, held: np.ndarray) -> np.ndarray:
-    """``[B]`` float: one layer's held bytes per sequence (:func:`held_bytes`), ``held`` its tokens held ``[B]``."""
+def _layer_held_bytes(m, st, held: np.ndarray, host) -> np.ndarray:
+    """``[B]`` float: one layer's held bytes per sequence (:func:`held_bytes`), ``held`` its tokens held ``[B]``,
+    ``host`` its state on this host (``S.host_state(st)``)."""
     held = held.astype(np.float64)
     fixed, per_slot = slot_bytes(m, st, held.shape[0])
-    allocated, live = m.index_bytes(S.host_state(st))
+    allocated, live = m.index_bytes(host)
     return fixed - allocated / held.shape[0] + live + held * per_slot
 
 
@@ -70,11 +74,12 @@ def measure(method, states, num_heads: int | None = None) -> Measures:
     :func:`bytes_read_per_step` in one walk over the layers: each layer's counts come to the host once."""
     tokens, held, allocated, read = [], 0.0, 0, 0
     for m, st in layer_methods(method, states):
+        host = S.host_state(st)
         tokens.append(S.to_host(m.tokens_held(st)))
-        held = held + _layer_held_bytes(m, st, tokens[-1])
+        held = held + _layer_held_bytes(m, st, tokens[-1], host)
         allocated += m.memory_bytes(st)
         if num_heads is not None:
-            read += m.bytes_read_per_step(S.host_state(st), num_heads)
+            read += m.bytes_read_per_step(host, num_heads)
     return Measures(
         np.mean(tokens, axis=0),
         np.rint(held).astype(np.int64),

@@ -48,13 +48,10 @@ from kvjax.methods.base import (
     rows_at,
     slot_axes,
 )
-from kvjax.methods.cluster_attend import RUN_BLOCK
-from kvjax.methods.cluster_index import cosine_kmeans
-from kvjax.methods.cluster_recall import take_by_rank
 from kvjax.methods.layers import full_below, refuse_full_layer
 
 #: The public names, some re-exported from the parts.
-__all__ = ["ClusterKV", "ClusterState", "RUN_BLOCK", "cosine_kmeans", "take_by_rank"]
+__all__ = ["ClusterKV", "ClusterState"]
 
 
 @struct.dataclass
@@ -219,16 +216,6 @@ class ClusterKV(Method):
         """Per-sequence ``(sink_b, bsel_b, c0_b)`` ``[B]`` int32 (exactly :meth:`split`, :meth:`clusters_for`)."""
         opts = (self.budget, self.sink, self.tokens_per_cluster, self.num_clusters)
         return cluster_budget.split_dynamic(*opts, lengths, max_new_tokens)
-
-    def init_rows(self, stream, num_heads: int, positions, valid, num: int):
-        """Initial centroid rows ``[B, Hkv, num]`` int32 (:func:`~kvjax.methods.cluster_index.init_rows`; ``stream``
-        is the layer for the prompt, :meth:`window_stream` for a decode window). positions, valid ``[B, L]``."""
-        return cluster_index.init_rows(self.seed, stream, num_heads, positions, valid, num)
-
-    @staticmethod
-    def window_stream(layer, window):
-        """The init stream of decode window ``window`` (0-based) of ``layer``."""
-        return cluster_index.window_stream(layer, window)
 
     def _kmeans(self) -> dict:
         """The K-means options of :mod:`~kvjax.methods.cluster_index`."""

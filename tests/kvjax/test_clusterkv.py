@@ -22,6 +22,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
+from kvjax.methods import cluster_index
 from kvjax.methods.cluster_index import cosine_kmeans
 from kvjax.methods.clusterkv import ClusterKV
 from tiny_models import tiny_config
@@ -68,7 +69,7 @@ def test_kmeans_equals_the_reference(kmeans_path):
     valid = np.ones((3, 120), bool)
     valid[1, 90:] = False  # a ragged row
     pos = np.broadcast_to(np.arange(120), (3, 120))
-    init = np.asarray(m.init_rows(0, 1, jnp.asarray(pos), jnp.asarray(valid), 7))[:, 0]  # [3, 7]
+    init = np.asarray(cluster_index.init_rows(m.seed, 0, 1, jnp.asarray(pos), jnp.asarray(valid), 7))[:, 0]  # [3, 7]
     c0 = np.take_along_axis(x, init[..., None], axis=1)
     mu, labels, _ = cosine_kmeans(jnp.asarray(x), jnp.asarray(valid), jnp.asarray(c0), jnp.ones((3, 7), bool), 20)
     for n in range(3):
@@ -142,7 +143,8 @@ def check_decode_equals_the_reference(hq, hkv, gqa):
         ncl = m.clusters_for(n)
         assert int(st0.sinks[r]) == sink and int(st0.bsel[r]) == bsel
         prompt_init = np.asarray(
-            m.init_rows(
+            cluster_index.init_rows(
+                m.seed,
                 LAYER,
                 hkv,
                 jnp.arange(bucket)[None],
@@ -160,8 +162,9 @@ def check_decode_equals_the_reference(hq, hkv, gqa):
             def init_fn(lo, hi, w=None):
                 nonlocal windows
                 rows = np.asarray(
-                    m.init_rows(
-                        m.window_stream(LAYER, windows),
+                    cluster_index.init_rows(
+                        m.seed,
+                        cluster_index.window_stream(LAYER, windows),
                         hkv,
                         jnp.arange(lo, hi)[None],
                         jnp.ones((1, hi - lo), bool),
