@@ -139,9 +139,9 @@ def main(argv=None) -> int:
 
     out = Path(a.out)
     settings = leaderboard.read_settings(out)
-    board = leaderboard.Board(**{**settings, "options": ()})
+    board = leaderboard.board_of(settings)
     model = kvjax.load_model(board.model)
-    _, prepared = leaderboard._fit_contexts(model, board)
+    _, prepared = leaderboard.fit_contexts(model, board)
     examples = [e for b in prepared[1] for e in b][: a.contexts]
     ratios = [float(r) for r in a.ratios.split(",") if r.strip()]
     presses = [p.strip() for p in a.presses.split(",") if p.strip()]

@@ -4,6 +4,8 @@ kvjax-eval main                                   # the README's main job on the
 kvjax-eval needle --methods full,snapkv --budgets 0.1,0.2 --lengths 1024,2048 --depths 0,0.5,1
 kvjax-eval perplexity --prefix 1024 --continuation 256
 kvjax-eval ruler --lengths 1024
+kvjax-eval niah --methods full,chelsea,chunkkv,snapkv --lengths 1024,2048   # needle heatmaps, the papers' budgets
+kvjax-eval leaderboard --protocol question-in-context                      # RULER, the question compressed too
 kvjax-eval longgen --methods full,snapkv,h2o --budgets 0.2 --option snapkv.decode_budget=256 --option snapkv.every=64
 kvjax-eval longbench --data LongBench/data --datasets qasper,hotpotqa --samples 8
 kvjax-eval fidelity --methods snapkv,chunkkv --budgets 0.2 --lengths 1024
@@ -396,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_main(add)
     _add_tasks(add)
     _add_leaderboard(add)
+    _add_niah(add)
     pl = add("plot", help="redraw the markdown table and plots from a results.json")
     pl.add_argument("results", help="a results.json written by kvjax-eval")
     pl.add_argument("--out", default=None, help="output folder (default: beside the JSON)")
@@ -646,6 +649,106 @@ def cmd_leaderboard(args) -> int:
     )
     print(leaderboard.markdown(results))
     print(f"wall time {time.perf_counter() - t0:.0f}s; wrote {args.out}/leaderboard.json, .md, .png")
+    return 0
+
+
+#: ``kvjax-eval niah``'s methods: the five papers' and the baselines they compare with on the needle test
+NIAH_METHODS = "full,chelsea,clusterkv,pqcache,chunkkv,streaming_llm,h2o,snapkv,pyramidkv,quest"
+
+
+def _budget_pair(text: str) -> tuple[str, list]:
+    """``METHOD=B1,B2`` (``--budget``): the method and its budgets (floats are fractions, ints token counts)."""
+    name, eq, rest = text.partition("=")
+    if not eq or not name.strip() or not rest.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} must be METHOD=BUDGET[,BUDGET...], e.g. snapkv=128,256 or chelsea=0.25")
+    try:
+        return name.strip(), [budget_type("--budget")(b.strip()) for b in rest.split(",") if b.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise argparse.ArgumentTypeError(f"--budget {text}: {e}") from None
+
+
+def _add_niah(add) -> None:
+    """``kvjax-eval niah``: needle in a haystack as the papers run it (:mod:`eval.niah`)."""
+    from eval import niah
+
+    n = add(
+        "niah",
+        help="needle in a haystack as the papers run it: the question compressed with the essays, a length x depth "
+        "heatmap per method at its paper's budgets; resumable, and a later run may add methods, budgets, lengths",
+    )
+    n.add_argument("--model", default=LEADERBOARD_MODEL, help="default the embedded Gemma 3 270M (a base model)")
+    n.add_argument("--methods", default=NIAH_METHODS, help=names_help("comma-separated methods"))
+    n.add_argument(
+        "--budget",
+        type=_budget_pair,
+        action="append",
+        default=[],
+        metavar="METHOD=B[,B...]",
+        help="a method's budgets instead of its paper's (repeatable; "
+        + ", ".join(f"{m}: {','.join(format(b, 'g') for b in bs)}" for m, bs in niah.PAPER_BUDGETS.items() if m != "full")
+        + ")",
+    )
+    n.add_argument("--lengths", type=_ints, default=list(niah.LENGTHS), help="context lengths in tokens")
+    n.add_argument("--depths", type=_floats, default=list(niah.DEPTHS), help="needle depths, fractions of the haystack")
+    n.add_argument("--needles", type=int, default=2, help=f"needle sentences per cell (1..{len(niah.NEEDLES)})")
+    n.add_argument("--batch", type=int, default=4, help="prompts per batch (one model prefill serves every method)")
+    n.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per answer")
+    n.add_argument("--chat", action="store_true", help="the chat template (a chat model); default plain text")
+    _option_argument(n)
+    n.add_argument("--out", default="runs/niah", help="output folder (rows.jsonl, niah.json/.md/.png, heatmaps/)")
+    n.add_argument("--restart", action="store_true", help="start again even if --out holds a run (default: resume)")
+    n.add_argument("--report", action="store_true", help="write the outputs from what --out holds, running nothing")
+    n.add_argument("--no-progress", action="store_true", help="no progress bar")
+    n.add_argument(
+        "--compile-cache",
+        default=str(assets.cache_dir() / "jax-compile"),
+        metavar="DIR",
+        help="JAX's persistent compilation cache ('off': none)",
+    )
+    n.set_defaults(func=cmd_niah)
+
+
+def cmd_niah(args) -> int:
+    import kvjax
+    from eval import harness, niah
+
+    t0 = time.perf_counter()
+    if args.report:
+        print(niah.markdown(niah.report_only(args.out)))
+        return 0
+    names = harness.check_methods(args.methods.split(","))
+    budgets = dict(args.budget)
+    for m in budgets:
+        if m not in names:
+            raise ValueError(f"--budget {m}=...: {m} is not one of --methods ({', '.join(names)}); add it")
+    configs = niah.paper_configs(names, budgets)
+    options = {m: dict(o) for m, o in niah.PAPER_OPTIONS.items() if m in names}
+    for m, kv in method_options(names, args.option).items():
+        options[m] = {**options.get(m, {}), **kv}
+    grid = niah.Grid(
+        model=args.model,
+        configs=configs,
+        lengths=tuple(args.lengths),
+        depths=tuple(args.depths),
+        needles=args.needles,
+        batch=args.batch,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        options=tuple((m, tuple(sorted(kv.items()))) for m, kv in sorted(options.items())),
+    )
+    for name, budget in configs:
+        _check_method(name, budget, options.get(name))  # bad methods and options fail before the model loads
+    cache = persistent_compile_cache(args.compile_cache)
+    model = kvjax.load_model(args.model)
+    print(
+        f"[kvjax-eval] {args.model}: {model.config.num_layers} layers, loaded in {model.load_seconds:.1f}s; "
+        f"compiled programs cached in {cache or 'none (--compile-cache off)'}",
+        file=sys.stderr,
+    )
+    kernels = assets.LESS_KERNELS.get(args.model)
+    results = niah.run(model, grid, args.out, progress=not args.no_progress, restart=args.restart, kernels=kernels)
+    print(niah.markdown(results))
+    print(f"wall time {time.perf_counter() - t0:.0f}s; wrote {args.out}/niah.json, .md, .png and heatmaps/")
     return 0
 
 

@@ -149,6 +149,7 @@ def answer_after_context(
     capacity_new: int | None = None,
     memory: bool = False,
     prefilled=None,
+    on_phase=None,
 ):
     """kvpress protocol: compress ``contexts`` at prefill, then feed ``questions`` uncompressed, then answer.
 
@@ -158,8 +159,11 @@ def answer_after_context(
     without a tokenizer. With ``memory=True``: ``(answers, memory rows)`` (:func:`memory_rows` of the final
     states). ``prefilled``: the model's prefill of these very contexts padded to ``bucket``
     (:func:`kvjax.engine.prefilled.prefill_once`), which ``method`` then only compresses (one prefill for many methods).
+    ``on_phase``: called with what runs next (``"prefill"`` or ``"compress"``, which compile on a configuration's first
+    batch, then ``"decode i/n"``), for a progress display.
     """
     cfg = model.config
+    phase = on_phase or (lambda _: None)
     b = len(contexts)
     longest_q = max(len(q) for q in questions)
     cap_new = capacity_new or longest_q + max_new_tokens
@@ -179,6 +183,7 @@ def answer_after_context(
     states = engine.init_states(
         cfg, method, b, Capacity(bucket, cap_new), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
     )
+    phase("prefill" if prefilled is None else "compress")
     if prefilled is None:
         states, logits = engine.prefill(
             cfg, method, model.params, put(tokens), put(np.asarray(lengths, np.int32)), states, mesh=mesh
@@ -205,6 +210,7 @@ def answer_after_context(
             feed[i] = tok
         if all(done) or step == cap_new - 1:
             break
+        phase(f"decode {step + 1}/{cap_new}")
         logits, states = engine.decode_step(cfg, method, model.params, states, put(feed), put(pos), mesh=mesh)
         pos = pos + 1
     answers = answers if model.tokenizer is None else [model.tokenizer.decode(a) for a in answers]

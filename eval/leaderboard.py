@@ -7,17 +7,21 @@ prompts, no chat template; by default the embedded Gemma 3 270M):
 - tasks (:mod:`eval.ruler`): ``single_needle``, ``multikey``, ``multivalue``, ``variable_tracking``
   and ``common_words``; ``contexts`` contexts per task, every context about ``length`` tokens (the bucket);
 - the context is compressed at prefill and the question is not (it is fed after compression,
-  :func:`eval.harness.answer_after_context`), as kvpress's pipeline does;
+  :func:`eval.harness.answer_after_context`), as kvpress's pipeline does (protocol ``question-after-context``, the
+  default); or, with ``--protocol question-in-context``, the question is compressed together with the context, as
+  SnapKV, PyramidKV, ChunkKV and Chelsea evaluate (the same tokens, one prompt);
 - ``full`` once, and every other method at each ratio ``r`` with budget ``1 - r`` of each context (a fraction: the
   recall methods then read the same token count per step that the eviction methods keep);
 - the score of an answer is RULER's ``string_match_all`` (the fraction of expected strings it contains), as kvpress
   scores it; a cell is the mean over its contexts in percent with a 95% interval, and the average over tasks is the
   mean of the task means (kvpress's "average"), its interval from the tasks' variances (stratified).
 
-One prefill per batch of contexts serves every method (:mod:`kvjax.engine.prefilled`), batch-major, so each
-batch's prefill lives only while its configurations run. Every finished (batch, configuration) appends its rows to
-``rows.jsonl`` in the output folder; a run started again with the same settings skips what that file holds (a killed
-run resumes where it stopped). Outputs: ``leaderboard.json``, ``leaderboard.md`` and ``leaderboard.png``.
+One prefill per batch of contexts and protocol serves every method (:mod:`kvjax.engine.prefilled`), batch-major, so
+each batch's prefill lives only while its configurations run. Every finished (batch, configuration) appends its rows
+to ``rows.jsonl`` in the output folder (:mod:`eval.rowstore`); a run started again skips what that file holds (a
+killed run resumes where it stopped), and may add methods, ratios and protocols to it (only the new cells run). The
+tables and the figure show every protocol the folder holds (the question in the context: dotted lines). Outputs:
+``leaderboard.json``, ``leaderboard.md`` and ``leaderboard.png``.
 """
 
 from __future__ import annotations
@@ -25,19 +29,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from kernels_pallas.checks import check_int
-from eval import harness, report, ruler
+from eval import harness, report, rowstore, ruler
 
 TASKS = ("single_needle", "multikey", "multivalue", "variable_tracking", "common_words")
 #: kvpress's leaderboard ratios: the fraction of the context removed (a method keeps ``1 - ratio`` of it)
 RATIOS = (0.25, 0.5, 0.75, 0.875)
-ROWS = "rows.jsonl"
+ROWS = rowstore.ROWS
+read_jsonl = rowstore.read_jsonl
+#: kvpress's protocol (the question fed after the compressed context) and the papers' (compressed with it)
+AFTER, IN_CONTEXT = "question-after-context", "question-in-context"
+PROTOCOLS = (AFTER, IN_CONTEXT)
+#: the settings a later run into the same folder may extend
+GROWS = ("methods", "ratios", "protocols", "options")
 #: answers of a peer (kvpress, ``benchmarks/kvpress_ruler.py``) on the same contexts, merged into the tables
 PEER_ROWS = "kvpress.jsonl"
 
@@ -56,8 +65,12 @@ class Board:
     max_new_tokens: int = 40  # four 7-digit numbers (multivalue) take about 36 tokens of a digit-wise tokenizer
     seed: int = 0
     options: tuple = ()  # ((method, ((key, value), ...)), ...): method options, hashable
+    protocols: tuple[str, ...] = (AFTER,)
 
     def __post_init__(self):
+        for p in self.protocols:
+            if p not in PROTOCOLS:
+                raise ValueError(f"protocol: {p!r} is not one of {', '.join(PROTOCOLS)}")
         for r in self.ratios:
             if not 0 < r < 1:
                 raise ValueError(f"ratios: {r} is not a compression ratio in (0, 1) (kvpress's 0.25,0.5,0.75,0.875)")
@@ -71,12 +84,16 @@ class Board:
             if t not in ruler.BUILDERS:
                 raise ValueError(f"tasks: {t!r} is not a RULER task; choose from {', '.join(ruler.BUILDERS)}")
 
-    def configs(self) -> list[tuple[str, float | None, float]]:
-        """``(method, budget, ratio)`` in run order: ``full`` once (ratio 0), then each method at each ratio."""
-        out = [("full", None, 0.0)] if "full" in self.methods else []
-        return out + [(m, round(1 - r, 6), r) for m in self.methods if m != "full" for r in self.ratios]
+    def configs(self) -> list[tuple[str, float | None, float, str]]:
+        """``(method, budget, ratio, protocol)`` in run order, per protocol: ``full`` once (ratio 0), then each method
+        at each ratio."""
+        out = []
+        for p in self.protocols:
+            out += [("full", None, 0.0, p)] if "full" in self.methods else []
+            out += [(m, round(1 - r, 6), r, p) for m in self.methods if m != "full" for r in self.ratios]
+        return out
 
-    def task(self) -> ruler.RulerTask:
+    def task(self, protocol: str = AFTER) -> ruler.RulerTask:
         return ruler.RulerTask(
             lengths=(self.length,),
             tasks=self.tasks,
@@ -85,6 +102,7 @@ class Board:
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
             chat=False,
+            in_context=protocol == IN_CONTEXT,
         )
 
     def method_options(self) -> dict[str, dict]:
@@ -95,22 +113,23 @@ class Board:
         return {**dataclasses.asdict(self), "options": self.method_options()}
 
 
-def _config_key(method: str, ratio: float) -> str:
-    return f"{method}@{ratio:g}"
+def config_key(method: str, ratio: float, protocol: str = AFTER) -> str:
+    """A configuration's key in ``rows.jsonl``: ``method@ratio``, with ``/in-context`` for the papers' protocol."""
+    return f"{method}@{ratio:g}" + ("/in-context" if protocol == IN_CONTEXT else "")
 
 
-def _fit_contexts(model, board: Board):
+def fit_contexts(model, board: Board, protocol: str = AFTER):
     """The task and its prepared batches, every context within ``board.length`` tokens (the bucket); the tasks
     alternate along the batches (context ``i`` of every task before context ``i + 1`` of any), so a run stopped
     early has the same number of contexts of every task in every cell."""
     from kvjax.engine import bucket_length
 
-    task = board.task()
+    task = board.task(protocol)
     (bucket, cap_new), batches = task.prepare(model)
     by_task = [[e for b in batches for e in b if e.task == t] for t in board.tasks]
     examples = [e for i in range(board.contexts) for group in by_task for e in group[i : i + 1]]  # round-robin
     prepared = (bucket, cap_new), [examples[i : i + board.batch] for i in range(0, len(examples), board.batch)]
-    longest = max(len(e.context) for e in examples)
+    longest = max(len(e.context) + len(e.question) for e in examples)
     if prepared[0][0] != bucket_length(board.length) or longest > board.length:
         raise ValueError(
             f"length={board.length}: a context came out at {longest} tokens, over the bucket; use a power of two "
@@ -119,44 +138,20 @@ def _fit_contexts(model, board: Board):
     return task, prepared
 
 
-def _open_rows(out: Path, board: Board, restart: bool) -> dict[tuple[int, str], list[dict]]:
-    """The rows ``rows.jsonl`` already holds, by (batch index, config key); a new file when there is none."""
-    path = out / ROWS
-    settings = board.settings()
-    if restart or not path.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"settings": settings}) + "\n", encoding="utf-8")
-        return {}
-    lines = read_jsonl(path)
-    first = lines[0] if lines else {}
-    if first.get("settings") != json.loads(json.dumps(settings)):
-        raise ValueError(
-            f"--out {out} holds a leaderboard run with other settings ({first.get('settings')}); pass another --out, "
-            "the same settings to resume it, or --restart to start it again"
-        )
-    # rewritten whole: the last line of a killed run may be cut short (that cell runs again)
-    path.write_text("".join(json.dumps(rec) + "\n" for rec in lines), encoding="utf-8")
-    return {(rec["batch_index"], rec["config"]): rec["rows"] for rec in lines[1:]}
+def _open_rows(out: Path, board: Board, restart: bool) -> tuple[dict, dict[tuple[int, str], list[dict]]]:
+    """The folder's settings (grown by ``board``'s) and the rows ``rows.jsonl`` already holds, by (batch index,
+    config key); a new file when there is none."""
+    store = rowstore.RowStore(
+        out, board.settings(), GROWS, restart, defaults={"protocols": [AFTER]}, what="leaderboard run"
+    )
+    return store, {(rec["batch_index"], rec["config"]): rec["rows"] for rec in store.records}
 
 
 def read_settings(out: str | Path) -> dict[str, Any]:
     """The settings of the leaderboard run in folder ``out`` (the first line of its ``rows.jsonl``)."""
-    path = Path(out) / ROWS
-    if not path.is_file():
-        raise FileNotFoundError(f"--out {out} holds no leaderboard run ({ROWS}); run kvjax-eval leaderboard first")
-    s = read_jsonl(path)[0]["settings"]
-    return {**s, **{k: tuple(s[k]) for k in ("methods", "ratios", "tasks")}}
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The whole JSON lines of a file (none if it does not exist; a line cut short by a kill is dropped)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    s = rowstore.read_settings(out, "leaderboard run", "kvjax-eval leaderboard")
+    s = {"protocols": [AFTER], **s}
+    return {**s, **{k: tuple(s[k]) for k in ("methods", "ratios", "tasks", "protocols")}}
 
 
 def peer_rows(out: str | Path) -> tuple[list[dict], dict[str, str]]:
@@ -189,14 +184,11 @@ def report_only(out: str | Path) -> dict[str, Any]:
     """The outputs of what ``out``'s ``rows.jsonl`` holds, running nothing (a run stopped early: every cell then has
     the contexts of its finished batches, ``results["partial"]`` says how many)."""
     out = Path(out)
-    settings = read_settings(out)
-    board = Board(
-        **{**settings, "options": tuple((m, tuple(sorted(kv.items()))) for m, kv in settings["options"].items())}
-    )
+    board = board_of(read_settings(out))
     records = read_jsonl(out / ROWS)[1:]
     done = {(r["batch_index"], r["config"]): r["rows"] for r in records}
     batches = sorted({i for i, _ in done})
-    keys = [_config_key(n, r) for n, _, r in board.configs()]
+    keys = [config_key(n, r, p) for n, _, r, p in board.configs()]
     results = report.new_results({**board.settings(), "commits": sorted({str(r.get("commit")) for r in records})})
     results["command"] = command(board, out)  # the run's own command (this one only wrote the tables)
     results["rows"] = [row for i in batches for k in keys for row in done.get((i, k), [])]
@@ -209,11 +201,17 @@ def report_only(out: str | Path) -> dict[str, Any]:
     return results
 
 
+def board_of(settings: dict) -> Board:
+    """The :class:`Board` of a folder's settings (``rows.jsonl``'s first line)."""
+    s = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}
+    return Board(**{**s, "options": tuple((m, tuple(sorted(kv.items()))) for m, kv in settings["options"].items())})
+
+
 def command(board: Board, out: str | Path) -> str:
     """The ``kvjax-eval leaderboard`` command line that runs (or resumes) ``board`` into ``out``."""
     default = Board(model=board.model, methods=board.methods)
     flags = {"ratios": "ratios", "tasks": "tasks", "length": "length", "contexts": "contexts", "batch": "batch"}
-    flags.update(max_new_tokens="max-new-tokens", seed="seed")
+    flags.update(max_new_tokens="max-new-tokens", seed="seed", protocols="protocol")
     line = ["kvjax-eval leaderboard"]
     if board.model != "gemma3-270m":
         line.append(f"--model {board.model}")
@@ -241,13 +239,6 @@ def _merge_peer(results: dict[str, Any], out: Path) -> None:
     results["summary"] = summarise(results["rows"] + rows, results["config"]["tasks"])
 
 
-def _append(out: Path, record: dict) -> None:
-    with (out / ROWS).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record, default=report._jsonable) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def run(
     model,
     board: Board,
@@ -263,55 +254,66 @@ def run(
 
     from kvjax.engine import prefilled as P
 
+    from eval.niah import throttled
+
     out = Path(out)
     options = board.method_options()
     if kernels is not None and "less" in board.methods and "kernels" not in options.get("less", {}):
         options["less"] = {**options.get("less", {}), "kernels": str(kernels)}
     configs = board.configs()
-    for name, budget, _ in configs:
+    for name, budget, _, _ in configs:
         harness.make_method(name, budget, options.get(name))  # bad methods and options fail before any work
-    task, prepared = _fit_contexts(model, board)
-    done = _open_rows(out, board, restart)
+    fitted = {p: fit_contexts(model, board, p) for p in board.protocols}
+    store, done = _open_rows(out, board, restart)
+    folder = board_of(store.settings)  # this run's configurations and those the folder held before
     results = report.new_results(
-        {**board.settings(), "dtype": str(model.dtype), "less_kernels": kernels and Path(kernels).name}
+        {**folder.settings(), "dtype": str(model.dtype), "less_kernels": kernels and Path(kernels).name}
     )
     seconds: dict[str, float] = {}
     commit = results["commit"]
-    batches = prepared[1]
-    total = len(batches) * len(configs)
+    batches = fitted[board.protocols[0]][1][1]
+    keyed = [(c, config_key(c[0], c[2], c[3])) for c in configs]
+    todo = [(i, c, k) for i in range(len(batches)) for c, k in keyed if (i, k) not in done]
     start = time.perf_counter()
-    with tqdm(total=total, desc="leaderboard", unit="cell", disable=not progress) as bar:
-        bar.update(sum(1 for i in range(len(batches)) for n, _, r in configs if (i, _config_key(n, r)) in done))
-        for i, batch in enumerate(batches):
-            todo = [c for c in configs if (i, _config_key(c[0], c[2])) not in done]
-            if not todo:
-                continue
-            tp = time.perf_counter()
-            pre = P.prefill_once(model, *task.prefill_batch(prepared, batch))
-            seconds["prefill"] = seconds.get("prefill", 0.0) + time.perf_counter() - tp
-            for name, budget, ratio in todo:
-                key = _config_key(name, ratio)
-                bar.set_postfix_str(f"batch {i + 1}/{len(batches)} {key}")
-                t0 = time.perf_counter()
-                method = harness.make_method(name, budget, options.get(name))
-                meta = {"task": "leaderboard", "method": name, "budget": budget, "ratio": ratio}
-                rows = task.run_batch(model, method, prepared, batch, meta, prefilled=pre)
-                took = time.perf_counter() - t0
-                for r in rows:
-                    r["batch_seconds"] = took
-                done[(i, key)] = rows
-                _append(out, {"batch_index": i, "config": key, "seconds": took, "commit": commit, "rows": rows})
-                seconds[key] = seconds.get(key, 0.0) + took
-                bar.update(1)
-            del pre
-    results["rows"] = [
-        r for i in range(len(batches)) for n, _, ratio in configs for r in done[(i, _config_key(n, ratio))]
-    ]
+    with tqdm(total=len(todo), desc="leaderboard", unit="cell", disable=not progress) as bar:
+        shown = throttled(bar.set_postfix_str)
+        for i in range(len(batches)):
+            for protocol in board.protocols:
+                cells = [(c, k) for j, c, k in todo if j == i and c[3] == protocol]
+                if not cells:
+                    continue
+                task, prepared = fitted[protocol]
+                batch = prepared[1][i]
+                where = f"batch {i + 1}/{len(batches)}" + (" in context" if protocol == IN_CONTEXT else "")
+                bar.set_postfix_str(f"{where}: model prefill")
+                tp = time.perf_counter()
+                pre = P.prefill_once(model, *task.prefill_batch(prepared, batch))
+                seconds["prefill"] = seconds.get("prefill", 0.0) + time.perf_counter() - tp
+                for (name, budget, ratio, _), key in cells:
+                    t0 = time.perf_counter()
+                    method = harness.make_method(name, budget, options.get(name))
+                    meta = {"task": "leaderboard", "method": name, "budget": budget, "ratio": ratio}
+                    meta["protocol"] = protocol
+                    rows = task.run_batch(
+                        model, method, prepared, batch, meta, prefilled=pre,
+                        on_phase=lambda phase: shown(f"{where}: {key} {phase}"),
+                    )
+                    took = time.perf_counter() - t0
+                    for r in rows:
+                        r["batch_seconds"] = took
+                    done[(i, key)] = rows
+                    store.append({"batch_index": i, "config": key, "seconds": took, "commit": commit, "rows": rows})
+                    seconds[key] = seconds.get(key, 0.0) + took
+                    bar.update(1)
+                del pre
+    keys = [config_key(n, r, p) for n, _, r, p in folder.configs()]
+    results["rows"] = [row for i in range(len(batches)) for k in keys for row in done.get((i, k), [])]
     results["timings"].update(
         wall_seconds_this_run=time.perf_counter() - start,
         load_seconds=model.load_seconds,
         seconds_this_run=seconds,
-        seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in read_jsonl(out / ROWS)[1:]),
+        seconds_all_runs=sum(rec.get("seconds", 0.0) for rec in store.records),
+        **rowstore.peak_memory(),
     )
     _merge_peer(results, out)
     write(results, out)
@@ -332,17 +334,26 @@ def average_interval(per_task: Sequence[Sequence[float]]) -> dict[str, float]:
     return {"value": 100 * avg, "lo": 100 * max(0.0, avg - half), "hi": 100 * min(1.0, avg + half), "n": n}
 
 
+def label(method: str, protocol: str = AFTER) -> str:
+    """A row's name in the tables and the figure: the method, marked when the question was compressed too."""
+    return method + (" (question in context)" if protocol == IN_CONTEXT else "")
+
+
 def summarise(rows: Sequence[dict], tasks: Sequence[str]) -> list[dict]:
-    """One entry per (method, ratio): each task's cell and the average over tasks (see the module docstring)."""
-    cells: dict[tuple[str, float], dict[str, list[float]]] = {}
+    """One entry per (method, ratio, protocol): each task's cell and the average over tasks (see the module
+    docstring); ``method`` is the row's :func:`label`."""
+    cells: dict[tuple[str, float, str], dict[str, list[float]]] = {}
     for r in rows:
-        cells.setdefault((r["method"], r["ratio"]), {}).setdefault(r["subtask"], []).append(float(r["score"]))
+        key = (r["method"], r["ratio"], r.get("protocol", AFTER))
+        cells.setdefault(key, {}).setdefault(r["subtask"], []).append(float(r["score"]))
     out = []
-    for (method, ratio), by_task in cells.items():
+    for (method, ratio, protocol), by_task in cells.items():
         present = [t for t in tasks if t in by_task]
         out.append(
             {
-                "method": method,
+                "method": label(method, protocol),
+                "base": method,
+                "protocol": protocol,
                 "ratio": ratio,
                 "tasks": {t: report.interval("ruler", [{"score": x} for x in by_task[t]]) for t in present},
                 "average": average_interval([by_task[t] for t in present]),
@@ -363,7 +374,7 @@ def needle_failures(rows: Sequence[dict]) -> dict[tuple[str, float], dict[str, i
     for r in rows:
         if r["subtask"] not in NEEDLES:
             continue
-        cell = out.setdefault((r["method"], r["ratio"]), dict.fromkeys(FAILURES, 0))
+        cell = out.setdefault((label(r["method"], r.get("protocol", AFTER)), r["ratio"]), dict.fromkeys(FAILURES, 0))
         numbers = re.findall(r"\d+", r["answer"])
         for e in r["expected"]:
             if e in r["answer"]:
@@ -389,21 +400,32 @@ def markdown(results: dict[str, Any]) -> str:
     methods = list(dict.fromkeys(e["method"] for e in summary))
     ratios = sorted({e["ratio"] for e in summary if e["ratio"] > 0})
     full = by.get(("full", 0.0))
+    full_in = by.get((label("full", IN_CONTEXT), 0.0))
     peer_full = by.get(("transformers full", 0.0))
     t, v, d = results["timings"], results.get("versions", {}), results.get("device", {})
+    protocols = s.get("protocols") or [AFTER]
     lines = [
         f"# kvjax leaderboard: RULER at {s['length']} tokens on `{s['model']}` ({results.get('created', '')})",
         "",
         f"- {len(s['tasks'])} tasks ({', '.join(s['tasks'])}), {s['contexts']} contexts each per cell; plain-text "
-        f"prompts; the context compressed, the question not (kvpress's protocol); score: string_match_all, percent, "
-        f"95% intervals in brackets",
+        f"prompts; "
+        + (
+            "the context compressed, the question not (kvpress's protocol)"
+            if IN_CONTEXT not in protocols
+            else "two protocols: the context compressed and the question not (kvpress's), and rows marked "
+            "*(question in context)*: the question compressed with the context (the papers')"
+        )
+        + "; score: string_match_all, percent, 95% intervals in brackets",
         f"- compression ratio r: the fraction of each context removed (each method keeps 1 - r of it; the recall "
         f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}"
+        + (f"; full, question in context: {_cell(full_in['average'])}" if full_in else "")
         + (f"; transformers' full cache (the kvpress rows' model): {_cell(peer_full['average'])}" if peer_full else ""),
         f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
         f"commit `{', '.join(s.get('commits') or [str(results.get('commit'))])}`; compute "
         f"{t.get('seconds_all_runs', 0):.0f} s "
-        f"(all runs into this folder), command `{results.get('command', '')}`",
+        f"(all runs into this folder)"
+        + (f", peak memory {t['peak_rss_gib']:.1f} GiB in the last run" if t.get("peak_rss_gib") else "")
+        + f", command `{results.get('command', '')}`",
         *(
             [
                 f"- **partial run**: {results['partial']['batches_done']} of {results['partial']['batches']} batches "
@@ -420,7 +442,7 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|" + "---|" * len(ratios),
     ]
     for m in methods:
-        if m in ("full", "transformers full"):
+        if m in ("full", "transformers full", label("full", IN_CONTEXT)):
             continue
         lines.append(
             f"| {m} | " + " | ".join(_cell(by[(m, r)]["average"]) if (m, r) in by else "" for r in ratios) + " |"
@@ -464,16 +486,25 @@ def figure(results: dict[str, Any]):
     summary = results["summary"]
     by = {(e["method"], e["ratio"]): e["average"] for e in summary}
     full = by.get(("full", 0.0))
+    full_in = by.get((label("full", IN_CONTEXT), 0.0))
     fig, ax = plt.subplots(figsize=(8, 5))
     markers = "osD^vP*Xh<>p"
-    for k, m in enumerate(dict.fromkeys(e["method"] for e in summary if e["ratio"] > 0)):
+    bases = list(dict.fromkeys(e.get("base", e["method"]) for e in summary if e["ratio"] > 0))
+    colours = {b: f"C{k % 10}" for k, b in enumerate(bases)}
+    lines = {e["method"]: e for e in summary if e["ratio"] > 0}  # one line per label
+    for m, e in lines.items():
+        base, protocol = e.get("base", m), e.get("protocol", AFTER)
+        start = full_in if protocol == IN_CONTEXT else full
         ratios = sorted(r for (n, r) in by if n == m)
-        xs = ([0.0] if full else []) + ratios
-        ys = ([full["value"]] if full else []) + [by[(m, r)]["value"] for r in ratios]
-        peer = m.startswith("kvpress ")
-        ax.plot(xs, ys, marker=markers[k % len(markers)], label=m, linestyle="--" if peer else "-")
+        xs = ([0.0] if start else []) + ratios
+        ys = ([start["value"]] if start else []) + [by[(m, r)]["value"] for r in ratios]
+        style = ":" if protocol == IN_CONTEXT else "--" if m.startswith("kvpress ") else "-"
+        k = bases.index(base)
+        ax.plot(xs, ys, marker=markers[k % len(markers)], color=colours[base], label=m, linestyle=style)
     if full:
         ax.axhline(full["value"], color="black", linestyle="--", linewidth=1, label="full")
+    if full_in:
+        ax.axhline(full_in["value"], color="black", linestyle=":", linewidth=1, label=label("full", IN_CONTEXT))
     s = results["config"]
     ax.set_xlabel("compression ratio (fraction of the context removed)")
     ax.set_ylabel("average score over tasks (%)")

@@ -252,10 +252,15 @@ class RulerTask:
     seed: int = 0
     questions: int = 1  # questions per context (multikey): the context compressed once for all of them
     chat: bool = True  # False: plain-text prompts for a base model
+    in_context: bool = False  # True: the question compressed with the context (the papers' protocol), one prompt
     name = "ruler"
 
     def prepare(self, model):
         examples = build(model, self.tasks, self.lengths, self.samples, self.seed, self.questions, self.chat)
+        if self.in_context:
+            if self.questions > 1:
+                raise ValueError("in_context=True compresses each question with its context; use questions=1")
+            examples = [dataclasses.replace(e, context=e.context + e.question, question=()) for e in examples]
         longest_q = max(len(q) for e in examples for q, _ in e.all_questions)
         for e in examples:
             harness.check_context(model, len(e.context), longest_q + self.max_new_tokens)
@@ -284,7 +289,7 @@ class RulerTask:
             [list(e.context) for e in harness.pad_batch(list(batch), self.batch)[0]], prepared[0][0]
         )
 
-    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None, on_phase=None) -> list[dict]:
         bucket, cap_new = prepared[0]
         if self.questions > 1:
             return self._run_shared_contexts(model, method, bucket, cap_new, batch, meta)
@@ -299,6 +304,7 @@ class RulerTask:
             capacity_new=cap_new,
             memory=True,
             prefilled=prefilled,
+            on_phase=on_phase,
         )
         return [
             {

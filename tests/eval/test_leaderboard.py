@@ -66,7 +66,7 @@ def test_a_killed_run_resumes_to_the_same_rows(smol, tmp_path, monkeypatch):
     # the tasks alternate along the batches (here one context a batch): batch 0 single_needle, batch 1 multikey
     assert [r["subtask"] for r in whole["rows"]] == ["single_needle"] * 2 + ["multikey"] * 2
 
-    task, prepared = leaderboard._fit_contexts(smol, board)
+    task, prepared = leaderboard.fit_contexts(smol, board)
     bucket, cap_new = prepared[0]
     for r, e in zip([r for r in whole["rows"] if r["method"] == "h2o"], [e for b in prepared[1] for e in b]):
         (own,) = harness.answer_after_context(
@@ -127,7 +127,9 @@ def test_bad_settings_name_the_option():
         _board(tasks=("nope",))
     with pytest.raises(ValueError, match="contexts=0"):
         _board(contexts=0)
-    assert _board().configs() == [("full", None, 0.0), ("h2o", 0.5, 0.5)]
+    assert _board().configs() == [("full", None, 0.0, leaderboard.AFTER), ("h2o", 0.5, 0.5, leaderboard.AFTER)]
+    with pytest.raises(ValueError, match="protocol: 'nope'"):
+        _board(protocols=("nope",))
 
 
 def test_command_line_errors_name_the_option(tmp_path, capsys):
@@ -181,3 +183,44 @@ def test_compile_cache_is_on_unless_told_otherwise(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_compilation_cache_dir", before[0])
         jax.config.update("jax_compilation_cache_max_size", before[1])
+
+
+@pytest.mark.extended  # CI's second line (.ci/run); not the default run, for time (docs/testing.md)
+def test_a_folder_grows_by_methods_and_the_papers_protocol(smol, tmp_path, monkeypatch):
+    """A run of full and H2O, then one adding SnapKV and the question-in-context protocol into the same folder: only
+    the new cells run, the old rows stay and the header holds the union. In the papers' protocol each answer equals
+    ``engine.generate`` on the whole prompt (context and question compressed together by the engine's own prefill, no
+    shared prefill), and full answers alike in both protocols (its cache is every token either way)."""
+    from kvjax import engine, methods
+
+    small = dict(contexts=1, tasks=("single_needle",))
+    first = leaderboard.run(smol, _board(**small), tmp_path, progress=False)
+    ran = []
+    real = ruler.RulerTask.run_batch
+    monkeypatch.setattr(
+        ruler.RulerTask,
+        "run_batch",
+        lambda self, m, method, *a, **k: ran.append((method.name, self.in_context)) or real(self, m, method, *a, **k),
+    )
+    both = (leaderboard.AFTER, leaderboard.IN_CONTEXT)
+    grown = _board(**small, methods=("full", "h2o", "snapkv"), protocols=both)
+    res = leaderboard.run(smol, grown, tmp_path, progress=False)
+    assert sorted(ran) == sorted([("snapkv", False), ("full", True), ("h2o", True), ("snapkv", True)])
+    settings = leaderboard.read_settings(tmp_path)
+    assert settings["methods"] == ("full", "h2o", "snapkv") and settings["protocols"] == both
+    after = [r for r in res["rows"] if r["protocol"] == leaderboard.AFTER]
+    assert [r["answer"] for r in after if r["method"] in ("full", "h2o")] == [r["answer"] for r in first["rows"]]
+
+    _, prepared = leaderboard.fit_contexts(smol, grown, leaderboard.IN_CONTEXT)
+    (e,) = prepared[1][0]
+    assert e.question == () and len(e.context) <= grown.length
+    inside = {r["method"]: r for r in res["rows"] if r["protocol"] == leaderboard.IN_CONTEXT}
+    for name, budget in (("full", None), ("h2o", 0.5), ("snapkv", 0.5)):
+        method = methods.get(name) if budget is None else methods.get(name, budget=budget)
+        own = engine.generate(smol, [list(e.context)], method, 6, driver="python", prompt_len=prepared[0][0])
+        assert inside[name]["answer"] == own.text[0], (name, inside[name]["answer"], own.text[0])
+    assert inside["full"]["answer"] == next(r["answer"] for r in after if r["method"] == "full")
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "| snapkv (question in context) |" in md and "| h2o |" in md and "full, question in context" in md
+    with pytest.raises(ValueError, match="max_new_tokens: 6 there, 7 here"):
+        leaderboard.run(smol, _board(**small, max_new_tokens=7), tmp_path, progress=False)
