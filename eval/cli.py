@@ -565,6 +565,13 @@ def _add_leaderboard(add) -> None:
     )
     b.add_argument("--max-new-tokens", type=int, default=40, help="tokens generated per answer")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated contexts")
+    b.add_argument(
+        "--protocol",
+        default=leaderboard.AFTER,
+        help=f"comma-separated: {leaderboard.AFTER} (kvpress's: the question fed after the compressed context) or "
+        f"{leaderboard.IN_CONTEXT} (the papers': compressed with it); a run into a folder that holds the other adds "
+        "its rows, and the tables show both",
+    )
     _option_argument(b)
     b.add_argument(
         "--scan-layers",
@@ -634,8 +641,9 @@ def cmd_leaderboard(args) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         options=tuple((m, tuple(sorted(kv.items()))) for m, kv in sorted(options.items())),
+        protocols=tuple(p.strip() for p in args.protocol.split(",") if p.strip()),
     )
-    for name, budget, _ in board.configs():
+    for name, budget, _, _ in board.configs():
         _check_method(name, budget, options.get(name))  # bad methods and options fail before the model loads
     cache = persistent_compile_cache(args.compile_cache)
     model = kvjax.load_model(args.model, scan_layers=args.scan_layers)
