@@ -668,7 +668,9 @@ def _budget_pair(text: str) -> tuple[str, list]:
     """``METHOD=B1,B2`` (``--budget``): the method and its budgets (floats are fractions, ints token counts)."""
     name, eq, rest = text.partition("=")
     if not eq or not name.strip() or not rest.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} must be METHOD=BUDGET[,BUDGET...], e.g. snapkv=128,256 or chelsea=0.25")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be METHOD=BUDGET[,BUDGET...], e.g. snapkv=128,256 or chelsea=0.25"
+        )
     try:
         return name.strip(), [budget_type("--budget")(b.strip()) for b in rest.split(",") if b.strip()]
     except (ValueError, argparse.ArgumentTypeError) as e:
@@ -693,7 +695,9 @@ def _add_niah(add) -> None:
         default=[],
         metavar="METHOD=B[,B...]",
         help="a method's budgets instead of its paper's (repeatable; "
-        + ", ".join(f"{m}: {','.join(format(b, 'g') for b in bs)}" for m, bs in niah.PAPER_BUDGETS.items() if m != "full")
+        + ", ".join(
+            f"{m}: {','.join(format(b, 'g') for b in bs)}" for m, bs in niah.PAPER_BUDGETS.items() if m != "full"
+        )
         + ")",
     )
     n.add_argument("--lengths", type=_ints, default=list(niah.LENGTHS), help="context lengths in tokens")

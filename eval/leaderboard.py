@@ -27,7 +27,6 @@ tables and the figure show every protocol the folder holds (the question in the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
@@ -295,7 +294,12 @@ def run(
                     meta = {"task": "leaderboard", "method": name, "budget": budget, "ratio": ratio}
                     meta["protocol"] = protocol
                     rows = task.run_batch(
-                        model, method, prepared, batch, meta, prefilled=pre,
+                        model,
+                        method,
+                        prepared,
+                        batch,
+                        meta,
+                        prefilled=pre,
                         on_phase=lambda phase: shown(f"{where}: {key} {phase}"),
                     )
                     took = time.perf_counter() - t0

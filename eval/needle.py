@@ -44,7 +44,7 @@ def _prompt(tok, text: str) -> list[int]:
     )
 
 
-def _sentence_start(ids: Sequence[int], at: int, period_ids: set[int]) -> int:
+def sentence_start(ids: Sequence[int], at: int, period_ids: set[int]) -> int:
     """The index after the last sentence-ending token at or before ``at`` (0 if none)."""
     for i in range(min(at, len(ids)) - 1, -1, -1):
         if ids[i] in period_ids:
@@ -72,7 +72,7 @@ def build_example(model, length: int, depth: float, key: str) -> NeedleExample:
         raise ValueError(f"length={length} needs {room} haystack tokens but the essays have {len(hay)}")
     hay = list(hay[:room])
     period_ids = {i for i in set(hay) if tok.decode([i]).rstrip().endswith((".", "!", "?"))}
-    at = _sentence_start(hay, int(round(depth * len(hay))), period_ids) if depth < 1.0 else len(hay)
+    at = sentence_start(hay, int(round(depth * len(hay))), period_ids) if depth < 1.0 else len(hay)
     prompt = _prompt(tok, (tok.decode(hay[:at]) + "\n\n" + needle + "\n\n" + tok.decode(hay[at:])).strip())
     return NeedleExample(length, float(depth), key, tuple(prompt))
 

@@ -149,7 +149,7 @@ def _render(tok, text: str, needle: Needle, chat: bool) -> list[int]:
 
 def build_example(model, length: int, depth: float, needle: int, chat: bool = False) -> Example:
     """The prompt of at most ``length`` tokens with needle ``NEEDLES[needle]`` at ``depth`` of the haystack."""
-    from eval.needle import _sentence_start
+    from eval.needle import sentence_start
 
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depths: {depth} is not a fraction of the haystack in [0, 1]")
@@ -167,7 +167,7 @@ def build_example(model, length: int, depth: float, needle: int, chat: bool = Fa
     period = {i for i in set(hay[: room + 64]) if tok.decode([i]).rstrip().endswith((".", "!", "?"))}
     while True:  # decoding and encoding again may merge tokens differently at the seams: shrink until it fits
         cut = list(hay[:room])
-        at = len(cut) if depth >= 1.0 else _sentence_start(cut, int(round(depth * len(cut))), period)
+        at = len(cut) if depth >= 1.0 else sentence_start(cut, int(round(depth * len(cut))), period)
         text = (tok.decode(cut[:at]).rstrip() + "\n\n" + n.sentence + "\n\n" + tok.decode(cut[at:]).lstrip()).strip()
         prompt = _render(tok, text, n, chat)
         if len(prompt) <= length:
@@ -209,7 +209,9 @@ class Grid:
         check_int("batch", self.batch, numpy_ok=True)
         check_int("max_new_tokens", self.max_new_tokens, numpy_ok=True)
         if not 1 <= self.needles <= len(NEEDLES):
-            raise ValueError(f"needles={self.needles}: there are {len(NEEDLES)} needle sentences; use 1..{len(NEEDLES)}")
+            raise ValueError(
+                f"needles={self.needles}: there are {len(NEEDLES)} needle sentences; use 1..{len(NEEDLES)}"
+            )
         for d in self.depths:
             if not 0.0 <= d <= 1.0:
                 raise ValueError(f"depths: {d} is not a fraction of the haystack in [0, 1]")
@@ -493,4 +495,3 @@ def report_only(out: str | Path) -> dict[str, Any]:
     results["timings"]["seconds_all_runs"] = sum(rec.get("seconds", 0.0) for rec in records)
     write(results, out)
     return results
-

@@ -69,8 +69,13 @@ def test_a_run_equals_the_engine_and_grows(smol, tmp_path, monkeypatch):
     from kvjax import engine, methods
 
     grid = niah.Grid(
-        "smollm2-135m-instruct", (("full", None), ("snapkv", 64)), lengths=(512,), depths=(0.0, 1.0), needles=1,
-        batch=2, max_new_tokens=14,
+        "smollm2-135m-instruct",
+        (("full", None), ("snapkv", 64)),
+        lengths=(512,),
+        depths=(0.0, 1.0),
+        needles=1,
+        batch=2,
+        max_new_tokens=14,
     )
     first = niah.run(smol, grid, tmp_path, progress=False)
     assert [(r["config"], r["depth"]) for r in first["rows"]] == [("full", 0.0), ("full", 1.0)] + [
@@ -86,11 +91,21 @@ def test_a_run_equals_the_engine_and_grows(smol, tmp_path, monkeypatch):
     assert first["rows"][0]["score"] == 1.0  # full finds the needle at depth 0
     ran = []
     real = harness.answer_after_context
-    monkeypatch.setattr(harness, "answer_after_context", lambda m, method, *a, **k: ran.append(
-        (method.name, getattr(method, "budget", None), len(a[0]))) or real(m, method, *a, **k))
+    monkeypatch.setattr(
+        harness,
+        "answer_after_context",
+        lambda m, method, *a, **k: (
+            ran.append((method.name, getattr(method, "budget", None), len(a[0]))) or real(m, method, *a, **k)
+        ),
+    )
     grown = niah.Grid(
-        "smollm2-135m-instruct", (("full", None), ("snapkv", 64), ("snapkv", 128)), lengths=(512,),
-        depths=(0.0, 0.5, 1.0), needles=1, batch=2, max_new_tokens=14,
+        "smollm2-135m-instruct",
+        (("full", None), ("snapkv", 64), ("snapkv", 128)),
+        lengths=(512,),
+        depths=(0.0, 0.5, 1.0),
+        needles=1,
+        batch=2,
+        max_new_tokens=14,
     )
     res = niah.run(smol, grown, tmp_path, progress=False)
     # batches of the pending examples: (0.0, 0.5) and (1.0,); the first holds a new cell for all three configurations
@@ -103,5 +118,9 @@ def test_a_run_equals_the_engine_and_grows(smol, tmp_path, monkeypatch):
     assert all((tmp_path / "heatmaps" / f"{k}.png").stat().st_size > 0 for k in by)
     assert "| snapkv | 128 |" in (tmp_path / "niah.md").read_text()
     with pytest.raises(ValueError, match="max_new_tokens: 14 there, 10 here"):
-        niah.run(smol, niah.Grid("smollm2-135m-instruct", (("full", None),), lengths=(512,), max_new_tokens=10),
-                 tmp_path, progress=False)
+        niah.run(
+            smol,
+            niah.Grid("smollm2-135m-instruct", (("full", None),), lengths=(512,), max_new_tokens=10),
+            tmp_path,
+            progress=False,
+        )
