@@ -34,8 +34,8 @@ def git(*args: str, root: Path = ROOT) -> str | None:
 
 
 def commit() -> str | None:
-    """The checkout's commit: ``$KVJAX_COMMIT`` if set (a copied tree whose .git is not this one's: a device
-    lease), else ``git rev-parse HEAD``; None without git."""
+    """The checkout's commit: ``$KVJAX_COMMIT`` if set (a copied tree whose .git is not this one's, e.g. on
+    a GPU machine), else ``git rev-parse HEAD``; None without git."""
     return os.environ.get("KVJAX_COMMIT") or git("rev-parse", "HEAD")
 
 

@@ -20,11 +20,11 @@ achieved bandwidth = kv_bytes_read / kernel time, its fraction of the device's p
 same kernel at ``keep = 1`` (ideal: ``1 / keep``). JSON includes the jax version and the device.
 On CPU the default impl is ``xla``; ``--impl pallas_gpu --interpret`` runs a tiny smoke test.
 
-``--sweep`` tunes the kernel (issue 17, point 4): it times every candidate of
+``--sweep`` tunes the kernel: it times every candidate of
 ``kernels_pallas.decode_attention.tuning.CANDIDATES[impl]`` (block size; on GPU also Triton's warps and stages and
 the split's target program count) at every (slots, batch, keep), prints the fastest per shape and the candidate
 with the lowest total time as the ``tuning.TABLE`` row to keep, and writes all of it to the JSON (``sweep``,
-``chosen``). The issue's setting on an H100:
+``chosen``). The target setting on an H100:
 
     python benchmarks/decode_attention.py --sweep --slots 32768 --batch 8 --keep 1,0.5,0.25,0.1 \\
         --out benchmarks/results/decode_attention_sweep_h100.json
@@ -301,7 +301,7 @@ def _fastest_per_shape(rows, shapes, peak) -> list[dict]:
 
 def sweep(args) -> int:
     """``--sweep``: every candidate at every shape; the fastest per shape and overall (module docstring). The JSON is
-    written after every candidate (``partial: true`` until the last), so a run cut at a lease's limit keeps what it
+    written after every candidate (``partial: true`` until the last), so a run cut at its time limit keeps what it
     timed."""
     impl = args.impl or default_impl()
     dtype = jnp.dtype(args.dtype)

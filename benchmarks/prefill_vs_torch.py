@@ -24,8 +24,7 @@ compiles and runs once; that time is reported as ``first_call_s``); transformers
 
 **Threads.** ``--threads 1``: torch ``set_num_threads(1)``, and both processes pinned to one core with
 ``sched_setaffinity`` (XLA:CPU sizes its thread pool from the affinity mask). ``--threads 2``: torch
-``set_num_threads(2)``, both processes on two cores. The issue 28 comparison (21.0 s vs 20.9 s at 7,680 tokens)
-was transformers at one thread.
+``set_num_threads(2)``, both processes on two cores.
 
 **Memory.** Every side and length runs in its own subprocess. Reported per process: ``rss_loaded`` (VmRSS after
 loading the weights and the warm-up), ``prefill_peak`` (the peak resident set during the timed prefills: VmHWM,

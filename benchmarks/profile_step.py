@@ -22,7 +22,7 @@ the host). Per variant (JSON keys in brackets):
 
 With ``--prefill``, each method's one-layer ``prefill`` is profiled the same way (``prefill`` rows): where its TTFT
 goes (ClusterKV's K-means, H2O's accumulated scores, ...). Results are written after every variant, so a cut run
-keeps what it profiled. ``--skip-done FILE`` skips the labels an earlier JSON holds at this commit (a lease's rerun).
+keeps what it profiled. ``--skip-done FILE`` skips the labels an earlier JSON holds at this commit (a rerun).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ Limits (nothing is dropped silently: a skipped row has ``status: "skipped"`` and
 - **failures**: a variant that raises while compiling, prefilling or decoding (a kernel this backend cannot lower,
   say) gets a ``status: "failed"`` row with its ``error``, and the others go on; if ``full`` fails, its
   configuration's variants are recorded failed with it (they have no reference).
-- **resuming** (``--resume``): a run cut short (a device lease's limit) is run again with the same command; rows of
+- **resuming** (``--resume``): a run cut short (a time limit) is run again with the same command; rows of
   ``--out`` made at the same commit with the same settings are kept and their variants not measured again (``full``
   is timed again beside each new group, so every ratio is of one group). Another commit: everything again.
 
@@ -289,7 +289,7 @@ def parse_args(argv):
         "--resume",
         action="store_true",
         help="keep --out's rows if it ran at this commit with these settings, and measure only the variants it lacks "
-        "(full is timed again beside them); a short device lease rerun",
+        "(full is timed again beside them); a run cut by a time limit, rerun",
     )
     p.add_argument(
         "--report",
@@ -326,7 +326,7 @@ def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
     causal-attention TTFT columns are skipped (None: they are measured)."""
     dt = jnp.dtype(dtype).name
     calibrated = set()
-    capped = args.max_prefill_s != float("inf")  # inf: no cap, so no calibration (a short accelerator lease)
+    capped = args.max_prefill_s != float("inf")  # inf: no cap, so no calibration (a GPU run in short steps)
     for v in vars_:  # the prefill-time cap
         if v.skipped or not capped:
             continue
@@ -357,7 +357,7 @@ def cap_prefill(cfg, args, vars_, clock, n, batch, dtype, layers):
 def run_config(cfg, args, n, batch, dt, names, layers, clock, limit, rows, write) -> None:
     """Every variant at one (context, batch, dtype), in pieces of ``--group-size`` variants (all at once by
     default): each piece planned, built, timed beside ``full`` and written before the next is compiled, so a run
-    cut short (a device lease) keeps what it timed."""
+    cut short (a time limit) keeps what it timed."""
     dtype = jnp.dtype(dt)
     cap = Capacity(n, args.steps * (args.rounds + 1) + 1)
     base = {"context": n, "batch": batch, "dtype": dt, "layers": len(layers)}

@@ -1,1 +1,1 @@
-"""Evaluation harness (tasks, metrics, fidelity probes, reports). Populated by the evaluation issue."""
+"""Evaluation harness (tasks, metrics, fidelity probes, reports)."""

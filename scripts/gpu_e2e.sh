@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 58 on one GPU, as ONE device call of < 10 minutes: benchmarks/e2e.py at Llama-3.1-8B's shapes (random bf16
-# weights made on the device, layers scanned), batch 1, kvjax's full and every method at 0.2 (the recall methods
-# also at 2,048 tokens) beside transformers' LlamaForCausalLM and kvpress's SnapKVPress(0.8) on the same card.
+# The 8B model end to end on one GPU, a GPU run in steps of at most 10 minutes, resumable: benchmarks/e2e.py at
+# Llama-3.1-8B's shapes (random bf16 weights made on the device, layers scanned), batch 1, kvjax's full and every
+# method at 0.2 (the recall methods also at 2,048 tokens) beside transformers' LlamaForCausalLM and kvpress's
+# SnapKVPress(0.8) on the same card.
 #
 #   KVJAX_COMMIT=<commit> bash scripts/gpu_e2e.sh    # CTX (default 32k,16k,64k), METHODS (default e2e.py's order),
 #                                                    # LIMIT_S (default 540)
@@ -10,10 +11,10 @@
 #
 # Rows run in priority order (32k, then 16k, then 64k; at each: full, transformers, kvpress, chelsea, clusterkv,
 # pqcache, chunkkv, less, then the baselines) and each is written to $OUT/e2e_8b_b1_h200.json as it finishes. The run
-# resumes: the JSON starts as benchmarks/results/e2e_8b_b1_h200.json (copy $OUT's back there between calls), and
-# rows already in it at the same KVJAX_COMMIT are not measured again, so a call cut at LIMIT_S loses only the row it
+# resumes: the JSON starts as benchmarks/results/e2e_8b_b1_h200.json (copy $OUT's back there between steps), and
+# rows already in it at the same KVJAX_COMMIT are not measured again, so a step cut at LIMIT_S loses only the row it
 # was in. KVJAX_COMMIT: the commit of the code (`git log -1 --format=%H -- kvjax kernels_pallas benchmarks/e2e.py
-# benchmarks/e2e_torch.py`), not HEAD, so committing the JSON between calls does not restart the run.
+# benchmarks/e2e_torch.py`), not HEAD, so committing the JSON between steps does not restart the run.
 #
 # Memory: JAX allocates on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) up to MEM_FRACTION (0.6: 84 GB of an H200's
 # 141, the skip rule's limit); the torch side runs in its own process (benchmarks/e2e_torch.py) in the rest (8B bf16

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Serving at a fixed memory on one GPU (issue 60), as ONE device call of at most 10 minutes:
+# Serving at a fixed memory on one GPU: a GPU run in steps of at most 10 minutes, resumable. One step:
 #
-#   run(command="KVJAX_COMMIT=<commit> bash scripts/gpu_serving.sh", timeout_s=590)
+#   KVJAX_COMMIT=<commit> timeout 590 bash scripts/gpu_serving.sh
 #
 # <commit>: `git log -1 --format=%H -- kvjax 'benchmarks/*.py' scripts` here (the last commit that changed the code: the
-# rows' resume key, so committing results between calls does not make the next call measure them again).
+# rows' resume key, so committing results between steps does not make the next step measure them again).
 #
 # Phases, in this order, each under `timeout` and within BUDGET_S (default 570 s) in all; each one's output goes to
 # $OUT/gpu_serving.log as it comes, the JSON rows as they finish:
@@ -16,9 +16,9 @@
 #             ($OUT/roofline_gemma3{,_global}_h200_32k_b8.{json,txt}); skipped where $PREV already has its JSON
 #   3. batch  benchmarks/serving.py --rows batch: batch 8 at 32k and 64k, TTFT, TPOT, tok/s (the same JSON), with
 #             what is left
-# Resumes: $PREV/serving_h200.json (default PREV=benchmarks/results: what an earlier call's session committed) is
+# Resumes: $PREV/serving_h200.json (default PREV=benchmarks/results: an earlier step's committed rows) is
 # copied to $OUT first, and serving.py measures only the rows it lacks at the same commit and settings. docs/
-# performance.md ("Serving at a fixed memory") says which rows one call gets through.
+# performance.md ("Serving at a fixed memory") says which rows one step gets through.
 #
 # TINY=1: the same phases on the CPU at tiny shapes (the 2-layer model, 64 tokens; Gemma's shapes at 64 tokens),
 # what tests/benchmarks/test_serving.py runs; OUT defaults to benchmarks/results/device.

@@ -250,7 +250,7 @@ NOTES_TO_OURSELVES = re.compile(r"\bissues? #?\d+\b|\bmoved (?:here )?from\b|\(m
 
 
 def test_user_docs_hold_no_notes_to_ourselves():
-    """The README, the changelog and docs/ speak to a user: no "the goal of issue 28", no "moved here from the
+    """The README, the changelog and docs/ speak to a user: no "the goal of issue N", no "moved here from the
     README, 2026-11-27" (the history of the project's own work belongs to git)."""
     problems = []
     for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]:

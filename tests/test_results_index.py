@@ -18,8 +18,8 @@ from test_docs import ROOT, notebook_text, rel, repo_files
 RESULTS = ROOT / "benchmarks" / "results"
 INDEX = RESULTS / "README.md"
 CITED = re.compile(r"benchmarks/results/([\w./{},*-]*[\w}*])")
-# Output folders, not results: where scripts/accelerator.sh writes a lease's files when $OUT is not set, and where
-# scripts/accelerator_lease.sh writes a GPU lease's JSON (empty, so absent from a clean checkout, until a lease runs).
+# Output folders, not results: where scripts/accelerator.sh writes its files when $OUT is not set, and where
+# scripts/accelerator_steps.sh writes a GPU run's JSON (empty, so absent from a clean checkout, until a GPU run).
 OUTPUT_DIRS = {"device", "gpu"}
 
 

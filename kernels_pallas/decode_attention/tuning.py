@@ -1,7 +1,7 @@
 """The decode-attention kernels' tuning knobs, in one table (``TABLE``), and the candidates a sweep measures.
 
 ``benchmarks/decode_attention.py --sweep`` times every candidate of ``CANDIDATES[impl]`` on the device at the
-shapes given (the issue's: 32k slots, batch 8, Llama-3.1-8B's 8 KV heads x 4 x 128, bf16, keep 1 / 0.5 / 0.25 /
+shapes given (the target's: 32k slots, batch 8, Llama-3.1-8B's 8 KV heads x 4 x 128, bf16, keep 1 / 0.5 / 0.25 /
 0.1 of the blocks), prints the fastest per shape and the candidate with the lowest total time, and writes them
 to its JSON; the chosen values are then copied here with the file they come from in ``measured``.
 

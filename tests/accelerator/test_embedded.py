@@ -99,7 +99,7 @@ def test_device_matches_cpu(golden, name, record_property):
     dev = round(embedded.deviation(got, want), 5)
     record_property("deviation", dev)
     record_property("atol", atol)
-    out = os.environ.get("KVJAX_ACCELERATOR_OUT")  # a lease's phase limit can stop pytest before its summary
+    out = os.environ.get("KVJAX_ACCELERATOR_OUT")  # a step's time limit can stop pytest before its summary
     if out:
         tokens = np.asarray(got["tokens"]) != np.asarray(want["tokens"])
         Path(out, f"embedded_{name}.json").write_text(

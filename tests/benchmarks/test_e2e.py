@@ -145,7 +145,7 @@ def test_llama31_8b_shapes(e2e):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Issue 58: the torch side (transformers, kvpress), resume, row order, the ceiling and the markdown table.
+# The 8B end-to-end run: the torch side (transformers, kvpress), resume, row order, the ceiling and the markdown table.
 
 
 @pytest.mark.extended  # ~30 s: a torch process beside the JAX one

@@ -282,8 +282,8 @@ def test_quick_preset(roofline):
 
 def test_failures_are_recorded_and_the_run_goes_on(roofline, measure, tmp_path, monkeypatch):
     """A variant that fails to compile its prefill, or whose decode raises while timed, gets a ``failed`` row with
-    its error; the others are timed beside full as usual (a kernel failing on a device must not end a short
-    lease's run)."""
+    its error; the others are timed beside full as usual (a kernel failing on a device must not end a GPU
+    run's step)."""
     out = tmp_path / "f.json"
     real_compile, real_time = measure.compile_prefill, roofline.time_runs
 

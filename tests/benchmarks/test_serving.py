@@ -172,7 +172,7 @@ def test_tiny_run(sv, tmp_path, monkeypatch, capsys):
 @pytest.mark.extended  # ~2 min on 2 cores: every phase of the GPU script, then its resume
 def test_gpu_script_tiny(tmp_path):
     """scripts/gpu_serving.sh end to end with TINY=1 (its phases at tiny shapes on the CPU): the files it leaves in
-    $OUT (at most the device tool's 8), the serving rows, the Gemma rows at batch 8 in bfloat16 with the hybrid and
+    $OUT (at most 8), the serving rows, the Gemma rows at batch 8 in bfloat16 with the hybrid and
     the all-global plan, then a second call that resumes from the first's files and measures nothing again."""
     import os
     import subprocess

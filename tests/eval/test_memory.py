@@ -1,4 +1,4 @@
-"""A long eval sweep's memory stays that of its largest configuration (issue 31, deliverable 3).
+"""A long eval sweep's memory stays that of its largest configuration.
 
 Each measurement runs ``tests/eval/memory_sweep.py`` in a fresh process (RSS is per process): ``kvjax-eval``'s
 runner over 20 configurations (full and three compressing methods, ``memory_sweep.METHODS``, at 3 budgets, 2 prompt

@@ -66,8 +66,8 @@ def test_every_candidate_matches_the_reference(impl):
 
 
 def test_sweep_writes_the_chosen_row(tmp_path, monkeypatch):
-    """The chosen candidate has the lowest total time; the JSON is written after every candidate (a lease's limit
-    keeps what was timed), ``partial`` until the end."""
+    """The chosen candidate has the lowest total time; the JSON is written after every candidate (a run cut by its time
+    limit keeps what was timed), ``partial`` until the end."""
     out = tmp_path / "sweep.json"
     written = []
     real = bench._write

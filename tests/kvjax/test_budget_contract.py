@@ -1,4 +1,4 @@
-"""The budget contract and the method interface, for every registered method (issue: one budget contract).
+"""The budget contract and the method interface, for every registered method (one budget contract).
 
 - Budget arithmetic equals exact fractions (``fractions.Fraction`` of the decimal as written) over a sweep,
   including the float-tricky values (0.15, 0.3, 0.29).

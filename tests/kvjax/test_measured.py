@@ -1,4 +1,4 @@
-"""What a method declares, checked against what XLA compiles (issue 31, "tests that measure").
+"""What a method declares, checked against what XLA compiles ("tests that measure").
 
 - Held bytes: the compiled ``init`` + ``prefill`` program of every compressing method, for prompts that fill their
   bucket at budget ``b``, outputs (``memory_analysis().output_size_in_bytes``) at most ``b`` x full's plus the

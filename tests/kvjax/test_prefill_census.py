@@ -1,4 +1,4 @@
-"""The prefill census (DESIGN principle 15, issue 51): each registered method's one-layer prefill traced for a GPU
+"""The prefill census (DESIGN principle 15): each registered method's one-layer prefill traced for a GPU
 at 32k tokens x batch 8, bfloat16, Llama-3.1-8B attention shapes (abstract inputs: nothing allocated; the backend
 reads as a GPU, so the accelerator paths and the verified kernels are traced), with its while loops, scan trips,
 conds and host callbacks counted (:func:`kvjax.engine.census.loop_census`) against the bound here. Zero unless the

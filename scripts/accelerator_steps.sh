@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# The GPU measurements sized for a short lease (15 minutes of device time, machine starts included; no call over 10
-# minutes; the machine is kept warm 30 s after a call). Each part is one call of at most ~5 minutes: every step has
-# its own time limit, a step that fails is logged and the part goes on, and everything written is packed into
-# $OUT/lease_<part>.tgz after every step (a call cut at its limit keeps what ran), the JSON results also copied to
-# $OUT as they are.
+# The GPU measurements as a GPU run in steps of at most 10 minutes, resumable. Each part is one step of at most
+# ~5 minutes: every command has its own time limit, a command that fails is logged and the part goes on, and
+# everything written is packed into $OUT/steps_<part>.tgz after every command (a step cut at its limit keeps what
+# ran), the JSON results also copied to $OUT as they are.
 #
 # Results are written in the tree, under benchmarks/results/gpu/, and every benchmark resumes from them: rows already
-# measured at this commit are not measured again. So after a call, copy the returned JSONs into
-# benchmarks/results/gpu/ here; the next call (the tree travels) goes on where the last stopped. The commit is
-# $KVJAX_COMMIT (the device's copy of the tree has no .git): give it on the command line, e.g.
-#   KVJAX_COMMIT=<sha of HEAD here> bash scripts/accelerator_lease.sh head
+# measured at this commit are not measured again. So after a step, copy the returned JSONs into
+# benchmarks/results/gpu/; the next step goes on where the last stopped. The commit is $KVJAX_COMMIT (a copy of the
+# tree without .git needs it): give it on the command line, e.g.
+#   KVJAX_COMMIT=<sha of HEAD> bash scripts/accelerator_steps.sh head
 #
 #   head      # <= 5 min: the accumulated-attention kernels (H2O's and LESS's prompt pass) verified and
 #             # recorded in kernels_pallas/verified.py (skipped when this commit's record is in
@@ -23,26 +22,26 @@
 #   verify    # <= 4 min: every kernel's verifying tests, then the record (after a change to a Pallas kernel)
 #   kernels   # <= 2 min: decode-attention bandwidth and block skipping at 32k and 128k slots, batch 1 and 8
 #   sweep     # <= 5 min: the decode-attention tuning sweep at 32k slots, batch 8 (written after every candidate)
-#   embedded  # <= 5 min, two calls: every method on the embedded SmolLM2 against the CPU golden file. Its GGUF
-#             # (98 MB) is over a call's 64 MiB, so it travels in halves (docs/accelerator.md, "In a short lease"):
-#             # `stage` with carry [".dev1"] copies the first half to /tmp, then at once `embedded` with carry
-#             # [".dev2"] joins them and runs the tests (EMBEDDED='snapkv or h2o' for some; all by default)
+#   embedded  # <= 5 min, two steps: every method on the embedded SmolLM2 against the CPU golden file. Its GGUF
+#             # (98 MB) is staged in two halves of under 64 MiB (docs/accelerator.md, "In steps of at most 10
+#             # minutes"): `stage` copies the first half (.dev1) to /tmp, then `embedded` joins it with the second
+#             # (.dev2) and runs the tests (EMBEDDED='snapkv or h2o' for some; all by default)
 #
-# The whole 8B model beside transformers (issue 58) and serving at a fixed memory (issue 60) have their own
-# prepared scripts (docs/performance.md says which).
+# The whole 8B model beside transformers (scripts/gpu_e2e.sh) and serving at a fixed memory (scripts/gpu_serving.sh)
+# have their own scripts (docs/performance.md says which).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: accelerator_lease.sh head|profile|methods|verify|kernels|sweep|stage|embedded}
+PART=${1:?usage: accelerator_steps.sh head|profile|methods|verify|kernels|sweep|stage|embedded}
 export KVJAX_COMMIT=${KVJAX_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 [ -n "$KVJAX_COMMIT" ] || { echo "set KVJAX_COMMIT=<the commit of this tree> (no .git here)"; exit 2; }
-R=/tmp/lease_$PART G=$PWD/benchmarks/results/gpu
+R=/tmp/steps_$PART G=$PWD/benchmarks/results/gpu
 rm -rf "$R" && mkdir -p "$R" "$G"
 export PYTHONPATH="$PWD:/tmp/dev1/site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 T0=$(date +%s) BUDGET=${BUDGET:-290}  # the part's seconds: each step's limit is cut to what is left of it
 TO=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 150")  # one hung test keeps the junit
 pack() {
   [ -n "${OUT:-}" ] || return 0
-  tar czf "$OUT/lease_$PART.tgz" -C "$R" . -C "$G" . && find "$G" -newer "$R" -name '*.json' -exec cp {} "$OUT/" \;
+  tar czf "$OUT/steps_$PART.tgz" -C "$R" . -C "$G" . && find "$G" -newer "$R" -name '*.json' -exec cp {} "$OUT/" \;
 }
 trap pack EXIT
 step() {  # step NAME LIMIT_S command...: under min(LIMIT_S, what is left of BUDGET), output in $R/NAME.log
@@ -59,7 +58,7 @@ NOCB="--xla_gpu_enable_command_buffer="  # off while profiling (if this jaxlib k
 profile_flags() { XLA_FLAGS="$NOCB" python3 -c "import jax; jax.numpy.ones(1).block_until_ready()" >/dev/null 2>&1 || NOCB=; }
 ROOF=(--lengths 32k --batch 8 --dtypes bfloat16 --layers 2 --steps 8 --rounds 3 --max-prefill-s inf --group-size 2)
 PROF=(--length 32k --batch 8 --dtype bfloat16 --steps 8)
-if [ -n "${SMOKE:-}" ]; then  # SMOKE=<absolute dir>: the part's commands on the CPU at tiny sizes (tests/test_lease_script.py)
+if [ -n "${SMOKE:-}" ]; then  # SMOKE=<absolute dir>: the part's commands on the CPU at tiny sizes (tests/benchmarks/test_accelerator_steps.py)
   export JAX_PLATFORMS=cpu && G=$SMOKE && mkdir -p "$G"
   ROOF=(--tiny --lengths 256 --batch 2 --dtypes float32 --layers 2 --steps 2 --rounds 1 --max-prefill-s inf
         --group-size 2 --bandwidth-mib 8)
@@ -120,5 +119,5 @@ case "$PART" in
       step embedded_tests 280 python3 -m pytest tests/accelerator/test_embedded.py -m accelerator -v -rfE -n 3 \
       -p no:cacheprovider $TO --tb=line "${K[@]}" --junitxml "$G/embedded_tests.xml"
     ;;
-  *) sed -n '2,33p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac

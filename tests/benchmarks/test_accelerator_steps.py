@@ -1,6 +1,6 @@
-"""scripts/accelerator_lease.sh tried on the CPU (``SMOKE=<dir>``: the same commands at tiny sizes), so a short GPU
-lease cannot fail on a typo: the ``head`` part verifies and times, writes its JSON and the packed archive to
-``$OUT``, and a second call resumes (no verification again, no variant measured twice)."""
+"""scripts/accelerator_steps.sh tried on the CPU (``SMOKE=<dir>``: the same commands at tiny sizes), so a GPU run
+cannot fail on a typo: the ``head`` part verifies and times, writes its JSON and the packed archive to
+``$OUT``, and a second run resumes (no verification again, no variant measured twice)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "accelerator_lease.sh"
+SCRIPT = ROOT / "scripts" / "accelerator_steps.sh"
 
 
 def _run(part, tmp_path, **env):
@@ -26,7 +26,7 @@ def _run(part, tmp_path, **env):
 def test_usage_and_syntax():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     got = subprocess.run(["bash", str(SCRIPT), "nothing"], capture_output=True, text=True, env={**os.environ,
-                         "KVJAX_COMMIT": "c" * 40, "SMOKE": "/tmp/kvjax-lease-usage"})  # fmt: skip
+                         "KVJAX_COMMIT": "c" * 40, "SMOKE": "/tmp/kvjax-steps-usage"})  # fmt: skip
     assert got.returncode == 2 and "head" in got.stdout and "embedded" in got.stdout
 
 
@@ -41,12 +41,12 @@ def test_head_part_runs_and_resumes(tmp_path):
     assert (tmp_path / "gpu" / f"kernel_tests_accumulated_{'c' * 12}.xml").is_file()
     out = tmp_path / "out"
     assert json.loads((out / "roofline_h200_32k_b8.json").read_text()) == data
-    with tarfile.open(out / "lease_head.tgz") as tar:
+    with tarfile.open(out / "steps_head.tgz") as tar:
         names = tar.getnames()
     assert "./roofline.log" in names and "./roofline_h200_32k_b8.json" in names
     second = _run("head", tmp_path, METHODS="full,snapkv")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "verify_accumulated" not in second.stdout  # recorded at this commit
-    log = (Path("/tmp/lease_head") / "roofline.log").read_text()
+    log = (Path("/tmp/steps_head") / "roofline.log").read_text()
     assert "--resume: keeping 2 rows" in log and "planning" not in log
     assert json.loads((tmp_path / "gpu" / "roofline_h200_32k_b8.json").read_text())["rows"] == data["rows"]
