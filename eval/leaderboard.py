@@ -97,7 +97,7 @@ class Board:
             lengths=(self.length,),
             tasks=self.tasks,
             samples=self.contexts,
-            batch=self.batch,
+            batch=min(self.batch, len(self.tasks) * self.contexts),  # no batch padded past the contexts there are
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
             chat=False,

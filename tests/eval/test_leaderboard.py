@@ -128,6 +128,7 @@ def test_bad_settings_name_the_option():
     with pytest.raises(ValueError, match="contexts=0"):
         _board(contexts=0)
     assert _board().configs() == [("full", None, 0.0, leaderboard.AFTER), ("h2o", 0.5, 0.5, leaderboard.AFTER)]
+    assert _board(batch=10).task().batch == 2  # one context of each of 2 tasks: no prefill padded to 10
     with pytest.raises(ValueError, match="protocol: 'nope'"):
         _board(protocols=("nope",))
 
