@@ -187,7 +187,8 @@ def report_only(out: str | Path) -> dict[str, Any]:
     records = read_jsonl(out / ROWS)[1:]
     done = {(r["batch_index"], r["config"]): r["rows"] for r in records}
     batches = sorted({i for i, _ in done})
-    keys = [config_key(n, r, p) for n, _, r, p in board.configs()]
+    held = {k for _, k in done}  # the configurations some run asked for (the folder's grid is their union)
+    keys = [k for k in (config_key(n, r, p) for n, _, r, p in board.configs()) if k in held]
     results = report.new_results({**board.settings(), "commits": sorted({str(r.get("commit")) for r in records})})
     results["command"] = command(board, out)  # the run's own command (this one only wrote the tables)
     results["rows"] = [row for i in batches for k in keys for row in done.get((i, k), [])]
@@ -366,6 +367,25 @@ def summarise(rows: Sequence[dict], tasks: Sequence[str]) -> list[dict]:
     return out
 
 
+def protocol_differences(rows: Sequence[dict]) -> dict[tuple[str, float], dict[str, float]]:
+    """Per (method, ratio) run under both protocols: the paired difference of the score (question in the context
+    minus after it, percentage points) over the contexts both hold (a context: its task and expected answers), its
+    mean with a 95% t interval and n."""
+    scores: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        context = (r["subtask"], tuple(r["expected"]))
+        scores.setdefault((r["method"], r["ratio"], context), {})[r.get("protocol", AFTER)] = float(r["score"])
+    diffs: dict[tuple[str, float], list[float]] = {}
+    for (method, ratio, _), by in scores.items():
+        if AFTER in by and IN_CONTEXT in by:
+            diffs.setdefault((method, ratio), []).append(100 * (by[IN_CONTEXT] - by[AFTER]))
+    out = {}
+    for key, xs in diffs.items():
+        lo, hi = report.t_interval(xs)
+        out[key] = {"value": sum(xs) / len(xs), "lo": lo, "hi": hi, "n": len(xs)}
+    return out
+
+
 NEEDLES = ("single_needle", "multikey", "multivalue")
 FAILURES = ("found", "cut short", "another number", "no number")
 
@@ -401,7 +421,9 @@ def markdown(results: dict[str, Any]) -> str:
     s = results["config"]
     summary = results["summary"]
     by = {(e["method"], e["ratio"]): e for e in summary}
-    methods = list(dict.fromkeys(e["method"] for e in summary))
+    bases = list(dict.fromkeys(e.get("base", e["method"]) for e in summary))
+    order = {e["method"]: (bases.index(e.get("base", e["method"])), e.get("protocol") == IN_CONTEXT) for e in summary}
+    methods = sorted(order, key=order.get)  # each method, then the same with the question in the context
     ratios = sorted({e["ratio"] for e in summary if e["ratio"] > 0})
     full = by.get(("full", 0.0))
     full_in = by.get((label("full", IN_CONTEXT), 0.0))
@@ -465,6 +487,22 @@ def markdown(results: dict[str, Any]) -> str:
                 + " | ".join(f"{e['tasks'][t]['value']:.0f}" if t in e["tasks"] else "" for t in tasks)
                 + " |"
             )
+    paired = protocol_differences(results["rows"])
+    if paired:
+        lines += [
+            "",
+            "## The question in the context against after it (paired, same contexts)",
+            "",
+            "Score with the question compressed in the context minus the score with it fed after the compressed "
+            "context, in percentage points, over the contexts both protocols hold; mean [95% t interval] (n).",
+            "",
+            "| method | ratio | difference |",
+            "|---|---|---|",
+        ]
+        for (m, r), c in sorted(
+            paired.items(), key=lambda kv: (methods.index(kv[0][0]) if kv[0][0] in methods else 0, kv[0][1])
+        ):
+            lines.append(f"| {m} | {r:g} | {_cell(c)} ({c['n']}) |")
     failures = needle_failures(results["rows"] + list((results.get("peer") or {}).get("rows", [])))
     if failures:
         lines += [

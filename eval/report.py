@@ -242,7 +242,7 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _t_interval(xs: list[float]) -> tuple[float, float]:
+def t_interval(xs: list[float]) -> tuple[float, float]:
     n = len(xs)
     mean = sum(xs) / n
     if n < 2:
@@ -262,7 +262,7 @@ def interval(task: str, rows: list[dict]) -> dict[str, float]:
     n = len(rows)
     if kind == "perplexity":
         tokens = sum(r["tokens"] for r in rows)
-        lo, hi = _t_interval([r["nll"] for r in rows])
+        lo, hi = t_interval([r["nll"] for r in rows])
         value = math.exp(sum(r["nll"] * r["tokens"] for r in rows) / tokens)
         return {"value": value, "lo": math.exp(lo), "hi": math.exp(hi), "n": n}
     scores = [float(r["score"]) for r in rows]
@@ -270,7 +270,7 @@ def interval(task: str, rows: list[dict]) -> dict[str, float]:
     if kind == "mean_percent" and all(x in (0.0, 1.0) for x in scores):
         lo, hi = wilson(int(sum(scores)), n)
     else:
-        lo, hi = _t_interval(scores)
+        lo, hi = t_interval(scores)
         if kind == "mean_percent":  # scores are fractions of the answer: the interval stays in [0, 1]
             lo, hi = max(0.0, lo), min(1.0, hi)
     scale = 100.0 if kind == "mean_percent" else 1.0
@@ -366,7 +366,7 @@ def paired_vs_full(results: dict[str, Any], task: str = "perplexity") -> dict[tu
             r["nll"] - full[r["sequence"]] for r in rows if t == task and m != "full" and r.get("sequence") in full
         ]
         if diffs:
-            lo, hi = _t_interval(diffs)
+            lo, hi = t_interval(diffs)
             out[(m, b)] = {"value": sum(diffs) / len(diffs), "lo": lo, "hi": hi, "n": len(diffs)}
     return out
 

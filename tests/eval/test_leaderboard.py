@@ -225,3 +225,24 @@ def test_a_folder_grows_by_methods_and_the_papers_protocol(smol, tmp_path, monke
     assert "| snapkv (question in context) |" in md and "| h2o |" in md and "full, question in context" in md
     with pytest.raises(ValueError, match="max_new_tokens: 6 there, 7 here"):
         leaderboard.run(smol, _board(**small, max_new_tokens=7), tmp_path, progress=False)
+
+
+def test_protocol_differences_pair_the_same_contexts():
+    """By hand: two contexts under both protocols (differences +1 and 0), one context under one protocol only (left
+    out); the interval is Student's t over the pairs (scipy)."""
+    a, i = leaderboard.AFTER, leaderboard.IN_CONTEXT
+    row = lambda p, sub, exp, score: {
+        "method": "snapkv",
+        "ratio": 0.5,
+        "subtask": sub,
+        "expected": [exp],
+        "score": score,
+        "protocol": p,
+    }
+    rows = [row(a, "t", "1", 0.0), row(i, "t", "1", 1.0), row(a, "t", "2", 1.0), row(i, "t", "2", 1.0)]
+    rows += [row(a, "u", "3", 0.0), row(a, "t", "4", 1.0), row(i, "t", "4", 0.0)]
+    got = leaderboard.protocol_differences(rows)[("snapkv", 0.5)]
+    xs = [100.0, 0.0, -100.0]
+    lo, hi = stats.t.interval(0.95, 2, loc=np.mean(xs), scale=stats.sem(xs))
+    assert got["n"] == 3 and got["value"] == pytest.approx(0.0)
+    assert (got["lo"], got["hi"]) == (pytest.approx(lo), pytest.approx(hi))
