@@ -411,9 +411,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"{'chat template' if s['chat'] else 'plain-text prompts'}",
         f"- budgets: a fraction of each prompt (e.g. 0.25) or a token count (e.g. 128), as each paper runs the test; "
         f"options {s['options'] or 'none'}; score in percent with a 95% (Wilson) interval and n",
-        f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, commit `{results.get('commit')}`; compute "
-        f"{t.get('seconds_all_runs', 0):.0f} s (all runs into this folder), peak memory "
-        f"{t.get('peak_rss_gib', 0):.1f} GiB this run; command `{results.get('command', '')}`",
+        f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, commit "
+        f"`{', '.join(s.get('commits') or [str(results.get('commit'))])}`; compute "
+        f"{t.get('seconds_all_runs', 0):.0f} s (all runs into this folder)"
+        + (f", peak memory {t['peak_rss_gib']:.1f} GiB in the last run" if t.get("peak_rss_gib") else "")
+        + f"; command `{results.get('command', '')}`",
         "",
         "| method | budget | score (%) | recall (%) | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
         "|---|---|---|---|" + "---|" * len(lengths),
@@ -489,7 +491,8 @@ def report_only(out: str | Path) -> dict[str, Any]:
     settings = rowstore.read_settings(out, "needle-in-a-haystack run", "kvjax-eval niah")
     records = rowstore.read_jsonl(out / rowstore.ROWS)[1:]
     done = {_row_key(r): r for rec in records for r in rec["rows"]}
-    results = report.new_results(settings)
+    results = report.new_results({**settings, "commits": sorted({str(r.get("commit")) for r in records})})
+    results["command"] = f"kvjax-eval niah --out {out}"  # resumes the run (its settings are the folder's)
     results["rows"] = sorted(done.values(), key=lambda r: (r["config"], r["length"], r["depth"], r["needle"]))
     results["summary"] = summarise(results["rows"], settings["configs"])
     results["timings"]["seconds_all_runs"] = sum(rec.get("seconds", 0.0) for rec in records)
