@@ -410,10 +410,7 @@ def needle_failures(rows: Sequence[dict]) -> dict[tuple[str, float], dict[str, i
     return out
 
 
-def _cell(c: dict) -> str:
-    if math.isnan(c["lo"]):
-        return f"{c['value']:.1f}"
-    return f"{c['value']:.1f} [{c['lo']:.0f}, {c['hi']:.0f}]"
+_cell = report.interval_text
 
 
 def markdown(results: dict[str, Any]) -> str:

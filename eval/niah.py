@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import time
 from pathlib import Path
@@ -392,9 +391,7 @@ def summarise(rows: Sequence[dict], order: Sequence[str] = ()) -> list[dict]:
 
 
 def _cell(c: dict) -> str:
-    if math.isnan(c["lo"]):
-        return f"{c['value']:.0f} (n = {c['n']})"
-    return f"{c['value']:.0f} [{c['lo']:.0f}, {c['hi']:.0f}] (n = {c['n']})"
+    return f"{report.interval_text(c, 0)} (n = {c['n']})"
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -354,6 +354,13 @@ def _score_cell(ci: dict | None, agg: str) -> str:
     return text
 
 
+def interval_text(c: dict, digits: int = 1) -> str:
+    """``value [lo, hi]`` of an :func:`interval` (the bounds to the unit; the value alone where they are NaN)."""
+    if math.isnan(c["lo"]):
+        return f"{c['value']:.{digits}f}"
+    return f"{c['value']:.{digits}f} [{c['lo']:.0f}, {c['hi']:.0f}]"
+
+
 def paired_vs_full(results: dict[str, Any], task: str = "perplexity") -> dict[tuple, dict[str, float]]:
     """(method, budget) -> the mean per-sequence difference of mean NLL to ``full`` on the same sequences, with its
     95% Student-t interval (paired: the spread between texts, which dominates a perplexity interval, cancels) and
