@@ -375,7 +375,9 @@ def _perplexity_options(sp, sequences, prefix, continuation):
     sp.add_argument("--sequences", type=int, default=sequences, help="held-out sequences scored")
     sp.add_argument("--prefix", type=int, default=prefix, help="prefilled (compressed) tokens per sequence")
     sp.add_argument("--continuation", type=int, default=continuation, help="teacher-forced scored tokens")
-    sp.add_argument("--book", default="John", help="King James book used as held-out text")
+    sp.add_argument(
+        "--book", default="John", help="King James book used as held-out text, or 'essays' (the Paul Graham essays)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,10 @@
 """Streaming perplexity of held-out text under a compressed cache (the LESS and ClusterKV papers' setting:
 the cache is compressed as the text is consumed).
 
-Each sequence is ``prefix + continuation`` tokens of the King James Bible (held out from the needle's
-essays). The prefix is prefilled through ``kvjax.engine.prefill`` (where prompt-compressing methods such as
-SnapKV/PyramidKV compress it once, to ``budget`` of the prefix); the continuation is then **teacher-forced**
+Each sequence is ``prefix + continuation`` tokens of a King James Bible book (held out from the needle's
+essays), or of the Paul Graham essays (``book="essays"``: long-text perplexity on a second kind of text). The
+prefix is prefilled through ``kvjax.engine.prefill`` (where prompt-compressing methods such as SnapKV/PyramidKV
+compress it once, to ``budget`` of the prefix); the continuation is then **teacher-forced**
 through the jitted, fixed-shape ``kvjax.engine.decode_step``, one token per step, so evicting methods
 (StreamingLLM, H2O) keep compressing as the text streams in and appending methods keep every new token.
 Each continuation token is scored by the log-probability the model gave it at the previous step (the first
@@ -29,9 +30,14 @@ from kvjax.methods.base import Capacity
 from kvjax.engine.prefilled import compress, same_batch
 
 
+#: ``book`` naming the Paul Graham essays (the needle task's haystack) instead of a King James book
+ESSAYS = "essays"
+
+
 @functools.lru_cache(maxsize=2)
 def _bible_ids(tokenizer, book: str) -> tuple[int, ...]:
-    return tuple(tokenizer.encode(assets.bible_text(book)))
+    """The token ids of a King James ``book``, or of every essay when ``book`` is :data:`ESSAYS`."""
+    return tuple(tokenizer.encode(assets.essays_text() if book == ESSAYS else assets.bible_text(book)))
 
 
 def build(model, num_sequences: int, prefix: int, continuation: int, book: str = "John") -> np.ndarray:
@@ -45,7 +51,7 @@ def build(model, num_sequences: int, prefix: int, continuation: int, book: str =
     if num_sequences * n > len(ids):
         raise ValueError(
             f"{num_sequences} sequences of {n} tokens need {num_sequences * n} tokens but book={book!r} "
-            f"has {len(ids)}; use fewer/shorter sequences or a longer book (e.g. 'Genesis')"
+            f"has {len(ids)}; use fewer/shorter sequences or a longer book (e.g. 'Genesis', or 'essays')"
         )
     return np.asarray(ids[: num_sequences * n], np.int32).reshape(num_sequences, n)
 

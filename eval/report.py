@@ -378,6 +378,37 @@ def paired_vs_full(results: dict[str, Any], task: str = "perplexity") -> dict[tu
     return out
 
 
+def gap_closed(
+    results: dict[str, Any], task: str = "perplexity", base: str = "h2o", by: str = "less"
+) -> dict[Any, dict[str, float]]:
+    """budget -> the fraction of ``base``'s NLL gap to ``full`` that ``by`` closes at that budget (LESS Table 2:
+    ``1 - ΔNLL_by / ΔNLL_base``, each the mean over the same sequences), with ``by``'s paired gain over ``base``
+    (``ΔNLL_base - ΔNLL_by`` per sequence: mean, 95% t interval, n). Budgets where both ran on the sequences of a
+    ``full`` row."""
+    groups = _groups(results)
+    full = {r.get("sequence"): r["nll"] for r in groups.get((task, "full", None), ()) if r.get("sequence") is not None}
+    nll = lambda m, b: {r["sequence"]: r["nll"] for r in groups.get((task, m, b), ()) if r.get("sequence") in full}
+    out = {}
+    for t, m, b in groups:
+        if t != task or m != base:
+            continue
+        a, c = nll(base, b), nll(by, b)
+        seqs = sorted(set(a) & set(c))
+        if not seqs:
+            continue
+        gap = sum(a[i] - full[i] for i in seqs)
+        gains = [a[i] - c[i] for i in seqs]
+        lo, hi = t_interval(gains)
+        out[b] = {
+            "closed": sum(gains) / gap if gap else math.nan,
+            "gain": sum(gains) / len(gains),
+            "lo": lo,
+            "hi": hi,
+            "n": len(seqs),
+        }
+    return out
+
+
 def _task_table(results, task, intervals, memory, extra) -> list[str]:
     title, agg, _ = TASKS.get(task, (task, "mean", True))
     mem_cols = [(t, f) for t, f in MEMORY_COLUMNS if any(f in v for k, v in memory.items() if k[0] == task)]
@@ -401,6 +432,13 @@ def _task_table(results, task, intervals, memory, extra) -> list[str]:
             m = memory.get((task, method, budget), {}).get(field)
             cells.append("" if m is None else f"{m:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    if agg == "perplexity":
+        for b, g in gap_closed(results, task).items():
+            lines.append(
+                f"\nLESS closes {100 * g['closed']:.0f}% of H2O's gap to full at budget {_budget_text(b)} "
+                f"(LESS Table 2's measure); per sequence, H2O's NLL minus LESS's: {g['gain']:.3f} "
+                f"[{g['lo']:.3f}, {g['hi']:.3f}] nats (n = {g['n']})."
+            )
     return lines
 
 

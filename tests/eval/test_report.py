@@ -380,3 +380,25 @@ def test_fractional_scores_interval_stays_in_range():
     ci = report.interval("ruler", [{"score": x} for x in scores])
     lo, hi = stats.t.interval(0.95, 4, loc=np.mean(scores), scale=stats.sem(scores))
     assert (ci["lo"], ci["hi"]) == (pytest.approx(100 * lo), pytest.approx(100 * hi))
+
+
+def test_less_gap_closed_by_hand():
+    """LESS Table 2's measure, by hand: H2O's gaps to full 0.4 and 0.2 (sum 0.6), LESS's 0.1 and 0.2: LESS gains 0.3
+    and 0.0 nats, closing 0.3 / 0.6 = 50% of the gap; the gain's interval is scipy's t interval."""
+    stats = pytest.importorskip("scipy.stats")
+
+    r = report.new_results({})
+    row = lambda m, b, i, x: {"task": "perplexity", "method": m, "budget": b, "sequence": i, "nll": x, "tokens": 8}
+    r["rows"] = [row("full", None, 0, 2.0), row("full", None, 1, 3.0)]
+    r["rows"] += [
+        row("h2o", 0.05, 0, 2.4),
+        row("h2o", 0.05, 1, 3.2),
+        row("less", 0.05, 0, 2.1),
+        row("less", 0.05, 1, 3.2),
+    ]
+    r["rows"] += [row("h2o", 0.1, 0, 2.1)]  # no LESS at 0.1: no entry
+    got = report.gap_closed(r)
+    assert list(got) == [0.05] and got[0.05]["closed"] == pytest.approx(0.5) and got[0.05]["n"] == 2
+    lo, hi = stats.t.interval(0.95, 1, loc=0.15, scale=stats.sem([0.3, 0.0]))
+    assert (got[0.05]["gain"], got[0.05]["lo"], got[0.05]["hi"]) == tuple(pytest.approx(x) for x in (0.15, lo, hi))
+    assert "LESS closes 50% of H2O's gap to full at budget 0.05" in report.markdown_table(r)
