@@ -35,7 +35,7 @@ from kvjax.engine import core
 from kvjax import engine, methods
 from kvjax.config import ModelConfig
 from kvjax.loading import Model, default_dtype
-from kvjax.methods import cluster_index
+from kvjax.methods.clusterkv import index as cluster_index
 from kvjax.methods.base import Capacity
 from kvjax.model import random_params
 

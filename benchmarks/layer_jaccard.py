@@ -32,7 +32,7 @@ from bench_common import write_json
 from kvjax import analysis, engine, methods
 from kvjax.loading import assets
 from kvjax.methods.base import Capacity
-from kvjax.methods.layers import same_as_previous
+from kvjax.methods.plans.layers import same_as_previous
 
 
 def essay_batch(model, lengths):

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from eval import niah, rowstore
     from kvjax.engine import pad_prompts
     from kvjax.engine import prefilled as P
-    from kvjax.methods import chelsea_schedule
+    from kvjax.methods.chelsea import schedule as chelsea_schedule
     from kvjax.methods.base import Capacity
 
     settings = rowstore.read_settings(a.niah, "needle-in-a-haystack run", "kvjax-eval niah")

@@ -69,7 +69,7 @@ brackets):
 
 **Hybrid models** (``--shape gemma3``): Gemma-3-12B's attention shapes (16 query / 8 KV heads x 256, 48 layers) with
 its layer pattern, five local layers of a 1024-token window to one global; with ``--layers 6 --first-layer 0`` the
-benchmarked layers are one period of it. Every variant runs as ``kvjax.methods.hybrid.for_model`` plans it on that
+benchmarked layers are one period of it. Every variant runs as ``kvjax.methods.plans.hybrid.for_model`` plans it on that
 model (a ring buffer of the window on each local layer, the method on the global one; ``full`` keeps everything on
 the global layer only), so bytes read and step time count both kinds of layer, and the causal prefill attention of a
 local layer is windowed; each row's ``layer_plan`` says what its layers held. ``--shape gemma3-global`` is the same
@@ -128,7 +128,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import command_line, commit, device_fields, git_dirty, load_average, write_json  # noqa: E402
 from bench_common import context_label, fmt, parse_budgets, parse_contexts, parse_ints  # noqa: E402
 from e2e import PAPERS, variants  # noqa: E402
-from kvjax.methods.hybrid import describe as describe_plan, for_model  # noqa: E402
+from kvjax.methods.plans.hybrid import describe as describe_plan, for_model  # noqa: E402
 from roofline_measure import (  # noqa: E402
     SHAPES,
     PrefillClock,

@@ -23,7 +23,7 @@ from e2e import LLAMA31_8B  # noqa: E402
 
 from kvjax import model as M  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
-from kvjax.methods.layers import method_of  # noqa: E402
+from kvjax.methods.plans.layers import method_of  # noqa: E402
 
 #: ``--tiny``: a 4-layer model with 4 query / 2 KV heads x 32 (so ``--first-layer 2`` exists).
 TINY_ATTENTION = dataclasses.replace(TINY, num_layers=4, sliding_windows=())

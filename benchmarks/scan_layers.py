@@ -41,7 +41,7 @@ from bench_common import commit, load_average, write_json
 from kvjax import engine, methods, model as M
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity
-from kvjax.methods.layers import same_as_previous
+from kvjax.methods.plans.layers import same_as_previous
 from kvjax.engine.sampling import Greedy
 
 #: Options that make the windowed methods compress at short prompts (as the tests use).

@@ -90,7 +90,7 @@ from e2e import (  # noqa: E402
 
 from kvjax import engine, methods  # noqa: E402
 from kvjax.methods.base import Capacity, tree_bytes  # noqa: E402
-from kvjax.methods.hybrid import for_model  # noqa: E402
+from kvjax.methods.plans.hybrid import for_model  # noqa: E402
 from kvjax.engine.sampling import Greedy  # noqa: E402
 
 #: The five papers' methods, in the order their rows follow ``full``; the baselines come after, in registry order.

@@ -51,7 +51,7 @@ from kvjax.loading import assets
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods.base import Capacity
-from kvjax.methods.layers import method_of, same_as_previous
+from kvjax.methods.plans.layers import method_of, same_as_previous
 
 
 def _layer(method, layer: int, state, previous, q, k, v, n: int, probes: int, recalls: bool = False):
@@ -122,7 +122,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     top-B recall ``[P, 1, Hq]`` or None), the whole model in one compiled function (teacher-forced with full
     attention, as the engine's prefill); traced under ``mesh`` (:func:`kvjax.sharding.tracing`) when given."""
     # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
-    # are its ring buffer of the window (kvjax.methods.hybrid), so the probes measure the global layers' methods
+    # are its ring buffer of the window (kvjax.methods.plans.hybrid), so the probes measure the global layers' methods
     method, full = engine.plan(cfg, method).method, engine.plan(cfg, methods.get("full")).method
     cap, recalls = Capacity(n, probes + 1), method_of(method).recalls
 
@@ -167,7 +167,9 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     "topb_recall": [L] | None, "tokens_held", "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
-    method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    method = engine.plan(
+        cfg, method
+    ).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
     recall_method = method_of(method).recalls
     check_int("probes", probes, numpy_ok=True)
     n = len(ids) - probes

@@ -177,7 +177,9 @@ def answer_after_context(
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
     check_context(model, max(lengths), cap_new)
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
-    method = engine.plan(cfg, method).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.hybrid)
+    method = engine.plan(
+        cfg, method
+    ).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
     mesh = model.mesh
     put = lambda x: S.put_batch(jnp.asarray(x), mesh)
     states = engine.init_states(

@@ -23,7 +23,7 @@ from kvjax.budget import budget_text
 from kvjax.engine import bucket_length, plan as layer_plan, release_compiled
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
-from kvjax.methods.hybrid import describe as describe_plan
+from kvjax.methods.plans.hybrid import describe as describe_plan
 
 
 @dataclasses.dataclass(frozen=True)

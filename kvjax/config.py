@@ -155,7 +155,7 @@ class ModelConfig:
     @property
     def is_hybrid(self) -> bool:
         """Whether some layer is local (keeps a sliding window): its cache is a ring buffer of the window
-        (:mod:`kvjax.methods.hybrid`)."""
+        (:mod:`kvjax.methods.plans.hybrid`)."""
         return any(w is not None for w in self.sliding_windows)
 
     @property

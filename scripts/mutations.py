@@ -62,10 +62,10 @@ K_BOUNDED = "recompression or threshold"  # the reference tests, not the engine'
 K_BUDGET = "mul or exact or trap or overflow or four_decimals or counts"  # the arithmetic tests of the budget file
 
 MUTANTS: tuple[Mutant, ...] = (
-    # ---- Chelsea (kvjax/methods/chelsea*.py, csm.py) -----------------------------------------------------------
+    # ---- Chelsea (kvjax/methods/chelsea/) ----------------------------------------------------------------------
     M(
         "chelsea-no-log-bias",
-        "kvjax/methods/chelsea_attend.py",
+        "kvjax/methods/chelsea/attend.py",
         "bias = jnp.log(jnp.where(valid, n, 1.0))",
         "bias = jnp.zeros_like(n)",
         T_CHELSEA,
@@ -73,7 +73,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "csm-count-not-updated",
-        "kvjax/methods/csm.py",
+        "kvjax/methods/chelsea/csm.py",
         "return pick(k, k_new), pick(v, v_new), pick(n, count)",
         "return pick(k, k_new), pick(v, v_new), pick(n, n)",
         T_CHELSEA,
@@ -81,7 +81,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "csm-unweighted-destination",
-        "kvjax/methods/csm.py",
+        "kvjax/methods/chelsea/csm.py",
         'total = rows_at(nb[..., None] * xb, lead, na[..., None] * xa, "add")',
         'total = rows_at(xb, lead, na[..., None] * xa, "add")',
         T_CHELSEA,
@@ -89,7 +89,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "chelsea-trigger-off-by-one",
-        "kvjax/methods/chelsea.py",
+        "kvjax/methods/chelsea/__init__.py",
         "need = length >= state.target + self.interval",
         "need = length > state.target + self.interval",
         T_CHELSEA,
@@ -97,7 +97,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "csm-merges-overshoot",
-        "kvjax/methods/csm.py",
+        "kvjax/methods/chelsea/csm.py",
         "m = xp.minimum(xp.maximum(floor_mul(mid, r_q, RATIO_UNIT), 1), length - budget)",
         "m = xp.minimum(xp.maximum(floor_mul(mid, r_q, RATIO_UNIT), 1), length - budget + 1)",
         T_CHELSEA,
@@ -105,7 +105,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "chelsea-budget-rounded-up",
-        "kvjax/methods/chelsea_budget.py",
+        "kvjax/methods/chelsea/budget.py",
         "t = floor_mul(full, rule[1], rule[2])",
         "t = -(-full * rule[1] // rule[2])",
         T_CHELSEA,
@@ -113,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "chelsea-outlier-misses-new-token",
-        "kvjax/methods/chelsea_attend.py",
+        "kvjax/methods/chelsea/attend.py",
         "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] <= pos[:, None, None], ko.shape[:3])",
         "ovalid = jnp.broadcast_to(jnp.arange(ko.shape[2])[None, None, :] < pos[:, None, None], ko.shape[:3])",
         T_CHELSEA,
@@ -362,7 +362,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "snapkv-gqa-max",
-        "kvjax/methods/select.py",
+        "kvjax/methods/core/select.py",
         "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).mean(axis=2)",
         "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).max(axis=2)",
         T_BASE,
@@ -371,7 +371,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "snapkv-gqa-sum",
-        "kvjax/methods/select.py",
+        "kvjax/methods/core/select.py",
         "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).mean(axis=2)",
         "p = jnp.where(mask[:, None, None], p, 0.0)\n    return p.sum(axis=3).sum(axis=2)",
         T_BASE,
@@ -382,7 +382,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "snapkv-window-off-by-one",
-        "kvjax/methods/select.py",
+        "kvjax/methods/core/select.py",
         "qpos = lengths[:, None] - window + jnp.arange(window)",
         "qpos = lengths[:, None] - window - 1 + jnp.arange(window)",
         T_BASE,
@@ -391,7 +391,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "snapkv-window-one-short",
-        "kvjax/methods/select.py",
+        "kvjax/methods/core/select.py",
         "return jnp.minimum(window, budgets).astype(jnp.int32)",
         "return jnp.minimum(window - 1, budgets).astype(jnp.int32)",
         T_BASE,
@@ -400,7 +400,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "topk-keeps-worst",
-        "kvjax/methods/select.py",
+        "kvjax/methods/core/select.py",
         "masked = jnp.where(cand, scores, NEG_INF)",
         "masked = jnp.where(cand, -scores, NEG_INF)",
         T_BASE,
@@ -409,7 +409,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "snapkv-pool-leaks-window",
-        "kvjax/methods/scorers.py",
+        "kvjax/methods/core/scorers.py",
         "s = jnp.where(jnp.arange(votes.shape[-1]) < prefix_end[:, None, None], votes, 0.0)",
         "s = jnp.where(jnp.arange(votes.shape[-1]) < prefix_end[:, None, None] + 2, votes, 0.0)",
         T_BASE,
@@ -496,7 +496,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "pq-window-overlaps-candidates",
-        "kvjax/methods/pqcache.py",
+        "kvjax/methods/pqcache/__init__.py",
         "end = jnp.minimum(jnp.asarray(t, jnp.int32) - w, state.filled)",
         "end = jnp.minimum(jnp.asarray(t, jnp.int32) - w + 1, state.filled)",
         ("tests/kvjax/test_pqcache.py",),
@@ -505,7 +505,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "pq-group-softmax-unnormalised",
-        "kvjax/methods/pq_retrieval.py",
+        "kvjax/methods/pqcache/retrieval.py",
         "agg = sum_small_axis(p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), 2)",
         "agg = sum_small_axis(p, 2)",
         ("tests/kvjax/test_pqcache.py",),
@@ -514,7 +514,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "pq-kmeans-includes-sinks",
-        "kvjax/methods/pq_index.py",
+        "kvjax/methods/pqcache/index.py",
         "valid = (pos[None, :] >= sink) & (pos[None, :] < lengths[:, None])",
         "valid = (pos[None, :] >= 0) & (pos[None, :] < lengths[:, None])",
         ("tests/kvjax/test_pqcache.py",),
@@ -524,7 +524,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- ClusterKV and the cosine K-means references -----------------------------------------------------------
     M(
         "clusterkv-group-max",
-        "kvjax/methods/cluster_recall.py",
+        "kvjax/methods/clusterkv/recall.py",
         "qg = qg.mean(axis=2, keepdims=True)",
         "qg = qg.max(axis=2, keepdims=True)",
         ("tests/kvjax/test_clusterkv.py",),
@@ -532,7 +532,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "clusterkv-window-clustered-late",
-        "kvjax/methods/clusterkv.py",
+        "kvjax/methods/clusterkv/__init__.py",
         "full = jnp.all(t + 1 - state.clustered >= self.window)",
         "full = jnp.all(t + 1 - state.clustered > self.window)",
         ("tests/kvjax/test_clusterkv.py",),
@@ -557,7 +557,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- LESS --------------------------------------------------------------------------------------------------
     M(
         "less-lse-without-state",
-        "kvjax/methods/less_parallel.py",
+        "kvjax/methods/less/parallel.py",
         "lse = jnp.logaddexp(lse_sp, log_lr)",
         "lse = lse_sp + 0 * log_lr",
         ("tests/kvjax/test_less.py",),
@@ -565,7 +565,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "less-state-order-flipped",
-        "kvjax/methods/less.py",
+        "kvjax/methods/less/__init__.py",
         "if self.evicts_before_attending:",
         "if not self.evicts_before_attending:",
         ("tests/kvjax/test_less.py",),
@@ -573,16 +573,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "less-z-not-updated",
-        "kvjax/methods/less.py",
+        "kvjax/methods/less/__init__.py",
         "H, z = state.H + dH, state.z + pe",
         "H, z = state.H + dH, state.z",
         ("tests/kvjax/test_less.py",),
         "an evicted token is folded into H but not into z (Eq. 5)",
     ),
-    # ---- a decode budget (kvjax/methods/bounded.py) ----------------------------------------------------------------
+    # ---- a decode budget (kvjax/methods/core/bounded.py) -------------------------------------------------------
     M(
         "bounded-every-off-by-one",
-        "kvjax/methods/bounded.py",
+        "kvjax/methods/core/bounded.py",
         "need = (jnp.mod(steps, self.every) == 0) & (cache.length > floor)",
         "need = (jnp.mod(steps + 1, self.every) == 0) & (cache.length > floor)",
         T_BOUNDED,
@@ -591,7 +591,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "bounded-ring-slot-off-by-one",
-        "kvjax/methods/bounded.py",
+        "kvjax/methods/core/bounded.py",
         "r = jnp.mod(pos, w)",
         "r = jnp.mod(pos + 1, w)",
         T_BOUNDED,
@@ -600,7 +600,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "bounded-threshold-unnormalised",
-        "kvjax/methods/bounded.py",
+        "kvjax/methods/core/bounded.py",
         "passing = jnp.sum(before & (scores >= threshold * queries[:, None, None]), axis=-1)",
         "passing = jnp.sum(before & (scores >= threshold), axis=-1)",
         T_BOUNDED,
@@ -609,7 +609,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     M(
         "bounded-threshold-window-counted",
-        "kvjax/methods/bounded.py",
+        "kvjax/methods/core/bounded.py",
         "before = jnp.arange(s) < (count - w)[..., None]",
         "before = jnp.arange(s) < count[..., None]",
         T_BOUNDED,
@@ -635,10 +635,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "the merges a SentencePiece vocabulary implies are applied lowest score first",
         k="sentencepiece",
     ),
-    # ---- per-layer plans (kvjax/methods/layers.py) ------------------------------------------------------------
+    # ---- per-layer plans (kvjax/methods/plans/layers.py) -------------------------------------------------------
     M(
         "fullfirst-one-full-layer-short",
-        "kvjax/methods/layers.py",
+        "kvjax/methods/plans/layers.py",
         'return full_below(self.n_full, static_layer(layer, "FullFirst.at"), self.inner.at(layer))',
         'return full_below(self.n_full - 1, static_layer(layer, "FullFirst.at"), self.inner.at(layer))',
         ("tests/kvjax/test_layers.py",),

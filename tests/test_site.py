@@ -116,8 +116,8 @@ def test_every_link_and_image_resolves_inside_the_site(site):
     assert not problems, "links and images of the built site that resolve to nothing:\n" + "\n".join(problems)
     # the code a page links to and the figures it shows are in the site itself
     chelsea = (site / "methods" / "chelsea" / "index.html").read_text(encoding="utf-8")
-    assert 'href="../../_repo/kvjax/methods/chelsea.py"' in chelsea
-    assert (site / "_repo" / "kvjax" / "methods" / "chelsea.py").is_file()
+    assert 'href="../../_repo/kvjax/methods/chelsea/__init__.py"' in chelsea
+    assert (site / "_repo" / "kvjax" / "methods" / "chelsea" / "__init__.py").is_file()
     performance = (site / "performance" / "index.html").read_text(encoding="utf-8")
     figures = re.findall(r'<img[^>]*src="([^"]+\.png)"', performance)
     assert figures, "the performance page shows no figure"

@@ -56,7 +56,7 @@ def put_batch(x, mesh, axis: int = 0):
 
 def global_layers(cfg) -> list[int]:
     """The layers LESS runs on: every layer, or a hybrid model's global (full-attention) layers (Gemma 3: every
-    sixth); its sliding-window layers hold a ring buffer of their window (:mod:`kvjax.methods.hybrid`)."""
+    sixth); its sliding-window layers hold a ring buffer of their window (:mod:`kvjax.methods.plans.hybrid`)."""
     return [layer for layer in range(cfg.num_layers) if cfg.sliding_windows[layer] is None]
 
 

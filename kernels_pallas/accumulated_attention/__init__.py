@@ -19,7 +19,7 @@ is raised, never replaced by the reference silently. ``interpret=True`` runs the
 (CPU tests).
 
 The CPU's path (row blocks against cache-sized key tiles, one head group at a time) is
-``kvjax.methods.select``'s; ``select.accumulated_attention`` chooses between it and this package by backend.
+``kvjax.methods.core.select``'s; ``select.accumulated_attention`` chooses between it and this package by backend.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The layer core: which method runs each layer of a model, its states, and running the layers.
 
 - :func:`plan`: (model config, method) resolved once into a :class:`LayerPlan`: the method as it runs on the model
-  (:func:`kvjax.methods.hybrid.for_model`: ring buffers of the window on local layers) and each layer's own method
+  (:func:`kvjax.methods.plans.hybrid.for_model`: ring buffers of the window on local layers) and each layer's own method
   (``method.at(layer)``), cached, so every entry point (the engine's drivers, :mod:`kvjax.engine.prefilled`,
   :mod:`kvjax.engine.questions`, the accounting) asks the same plan instead of rebuilding it.
 - :func:`init_states`: the empty per-layer states; with ``scan_layers``, runs of agreeing layers (:func:`scan_runs`)
@@ -34,8 +34,8 @@ from kvjax import sharding as S
 from kvjax.budget import warn_full_attention
 from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, Method
-from kvjax.methods.hybrid import for_model
-from kvjax.methods.layers import PerLayerPlan, method_of
+from kvjax.methods.plans.hybrid import for_model
+from kvjax.methods.plans.layers import PerLayerPlan, method_of
 from kvjax.model.prefill_attention import default_impl as default_prefill_impl
 
 #: Traces of the layer core's programs by name (``prefill``, ``decode_step``, ``compress``, ``loop_scan``, ...).
@@ -44,7 +44,7 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
-    """(model, method) resolved once: ``method`` as it runs on the model (a :class:`~kvjax.methods.hybrid.Hybrid`
+    """(model, method) resolved once: ``method`` as it runs on the model (a :class:`~kvjax.methods.plans.hybrid.Hybrid`
     plan on a model with local layers, else the method or plan given), ``layers[l]`` the method of layer ``l``
     (``method.at(l)``), ``windows[l]`` its sliding window (None: none). Build it with :func:`plan`."""
 
@@ -126,7 +126,7 @@ def init_states(
     tuple then holds segments and single-layer states in layer order (:func:`layer_states` lists them per layer).
     The method must declare ``traced_layer`` (all built-in methods do).
 
-    On a model with local (sliding-window) layers the method runs as :func:`kvjax.methods.hybrid.for_model` plans
+    On a model with local (sliding-window) layers the method runs as :func:`kvjax.methods.plans.hybrid.for_model` plans
     it: ring buffers of the window on the local layers, the method on the global ones (pass that plan to the
     measures that take no config, :mod:`kvjax.engine.accounting`'s; ``generate`` does)."""
     layers = plan(cfg, method)

@@ -47,8 +47,8 @@ from kvjax.engine.prompts import bucket_length, check_capacity, check_method, eo
 from kvjax.engine.prompts import until_eos, warn_without_chat
 from kvjax.engine.sampling import Greedy
 from kvjax.methods.base import Capacity
-from kvjax.methods.hybrid import describe
-from kvjax.methods.layers import method_of
+from kvjax.methods.plans.hybrid import describe
+from kvjax.methods.plans.layers import method_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ def generate(
     batch (:func:`kvjax.engine.prefilled.prefill_once` of the padded prompts), which this method then only compresses
     (``prefill_seconds`` is then the compression's). compress_local: on a model with local (sliding-window)
     layers, run the method on them too instead of their ring buffers of the window
-    (:mod:`kvjax.methods.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). track_held:
+    (:mod:`kvjax.methods.plans.hybrid`; the stats' ``layer_plan`` says what each kind of layer holds). track_held:
     also record the bytes each sequence holds along the generation, ``stats[i]["held_bytes_per_step"]`` (a list
     of ints: entry 0 after the prefill, entry ``s`` after decode step ``s``; the last is ``stats[i]["held_bytes"]``),
     measured as :func:`held_bytes` measures the end; it runs the decode loop step by step from Python (the
@@ -308,7 +308,7 @@ def make_result(model, method, out, steps: int, eos, lengths_list, held_prefill,
 
 
 def describe_plan(cfg: ModelConfig, method) -> str:
-    """What each kind of layer holds under ``method`` (:func:`kvjax.methods.hybrid.describe`)."""
+    """What each kind of layer holds under ``method`` (:func:`kvjax.methods.plans.hybrid.describe`)."""
     return describe(cfg, method)
 
 

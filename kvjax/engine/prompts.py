@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from kvjax.config import ModelConfig
-from kvjax.methods.layers import method_of
+from kvjax.methods.plans.layers import method_of
 
 MIN_BUCKET = 32
 

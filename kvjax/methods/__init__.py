@@ -20,17 +20,17 @@ from pathlib import Path
 
 from kvjax.methods.base import Capacity, LayerContext, Method, SlotCache, SlotMethod, check_registrable
 from kvjax.methods.chelsea import Chelsea
-from kvjax.methods.bounded import DEFAULT_EVERY, DecodeBudget
+from kvjax.methods.core.bounded import DEFAULT_EVERY, DecodeBudget
 from kvjax.methods.chunkkv import ChunkKV
 from kvjax.methods.clusterkv import ClusterKV
 from kvjax.methods.full import Full
 from kvjax.methods.h2o import H2O
-from kvjax.methods.hybrid import Hybrid, Window, for_model
-from kvjax.methods.layers import FullFirst, PerLayerPlan, method_of
+from kvjax.methods.plans.hybrid import Hybrid, Window, for_model
+from kvjax.methods.plans.layers import FullFirst, PerLayerPlan, method_of
 from kvjax.methods.less import Less
 from kvjax.methods.pqcache import PQCache
 from kvjax.methods.quest import Quest
-from kvjax.methods.scoring import ScoringMethod
+from kvjax.methods.core.scoring import ScoringMethod
 from kvjax.methods.snapkv import PyramidKV, SnapKV
 from kvjax.methods.streaming import StreamingLLM
 
@@ -78,10 +78,10 @@ def get(
 ):
     """The method config registered as ``name`` with ``options`` (e.g. ``budget=0.2``, ``window=8``). ``full_layers=N``
     (any method): the first ``N`` layers keep the full cache, as the per-layer plan
-    :class:`~kvjax.methods.layers.FullFirst` ``(N, method)`` (not a method: :func:`method_of` names it).
+    :class:`~kvjax.methods.plans.layers.FullFirst` ``(N, method)`` (not a method: :func:`method_of` names it).
     ``decode_budget=D`` (a method that scores its tokens: snapkv, pyramidkv, chunkkv): at most ``D`` tokens per
     layer and KV head plus ``every`` (default 128) while decoding, re-compressed every ``every`` steps, as
-    :class:`~kvjax.methods.bounded.DecodeBudget` ``(method, D, every)``; with ``threshold=tau`` each re-compression
+    :class:`~kvjax.methods.core.bounded.DecodeBudget` ``(method, D, every)``; with ``threshold=tau`` each re-compression
     keeps the tokens whose score passes ``tau``, at most ``D``. ``D`` is per layer for snapkv and chunkkv; pyramidkv
     splits it over the layers by its pyramid (their mean is ``D``; layer ``l`` keeps ``method.target(l,
     num_layers)``: at ``D=4096`` on 30 layers, 7980 at layer 0 down to 237 at the top), so its top layers

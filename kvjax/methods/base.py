@@ -37,10 +37,10 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   docs/interface.md#the-budget-contract is this function.
 - ``at(layer) -> Method``: the method that runs layer ``layer`` (a static int), by default the method itself
   (ClusterKV's and Quest's ``full`` below their ``n_full``). A per-layer plan
-  (:class:`~kvjax.methods.layers.PerLayerPlan`: ``FullFirst``, ``Hybrid``) is not a method but answers ``at`` too,
+  (:class:`~kvjax.methods.plans.layers.PerLayerPlan`: ``FullFirst``, ``Hybrid``) is not a method but answers ``at`` too,
   and every caller that builds, runs or measures a layer's state (the engine, eval, the benchmarks) takes either
   and asks ``m.at(layer)`` first, so no method dispatches on its state's type; what names either is
-  :func:`kvjax.methods.layers.method_of`'s.
+  :func:`kvjax.methods.plans.layers.method_of`'s.
 - ``traced_layer`` (ClassVar bool, default False): ``prefill``/``decode`` work with ``layer`` a traced int32
   scalar over a run of layers whose ``init`` states agree, so the engine can scan over those layers (one compiled
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
@@ -117,7 +117,7 @@ def _typed(value):
 class StaticConfig:
     """A frozen config dataclass that is a static ``jit`` argument: it compares and hashes by its class and its typed
     field values (:meth:`__eq__`), so subclasses are declared with ``eq=False``. :class:`Method` and the per-layer
-    plans (:class:`kvjax.methods.layers.PerLayerPlan`) are ones."""
+    plans (:class:`kvjax.methods.plans.layers.PerLayerPlan`) are ones."""
 
     @functools.cached_property
     def _key(self) -> tuple:
@@ -140,7 +140,7 @@ class Method(StaticConfig, abc.ABC):
     """The interface every cache method implements (see the module docstring). Subclasses are frozen
     dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
     as a :class:`StaticConfig`; ``name`` is the registry name. A per-layer plan
-    (:class:`kvjax.methods.layers.PerLayerPlan`) is not a method: it answers :meth:`at` only."""
+    (:class:`kvjax.methods.plans.layers.PerLayerPlan`) is not a method: it answers :meth:`at` only."""
 
     def __init_subclass__(cls, **kwargs):
         """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
@@ -185,14 +185,14 @@ class Method(StaticConfig, abc.ABC):
     #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
     recompresses: ClassVar[bool] = False
 
-    #: A decode budget composes over it (:class:`kvjax.methods.bounded.DecodeBudget`, ``methods.get(name, ...,
+    #: A decode budget composes over it (:class:`kvjax.methods.core.bounded.DecodeBudget`, ``methods.get(name, ...,
     #: decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
     #: (:class:`SlotMethod`'s), and it implements :meth:`rescorer`, :meth:`reselect`, :meth:`observation_window`
     #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
     recompressible: ClassVar[bool] = False
 
-    #: Why a decode budget (:class:`~kvjax.methods.bounded.DecodeBudget`) does not compose over a method that is not
-    #: ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
+    #: Why a decode budget (:class:`~kvjax.methods.core.bounded.DecodeBudget`) does not compose over a method that is
+    #: not ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
     #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
     why_no_decode_budget: ClassVar[str] = ""
 
@@ -252,7 +252,7 @@ class Method(StaticConfig, abc.ABC):
         )
 
     def rescorer(self):
-        """The :class:`~kvjax.methods.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
+        """The :class:`~kvjax.methods.core.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
         ``observed`` votes from the recent queries, then ``finish``). Only for methods that declare
         ``recompressible``."""
         raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
@@ -534,9 +534,9 @@ def sum_small_axis(x: jnp.ndarray, axis: int) -> jnp.ndarray:
 
 
 def check_registrable(cls, base: type, base_path: str, registry: dict, register: str, kind: str) -> None:
-    """The checks :func:`kvjax.methods.register` and :func:`kvjax.methods.scorers.register_scorer` share: ``cls`` is a
-    dataclass subclassing ``base`` with a non-empty ``name``, and no other class holds that name in ``registry`` (the
-    same class loaded again, a plugin file run twice, may replace itself). ValueError naming the fix otherwise."""
+    """The checks :func:`kvjax.methods.register` and :func:`kvjax.methods.core.scorers.register_scorer` share: ``cls``
+    is a dataclass subclassing ``base`` with a non-empty ``name``, and no other class holds that name in ``registry``
+    (the same class loaded again, a plugin file run twice, may replace itself). ValueError naming the fix otherwise."""
     if not (isinstance(cls, type) and issubclass(cls, base) and dataclasses.is_dataclass(cls) and cls.name):
         raise ValueError(
             f"{register}({cls!r}): a {kind} is a frozen dataclass subclassing {base_path} with a non-empty "

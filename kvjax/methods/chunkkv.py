@@ -51,8 +51,8 @@ from kvjax.methods.base import (
     store_prompt,
     top_k,
 )
-from kvjax.methods.scorers import Scorer, check_scorer, make_scorer
-from kvjax.methods.select import NEG_INF, append_window
+from kvjax.methods.core.scorers import Scorer, check_scorer, make_scorer
+from kvjax.methods.core.select import NEG_INF, append_window
 
 MODES = ("prefix_exclusive", "paper_literal")
 
@@ -63,7 +63,7 @@ class ChunkKV(SlotMethod):
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
     ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
     ``scorer``: the token scorer whose votes are summed per chunk (``"snapkv"``: the observation window without
-    pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.scorers.Scorer`)."""
+    pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.core.scorers.Scorer`)."""
 
     name: ClassVar[str] = "chunkkv"
     holds_exactly: ClassVar[bool] = False  # at most held(): the chunk that straddles the window is cut there
@@ -161,7 +161,7 @@ class ChunkKV(SlotMethod):
         idx, ok = self.select(q, k, lengths, p)
         return store_prompt(state, k, v, idx, ok)
 
-    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.bounded)
+    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.core.bounded)
 
     def rescorer(self) -> Scorer:
         return make_scorer(self.scorer, self.window, kernel=1)

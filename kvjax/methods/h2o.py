@@ -49,7 +49,7 @@ from kvjax.methods.base import (
     slot_bytes_read,
     store_prompt,
 )
-from kvjax.methods.select import accumulated_attention, accumulated_scores, topk_with_window
+from kvjax.methods.core.select import accumulated_attention, accumulated_scores, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

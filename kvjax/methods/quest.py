@@ -43,8 +43,8 @@ from kvjax.methods.base import (
     rows_at,
     slot_axes,
 )
-from kvjax.methods import threshold as th
-from kvjax.methods.layers import full_below, refuse_full_layer
+from kvjax.methods.core import threshold as th
+from kvjax.methods.plans.layers import full_below, refuse_full_layer
 
 
 #: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
@@ -54,7 +54,7 @@ SCORE_CHUNK_BYTES = 1 << 20
 
 def _top_pages(score, cur, keep, topk: int):
     """``(pages, ok) [B, Hkv, topk]``: the ``min(keep, topk)`` best of the candidate pages ``[0, cur)`` of ``score
-    [B, Hkv, P]`` (``cur``, ``keep`` ``[B]``), ascending (:func:`~kvjax.methods.threshold.top_set`)."""
+    [B, Hkv, P]`` (``cur``, ``keep`` ``[B]``), ascending (:func:`~kvjax.methods.core.threshold.top_set`)."""
     b, h, p = score.shape
     pad = -p % 32
     cand = jnp.arange(p + pad)[None, None, :] < cur[:, None, None]
@@ -281,7 +281,7 @@ class Quest(Method):
     def select_pages(self, state: QuestState, q, t) -> jnp.ndarray:
         """Pages the step whose new token is at position ``t [B]`` attends, per KV head: ``[B, Hkv, topk + 1]``
         int32, the ``keep`` best candidate pages (``lax.top_k``'s set, ties to the lower page, found without a sort:
-        :func:`~kvjax.methods.threshold.top_set`), ascending, ``-1`` pads, then the current page ``t //
+        :func:`~kvjax.methods.core.threshold.top_set`), ascending, ``-1`` pads, then the current page ``t //
         page_size``."""
         b = q.shape[0]
         h = state.kmin.shape[1]

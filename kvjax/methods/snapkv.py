@@ -2,7 +2,7 @@
 
 SnapKV (§4.2, Alg. 1): a scorer (default ``scorer="snapkv"``: the last ``window`` prompt queries vote, softmax in
 float32 summed over the window, mean over each KV group's query heads, pooled with a 1-D kernel: ``pool`` ``"avg"``
-or ``"max"``, ``kernel=1`` disables it; or ``scorer="h2o"``, see :mod:`kvjax.methods.scorers`) ranks the prompt;
+or ``"max"``, ``kernel=1`` disables it; or ``scorer="h2o"``, see :mod:`kvjax.methods.core.scorers`) ranks the prompt;
 each KV head keeps its top ``P - w`` prefix tokens plus the last ``w`` tokens, with ``P = budget_tokens(budget,
 n)`` of each sequence's own prompt ``n`` and ``w = min(window, P)`` (a budget below the window keeps the most
 recent ``P`` tokens). A sequence with ``n <= P`` is kept whole.
@@ -39,8 +39,8 @@ from kvjax.methods.base import (
     slot_bytes,
     store_prompt,
 )
-from kvjax.methods.scorers import Scorer, check_scorer, make_scorer
-from kvjax.methods.select import kept_window, topk_with_window
+from kvjax.methods.core.scorers import Scorer, check_scorer, make_scorer
+from kvjax.methods.core.select import kept_window, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,7 +83,7 @@ class SnapKV(SlotMethod):
         idx, ok = topk_with_window(scores, lengths, budgets, self.window, state.prompt_slots, windows)
         return store_prompt(state, k, v, idx, ok)
 
-    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.bounded)
+    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.core.bounded)
 
     def rescorer(self) -> Scorer:
         return self.score_fn

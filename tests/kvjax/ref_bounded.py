@@ -1,4 +1,4 @@
-"""Independent NumPy reference for a decode budget (kvjax.methods.bounded): SnapKV and ChunkKV re-compressed every
+"""Independent NumPy reference for a decode budget (kvjax.methods.core.bounded): SnapKV and ChunkKV re-compressed every
 ``every`` decode steps to ``D`` tokens from a ring of their last ``window`` queries. Float64, plain loops, one layer;
 nothing here imports kvjax.
 

@@ -1,7 +1,7 @@
 """Independent numpy reference of Chelsea's Chunked Soft Matching (paper §5.2–5.3; docs/notes/chelsea.md).
 
 Written from the paper and the method note with explicit loops and Python sets, sharing no code with
-``kvjax.methods.csm``. One head, one round:
+``kvjax.methods.chelsea.csm``. One head, one round:
 
 - slots ``[0, length)`` occupied; sinks ``[0, n_sink)`` and recent ``[length - n_recent, length)`` untouched;
 - middle chunks of ``c`` slots start at ``n_sink``; in a chunk, even offsets are A, odd offsets B;

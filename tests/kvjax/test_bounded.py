@@ -1,5 +1,5 @@
-"""A decode budget by composition (kvjax.methods.bounded): SnapKV, PyramidKV and ChunkKV holding at most ``D + every``
-tokens per layer while decoding, re-compressed in the compiled loop.
+"""A decode budget by composition (kvjax.methods.core.bounded): SnapKV, PyramidKV and ChunkKV holding at most
+``D + every`` tokens per layer while decoding, re-compressed in the compiled loop.
 
 - The kept positions after every step equal an independent NumPy reference (ref_bounded.py) for SnapKV (pooled,
   both pools) and ChunkKV, from random q/k, prompts whose kept part fits the budget and ones that do not.

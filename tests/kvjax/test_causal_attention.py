@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvjax import model as M
-from kvjax.methods import select
+from kvjax.methods.core import select
 
 
 def np_causal(q, k, v, lengths, window):

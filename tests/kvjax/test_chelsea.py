@@ -19,7 +19,7 @@ from kvjax.config import ModelConfig
 from kvjax.methods.base import Capacity, LayerContext
 from kvjax.methods.chelsea import Chelsea
 from kernels_pallas.decode_attention import block_plan_bytes
-from kvjax.methods.csm import csm_round, merges_for, plan
+from kvjax.methods.chelsea.csm import csm_round, merges_for, plan
 
 import ref_chelsea as ref
 from tiny_models import tiny_config

@@ -22,8 +22,8 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity, LayerContext
-from kvjax.methods import cluster_index
-from kvjax.methods.cluster_index import cosine_kmeans
+from kvjax.methods.clusterkv import index as cluster_index
+from kvjax.methods.clusterkv.index import cosine_kmeans
 from kvjax.methods.clusterkv import ClusterKV
 from tiny_models import tiny_config
 

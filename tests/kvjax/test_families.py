@@ -256,7 +256,7 @@ def test_window_ring_buffer_against_numpy_with_sinks():
     """A local layer's :class:`Window` (prefill, then decode steps that wrap the ring) against a NumPy sliding-window
     attention, with and without learned sinks."""
     from kvjax.methods.base import Capacity
-    from kvjax.methods.hybrid import Window
+    from kvjax.methods.plans.hybrid import Window
     from kvjax.model.sinks import layer_sinks
     from ref_baselines import attend, attend_sink, window_keep
 
@@ -294,7 +294,7 @@ def test_hybrid_plan_holds_the_window_on_local_layers(built):
     slots whatever the prompt; the method compresses the global layer only; held bytes, the budget contract and the
     bytes read per step count both kinds; ``layer_plan`` says it; ``compress_local=True`` compresses every layer."""
     from kvjax.methods.base import Capacity
-    from kvjax.methods.hybrid import Hybrid, Window, for_model
+    from kvjax.methods.plans.hybrid import Hybrid, Window, for_model
 
     model, _, _ = built("gemma3", 3.0)
     cfg = model.config

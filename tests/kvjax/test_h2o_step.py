@@ -18,7 +18,7 @@ import pytest
 from kernels_pallas.decode_attention import decode_attention_reference
 from kvjax.model import attention
 from kvjax import methods
-from kvjax.methods import select
+from kvjax.methods.core import select
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

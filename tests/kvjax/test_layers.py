@@ -1,4 +1,4 @@
-"""Per-layer plans as composition (``kvjax.methods.layers.FullFirst``, ``methods.get(..., full_layers=N)``,
+"""Per-layer plans as composition (``kvjax.methods.plans.layers.FullFirst``, ``methods.get(..., full_layers=N)``,
 ``Hybrid``, ``Method.at``): the references are ``full`` itself and the same per-layer methods listed by hand. A
 plan is not a method (nothing on it takes a state); its full layers hold and read what ``full`` does and give its
 outputs; a plan whose every layer is full gives full's greedy tokens; a plan's generation is that of its layers'
@@ -16,8 +16,8 @@ import kvjax
 from kvjax import engine, methods, model as M
 from kvjax.engine.core import LayerPlan
 from kvjax.methods.base import Capacity, Method
-from kvjax.methods.hybrid import Hybrid, Window
-from kvjax.methods.layers import FullFirst, PerLayerPlan, method_of
+from kvjax.methods.plans.hybrid import Hybrid, Window
+from kvjax.methods.plans.layers import FullFirst, PerLayerPlan, method_of
 from methods_table import small_options, small_variants
 
 LAYERS = 4

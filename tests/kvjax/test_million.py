@@ -12,8 +12,8 @@ from kvjax import engine, methods
 from kvjax.budget import as_fraction, budget_tokens
 from kvjax.methods.base import Capacity, evicting_budget
 from kvjax.methods.chelsea import Chelsea
-from kvjax.methods.chelsea_schedule import PRESETS, simulate
-from kvjax.methods.csm import RATIO_UNIT, merges_for, quantise_ratio
+from kvjax.methods.chelsea.schedule import PRESETS, simulate
+from kvjax.methods.chelsea.csm import RATIO_UNIT, merges_for, quantise_ratio
 from kvjax.methods.snapkv import pyramid_budget
 from kvjax.model import random_params
 from methods_table import small

@@ -17,8 +17,8 @@ import pytest
 
 import kvjax
 from kvjax import engine, methods
-from kvjax.methods import kmeans as km
-from kvjax.methods import pq_index, pq_retrieval
+from kvjax.methods.core import kmeans as km
+from kvjax.methods.pqcache import index as pq_index, retrieval as pq_retrieval
 from kvjax.methods import pqcache as pqcache_mod
 from extended import cases
 from kvjax.methods.base import Capacity

@@ -20,7 +20,7 @@ import kernels_pallas.accumulated_attention as aa
 from kernels_pallas.accumulated_attention import reference as aa_ref
 from kvjax import methods
 from kvjax.config import ModelConfig
-from kvjax.methods import select
+from kvjax.methods.core import select
 from kvjax.methods.base import Capacity
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""A scorer of one's own joins the scorer registry (``kvjax.methods.scorers.register_scorer``) the way a method
+"""A scorer of one's own joins the scorer registry (``kvjax.methods.core.scorers.register_scorer``) the way a method
 joins the method registry, and then every method with a ``scorer`` option takes it by name: here a key-norm scorer
 (Knorm's rule, ``-||k||``) registered from the test runs inside SnapKV's and ChunkKV's selection, through the
 pure functions (kept positions against NumPy) and through ``engine.generate``."""
@@ -16,7 +16,7 @@ import pytest
 import kvjax
 from kvjax import engine, methods
 from kvjax.methods import Capacity
-from kvjax.methods.scorers import SCORERS, Scorer, make_scorer, register_scorer
+from kvjax.methods.core.scorers import SCORERS, Scorer, make_scorer, register_scorer
 
 
 @dataclasses.dataclass(frozen=True)

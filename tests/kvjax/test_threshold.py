@@ -1,4 +1,4 @@
-"""Selection without a sort (``kvjax.methods.threshold``, ``cluster_recall.take_by_rank``) against the sorts it
+"""Selection without a sort (``kvjax.methods.core.threshold``, ``cluster_recall.take_by_rank``) against the sorts it
 replaces: ``lax.top_k``'s set (ties to the lower index) and a NumPy ranking of clusters, on scores with many ties (a few
 distinct values), candidate masks, ``k`` of 0, within and beyond the candidates, and empty clusters."""
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.methods import threshold as th
-from kvjax.methods.cluster_recall import take_by_rank
+from kvjax.methods.core import threshold as th
+from kvjax.methods.clusterkv.recall import take_by_rank
 
 
 def _tied_scores(rng, shape, distinct):

@@ -5,7 +5,7 @@ compressed ones and the outlier ones.
 
 Shapes: a layer's KV heads are split by static index tuples ``comp`` (compressed, ``Hc`` of them) and ``out``
 (outlier, ``O``); :func:`select_heads` takes them from any ``[B, Hkv, ...]`` array; an outlier head's buffer is
-``[B, O, n + Gamma, D]`` (:mod:`kvjax.methods.chelsea_attend` attends it).
+``[B, O, n + Gamma, D]`` (:mod:`kvjax.methods.chelsea.attend` attends it).
 """
 
 from __future__ import annotations

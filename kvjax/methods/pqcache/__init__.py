@@ -33,7 +33,7 @@ from kernels_pallas.pq_lookup import CODE_ALIGN, default_impl, pq_lookup
 from kvjax.model import attention
 from kvjax import sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, warn_full_attention
-from kvjax.methods import pq_attend, pq_index, pq_retrieval
+from kvjax.methods.pqcache import attend as pq_attend, index as pq_index, retrieval as pq_retrieval
 from kvjax.methods.base import (
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
@@ -45,8 +45,8 @@ from kvjax.methods.base import (
     rows_at,
     tree_bytes,
 )
-from kvjax.methods.offload import device_sharding, host_sharding
-from kvjax.methods.pq_retrieval import WORD as _WORD
+from kvjax.methods.core.offload import device_sharding, host_sharding
+from kvjax.methods.pqcache.retrieval import WORD as _WORD
 
 #: Largest denominator ``floor_mul`` takes exactly on int32 (``(n % q) p < q^2 < 2^31``).
 _EXACT_Q = 46340

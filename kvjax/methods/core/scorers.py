@@ -14,7 +14,7 @@ wraps any press: ``methods.get("chunkkv", scorer="h2o")``.
 A scorer joins :data:`SCORERS` with :func:`register_scorer` (a class decorator, as ``kvjax.methods.register`` for
 methods), so a plugin adds one by name: ``methods.get("snapkv", scorer="mine")``.
 
-At decode time (a decode budget, :mod:`kvjax.methods.bounded`) a scorer ranks the held slots from a ring of the
+At decode time (a decode budget, :mod:`kvjax.methods.core.bounded`) a scorer ranks the held slots from a ring of the
 most recent queries (:meth:`Scorer.observed`, then :meth:`Scorer.finish` in position order): the window scorer's
 votes of its last ``window`` queries, pooled as at prefill; the accumulated scorer's sum over the same ring (its
 accumulation over every query is not kept during decode).
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.checks import check_int
 from kvjax.methods.base import check_registrable
-from kvjax.methods.select import accumulated_scores, observed_votes, pool1d, window_scores
+from kvjax.methods.core.select import accumulated_scores, observed_votes, pool1d, window_scores
 
 
 class Scorer(abc.ABC):
@@ -43,9 +43,9 @@ class Scorer(abc.ABC):
     def observed(self, q_obs, q_pos, k, k_pos) -> jnp.ndarray:
         """Scores ``[B, Hkv, S]`` float32 of the held slots ``k [B, Hkv, S, D]`` (positions ``k_pos [B, Hkv, S]``,
         -1 empty) from the recent queries ``q_obs [B, Hq, W, D]`` at positions ``q_pos [B, W]`` (-1 empty): what
-        a decode-time re-compression ranks by (:mod:`kvjax.methods.bounded`). Default: the queries' softmax over
+        a decode-time re-compression ranks by (:mod:`kvjax.methods.core.bounded`). Default: the queries' softmax over
         the held keys they may see (``k_pos <= q_pos``), summed over the queries, mean over each KV group
-        (:func:`~kvjax.methods.select.observed_votes`); then :meth:`finish` on the slots in position order."""
+        (:func:`~kvjax.methods.core.select.observed_votes`); then :meth:`finish` on the slots in position order."""
         return observed_votes(q_obs, q_pos, k, k_pos)
 
     def finish(self, votes, prefix_end) -> jnp.ndarray:
@@ -97,7 +97,7 @@ def register_scorer(cls: type) -> type:
     methods: then ``methods.get("snapkv", scorer=cls.name)`` (any method with a ``scorer`` option) builds it with the
     options it shares with the method (``window``, ``kernel``, ``pool``; its other fields at their defaults).
     ValueError for a class that is not one, or a name another class already holds."""
-    check_registrable(cls, Scorer, "kvjax.methods.scorers.Scorer", SCORERS, "register_scorer", "scorer")
+    check_registrable(cls, Scorer, "kvjax.methods.core.scorers.Scorer", SCORERS, "register_scorer", "scorer")
     SCORERS[cls.name] = cls  # the same class loaded again (a plugin file run twice) replaces itself
     return cls
 
@@ -111,7 +111,7 @@ def check_scorer(scorer) -> None:
     if not isinstance(scorer, Scorer) and not (isinstance(scorer, str) and scorer in SCORERS):
         raise ValueError(
             f"scorer={scorer!r} must be one of {', '.join(SCORERS)} or a Scorer instance (a plugin registers its own "
-            "with kvjax.methods.scorers.register_scorer)"
+            "with kvjax.methods.core.scorers.register_scorer)"
         )
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from kernels_pallas.cosine_kmeans import cosine_assign, lloyd_step
 from kvjax import sharding
-from kvjax.methods import kmeans as km
+from kvjax.methods.core import kmeans as km
 
 
 def cosine_kmeans(x, valid, c0, cvalid, iters: int, impl=None):

@@ -1,6 +1,6 @@
 """Per-layer plans as composition: a plan says which method runs each layer (:meth:`PerLayerPlan.at`) and is not a
 method itself. :class:`FullFirst` runs the first ``n_full`` layers with ``full`` and the rest with an inner method;
-:class:`kvjax.methods.hybrid.Hybrid` runs window ring buffers on a model's local layers.
+:class:`kvjax.methods.plans.hybrid.Hybrid` runs window ring buffers on a model's local layers.
 
 Everything that builds, runs or measures a layer's state (the engine, eval, the benchmarks) asks ``m.at(layer)``
 first, and ``m`` may be a method (whose ``at`` is itself, or ``full`` below ClusterKV's and Quest's own
@@ -66,7 +66,7 @@ class PerLayerPlan(StaticConfig, abc.ABC):
 def method_of(m: Method | PerLayerPlan) -> Method:
     """The method that names ``m``, a method or a plan: its name, budget and declared capabilities (``recalls``,
     ``traced_layer``, ``offloads``, ``min_budget()``, ...). A method is its own; a plan's is its inner method's,
-    through nested plans (a :class:`~kvjax.methods.hybrid.Hybrid` over a :class:`FullFirst`). ValueError for
+    through nested plans (a :class:`~kvjax.methods.plans.hybrid.Hybrid` over a :class:`FullFirst`). ValueError for
     anything else."""
     while isinstance(m, PerLayerPlan):
         m = m.inner

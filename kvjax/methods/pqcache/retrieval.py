@@ -3,7 +3,7 @@
 what finding them reads (:func:`read_bytes`).
 
 Two paths, the same set: the *table* path scores each code tuple once (``(2^bits)^m`` of them, weighted by the
-candidates counted per tuple, :mod:`kvjax.methods.pq_index`), finds the ``k``-th key by bisection and marks the
+candidates counted per tuple, :mod:`kvjax.methods.pqcache.index`), finds the ``k``-th key by bisection and marks the
 slots above it (and the first ties) in one pass over the codes; the *per-slot* path looks every candidate's score
 up (:func:`~kernels_pallas.pq_lookup.pq_lookup`) and takes the top ``k``. GQA: a query group's per-head softmax
 weights over the candidates, summed. Axes in einsums: b batch, h KV head, g query head in group, i sub-space, c
@@ -19,8 +19,8 @@ import numpy as np
 from kernels_pallas.pq_lookup import pq_lookup
 from kvjax.model import attention
 from kvjax.model.attention import NEG_INF
-from kvjax.methods import pq_index
-from kvjax.methods import threshold as th
+from kvjax.methods.pqcache import index as pq_index
+from kvjax.methods.core import threshold as th
 from kvjax.methods.base import sum_small_axis
 
 #: Slots per chunk of the code pass on CPU (a multiple of the 32-slot bit word; :func:`scan_chunk`).
@@ -45,7 +45,7 @@ def lut(centroids, q) -> jnp.ndarray:
 
 
 def tuple_keys(lut, hist, d: int) -> jnp.ndarray:
-    """``[B, Hkv, K^m]`` uint32 order keys (:func:`~kvjax.methods.threshold.sortable`) of each code tuple's
+    """``[B, Hkv, K^m]`` uint32 order keys (:func:`~kvjax.methods.core.threshold.sortable`) of each code tuple's
     aggregated score; 0 for a tuple no candidate holds. ``d`` the head dim. G = 1: ``s_hat / sqrt(D)``; else the sum
     over the group of ``softmax(s_hat / sqrt(D))`` over the candidates, whose maximum and normaliser come from the
     tuples weighted by ``hist`` (their counts)."""

@@ -5,10 +5,10 @@ centroids score highest against the query, and the recent not-yet-clustered toke
 ``docs/notes/clusterkv.md`` (§2, §6 resolutions, §7 layout); paper §III (semantic clustering, selection
 at cluster granularity), §IV-B/C (batched clustering, CSR indexing).
 
-The method's parts, each a module of pure functions: :mod:`~kvjax.methods.cluster_index` (cosine K-means per KV
+The method's parts, each a module of pure functions: :mod:`~kvjax.methods.clusterkv.index` (cosine K-means per KV
 head, the clusters as CSR runs, the prompt and each decode window put in cluster order),
-:mod:`~kvjax.methods.cluster_recall` (the clusters a query ranks highest, as runs of slots) and
-:mod:`~kvjax.methods.cluster_attend` (attention over those runs, offloaded or not, and what a step reads). This
+:mod:`~kvjax.methods.clusterkv.recall` (the clusters a query ranks highest, as runs of slots) and
+:mod:`~kvjax.methods.clusterkv.attend` (attention over those runs, offloaded or not, and what a step reads). This
 module holds the state and the :class:`ClusterKV` method that ties them together.
 
 Shapes (per compressed layer): k, v ``[B, Hkv, S, D]`` (``S`` = bucket + max_new_tokens); pos ``[B, Hkv, S]``
@@ -35,9 +35,14 @@ from kernels_pallas.checks import check_int
 from kernels_pallas.decode_attention import runs_mask
 from kvjax.model import attention
 from kvjax.budget import MIN_TOKENS, check_budget
-from kvjax.methods import cluster_attend, cluster_budget, cluster_index, cluster_recall
+from kvjax.methods.clusterkv import (
+    attend as cluster_attend,
+    budget as cluster_budget,
+    index as cluster_index,
+    recall as cluster_recall,
+)
 from kvjax.budget import warn_full_attention
-from kvjax.methods.offload import host_sharding
+from kvjax.methods.core.offload import host_sharding
 from kvjax.methods.base import (
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
@@ -48,7 +53,7 @@ from kvjax.methods.base import (
     rows_at,
     slot_axes,
 )
-from kvjax.methods.layers import full_below, refuse_full_layer
+from kvjax.methods.plans.layers import full_below, refuse_full_layer
 
 #: The public names, some re-exported from the parts.
 __all__ = ["ClusterKV", "ClusterState"]
@@ -218,12 +223,12 @@ class ClusterKV(Method):
         return cluster_budget.split_dynamic(*opts, lengths, max_new_tokens)
 
     def _kmeans(self) -> dict:
-        """The K-means options of :mod:`~kvjax.methods.cluster_index`."""
+        """The K-means options of :mod:`~kvjax.methods.clusterkv.index`."""
         return dict(seed=self.seed, iters=self.iters, impl=self.impl)
 
     def prefill(self, state, layer: int, q, k, v, lengths, previous=None):
         """Store the prompt, cluster ``[sink_b, n_b)`` per KV head and permute it into cluster order
-        (:func:`~kvjax.methods.cluster_index.cluster_prompt`). k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
+        (:func:`~kvjax.methods.clusterkv.index.cluster_prompt`). k, v ``[B, Hkv, T, D]``; lengths ``[B]``."""
         t = k.shape[2]
         n = jnp.asarray(lengths, jnp.int32)
         sinks, bsel, ncl = self._split_dynamic(n, state.max_new)
@@ -254,14 +259,14 @@ class ClusterKV(Method):
     def take_lengths(self, state: ClusterState, q):
         """Tokens each selecting head takes from each cluster: ``(starts [B, Hkv, C], take [B, Hkv, G', C])`` int32
         in cluster-id order, ``G' = G`` for ``gqa="query"``, 1 for ``group_mean``; the clusters ranked by ``q·mu``,
-        taken whole until ``bsel`` tokens, the last one cut (:func:`~kvjax.methods.cluster_recall.take_lengths`).
+        taken whole until ``bsel`` tokens, the last one cut (:func:`~kvjax.methods.clusterkv.recall.take_lengths`).
         q ``[B, Hq, D]``."""
         return state.cstart, cluster_recall.take_lengths(q, state.mu, state.csize, state.bsel, self.gqa)
 
     def runs(self, state: ClusterState, q, t):
         """The runs of slots the step whose new token is at ``t [B]`` attends: ``(starts [B, Hkv, R], lens [B, Hkv,
         R] or [B, Hkv, G, R])`` (``R = C + 2``): the sinks, the unclustered window ``[clustered, t]``, then the
-        clusters (:meth:`take_lengths`, :func:`~kvjax.methods.cluster_recall.runs`)."""
+        clusters (:meth:`take_lengths`, :func:`~kvjax.methods.clusterkv.recall.runs`)."""
         cstart, take = self.take_lengths(state, q)
         return cluster_recall.runs(take, cstart, state.sinks, state.clustered, t)
 
@@ -273,7 +278,7 @@ class ClusterKV(Method):
 
     def decode(self, state, layer: int, q, k, v, pos):
         """Store the new token at slot ``pos``, attend sinks + selected clusters + the window (runs of slots, each
-        read once per KV head, :func:`~kvjax.methods.cluster_attend.attend`), then cluster the window when it is
+        read once per KV head, :func:`~kvjax.methods.clusterkv.attend.attend`), then cluster the window when it is
         full. q ``[B, Hq, D]``; k, v ``[B, Hkv, D]``; pos ``[B]``."""
         b, h, d = k.shape
         t = pos.astype(jnp.int32)
@@ -314,7 +319,7 @@ class ClusterKV(Method):
     def _cluster_window(self, state: ClusterState, layer: int) -> ClusterState:
         """Cluster slots ``[clustered, clustered + window)`` into ``window_clusters`` clusters, permute the rows
         into cluster order in place and append the clusters (ids ``c0 + windows * window_clusters + j``;
-        :func:`~kvjax.methods.cluster_index.cluster_window`)."""
+        :func:`~kvjax.methods.clusterkv.index.cluster_window`)."""
         cp = self.window_clusters
         opts = dict(window=self.window, clusters=cp, layer=layer, **self._kmeans())
         si, ks, vs, ps, mu, size, start = cluster_index.cluster_window(
@@ -354,7 +359,7 @@ class ClusterKV(Method):
     def bytes_read_breakdown(self, state: ClusterState, num_heads: int) -> dict[str, int]:
         """Bytes one decode step of this compressed layer reads, by part: ``centroids``, ``ranking``, ``runs`` (the
         K/V rows the run reads touch: after a decode step the rows it read, before the first a bound), ``total``,
-        and ``full_kv`` for comparison (:func:`~kvjax.methods.cluster_attend.read_bytes`; concrete state, call
+        and ``full_kv`` for comparison (:func:`~kvjax.methods.clusterkv.attend.read_bytes`; concrete state, call
         outside ``jit``)."""
         g = 1 if self.gqa == "group_mean" else num_heads // state.k.shape[1]
         arrays = (state.csize, state.lengths, state.filled, state.clustered, state.sinks, state.bsel, state.rows_read)

@@ -2,11 +2,11 @@
 of each CSM round of a Chelsea call, ``r_i = max(r_init - alpha min(m, i), r_floor)``, and the host-side plans of
 the rounds a call runs at prefill and during decode, for every prompt length of a bucket at once.
 
-A plan is a tuple of :class:`kvjax.methods.csm.Round` ``(r_q, max_merges, out_slots)``: round ``i``'s quantised
+A plan is a tuple of :class:`kvjax.methods.chelsea.csm.Round` ``(r_q, max_merges, out_slots)``: round ``i``'s quantised
 ratio, the largest merge count any prompt length needs in it and the largest occupancy after it; the traced rounds
-(:func:`kvjax.methods.chelsea_merge.compress`) take their static sizes from it. Host arrays are numpy int64 over
+(:func:`kvjax.methods.chelsea.merge.compress`) take their static sizes from it. Host arrays are numpy int64 over
 the prompt lengths ``0..bucket``: ``start`` (occupancy when the call starts), ``target`` (``B_b``,
-:func:`kvjax.methods.chelsea_budget.target`), ``sink``/``recent`` (the windows under it).
+:func:`kvjax.methods.chelsea.budget.target`), ``sink``/``recent`` (the windows under it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from kvjax.methods.csm import Round, merges_for, quantise_ratio
+from kvjax.methods.chelsea.csm import Round, merges_for, quantise_ratio
 
 #: Ratio schedules ``(r_init, alpha, m)`` of App. C.2 (and D.1 for the needle test: constant 0.25).
 PRESETS = {"llama2": (0.45, 0.05, 3), "llama3": (0.35, 0.1, 2), "qwen2": (0.2, 0.1, 2), "niah": (0.25, 0.0, 0)}

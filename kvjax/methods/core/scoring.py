@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from kvjax.budget import budget_tokens, check_budget
 from kvjax.methods.base import Capacity, LayerContext, SlotCache, SlotMethod, empty_slots, store_prompt
-from kvjax.methods.select import topk_with_window
+from kvjax.methods.core.select import topk_with_window
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -19,7 +19,7 @@ import dataclasses
 from typing import ClassVar
 
 from kvjax.methods.base import Method, check_budget
-from kvjax.methods.layers import PerLayerPlan, check_inner, method_of, static_layer
+from kvjax.methods.plans.layers import PerLayerPlan, check_inner, method_of, static_layer
 from kvjax.methods.streaming import StreamingLLM
 
 

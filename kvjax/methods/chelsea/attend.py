@@ -6,7 +6,7 @@ without it; :func:`read_bytes` counts what that reads, under the decode-attentio
 Shapes: q4 ``[B, Hkv, G, D]`` (a KV head's ``G`` query heads); k, v ``[B, Hkv, D]`` (the new token); the
 compressed heads' k, v ``[B, Hc, S, D]``, n ``[B, Hc, S]`` float32 counts (0 = empty), length ``[B]`` int32; the
 outlier heads' ko, vo ``[B, O, F, D]`` (``F = n + Gamma``); pos ``[B]`` int32 (the new token's position);
-``comp``/``out``: the static head tuples of :func:`kvjax.methods.chelsea_outliers.layer_heads`. Outputs ``[B, H,
+``comp``/``out``: the static head tuples of :func:`kvjax.methods.chelsea.outliers.layer_heads`. Outputs ``[B, H,
 G, D]`` float32 over the heads given.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax.model import attention
 from kvjax.methods.base import rows_at
-from kvjax.methods.chelsea_outliers import head_sinks, select_heads
+from kvjax.methods.chelsea.outliers import head_sinks, select_heads
 
 
 def append(kc, vc, nc, length, k, v, comp: tuple):
@@ -35,7 +35,7 @@ def append(kc, vc, nc, length, k, v, comp: tuple):
 def attend_merged(q4, k, v, n, length, comp: tuple):
     """Attention of the ``comp`` heads' query heads over the live merged slots ``[0, length)`` with the ``log N``
     bias (Eq. 2): ``(out [B, Hc, G, D], partial)`` (the partial ``(o, m, l)`` orders the compression after the
-    reads, :func:`kvjax.methods.chelsea_merge.after`; None when ``comp`` is empty)."""
+    reads, :func:`kvjax.methods.chelsea.merge.after`; None when ``comp`` is empty)."""
     b, _, g, d = q4.shape
     valid = n > 0
     bias = jnp.log(jnp.where(valid, n, 1.0))

@@ -1,6 +1,6 @@
 """PQCache's index of one layer's keys (paper §3.1, §3.3; method note ``docs/notes/pqcache.md`` §2.3, §8.4): the
 codebooks fit by K-means on the prompt, each slot's codes, and the candidates counted per code tuple (the score
-table's histogram, :mod:`kvjax.methods.pq_retrieval`).
+table's histogram, :mod:`kvjax.methods.pqcache.retrieval`).
 
 Shapes: keys ``k [B, Hkv, T, D]``; codes ``[B, Hkv, m, S_c]`` uint8, sub-space-major (the layout the PQ-lookup
 kernels read); centroids ``[B, Hkv, m, K, D/m]`` float32 with ``K = 2^bits`` (``kc`` below); hist ``[B, Hkv, K^m]``
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods import kmeans as km
+from kvjax.methods.core import kmeans as km
 from kvjax.methods.base import rows_at
 
 

@@ -1,12 +1,12 @@
 """One Chelsea call at fixed shapes (Hu et al., 2025, §5.1 and Alg. 1; spec §2.4, §2.7): rounds of chunked soft
-matching (:func:`kvjax.methods.csm.csm_round`, §5.2-5.3) until every active sequence holds at most its budget
+matching (:func:`kvjax.methods.chelsea.csm.csm_round`, §5.2-5.3) until every active sequence holds at most its budget
 ``B_b``, run as ``lax.while_loop``s over levels of shrinking size sized from the host plan
-(:func:`kvjax.methods.chelsea_schedule.round_plans`).
+(:func:`kvjax.methods.chelsea.schedule.round_plans`).
 
 Shapes: k, v ``[B, Hc, S, D]`` (the compressed heads); n ``[B, Hc, S]`` float32 counts (0 = empty slot); length,
 target ``[B]`` int32 (occupied slots at the front, ``B_b``); active ``[B]`` bool (the sequences this call
 compresses); sinks and recent window Python ints or ``[B]`` int32 (per-sequence windows,
-:func:`kvjax.methods.chelsea_budget.windows`).
+:func:`kvjax.methods.chelsea.budget.windows`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.methods.csm import Round, csm_round, merges_for
+from kvjax.methods.chelsea.csm import Round, csm_round, merges_for
 
 #: A new level of the round loop starts once the plan's occupancy bound has fallen to this fraction of the
 #: current level's size (smaller: fewer compiles, more work per round).
@@ -44,7 +44,7 @@ def compress(k, v, n, length, target, active, rounds: tuple[Round, ...], *, ns, 
     (:func:`levels`): each level is one compiled round body at a static size that bounds every element's
     occupancy there (from the host plan ``rounds``), and runs its rounds until no active element is above its
     budget (round ``i`` uses the quantised ratio ``table[min(i, m)]``,
-    :func:`kvjax.methods.chelsea_schedule.ratio_table`); the buffers are then cut to the next level's size. So a
+    :func:`kvjax.methods.chelsea.schedule.ratio_table`); the buffers are then cut to the next level's size. So a
     round costs what the cache holds at that point (a prefill call from ``n`` slots costs about ``2 n``
     slot-rounds instead of ``rounds x n``), with a handful of compiles; the last level runs until every element
     is done (a shorter prompt has a smaller budget and may need more rounds). A decode call is one level at the

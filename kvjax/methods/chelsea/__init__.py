@@ -1,15 +1,15 @@
 """``chelsea``: KV-cache clustering by Chunked Soft Matching (Hu et al., 2025, arXiv:2506.11418).
 
 Algorithm 1 at fixed shapes: the prompt is merged to ``B_b`` slots per compressed KV head by rounds of chunked
-soft matching (:mod:`kvjax.methods.csm`); decode appends with count 1, attends with the ``log N`` bias (Eq. 2)
+soft matching (:mod:`kvjax.methods.chelsea.csm`); decode appends with count 1, attends with the ``log N`` bias (Eq. 2)
 and merges back to ``B_b`` every ``g`` steps; outlier heads (§5.4) keep their full cache. Resolutions of what the
 paper leaves open follow ``docs/notes/chelsea.md`` (A-numbers).
 
-The method's parts, each a module of pure functions: :mod:`~kvjax.methods.chelsea_budget` (``B_b``, the windows a
-short prompt leaves, the slots held), :mod:`~kvjax.methods.chelsea_schedule` (the ratio schedule and the host
-plans of the rounds), :mod:`~kvjax.methods.chelsea_merge` (one Chelsea call: the rounds at fixed shapes),
-:mod:`~kvjax.methods.chelsea_outliers` (which heads keep their full cache) and
-:mod:`~kvjax.methods.chelsea_attend` (a decode step's attention and what it reads). This module holds the state
+The method's parts, each a module of pure functions: :mod:`~kvjax.methods.chelsea.budget` (``B_b``, the windows a
+short prompt leaves, the slots held), :mod:`~kvjax.methods.chelsea.schedule` (the ratio schedule and the host
+plans of the rounds), :mod:`~kvjax.methods.chelsea.merge` (one Chelsea call: the rounds at fixed shapes),
+:mod:`~kvjax.methods.chelsea.outliers` (which heads keep their full cache) and
+:mod:`~kvjax.methods.chelsea.attend` (a decode step's attention and what it reads). This module holds the state
 and the :class:`Chelsea` method that ties them together.
 
 Shapes (:class:`ChelseaState`, per layer): k, v ``[B, Hc, S, D]`` with ``S = min(B_max + g, bucket + Gamma)``;
@@ -32,11 +32,17 @@ from flax import struct
 
 from kernels_pallas.checks import check_int
 from kvjax.budget import warn_full_attention
-from kvjax.methods import chelsea_attend, chelsea_budget, chelsea_merge, chelsea_outliers, chelsea_schedule
+from kvjax.methods.chelsea import (
+    attend as chelsea_attend,
+    budget as chelsea_budget,
+    merge as chelsea_merge,
+    outliers as chelsea_outliers,
+    schedule as chelsea_schedule,
+)
 from kvjax.methods.base import Capacity, check_budget, LayerContext, Method, slot_axes, tree_bytes
-from kvjax.methods.chelsea_outliers import load_outlier_file, select_heads
-from kvjax.methods.chelsea_schedule import PRESETS
-from kvjax.methods.csm import Round
+from kvjax.methods.chelsea.outliers import load_outlier_file, select_heads
+from kvjax.methods.chelsea.schedule import PRESETS
+from kvjax.methods.chelsea.csm import Round
 
 #: The public names, some re-exported from the parts.
 __all__ = ["Chelsea", "ChelseaState", "PRESETS", "load_outlier_file"]
@@ -110,11 +116,11 @@ class Chelsea(Method):
 
     def outliers(self, model_cfg) -> frozenset:
         """The ``(layer, kv_head)`` pairs that keep their full cache, checked against the model
-        (:func:`~kvjax.methods.chelsea_outliers.outlier_pairs`)."""
+        (:func:`~kvjax.methods.chelsea.outliers.outlier_pairs`)."""
         return chelsea_outliers.outlier_pairs(self.outlier_heads, model_cfg)
 
     def rule(self, model_cfg=None) -> tuple:
-        """The static per-head budget rule of the compressed heads (:func:`~kvjax.methods.chelsea_budget.rule`):
+        """The static per-head budget rule of the compressed heads (:func:`~kvjax.methods.chelsea.budget.rule`):
         ``("frac", p, q)``, ``("count", c, H, O)`` or ``("all",)``; with outlier heads and ``reallocate`` the
         others pay for them (A12)."""
         if model_cfg is None:  # the rule needs the model only to count and reallocate outlier heads
@@ -132,17 +138,17 @@ class Chelsea(Method):
     def target(self, rule: tuple, n, gamma: int):
         """``B_b``: slots per compressed KV head (sinks and recent included) of a sequence with an ``n``-token
         prompt (Python int, numpy or traced int32 array ``[B]``), at least 1
-        (:func:`~kvjax.methods.chelsea_budget.target`)."""
+        (:func:`~kvjax.methods.chelsea.budget.target`)."""
         return chelsea_budget.target(rule, n, gamma)
 
     def windows(self, target):
         """Sinks and recent window ``(n_sink_b, n_recent_b)`` under a budget ``target``
-        (:func:`~kvjax.methods.chelsea_budget.windows`). Ints, numpy or jnp arrays."""
+        (:func:`~kvjax.methods.chelsea.budget.windows`). Ints, numpy or jnp arrays."""
         return chelsea_budget.windows(self.n_sink, self.n_recent, target)
 
     def needs_per_seq_windows(self, rule: tuple, gamma: int) -> bool:
         """Does some compressing prompt length have a budget of at most ``n_sink + n_recent``
-        (:func:`~kvjax.methods.chelsea_budget.needs_per_seq_windows`)?"""
+        (:func:`~kvjax.methods.chelsea.budget.needs_per_seq_windows`)?"""
         return chelsea_budget.needs_per_seq_windows(rule, gamma, self.n_sink, self.n_recent, self.interval)
 
     def ratio_table(self) -> tuple[int, ...]:
@@ -159,7 +165,7 @@ class Chelsea(Method):
 
         ``B_max`` is the largest budget of any prompt length in the bucket; ``S = min(B_max + g, bucket +
         Gamma)``. The round plans are worst cases over every prompt length ``0..bucket``
-        (:func:`~kvjax.methods.chelsea_schedule.round_plans`). The scan path only takes ``max_merges`` from them
+        (:func:`~kvjax.methods.chelsea.schedule.round_plans`). The scan path only takes ``max_merges`` from them
         (its ``while_loop`` stops when every sequence is at its budget); ``unroll_rounds=True`` runs them as
         listed. ``per_seq_windows``: some compressing prompt may need sinks/recent shrunk
         (:meth:`needs_per_seq_windows`)."""
@@ -209,7 +215,7 @@ class Chelsea(Method):
 
     def _compress(self, state: ChelseaState, k, v, n, length, rounds: tuple[Round, ...], active):
         """One Chelsea call (§5.1) for the elements with ``active [B]``: CSM rounds until every active element
-        holds at most its budget ``state.target`` (:func:`~kvjax.methods.chelsea_merge.compress`; sinks and
+        holds at most its budget ``state.target`` (:func:`~kvjax.methods.chelsea.merge.compress`; sinks and
         recent per sequence when ``state.per_seq_windows``)."""
         target = state.target
         if state.per_seq_windows:
@@ -253,8 +259,8 @@ class Chelsea(Method):
 
     def decode(self, state: ChelseaState, layer: int, q, k, v, pos):
         """Append ``k, v [B, Hkv, D]``, attend over the live slots with the ``log N`` bias (Eq. 2), compress a
-        sequence back to ``B_b`` when it reaches ``B_b + g`` (:mod:`~kvjax.methods.chelsea_attend`,
-        :mod:`~kvjax.methods.chelsea_merge`). q ``[B, Hq, D]``, pos ``[B]``."""
+        sequence back to ``B_b`` when it reaches ``B_b + g`` (:mod:`~kvjax.methods.chelsea.attend`,
+        :mod:`~kvjax.methods.chelsea.merge`). q ``[B, Hq, D]``, pos ``[B]``."""
         b, hq, d = q.shape
         hkv = k.shape[1]
         comp, out = state.comp_heads, state.out_heads
@@ -295,7 +301,7 @@ class Chelsea(Method):
     def bytes_read_per_step(self, state: ChelseaState, num_heads: int) -> int:
         """Bytes one decode step of this layer reads under the decode-attention kernel's block plan: the live
         compressed slots (K, V and the ``log N`` mask) and the outlier heads' live prefix, plus queries and outputs
-        (:func:`~kvjax.methods.chelsea_attend.read_bytes`). ``num_heads``: the model's query heads."""
+        (:func:`~kvjax.methods.chelsea.attend.read_bytes`). ``num_heads``: the model's query heads."""
         return chelsea_attend.read_bytes(state.k, state.length, state.ko, state.seen, num_heads)
 
     def tokens_held(self, state: ChelseaState):
@@ -319,7 +325,7 @@ class Chelsea(Method):
 
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
         """Slots a compressed KV head of a sequence with an ``n``-token prompt holds after ``steps`` decode
-        steps (exact host simulation of Alg. 1, :func:`~kvjax.methods.chelsea_budget.held_slots`), ``B =
+        steps (exact host simulation of Alg. 1, :func:`~kvjax.methods.chelsea.budget.held_slots`), ``B =
         floor(R (n + Gamma))`` with ``Gamma = ctx.capacity.max_new_tokens`` (no capacity: ``steps``). Outlier
         heads need ``ctx.model_cfg`` (their reallocated budget depends on the head counts); the result is then the
         mean over the KV heads of ``ctx.layer`` (outlier heads hold ``n + steps``), like :meth:`tokens_held`."""

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.model.attention import NEG_INF
-from kvjax.methods import threshold as th
+from kvjax.methods.core import threshold as th
 
 
 def take_by_rank(score, size, bsel):
@@ -24,7 +24,7 @@ def take_by_rank(score, size, bsel):
     until ``bsel`` rows, the last one cut: ``clip(bsel - (rows of the clusters ranked before), 0, size)`` ``[...,
     C]`` int32, in cluster order. ``score [..., C]`` float32, ``size [..., C]`` int (``>= 0``), ``bsel`` broadcastable
     to ``score.shape[:-1]``. No sort: ``tau``, the cut cluster's score, from a size-weighted bisection
-    (:func:`~kvjax.methods.threshold.kth_key`); the clusters above it are taken whole (their rows sum to less than
+    (:func:`~kvjax.methods.core.threshold.kth_key`); the clusters above it are taken whole (their rows sum to less than
     ``bsel``), those tied with it in index order, those below not at all."""
     keys = th.sortable(score)
     size = size.astype(jnp.int32)

@@ -20,8 +20,8 @@ A decode step is the wrapped policy's step (H2O: one pass over the live slots' K
 plus, once per step and never per slot, ``φ(q)`` of the ``Hq`` query heads, ``ψ(k)`` of the one evicted key per
 KV head and the ``H, z`` update: it reads the policy's bytes, ``H, z`` and the kernel weights (``bytes_read_per_step``).
 
-The kernels φ, ψ and their file format are in :mod:`kvjax.methods.less_kernels`; the parallel (masked) form that
-training uses, with the policies' eviction masks, in :mod:`kvjax.methods.less_parallel`. Both are re-exported
+The kernels φ, ψ and their file format are in :mod:`kvjax.methods.less.kernels`; the parallel (masked) form that
+training uses, with the policies' eviction masks, in :mod:`kvjax.methods.less.parallel`. Both are re-exported
 here.
 
 Einsum axes: b batch, h KV head, g query head within its group, i query position, j/s key position/slot,
@@ -46,7 +46,7 @@ from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_b
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
-from kvjax.methods.less_kernels import (  # noqa: F401  (re-exported: kvjax.methods.less is their public home)
+from kvjax.methods.less.kernels import (  # noqa: F401  (re-exported: kvjax.methods.less is their public home)
     KERNELS_FILE,
     CONFIG_FILE,
     FORMAT,
@@ -63,7 +63,7 @@ from kvjax.methods.less_kernels import (  # noqa: F401  (re-exported: kvjax.meth
     model_identity,
     check_model,
 )
-from kvjax.methods.less_parallel import (  # noqa: F401  (re-exported)
+from kvjax.methods.less.parallel import (  # noqa: F401  (re-exported)
     synthesize,
     parallel_attention,
     mask_from_evictions,

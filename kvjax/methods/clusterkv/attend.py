@@ -1,7 +1,7 @@
 """What a ClusterKV decode step attends and reads (Liu et al., DAC'25, §III-C, §IV-C; spec §2.6, §7.5, §7.8; method
 note ``docs/notes/clusterkv.md`` §7.5): attention over the recalled runs of slots
-(:func:`kvjax.methods.cluster_recall.runs`), each run read once per KV head, from device memory or, with
-``offload``, gathered from the ``pinned_host`` K/V (:mod:`kvjax.methods.offload`) and attended on the device; and
+(:func:`kvjax.methods.clusterkv.recall.runs`), each run read once per KV head, from device memory or, with
+``offload``, gathered from the ``pinned_host`` K/V (:mod:`kvjax.methods.core.offload`) and attended on the device; and
 :func:`read_bytes`, what such a step reads, by part.
 
 Shapes: q ``[B, Hq, D]``; k, v ``[B, Hkv, S, D]``; starts ``[B, Hkv, R]``, lens ``[B, Hkv, R]`` or ``[B, Hkv, G,
@@ -17,7 +17,7 @@ import numpy as np
 
 from kernels_pallas.decode_attention import gather_runs
 from kvjax.model import attention
-from kvjax.methods.offload import device_sharding
+from kvjax.methods.core.offload import device_sharding
 
 #: Rows per window of the decode step's run reads (``kernels_pallas.decode_attention.decode_attention_runs``).
 RUN_BLOCK = 16
@@ -50,7 +50,7 @@ def read_bytes(k, csize, lengths, filled, clustered, sinks, bsel, rows_read, *, 
 
     - ``centroids``: ``mu`` (float32), ``csize`` and ``cstart`` of the live clusters per KV head;
     - ``ranking``: the float32 score and the size of each live cluster, per selecting head (the size-weighted
-      bisection, :func:`kvjax.methods.cluster_recall.take_lengths`, passes over these small arrays 32 times, in
+      bisection, :func:`kvjax.methods.clusterkv.recall.take_lengths`, passes over these small arrays 32 times, in
       cache). The scoring einsum and the bisection run over the static ``C``-cluster buffers (the bucket's
       ``C0_max`` prompt clusters and every decode window's slots); the slots no cluster of the sequence uses are
       not counted (at most ``bucket / tokens_per_cluster`` centroids of ``4 D`` bytes per KV head, well under 1% of
