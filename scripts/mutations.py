@@ -337,8 +337,8 @@ MUTANTS: tuple[Mutant, ...] = (
     M(
         "h2o-recent-off-by-one",
         "kvjax/methods/h2o.py",
-        "threshold = pos - self._recent(state.limit) + 1",
-        "threshold = pos - self._recent(state.limit)",
+        "threshold = pos - self.recent_tokens(state.limit) + 1",
+        "threshold = pos - self.recent_tokens(state.limit)",
         ("tests/kvjax/test_h2o_step.py",),
         "H2O's protected recent window is one token shorter",
     ),

@@ -226,7 +226,7 @@ def gather_runs(k, v, starts, lens, *, max_rows: int, block_size: int = 16):
     at = jnp.clip(jnp.minimum(first, top - bs), 0, s - bs)  # as the xla path reads them
     rows = at[..., None] + jnp.arange(bs, dtype=jnp.int32)  # [B, Hkv, W, bs]
     listed = (jnp.arange(at.shape[-1]) < count[..., None])[..., None] & (rows >= first[..., None])
-    kk, vv = xla._gather_windows(k, at, bs), xla._gather_windows(v, at, bs)  # [B, Hkv, W * bs, D]
+    kk, vv = xla.gather_windows(k, at, bs), xla.gather_windows(v, at, bs)  # [B, Hkv, W * bs, D]
     if stop.ndim == 3:
         return kk, vv, (listed & (rows < stop[..., None])).reshape(b, hkv, -1)
     g = stop.shape[2]  # one "KV head" per query head: the buffer repeated G times

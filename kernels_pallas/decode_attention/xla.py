@@ -177,7 +177,7 @@ def _contiguous(qg, k, v, valid, bias, n_len, c, scale):
     return body, (jnp.max(n_len) + c - 1) // c
 
 
-def _gather_windows(x, at, bs: int):
+def gather_windows(x, at, bs: int):
     """``x [B, Hkv, S, ...]`` rows ``[at, at + bs)`` for ``at [B, Hkv, N]`` (``0 <= at <= S - bs``) -> ``[B, Hkv,
     N * bs, ...]``: one XLA gather of ``bs * prod(...)``-element slices of the flat ``[B, Hkv, S * prod(...)]`` view
     (a bitcast), the cheapest form measured on XLA:CPU."""
@@ -229,7 +229,7 @@ def _window_loop(qg, k, v, valid, bias, first, stop, count, bs: int, chunk: int,
     def body(i, carry):
         a = jax.lax.dynamic_slice_in_dim(at, i * nb, nb, axis=2)
         tk = jax.lax.dynamic_slice_in_dim(take, i * nb * bs, nb * bs, axis=take.ndim - 1)
-        gather = lambda x: _gather_windows(x, a, bs)  # noqa: E731
+        gather = lambda x: gather_windows(x, a, bs)  # noqa: E731
         if valid is not None:
             ok = gather(valid).astype(bool)
             tk = tk & (ok[:, :, None] if per_query else ok)

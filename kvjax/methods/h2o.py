@@ -74,7 +74,7 @@ class H2O(SlotMethod):
         if isinstance(self.recent, int) and self.recent < 0:
             raise ValueError(f"recent={self.recent} tokens must be >= 0")
 
-    def _recent(self, budget):
+    def recent_tokens(self, budget):
         """Recent-window size for a budget of ``budget`` tokens (int or array): exact ``floor(recent P)``, or
         ``min(recent, P - 1)`` (at least one heavy-hitter slot)."""
         if isinstance(self.recent, float):
@@ -103,7 +103,7 @@ class H2O(SlotMethod):
         p = state.prompt_slots
         limit = evicting_budget(self.budget, lengths, p)
         kept = jnp.minimum(limit, lengths)
-        idx, ok = _heavy_plus_recent(score, lengths, kept, self._recent(limit), min(p, k.shape[2]))
+        idx, ok = _heavy_plus_recent(score, lengths, kept, self.recent_tokens(limit), min(p, k.shape[2]))
         return store_prompt(state, k, v, idx, ok, score=score, limit=limit)
 
     def decode(self, state: SlotCache, layer: int, q, k, v, pos):
@@ -130,7 +130,7 @@ class H2O(SlotMethod):
         o, m, l = part
         mg, lg = m.reshape(b, h, g), l.reshape(b, h, g)
         # Tokens outside the recent window (pos - recent, pos] are candidates for eviction.
-        threshold = pos - self._recent(state.limit) + 1  # [B]
+        threshold = pos - self.recent_tokens(state.limit) + 1  # [B]
         score, best, victim = _accumulate(state.score, state.pos, sc, mg, lg, state.length, threshold, chunk)
         w_new = (jnp.exp(s_new - mg) / jnp.where(lg > 0, lg, 1.0)).mean(axis=-1)  # [B, Hkv]
         new_cand = (pos < threshold)[:, None]  # the new token itself (recent window of 0)

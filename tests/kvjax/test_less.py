@@ -138,7 +138,7 @@ def test_state_is_sum_over_evicted_set_and_outputs_match_eq3(policy, fold_chunk)
     m = L.Less(policy=policy, budget=budget, rank=4, hidden=16, fold_chunk=fold_chunk)
     out, st = run(m, p, q, k, v, t, lengths, steps)
     pn = {n: np.asarray(a, np.float64) for n, a in p.items()}
-    recent = m.sparse._recent(budget) if policy == "h2o" else 0
+    recent = m.sparse.recent_tokens(budget) if policy == "h2o" else 0
     for b in range(B):
         seq = ref.LessSeq(policy, HQ, HKV, budget, recent, 4, pn)
         n = lengths[b]
@@ -169,7 +169,7 @@ def test_decode_equals_parallel_form(policy):
     np.testing.assert_allclose(out, par[:, :, 1:], rtol=1e-4, atol=1e-5)
     mask = np.asarray(mask)
     if policy == "h2o":
-        np.testing.assert_array_equal(mask[0], ref.h2o_rows(q[0], k[0], 7, m.sparse._recent(7)))
+        np.testing.assert_array_equal(mask[0], ref.h2o_rows(q[0], k[0], 7, m.sparse.recent_tokens(7)))
     held = 8 if policy == "h2o" else 7  # H2O: budget + the current token; Λ: budget slots, current included
     assert (mask.sum(-1) == np.minimum(np.arange(s) + 1, held)).all()
     np.testing.assert_allclose(

@@ -130,7 +130,7 @@ def test_method_counts_are_exact_in_int32():
     ns = [int(n) for n in lengths]
     h2o = methods.get("h2o", budget=0.2, recent=0.3)
     limit = [budget_tokens(0.2, n) for n in ns]
-    assert traced(h2o._recent, limit) == [x * 3 // 10 for x in limit]
+    assert traced(h2o.recent_tokens, limit) == [x * 3 // 10 for x in limit]
     st = methods.get("streaming_llm", budget=0.2)
     assert traced(st.sinks_for, limit) == [min(4, x - 1) for x in limit]
     for layer in (0, 5, 31):

@@ -319,7 +319,7 @@ def check_stored(case: Case, m, state, b: int, n: int, steps: int, where: str):
                 )
                 assert stored == want, (where, b, h, sorted(stored), sorted(want))
             elif isinstance(inner, H2O):
-                recent = inner._recent(int(state.limit[b]))
+                recent = inner.recent_tokens(int(state.limit[b]))
                 assert set(range(max(total - recent, 0), total)) <= stored, (where, b, h, "recent window")
     elif isinstance(state, ChelseaState):
         s = state.n.shape[-1]

@@ -174,8 +174,8 @@ class Less(Method):
             bad.append(f"budget: trained {trained.get('budget')}, requested {self.budget}")
         if self.policy == trained.get("policy") == "h2o" and isinstance(trained.get("budget"), int):
             if self.budget == trained["budget"]:  # the same budget: compare the windows in tokens
-                want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5))._recent(trained["budget"])
-                have = self.sparse._recent(self.budget)
+                want = H2O(budget=trained["budget"], recent=trained.get("recent", 0.5)).recent_tokens(trained["budget"])
+                have = self.sparse.recent_tokens(self.budget)
                 if have != want:
                     bad.append(
                         f"recent: trained {trained.get('recent')!r} ({want} tokens), requested "
@@ -357,7 +357,7 @@ class Less(Method):
         b, hkv, s = k.shape[:3]
         if self.policy == "h2o":
             fn = h2o_evictions if mask == "decode" else h2o_paper_evictions
-            return fn(q, k, self.budget, self.sparse._recent(self.budget))
+            return fn(q, k, self.budget, self.sparse.recent_tokens(self.budget))
         if self.budget <= self.sinks:
             raise ValueError(f"budget={self.budget} must exceed sinks={self.sinks} for the lambda policy")
         return jnp.broadcast_to(lambda_evictions(s, self.budget, self.sinks), (b, hkv, s))
