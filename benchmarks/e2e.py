@@ -254,7 +254,7 @@ def device_memory_bytes(device, override_gb: float | None) -> tuple[int | None, 
     """``(bytes, where from)``: ``--memory-gb``, else ``memory_stats()['bytes_limit']``, else the host's RAM."""
     if override_gb:
         return int(override_gb * 2**30), "--memory-gb"
-    stats = _memory_stats(device)
+    stats = memory_stats(device)
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), "memory_stats bytes_limit"
     try:
@@ -263,7 +263,7 @@ def device_memory_bytes(device, override_gb: float | None) -> tuple[int | None, 
         return None, "unknown"
 
 
-def _memory_stats(device) -> dict:
+def memory_stats(device) -> dict:
     try:
         return device.memory_stats() or {}
     except Exception:  # noqa: BLE001  (backends without memory stats raise various errors)
@@ -368,17 +368,17 @@ def time_run(cfg, method, params, comp, tokens, lengths, batch, cap, dtype, scan
         first = _argmax(logits)
         first.block_until_ready()
         t1 = time.perf_counter()
-        after_prefill = _memory_stats(dev).get("bytes_in_use")
+        after_prefill = memory_stats(dev).get("bytes_in_use")
         out, steps, states = comp["decode"](params, states, first, lengths, jax.random.PRNGKey(0))
         out.block_until_ready()
         t2 = time.perf_counter()
-        after_decode = _memory_stats(dev).get("bytes_in_use")
+        after_decode = memory_stats(dev).get("bytes_in_use")
         if i:  # the first run warms up
             ttft.append(t1 - t0)
             dec.append(t2 - t1)
     steps = int(steps) - 1  # decode steps the loop ran (the first token came from prefill)
     decode_s = statistics.median(dec)
-    stats = _memory_stats(dev)
+    stats = memory_stats(dev)
     return {
         "ttft_s": statistics.median(ttft),
         "decode_s": decode_s,

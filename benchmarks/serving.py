@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import context_label, fmt, git_dirty, load_average, parse_budgets, parse_contexts  # noqa: E402
 from e2e import (  # noqa: E402
     MODELS,
-    _memory_stats,
+    memory_stats,
     abstract_params,
     abstract_states,
     add_ratios,
@@ -210,7 +210,7 @@ def run_at(cfg, method, params, states, first, lengths, decode, repeats) -> dict
         "throughput_tok_s": b * steps / dec,
         "cache_bytes": engine.memory_bytes(m, states),
         "tokens_held_per_seq": float(np.mean(engine.tokens_held(m, states))),
-        "peak_bytes_in_use": _memory_stats(dev).get("peak_bytes_in_use"),
+        "peak_bytes_in_use": memory_stats(dev).get("peak_bytes_in_use"),
     }
 
 

@@ -40,3 +40,8 @@ def check_int(
 def is_pow2(x: int) -> bool:
     """Whether ``x`` is a power of two (1, 2, 4, ...): Triton's block dims must be."""
     return x > 0 and (x & (x - 1)) == 0
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two ``>= x`` (1 for ``x <= 1``): a Triton block dim that holds ``x``."""
+    return 1 << max(0, (int(x) - 1).bit_length())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from kernels_pallas.checks import next_pow2
 from kernels_pallas.cosine_kmeans.reference import normalise_centroids
 
 #: Row tile of the pure-JAX assignment (``impl="xla"``) on the CPU: memory ``O(block x C)``, not ``O(L x C)``.
@@ -58,19 +59,14 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def pow2(x: int) -> int:
-    """The smallest power of two ``>= x`` (1 for ``x <= 1``)."""
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def tpu_row_tile(l: int, block_l: int) -> int:
     """The TPU row tile: ``block_l``, or all of ``L`` when it fits in one tile (no padding then)."""
     return l if l <= block_l else block_l
 
 
 def gpu_row_tile(l: int, block_l: int) -> int:
-    """The GPU row tile: ``block_l`` (a power of two), shrunk to ``pow2(L)`` (at least 16) for short ``L``."""
-    return min(block_l, max(GPU_MIN_DIM, pow2(l)))
+    """The GPU row tile: ``block_l`` (a power of two), shrunk to ``next_pow2(L)`` (at least 16) for short ``L``."""
+    return min(block_l, max(GPU_MIN_DIM, next_pow2(l)))
 
 
 def _pad(a, widths, value=0):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.checks import is_pow2
+from kernels_pallas.checks import is_pow2, next_pow2
 from kernels_pallas.cosine_kmeans import _common
 from kernels_pallas.cosine_kmeans.reference import HIGHEST
 
@@ -48,8 +48,8 @@ def _check_block_l(block_l: int) -> None:
 
 def _pads(c: int, d: int):
     """``(C_pad, tC, D_pad)``: powers of two, at least ``GPU_MIN_DIM``; ``tC`` divides ``C_pad``."""
-    c_pad = max(_common.GPU_MIN_DIM, _common.pow2(c))
-    return c_pad, min(c_pad, _common.GPU_BLOCK_C), max(_common.GPU_MIN_DIM, _common.pow2(d))
+    c_pad = max(_common.GPU_MIN_DIM, next_pow2(c))
+    return c_pad, min(c_pad, _common.GPU_BLOCK_C), max(_common.GPU_MIN_DIM, next_pow2(d))
 
 
 def _assign_kernel(x_ref, c_ref, cv_ref, v_ref, lab_ref, *, c: int, c_pad: int, tc: int):

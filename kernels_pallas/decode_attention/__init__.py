@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.checks import check_int
+from kernels_pallas.checks import check_int, next_pow2
 from kernels_pallas.decode_attention.reference import (
     NEG_INF,
     decode_attention_reference,
@@ -144,10 +144,10 @@ def decode_attention(
         return decode_attention_tpu(
             q, k, v, valid, lengths, bias, block_indices, block_size=int(min(block_size, s)), interpret=interpret
         )
-    from kernels_pallas.decode_attention.pallas_gpu import _pow2, decode_attention_gpu
+    from kernels_pallas.decode_attention.pallas_gpu import decode_attention_gpu
 
     return decode_attention_gpu(
-        q, k, v, valid, lengths, bias, block_indices, block_size=int(min(block_size, _pow2(s))), interpret=interpret
+        q, k, v, valid, lengths, bias, block_indices, block_size=int(min(block_size, next_pow2(s))), interpret=interpret
     )
 
 

@@ -28,12 +28,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from kernels_pallas.checks import next_pow2
 from kernels_pallas.decode_attention import _common, tuning
 from kernels_pallas.decode_attention.reference import NEG_INF
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def num_splits(b: int, hkv: int, n: int, target_programs: int | None = None) -> tuple[int, int]:
@@ -41,7 +38,7 @@ def num_splits(b: int, hkv: int, n: int, target_programs: int | None = None) -> 
     grid has about ``target_programs`` programs (default: ``tuning.TABLE["pallas_gpu"]``)."""
     target = target_programs or tuning.get("pallas_gpu").target_programs
     want = max(1, min(n, -(-target // (b * hkv))))
-    per = _pow2(-(-n // want))
+    per = next_pow2(-(-n // want))
     return -(-n // per), per
 
 
@@ -115,7 +112,7 @@ def decode_attention_gpu(
     _, hkv, s, _ = k.shape
     g = hq // hkv
     bs = block_size
-    if bs != _pow2(bs) or d != _pow2(d) or d < 16:
+    if bs != next_pow2(bs) or d != next_pow2(d) or d < 16:
         raise ValueError(
             f"pallas_gpu needs power-of-two tiles: block_size={bs} and head_dim={d} (>= 16); "
             "use impl='xla' or a power-of-two block_size"
@@ -129,7 +126,7 @@ def decode_attention_gpu(
     n_here = jnp.clip(count[..., None] - per * jnp.arange(splits, dtype=jnp.int32), 0, per).reshape(-1)
     lens = _common.effective_lengths(lengths, b, s)
     add = _common.additive_mask(valid, bias)
-    gp = max(16, _pow2(g))
+    gp = max(16, next_pow2(g))
     q4 = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
 
     in_specs = [
