@@ -9,9 +9,14 @@ module reaches into another's private names.
   has no circle (a low module inside a package whose ``__init__`` imports high ones would make one), and every
   module imports alone in a fresh interpreter.
 - **Floors**: the packages stand on floors (``kvjax/__init__.py`` lists them) and a module imports only its own
-  package and the floors below it.
-- **No private reach-in**: no ``from kvjax.x import _name`` and no ``x._name`` on an imported kvjax module from
-  outside it, in ``kvjax/``, ``eval/``, ``train_less/`` and ``benchmarks/`` (tests may look inside).
+  package and the floors below it. Inside ``kvjax/methods/`` too: the interface (``boundary``, then ``base``), then
+  ``core/`` (what the methods share: it imports no method), then the methods and the per-layer plans (a module, or a
+  package of a method's parts), then the registry (``kvjax/methods/__init__.py``).
+- **No private reach-in**: a private name (a leading ``_``: a function, a constant, a module such as ``_common``) is
+  used only inside the module or package that defines it: no ``from x import _name`` and no ``alias._name`` on an
+  imported first-party module from outside it, in every package of the repository (``kvjax/``, ``kernels_pallas/``,
+  ``eval/``, ``train_less/``, ``benchmarks/``, ``scripts/``; tests may look inside). The scripts of ``benchmarks/``
+  import one another by bare name (their folder is on ``sys.path``), so there a bare name is a sibling script.
 
 Plain ``ast`` parsing, no JAX work.
 """
@@ -25,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvjax"
-CODE = ("kvjax", "eval", "train_less", "benchmarks")
+#: every package of the repository: the import packages, then the folders of scripts
+CODE = ("kvjax", "kernels_pallas", "eval", "train_less", "benchmarks", "scripts")
+SCRIPT_FOLDERS = ("benchmarks", "scripts")
 
 
 def module_name(path: Path) -> str:
@@ -100,20 +107,44 @@ FLOORS = {
 }
 FLAT = {0, 5}  # floors of loose modules, which may import one another (no circle: checked above)
 
+#: the floors inside ``kvjax/methods/``: a unit is a module or a package directly under it
+METHOD_FLOORS = {
+    "kvjax.methods.boundary": 0,  # the interface's checks
+    "kvjax.methods.base": 1,  # the interface
+    "kvjax.methods.core": 2,  # what the methods share: never a method
+    **{
+        f"kvjax.methods.{name}": 3  # the methods and the per-layer plans
+        for name in ("full", "streaming", "h2o", "snapkv", "chunkkv", "quest", "plans")
+        + ("chelsea", "clusterkv", "pqcache", "less")
+    },
+    "kvjax.methods": 4,  # the registry
+}
+METHOD_FLAT = {3}  # a method may build on another (LESS on H2O, ClusterKV on the plans; no circle: checked above)
+
 
 def unit(module: str) -> str:
     return ".".join(module.split(".")[:2])
 
 
-def floor_breaks(graph: dict[str, set[str]]) -> list[str]:
+def method_unit(module: str) -> str:
+    return ".".join(module.split(".")[:3])
+
+
+def floor_breaks(graph: dict[str, set[str]], floors=FLOORS, unit_of=unit, flat=FLAT) -> list[str]:
     out = []
     for a, targets in graph.items():
         for b in targets:
-            ua, ub = unit(a), unit(b)
-            fa, fb = FLOORS[ua], FLOORS[ub]
-            if ua != ub and not fb < fa and not (fa == fb and fa in FLAT):
+            ua, ub = unit_of(a), unit_of(b)
+            fa, fb = floors[ua], floors[ub]
+            if ua != ub and not fb < fa and not (fa == fb and fa in flat):
                 out.append(f"{a} (floor {fa}) imports {b} (floor {fb})")
     return sorted(out)
+
+
+def methods_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The part of ``graph`` inside ``kvjax/methods/``."""
+    inside = lambda m: m == "kvjax.methods" or m.startswith("kvjax.methods.")  # noqa: E731
+    return {a: {b for b in targets if inside(b)} for a, targets in graph.items() if inside(a)}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -147,37 +178,91 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def first_party(top: str) -> set[str]:
+    """The modules of one package of the repository (``benchmarks.e2e``, ``kernels_pallas.decode_attention.xla``)."""
+    return {module_name(p) for p in (ROOT / top).rglob("*.py")}
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def reach_in(path: str, here: str) -> bool:
+    """Whether ``path`` (a dotted module, or a module and a name in it) is private to a module or package that
+    ``here`` is not inside: its first private part is private to what precedes it."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if is_private(part):
+            owner = ".".join(parts[:i])
+            return not (here == owner or here.startswith(owner + "."))
+    return False
+
+
+def dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attributes on a name, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (head := dotted(node.value)) is not None:
+        return f"{head}.{node.attr}"
+    return None
+
+
+def reach_ins(source: str, here: str, modules: set[str], bare: dict[str, str] | None = None) -> list[str]:
+    """``"line: what"`` for each private name of another first-party module that ``source`` (the module ``here``)
+    uses: ``from m import _x``, ``import m._x``, and ``alias._x`` where ``alias`` names an imported module (``import
+    m``, ``import m as alias``, ``from pkg import m``, through attributes too: ``pkg.m._x``). ``modules``: the
+    first-party modules; ``bare``: the modules a bare name imports (sibling scripts on ``sys.path``)."""
+    bare = bare or {}
+
+    def full(name: str) -> str:
+        head, _, rest = name.partition(".")
+        return f"{bare[head]}.{rest}".rstrip(".") if head in bare else name
+
+    tree = ast.parse(source)
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                name = full(a.name)
+                if resolve(name, modules) is None:
+                    continue
+                if reach_in(name, here):
+                    found.append(f"{node.lineno}: import {a.name}")
+                if a.asname:
+                    aliases[a.asname] = name
+                else:
+                    top = a.name.partition(".")[0]
+                    aliases[top] = full(top)
+        elif isinstance(node, ast.ImportFrom):
+            assert not node.level, f"line {node.lineno}: a relative import; the code imports absolutely"
+            source_module = full(node.module)
+            if resolve(source_module, modules) is None:
+                continue
+            for a in node.names:
+                name = f"{source_module}.{a.name}"
+                if reach_in(name, here):
+                    found.append(f"{node.lineno}: from {node.module} import {a.name}")
+                if name in modules:
+                    aliases[a.asname or a.name] = name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and (chain := dotted(node.value)) is not None:
+            head, _, rest = chain.partition(".")
+            if head in aliases and (module := f"{aliases[head]}.{rest}".rstrip(".")) in modules:
+                if reach_in(f"{module}.{node.attr}", here):
+                    found.append(f"{node.lineno}: {chain}.{node.attr}")
+    return sorted(found, key=lambda hit: (int(hit.partition(":")[0]), hit))
+
+
 def private_reach_ins() -> list[str]:
-    modules = known_modules()
+    modules = set().union(*(first_party(top) for top in CODE))
     found = []
     for top in CODE:
         for path in (ROOT / top).rglob("*.py"):
             here = module_name(path)
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-            aliases = {}
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    for a in node.names:
-                        if isinstance(node, ast.Import):
-                            if a.asname and a.name in modules:
-                                aliases[a.asname] = a.name
-                        else:
-                            full = f"{node.module}.{a.name}"
-                            if full in modules:
-                                aliases[a.asname or a.name] = full
-            for target, name, line in imports(tree, modules):
-                if name.startswith("_") and not name.startswith("__") and target != here:
-                    found.append(f"{path.relative_to(ROOT)}:{line}: from {target} import {name}")
-            for node in ast.walk(tree):
-                if (
-                    isinstance(node, ast.Attribute)
-                    and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases
-                    and aliases[node.value.id] != here
-                    and node.attr.startswith("_")
-                    and not node.attr.startswith("__")
-                ):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+            # a script's folder is on sys.path: a bare name that is a sibling script is that script
+            bare = {m.rpartition(".")[2]: m for m in first_party(top)} if top in SCRIPT_FOLDERS else {}
+            source = path.read_text(encoding="utf-8")
+            found += [f"{path.relative_to(ROOT)}:{hit}" for hit in reach_ins(source, here, modules, bare)]
     return sorted(set(found))
 
 
@@ -195,6 +280,55 @@ def test_the_parser_sees_circles_and_reach_ins():
         ("kvjax.engine", "", 2),
         ("kvjax.engine.core", "", 4),
     ]
+
+
+def test_the_reach_in_check_catches_every_form():
+    """A planted reach-in of each form is found; what is the owner's own, or a dunder, or a third party's, is not."""
+    modules = {
+        "kvjax",
+        "kvjax.engine",
+        "kvjax.engine.core",
+        "kernels_pallas",
+        "kernels_pallas.decode_attention",
+        "kernels_pallas.decode_attention.xla",
+        "kernels_pallas.pq_lookup",
+        "kernels_pallas.pq_lookup._common",
+        "benchmarks.e2e",
+    }
+    planted = (
+        "import jax\n"
+        "import kvjax.engine.core\n"
+        "import kernels_pallas.decode_attention.xla as X\n"
+        "from kvjax.engine import core\n"
+        "from kvjax.engine.core import _hidden, plan\n"  # line 5: from-import of a private name
+        "from kernels_pallas.pq_lookup._common import CODE_ALIGN\n"  # line 6: a package's private module
+        "from e2e import _memory_stats\n"  # line 7: a sibling script, imported by bare name
+        "def f(x):\n"
+        "    a = X._gather_windows(x)\n"  # line 9: alias._name
+        "    b = core._plan_of(x) + kvjax.engine.core._cached\n"  # line 10: both attribute forms
+        "    return jax._src, x._private, core.__doc__, core.plan\n"  # none: a third party's, not a module, dunder
+    )
+    got = reach_ins(planted, "eval.runner", modules, bare={"e2e": "benchmarks.e2e"})
+    assert got == [
+        "5: from kvjax.engine.core import _hidden",
+        "6: from kernels_pallas.pq_lookup._common import CODE_ALIGN",
+        "7: from e2e import _memory_stats",
+        "9: X._gather_windows",
+        "10: core._plan_of",
+        "10: kvjax.engine.core._cached",
+    ]
+    # inside the owner: a module's own names, and a package's private module from the package and its modules
+    own = "from kernels_pallas.pq_lookup._common import CODE_ALIGN\nfrom kernels_pallas.pq_lookup import _common\n"
+    assert reach_ins(own, "kernels_pallas.pq_lookup", modules) == []
+    assert reach_ins(own, "kernels_pallas.pq_lookup.pallas_gpu", modules) == []
+    assert reach_ins(own, "kernels_pallas.decode_attention", modules) == [
+        "1: from kernels_pallas.pq_lookup._common import CODE_ALIGN",
+        "2: from kernels_pallas.pq_lookup import _common",
+    ]
+    # a package's __init__ reaching into one of its modules is a reach-in too
+    assert reach_ins(
+        "from kernels_pallas.decode_attention import xla\nxla._g()\n", "kernels_pallas.decode_attention", modules
+    ) == ["2: xla._g"]
 
 
 def test_kvjax_has_no_import_circle():
@@ -228,6 +362,23 @@ def test_every_unit_has_a_floor_and_imports_only_below_it():
     assert floor_breaks({"kvjax.loading.load": {"kvjax.methods.h2o"}})
     found = floor_breaks(graph)
     assert not found, "imports that go up a floor (move the code down, or the import up):\n" + "\n".join(found)
+
+
+def test_the_methods_stand_on_floors_and_core_imports_no_method():
+    graph = methods_graph(import_graph())
+    assert {method_unit(m) for m in graph} == set(METHOD_FLOORS), (
+        "a new module or package in kvjax/methods/: give it a floor in METHOD_FLOORS"
+    )
+    check = lambda g: floor_breaks(g, METHOD_FLOORS, method_unit, METHOD_FLAT)  # noqa: E731
+    assert check({"kvjax.methods.core.select": {"kvjax.methods.chelsea.csm"}}) == [
+        "kvjax.methods.core.select (floor 2) imports kvjax.methods.chelsea.csm (floor 3)"
+    ]
+    assert check({"kvjax.methods.base": {"kvjax.methods.core.select"}})
+    assert not check(
+        {"kvjax.methods.less": {"kvjax.methods.h2o"}, "kvjax.methods.chelsea.merge": {"kvjax.methods.chelsea.csm"}}
+    )
+    found = check(graph)
+    assert not found, "imports that go up a floor inside kvjax/methods/:\n" + "\n".join(found)
 
 
 def test_no_module_reaches_into_another_modules_private_names():
