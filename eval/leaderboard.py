@@ -174,9 +174,42 @@ def peer_rows(out: str | Path) -> tuple[list[dict], dict[str, str]]:
                 "answer": r["answer"],
                 "score": metrics.string_match_all(r["answer"], r["expected"]),
                 "seconds": r["seconds"],
+                "protocol": r.get("protocol", AFTER),
             }
         )
     return rows, errors
+
+
+#: kvjax's method -> the peer's row of the same method (``benchmarks/kvpress_ruler.py``)
+PEER_OF = {
+    "full": "transformers full",
+    "snapkv": "kvpress SnapKVPress",
+    "streaming_llm": "kvpress StreamingLLMPress",
+    "chunkkv": "kvpress ChunkKVPress",
+}
+
+
+def agreement(rows: Sequence[dict], peer: Sequence[dict]) -> dict[tuple[str, float, str], dict[str, float]]:
+    """Per (kvjax method, ratio, protocol) that the peer ran too (:data:`PEER_OF`; ``full`` at ratio 0): over the
+    contexts both hold (a context: its task and expected answers), how many answers are identical (up to white space
+    at the ends) and how many score the same, and both mean scores in percent."""
+    theirs = {(r["method"], r["ratio"], r.get("protocol", AFTER), r["subtask"], tuple(r["expected"])): r for r in peer}
+    cells: dict[tuple[str, float, str], list[tuple[dict, dict]]] = {}
+    for r in rows:
+        protocol = r.get("protocol", AFTER)
+        other = theirs.get((PEER_OF.get(r["method"]), r["ratio"], protocol, r["subtask"], tuple(r["expected"])))
+        if other is not None:
+            cells.setdefault((r["method"], r["ratio"], protocol), []).append((r, other))
+    return {
+        key: {
+            "n": len(pairs),
+            "identical": sum(a["answer"].strip() == b["answer"].strip() for a, b in pairs),
+            "same_score": sum(float(a["score"]) == float(b["score"]) for a, b in pairs),
+            "kvjax": 100 * sum(float(a["score"]) for a, _ in pairs) / len(pairs),
+            "peer": 100 * sum(float(b["score"]) for _, b in pairs) / len(pairs),
+        }
+        for key, pairs in cells.items()
+    }
 
 
 def report_only(out: str | Path) -> dict[str, Any]:
@@ -484,7 +517,25 @@ def markdown(results: dict[str, Any]) -> str:
                 + " | ".join(f"{e['tasks'][t]['value']:.0f}" if t in e["tasks"] else "" for t in tasks)
                 + " |"
             )
-    paired = protocol_differences(results["rows"])
+    peer_rows_ = list(peer.get("rows", []))
+    agreed = agreement(results["rows"], peer_rows_)
+    if agreed:
+        lines += [
+            "",
+            "## kvjax beside kvpress (same contexts, same tokens)",
+            "",
+            "Per method both ran: the contexts whose answers are identical (and score the same), and each side's "
+            "mean score in percent over those contexts (kvjax full beside transformers' full cache).",
+            "",
+            "| method | ratio | protocol | identical answers | same score | kvjax | kvpress |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for (m, r, p), c in sorted(agreed.items(), key=lambda kv: (list(PEER_OF).index(kv[0][0]), kv[0][1:])):
+            lines.append(
+                f"| {m} | {r:g} | {'in context' if p == IN_CONTEXT else 'after'} | {c['identical']}/{c['n']} | "
+                f"{c['same_score']}/{c['n']} | {c['kvjax']:.0f} | {c['peer']:.0f} |"
+            )
+    paired = protocol_differences(results["rows"] + peer_rows_)
     if paired:
         lines += [
             "",
@@ -500,7 +551,7 @@ def markdown(results: dict[str, Any]) -> str:
             paired.items(), key=lambda kv: (methods.index(kv[0][0]) if kv[0][0] in methods else 0, kv[0][1])
         ):
             lines.append(f"| {m} | {r:g} | {_cell(c)} ({c['n']}) |")
-    failures = needle_failures(results["rows"] + list((results.get("peer") or {}).get("rows", [])))
+    failures = needle_failures(results["rows"] + peer_rows_)
     if failures:
         lines += [
             "",
