@@ -216,6 +216,8 @@ def _also_equal_bytes(args, names) -> str | None:
 
 
 def cmd_run(args) -> int:
+    import jax
+
     import kvjax
     from eval import report, runner
 
@@ -261,6 +263,9 @@ def cmd_run(args) -> int:
         options=options,
         also_equal_bytes=also_equal_bytes,
         share_prefill=args.share_prefill,
+        # one process keeps the folder's rows (several, under jax.distributed, run every cell again)
+        out=args.out if jax.process_count() == 1 else None,
+        restart=args.restart,
     )
     results["timings"]["wall_seconds"] = time.perf_counter() - t0
     if not kvjax.sharding.is_primary():  # several processes (jax.distributed): process 0 writes and prints
@@ -361,7 +366,13 @@ def _common(
         "method compress it (kvjax.engine.prefilled; same results up to float rounding; "
         "--no-share-prefill prefills per method)",
     )
-    sp.add_argument("--out", default=out, help="output folder (results.json, results.md, *.png)")
+    sp.add_argument(
+        "--out",
+        default=out,
+        help="output folder (rows.jsonl, results.json, results.md, *.png); a run into a folder that holds one "
+        "resumes it, computing only the cells it lacks, and may add methods, budgets and options",
+    )
+    sp.add_argument("--restart", action="store_true", help="start again even if --out holds a run (default: resume)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.set_defaults(func=cmd_run, equal_bytes=None)
 

@@ -21,6 +21,7 @@ mesh.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -313,3 +314,16 @@ def equal_bytes_budget(
         mid = (a + b) // 2
         a, b = (mid, b) if size(mid) <= ref_bytes else (a, mid)
     return budget(a), size(a)
+
+
+def throttled(show, seconds: float = 2.0):
+    """``show`` called at most once every ``seconds`` (a phase shown each decode step would flood a log file)."""
+    last = [-seconds]
+
+    def call(text: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= seconds:
+            last[0] = now
+            show(text)
+
+    return call

@@ -287,8 +287,6 @@ def run(
 
     from kvjax.engine import prefilled as P
 
-    from eval.niah import throttled
-
     out = Path(out)
     options = board.method_options()
     if kernels is not None and "less" in board.methods and "kernels" not in options.get("less", {}):
@@ -309,7 +307,7 @@ def run(
     todo = [(i, c, k) for i in range(len(batches)) for c, k in keyed if (i, k) not in done]
     start = time.perf_counter()
     with tqdm(total=len(todo), desc="leaderboard", unit="cell", disable=not progress) as bar:
-        shown = throttled(bar.set_postfix_str)
+        shown = harness.throttled(bar.set_postfix_str)
         for i in range(len(batches)):
             for protocol in board.protocols:
                 cells = [(c, k) for j, c, k in todo if j == i and c[3] == protocol]

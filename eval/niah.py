@@ -295,7 +295,7 @@ def run(
     results = report.new_results({**store.settings, "less_kernels": kernels and Path(kernels).name})
     commit, seconds, start = results["commit"], {}, time.perf_counter()
     with tqdm(total=len(cells), desc="niah", unit="cell", disable=not progress) as bar:
-        shown = throttled(bar.set_postfix_str)
+        shown = harness.throttled(bar.set_postfix_str)
         for i, batch in enumerate(batches):
             bucket = bucket_length(batch[0].length)
             padded, real = harness.pad_batch(list(batch), grid.batch)
@@ -351,19 +351,6 @@ def run(
     )
     write(results, out)
     return results
-
-
-def throttled(show, seconds: float = 2.0):
-    """``show`` called at most once every ``seconds`` (a phase shown each decode step would flood a log file)."""
-    last = [-seconds]
-
-    def call(text: str) -> None:
-        now = time.perf_counter()
-        if now - last[0] >= seconds:
-            last[0] = now
-            show(text)
-
-    return call
 
 
 def summarise(rows: Sequence[dict], order: Sequence[str] = ()) -> list[dict]:

@@ -62,7 +62,9 @@ def _logprob(logits, target):
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), target[:, None], axis=-1)[:, 0]
 
 
-def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = False, prefilled=None, memory_at=()):
+def streaming_nll(
+    model, method, seqs: np.ndarray, prefix: int, memory: bool = False, prefilled=None, memory_at=(), on_phase=None
+):
     """Negative log-likelihoods ``[B, N]`` of the ``N = T - prefix`` continuation tokens of ``seqs [B, T]``.
 
     Shapes are fixed: prefill at bucket ``prefix`` (every sequence has the same prefix length) and
@@ -71,7 +73,8 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     ``prefilled``: the model's prefill of ``seqs[:, :prefix]`` (:func:`kvjax.engine.prefilled.prefill_once`), which the
     method then only compresses. ``memory_at`` (with ``memory=True``): continuation lengths ``L`` at which the
     memory rows are also read (after the ``L``-th token is scored, ``L - 1`` decode steps); the result is then
-    ``(nll, rows, {L: rows})``.
+    ``(nll, rows, {L: rows})``. ``on_phase``: called with what runs next (``"prefill"`` or ``"compress"``, then
+    ``"decode i/N"``), for a progress line inside a long continuation.
     """
     cfg = model.config
     b, t = seqs.shape
@@ -97,6 +100,8 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
         cfg, method, b, Capacity(prefix, n), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
     )
     lengths = S.put_batch(jnp.full((b,), prefix, jnp.int32), mesh)
+    phase = on_phase or (lambda _: None)
+    phase("prefill" if prefilled is None else "compress")
     if prefilled is None:
         states, logits = engine.prefill(cfg, method, model.params, seqs[:, :prefix], lengths, states, mesh=mesh)
     else:
@@ -108,6 +113,7 @@ def streaming_nll(model, method, seqs: np.ndarray, prefix: int, memory: bool = F
     for i in range(1, n):
         if memory and i in memory_at:  # i tokens scored, i - 1 decode steps
             at[i] = memory_rows(method, states, num_heads=cfg.num_heads)
+        phase(f"decode {i}/{n - 1}")
         logits, states = engine.decode_step(
             cfg, method, model.params, states, seqs[:, prefix + i - 1], lengths + i - 1, mesh=mesh
         )

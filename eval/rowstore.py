@@ -6,7 +6,8 @@ it may extend: the header then holds the union, and the run computes only the ce
 finished cell appends one JSON line, flushed and fsynced, so a killed run loses at most the cell it was computing
 (a line cut short by the kill is dropped when the file is opened again).
 
-Used by ``kvjax-eval leaderboard`` (:mod:`eval.leaderboard`) and ``kvjax-eval niah`` (:mod:`eval.niah`).
+Used by ``kvjax-eval leaderboard`` (:mod:`eval.leaderboard`), ``kvjax-eval niah`` (:mod:`eval.niah`) and the task
+commands (``main``, ``needle``, ``perplexity``, ...: :mod:`eval.runner`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def _jsonable(x):
     if hasattr(x, "tolist"):
         return x.tolist()
     raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def tupled(x: Any) -> Any:
+    """``x`` read back from JSON with its lists as tuples again (method options such as Chelsea's ``outlier_heads``
+    are tuples: hashable, as a jitted method's static config must be)."""
+    if isinstance(x, list):
+        return tuple(tupled(v) for v in x)
+    if isinstance(x, dict):
+        return {k: tupled(v) for k, v in x.items()}
+    return x
 
 
 def merge_settings(

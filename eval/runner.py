@@ -12,13 +12,15 @@ configuration compresses it (:class:`Shared`, :mod:`kvjax.engine.prefilled`). In
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import time
 from typing import Any, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from eval import harness, needle, perplexity, report
+from eval import harness, needle, perplexity, report, rowstore
 from kvjax.budget import budget_text
 from kvjax.engine import bucket_length, plan as layer_plan, release_compiled
 from kvjax.methods.base import Capacity
@@ -129,8 +131,10 @@ class PerplexityTask(_TeacherForced):
     book: str = "John"
     name = "perplexity"
 
-    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
-        nll, mem = perplexity.streaming_nll(model, method, batch, self.prefix, memory=True, prefilled=prefilled)
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None, on_phase=None) -> list[dict]:
+        nll, mem = perplexity.streaming_nll(
+            model, method, batch, self.prefix, memory=True, prefilled=prefilled, on_phase=on_phase
+        )
         return [
             {**meta, "sequence": i, "nll": float(row.mean()), "tokens": int(row.size), "score": float(row.mean()), **m}
             for i, (row, m) in enumerate(zip(nll, mem))
@@ -162,9 +166,16 @@ class LongGenTask(_TeacherForced):
     def continuation(self) -> int:
         return self.continuations[-1]
 
-    def run_batch(self, model, method, prepared, batch, meta, prefilled=None) -> list[dict]:
+    def run_batch(self, model, method, prepared, batch, meta, prefilled=None, on_phase=None) -> list[dict]:
         nll, mem, at = perplexity.streaming_nll(
-            model, method, batch, self.prefix, memory=True, prefilled=prefilled, memory_at=self.continuations[:-1]
+            model,
+            method,
+            batch,
+            self.prefix,
+            memory=True,
+            prefilled=prefilled,
+            memory_at=self.continuations[:-1],
+            on_phase=on_phase,
         )
         rows = []
         for i, (row, m) in enumerate(zip(nll, mem)):
@@ -329,20 +340,61 @@ def _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, 
     return plan
 
 
-def _run_batches(model, task, method, prepared, meta, shared, bar) -> list[dict]:
+def _run_batches(model, task, method, prepared, meta, shared, bar, cells=None) -> list[dict]:
     """Every batch of one task under one method: its rows, each with its batch's seconds (``shared``: the model's
-    prefill of each batch computed once for every configuration)."""
+    prefill of each batch computed once for every configuration). ``cells`` (a resumable run, :class:`_Cells`):
+    a batch it holds is read back, not run (nor prefilled), and a batch run is appended to it."""
     out = []
     method = layer_plan(model.config, method).method  # a hybrid model: ring buffers on its local layers
+    phases = inspect.signature(task.run_batch).parameters.keys() >= {"on_phase"}
+    label, show = bar.postfix or "", harness.throttled(bar.set_postfix_str)
     for i, batch in enumerate(prepared[1]):
+        held = cells.get(meta, i) if cells else None
+        if held is not None:
+            out.extend(held)
+            bar.update(1)
+            continue
         tb = time.perf_counter()
         pre = shared.get(task, prepared, i, batch) if shared else None
-        rows = task.run_batch(model, method, prepared, batch, meta, **({} if pre is None else {"prefilled": pre}))
+        kw = {} if pre is None else {"prefilled": pre}
+        if phases:
+            where = f"{label} batch {i + 1}/{len(prepared[1])}".strip()
+            kw["on_phase"] = lambda phase, where=where: show(f"{where}: {phase}")
+        rows = task.run_batch(model, method, prepared, batch, meta, **kw)
         for r in rows:
             r["batch_seconds"] = time.perf_counter() - tb
+        if cells:
+            cells.put(meta, i, rows)
         out.extend(rows)
         bar.update(1)
     return out
+
+
+class _Cells:
+    """A resumable, growable run's rows in ``out/rows.jsonl`` (:class:`eval.rowstore.RowStore`): one record per
+    (task, method, budget, setting, batch), so a killed run resumes at the batch it was in and a run adding methods,
+    budgets or options to the folder computes only their cells."""
+
+    GROWS = ("methods", "budgets", "options")
+
+    def __init__(self, out, settings: dict, restart: bool, commit: str | None):
+        self.store = rowstore.RowStore(out, settings, self.GROWS, restart, what="kvjax-eval run")
+        self.commit = commit
+        self.done = {r["cell"]: r["rows"] for r in self.store.records}
+
+    @staticmethod
+    def key(meta: dict, batch: int) -> str:
+        fields = ("task", "method", "budget", "nominal_budget", "equal_bytes_ref", "setting")
+        return json.dumps([meta.get(f) for f in fields] + [batch])
+
+    def get(self, meta: dict, batch: int) -> list[dict] | None:
+        return self.done.get(self.key(meta, batch))
+
+    def put(self, meta: dict, batch: int, rows: list[dict]) -> None:
+        key = self.key(meta, batch)
+        seconds = rows[0].get("batch_seconds", 0.0) if rows else 0.0
+        self.store.append({"cell": key, "seconds": seconds, "commit": self.commit, "rows": rows})
+        self.done[key] = rows
 
 
 def _timing(task, name: str, budget, seconds: float, setting, note: str) -> dict:
@@ -387,6 +439,8 @@ def run(
     options: dict[str, dict] | None = None,
     also_equal_bytes: str | None = None,
     share_prefill: bool = True,
+    out: str | None = None,
+    restart: bool = False,
 ) -> dict[str, Any]:
     """Run ``tasks`` for every (method, budget) of :func:`harness.method_grid`; returns the results dict.
 
@@ -400,8 +454,20 @@ def run(
     comparison). Methods that cannot match (the recall methods keep every token) are recorded as skipped; a method
     whose matching budget is its nominal one reuses the nominal run's rows (marked ``reused``). ``share_prefill``:
     the model's prefill of each needle/perplexity batch runs once and every configuration compresses it
-    (:class:`Shared`); the rows are those of a prefill per configuration, up to float rounding."""
-    options = options or {}
+    (:class:`Shared`); the rows are those of a prefill per configuration, up to float rounding. ``out``: a folder
+    that makes the run resumable and growable (:class:`_Cells`): each finished batch of each configuration is kept in
+    ``out/rows.jsonl``; a later run into it with the same tasks and model runs only the cells it lacks, and may add
+    methods, budgets and options (the folder then holds the union, and the results cover all of it); ``restart``
+    starts the folder again."""
+    options = dict(options or {})
+    cells = None
+    if out is not None:
+        fixed = _run_config(model, tasks, method_names, budgets, options)
+        settings = {**fixed, "equal_bytes": equal_bytes, "equal_bytes_also": also_equal_bytes}
+        cells = _Cells(out, settings, restart, report.new_results({})["commit"])
+        held = cells.store.settings
+        method_names, budgets = held["methods"], [b for b in held["budgets"]]
+        options = {**{m: rowstore.tupled(kw) for m, kw in held["options"].items() if m not in options}, **options}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
     check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
     for name, b in grid:
@@ -441,7 +507,7 @@ def run(
                 + ("" if budget is None else f"@{budget_text(budget)}")
                 + ("" if second is None else f" (bytes of {second})")
             )
-            results["rows"].extend(_run_batches(model, task, method, prepared[task.name], meta, shared, bar))
+            results["rows"].extend(_run_batches(model, task, method, prepared[task.name], meta, shared, bar, cells))
             note = "a configuration's first batch includes compilation"
             took = time.perf_counter() - t0
             results["timings"]["runs"].append(_timing(task, name, budget, took, second and f"bytes of {second}", note))

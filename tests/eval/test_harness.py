@@ -2,6 +2,7 @@
 dense forward pass (kvjax.model.forward, an independent full-attention path), compile reuse, bad input."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -221,3 +222,50 @@ def test_second_pass_at_the_references_bytes_held(tiny):
     assert [r["budget"] for r in stream] == [0.25, 0.25] and all(r.get("reused") for r in stream)
     assert [r["held_bytes"] for r in stream] == [r["held_bytes"] for r in rows("streaming_llm", False)]
     assert not rows("h2o", True) and not rows("full", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RandomText(runner.PerplexityTask):
+    """Perplexity on random ids (the tiny model has no tokenizer): two batches of two sequences."""
+
+    num_sequences: int = 4
+    prefix: int = 32
+    continuation: int = 6
+
+    def prepare(self, model):
+        seqs = np.random.RandomState(2).randint(3, 64, size=(4, self.prefix + self.continuation)).astype(np.int32)
+        return self.prefix, [seqs[:2], seqs[2:]]
+
+
+def test_a_run_into_a_folder_resumes_and_grows(tiny, tmp_path, monkeypatch):
+    """``out=``: a run killed after its first cell (the next line cut short) computes only the missing cells and
+    gives the same rows; a run adding a method computes only that method's cells and reports the whole folder; a
+    run with other task settings is refused, naming them. Progress inside a cell names the decode step."""
+    calls, phases = [], []
+    real = perplexity.streaming_nll
+
+    def counted(model, method, seqs, prefix, **kw):
+        calls.append(type(method).__name__)
+        kw["on_phase"] = phases.append
+        return real(model, method, seqs, prefix, **kw)
+
+    monkeypatch.setattr(perplexity, "streaming_nll", counted)
+    nll = lambda res: [(r["method"], r["sequence"], round(r["nll"], 5)) for r in res["rows"]]
+    whole = runner.run(tiny, [_RandomText()], ["full", "h2o"], [0.5], progress=False, out=tmp_path / "a")
+    assert len(calls) == 4 and phases[:3] == ["compress", "decode 1/5", "decode 2/5"]
+    lines = (tmp_path / "a" / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == 5 and json.loads(lines[0])["settings"]["methods"] == ["full", "h2o"]
+    (tmp_path / "a" / "rows.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
+    calls.clear()
+    resumed = runner.run(tiny, [_RandomText()], ["full", "h2o"], [0.5], progress=False, out=tmp_path / "a")
+    assert calls == ["Full", "H2O", "H2O"] and nll(resumed) == nll(whole)
+    calls.clear()
+    grown = runner.run(tiny, [_RandomText()], ["snapkv"], [0.5], progress=False, out=tmp_path / "a")
+    assert calls == ["SnapKV", "SnapKV"]
+    assert nll(grown)[:8] == nll(whole) and [m for m, _, _ in nll(grown)[8:]] == ["snapkv"] * 4
+    assert grown["config"]["methods"] == ["full", "h2o", "snapkv"]
+    with pytest.raises(ValueError, match="tasks.*--restart"):
+        runner.run(tiny, [_RandomText(continuation=7)], ["full"], [0.5], progress=False, out=tmp_path / "a")
+    calls.clear()
+    runner.run(tiny, [_RandomText()], ["full"], [0.5], progress=False, out=tmp_path / "a", restart=True)
+    assert calls == ["Full", "Full"]
