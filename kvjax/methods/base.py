@@ -12,12 +12,16 @@ implements four pure functions over its own state pytree (docs/interface.md#the-
   the new token, attend, evict / re-compress; all at fixed shapes.
 - ``memory_bytes(state) -> int``: bytes the state really holds (every leaf, counts and positions included).
 
-Optional capabilities are declared here with their defaults; the engine, eval and LESS ask them, never
-``getattr``:
+Four optional capabilities are types a method inherits, whose abstract functions are the capability
+(:class:`AttendsPrompt`: ``prefill_attend``; :class:`DecodePartial`: ``decode_partial``, the attention partials
+and the KV pair evicted this step, which LESS wraps; :class:`Recompressible`: ``rescorer``, ``reselect``,
+``observation_window``, for a decode budget; :class:`Recalls`: ``selected_positions`` and ``attended``): a class
+that inherits one and does not implement it cannot be instantiated. The flags the engine, eval and LESS read
+(``attends_prompt``, ``has_decode_partial``, ``recompressible``, ``recalls``; never ``getattr``) are derived
+from the type (:data:`CAPABILITIES`); only LESS's ``attends_prompt`` is decided per instance (its policy's).
+The other declarations are here with their defaults:
 
 - ``reuses_previous_layer`` (ClassVar bool, default False): prefill takes ``previous=``.
-- ``has_decode_partial`` (ClassVar bool, default False): ``decode_partial(...) -> ((o, m, l), State, (k_ev,
-  v_ev, evicted))`` returns the attention partials and the KV pair evicted this step (LESS wraps such a policy).
 - ``bytes_read_per_step(state, num_heads) -> int``: the bytes one decode step of this layer reads (K/V blocks
   the decode-attention kernel's block plan visits, masks, codes, ...), beside ``memory_bytes``.
 - ``state_axes(state)``: the logical axes of each state leaf, for sharding (:mod:`kvjax.sharding`): by default a
@@ -46,13 +50,6 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
 - ``recompresses`` (ClassVar bool, default False): some decode steps re-compress the whole cache (Chelsea's
   rounds), so those steps compute over every slot of the layer.
-- ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
-  stored and each decode step attends to a query-dependent selection; it implements
-  ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
-  next decode step (the one whose new token goes at position ``filled``) would attend for the query ``q``, the
-  new token itself excluded (sinks, windows, pages, clusters, retrieved tokens included). ``kvjax-eval
-  fidelity`` compares it with the exact top-B attention tokens (ClusterKV Fig. 11's recall); and ``attended(n,
-  steps, ctx=LayerContext()) -> int``, how many tokens that step attends (``held``'s arguments).
 
 Budgets (:mod:`kvjax.budget`): a float ``b`` in ``(0, 1]`` gives each sequence ``ceil(b n)`` tokens of its own
 prompt ``n`` (exact integers), an int is a token count. A method never holds more than its budget; on a prompt
@@ -66,6 +63,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import inspect
 from typing import Any, ClassVar
 
 import jax
@@ -150,24 +148,24 @@ class Method(StaticConfig, abc.ABC):
         for name in boundary.WRAPPED:
             if name in cls.__dict__:
                 setattr(cls, name, boundary.checked(name, cls.__dict__[name]))
+        for flag, capability in CAPABILITIES.items():
+            declared = inspect.getattr_static(cls, flag)
+            if isinstance(declared, property):  # decided per instance (LESS's attends_prompt is its policy's)
+                continue
+            if flag in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} sets {flag}: a capability is declared by inheriting "
+                    f"kvjax.methods.base.{capability.__name__} (and implementing its functions), not by a flag"
+                )
+            setattr(cls, flag, issubclass(cls, capability))
 
     name: ClassVar[str] = ""
     #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).
     reuses_previous_layer: ClassVar[bool] = False
-    #: ``decode_partial`` is implemented (partials + the evicted pair, for LESS).
-    has_decode_partial: ClassVar[bool] = False
-    #: A recall method: ``selected_positions`` is implemented (every token stays stored, a step attends a
-    #: query-dependent subset).
-    recalls: ClassVar[bool] = False
     #: ``prefill``/``decode`` accept ``layer`` as a traced int32 scalar when called on a run of layers whose states
     #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
     #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
     traced_layer: ClassVar[bool] = False
-    #: ``prefill_attend`` is implemented: the method computes the prompt's causal attention together with its own
-    #: prefill (H2O's accumulated scores come from the attention's probabilities), and the engine takes that output
-    #: instead of running the prefill attention a second time (on layers without a sliding window, where the engine's
-    #: prefill attention is the pure-JAX one).
-    attends_prompt: ClassVar[bool] = False
     #: The budget (a fraction of the prompt, or a token count; docs/interface.md#the-budget-contract); None for a
     #: method without one (``full``). A method with a budget declares it as a dataclass field and validates it once,
     #: in its ``__post_init__``.
@@ -185,11 +183,13 @@ class Method(StaticConfig, abc.ABC):
     #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
     recompresses: ClassVar[bool] = False
 
-    #: A decode budget composes over it (:class:`kvjax.methods.core.bounded.DecodeBudget`, ``methods.get(name, ...,
-    #: decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
-    #: (:class:`SlotMethod`'s), and it implements :meth:`rescorer`, :meth:`reselect`, :meth:`observation_window`
-    #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
+    #: The capabilities' flags, derived from the type (:data:`CAPABILITIES`; set by :meth:`__init_subclass__`): a
+    #: method inherits :class:`AttendsPrompt`, :class:`DecodePartial`, :class:`Recompressible` or :class:`Recalls`,
+    #: and never sets these.
+    attends_prompt: ClassVar[bool] = False
+    has_decode_partial: ClassVar[bool] = False
     recompressible: ClassVar[bool] = False
+    recalls: ClassVar[bool] = False
 
     #: Why a decode budget (:class:`~kvjax.methods.core.bounded.DecodeBudget`) does not compose over a method that is
     #: not ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
@@ -238,49 +238,6 @@ class Method(StaticConfig, abc.ABC):
         """Whether the state keeps its K/V in one device's host memory (``pinned_host``), which a mesh cannot split
         (PQCache's and ClusterKV's ``offload=True``); the engine refuses such a method with a mesh."""
         return False
-
-    def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
-        """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
-        ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass. Only for
-        methods that declare ``attends_prompt``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare attends_prompt")
-
-    def decode_partial(self, state, layer: int, q, k, v, pos):
-        raise NotImplementedError(
-            f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
-            "a policy that does (h2o, streaming_llm)"
-        )
-
-    def rescorer(self):
-        """The :class:`~kvjax.methods.core.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
-        ``observed`` votes from the recent queries, then ``finish``). Only for methods that declare
-        ``recompressible``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def reselect(self, votes, lengths, budgets, slots: int):
-        """The method's own selection over a held sequence: ``votes [N, H, S]`` raw scores of slots in position
-        order (:meth:`rescorer`'s ``observed``; ``finish`` is the method's to apply), ``lengths [N]`` the slots
-        held, ``budgets [N]`` the tokens to keep (window included), ``slots`` the static output size. Returns
-        ``(idx [N, H, slots] int32, ok [N, H, slots] bool)``, indices into ``S``, real entries first, in order;
-        every slot when ``lengths <= budgets``. Only for methods that declare ``recompressible``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def observation_window(self) -> int:
-        """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
-        """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
-        the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""
-        return decode_budget
-
-    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
-        """``[B, Hq, S]`` bool: the token positions the next decode step would attend for ``q [B, Hq, D]`` (the
-        new token excluded). Only for methods that declare ``recalls``."""
-        raise NotImplementedError(
-            f"method {self.name!r} does not declare recalls; selected_positions is for the "
-            "recall methods (pqcache, clusterkv, quest)"
-        )
 
     def state_axes(self, state) -> Any:
         """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
@@ -335,6 +292,88 @@ class Method(StaticConfig, abc.ABC):
 
     @abc.abstractmethod
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The optional capabilities, each a type a method inherits: its abstract functions are the capability, so a class
+# that declares one and does not implement it cannot be instantiated (TypeError), and the flag the engine reads
+# (``attends_prompt``, ``has_decode_partial``, ``recompressible``, ``recalls``) is derived from the type.
+
+
+class AttendsPrompt(abc.ABC):
+    """The method computes the prompt's causal attention together with its own prefill (H2O's accumulated scores
+    come from the attention's probabilities), and the engine takes that output instead of running the prefill
+    attention a second time (on layers without a sliding window, where the engine's prefill attention is the
+    pure-JAX one). Flag: ``attends_prompt``."""
+
+    @abc.abstractmethod
+    def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
+        """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
+        ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass."""
+
+
+class DecodePartial(abc.ABC):
+    """A decode step that returns its attention partials and the KV pair it evicted, which LESS wraps (h2o,
+    streaming_llm). Flag: ``has_decode_partial``."""
+
+    @abc.abstractmethod
+    def decode_partial(self, state, layer: int, q, k, v, pos):
+        """``((o, m, l), State, (k_ev [B, Hkv, D], v_ev [B, Hkv, D], evicted [B, Hkv] bool))``."""
+
+
+class Recompressible(abc.ABC):
+    """A decode budget composes over it (:class:`kvjax.methods.core.bounded.DecodeBudget`, ``methods.get(name, ...,
+    decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
+    (:class:`SlotMethod`'s), and its own scoring and selection are re-applied to the slots it holds. Flag:
+    ``recompressible``."""
+
+    @abc.abstractmethod
+    def rescorer(self):
+        """The :class:`~kvjax.methods.core.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
+        ``observed`` votes from the recent queries, then ``finish``)."""
+
+    @abc.abstractmethod
+    def reselect(self, votes, lengths, budgets, slots: int):
+        """The method's own selection over a held sequence: ``votes [N, H, S]`` raw scores of slots in position
+        order (:meth:`rescorer`'s ``observed``; ``finish`` is the method's to apply), ``lengths [N]`` the slots
+        held, ``budgets [N]`` the tokens to keep (window included), ``slots`` the static output size. Returns
+        ``(idx [N, H, slots] int32, ok [N, H, slots] bool)``, indices into ``S``, real entries first, in order;
+        every slot when ``lengths <= budgets``."""
+
+    @abc.abstractmethod
+    def observation_window(self) -> int:
+        """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
+
+    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
+        """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
+        the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""
+        return decode_budget
+
+
+class Recalls(abc.ABC):
+    """A recall method (PQCache, ClusterKV, Quest): every token stays stored and each decode step attends a
+    query-dependent selection. ``kvjax-eval fidelity`` compares :meth:`selected_positions` with the exact top-B
+    attention tokens (ClusterKV Fig. 11's recall). Flag: ``recalls``."""
+
+    @abc.abstractmethod
+    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: the token positions ``[0, S)`` the next decode step (the one whose new token goes at
+        position ``filled``) would attend for ``q [B, Hq, D]``, the new token itself excluded (sinks, windows, pages,
+        clusters, retrieved tokens included)."""
+
+    @abc.abstractmethod
+    def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
+        """How many tokens the decode step after ``steps`` steps attends for an ``n``-token prompt, the new token
+        included (:meth:`Method.held`'s arguments)."""
+
+
+#: Each capability's flag on :class:`Method` and the type that declares it.
+CAPABILITIES: dict[str, type] = {
+    "attends_prompt": AttendsPrompt,
+    "has_decode_partial": DecodePartial,
+    "recompressible": Recompressible,
+    "recalls": Recalls,
+}
 
 
 def attends_all_steps(method, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:

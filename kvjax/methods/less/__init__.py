@@ -42,7 +42,7 @@ from flax import struct
 from kernels_pallas.checks import check_int
 from kvjax.loading import assets
 from kvjax.budget import budget_tokens
-from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
+from kvjax.methods.base import AttendsPrompt, LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
@@ -94,7 +94,7 @@ class LessState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Less(Method):
+class Less(Method, AttendsPrompt):
     """LESS config (static under jit).
 
     policy: ``"h2o"`` (heavy hitters + recent, ``recent`` as in :class:`H2O`) or ``"lambda"`` (Λ-masking:
@@ -246,7 +246,10 @@ class Less(Method):
         )
 
     @property
-    def attends_prompt(self) -> bool:  # base.Method.attends_prompt: as its policy (H2O: yes)
+    def attends_prompt(self) -> bool:
+        """As its policy's (H2O: yes, Λ: no): LESS implements :class:`~kvjax.methods.base.AttendsPrompt` for the
+        policies that attend the prompt, and this instance-level flag, not the type, says whether this one does
+        (the one capability decided by a method's config)."""
         return self.sparse.attends_prompt
 
     def prefill(self, state: LessState, layer: int, q, k, v, lengths, previous=None) -> LessState:
