@@ -196,14 +196,6 @@ class Method(StaticConfig, abc.ABC):
     #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
     why_no_decode_budget: ClassVar[str] = ""
 
-    @classmethod
-    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
-        """``(options, warnings)``: the options a run of this method on ``model`` (a model name, as ``kvjax-eval
-        --model`` takes it) gets where the user gives none of them, and the warning messages (regular expressions)
-        those defaults make expected, which ``kvjax-eval main`` silences (LESS: the kernels shipped for an embedded
-        model, and their warning that they were trained at another budget). Default: ``({}, ())``."""
-        return {}, ()
-
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
         page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""

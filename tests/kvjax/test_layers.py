@@ -145,9 +145,7 @@ def _plans():
 
 #: What takes a layer's state, or a layer, on a :class:`Method`: a plan offers none of it.
 STATEFUL = [
-    name
-    for name in dir(Method)
-    if not name.startswith("_") and callable(getattr(Method, name)) and name not in ("at", "model_defaults")
+    name for name in dir(Method) if not name.startswith("_") and callable(getattr(Method, name)) and name != "at"
 ]
 
 
