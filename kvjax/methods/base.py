@@ -134,11 +134,91 @@ class StaticConfig:
         return hash(self._key)
 
 
-class Method(StaticConfig, abc.ABC):
-    """The interface every cache method implements (see the module docstring). Subclasses are frozen
-    dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
-    as a :class:`StaticConfig`; ``name`` is the registry name. A per-layer plan
-    (:class:`kvjax.methods.plans.layers.PerLayerPlan`) is not a method: it answers :meth:`at` only."""
+class Budgeted(abc.ABC):
+    """The budget contract of a method (docs/interface.md#the-budget-contract), on the host: its budget, how many
+    tokens a sequence holds (:meth:`held`, abstract) and how the budget reads (the smallest legal and sensible
+    ones, the tokens it gives a prompt, whether it covers everything). A part of :class:`Method`."""
+
+    #: The budget (a fraction of the prompt, or a token count; docs/interface.md#the-budget-contract); None for a
+    #: method without one (``full``). A method with a budget declares it as a dataclass field and validates it once,
+    #: in its ``__post_init__``.
+    budget: ClassVar[float | int | None] = None
+    #: Every sequence holds exactly :meth:`held` tokens; False: at most that many (ChunkKV, whose chunk that
+    #: straddles the window is cut there).
+    holds_exactly: ClassVar[bool] = True
+    #: Why a decode budget (:class:`~kvjax.methods.core.bounded.DecodeBudget`) does not compose over a method that is
+    #: not ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
+    #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
+    why_no_decode_budget: ClassVar[str] = ""
+
+    def min_legal_budget(self) -> int:
+        """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
+        page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""
+        return 1
+
+    def min_budget(self) -> tuple[int, str]:
+        """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
+        a page; at least :data:`kvjax.budget.MIN_TOKENS`) and a few words on why. A smaller budget still runs (the
+        method shrinks its windows, docs/interface.md#the-budget-contract) but :func:`kvjax.budget.
+        warn_small_budget` warns once."""
+        return MIN_TOKENS, f"a budget of 1-{MIN_TOKENS - 1} tokens keeps no usable context"
+
+    def attends_everything(self, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:
+        """Whether, in a cache built for ``capacity``, this layer's decode steps attend every token of a prompt that
+        fills the bucket and of every generated token, i.e. compute exactly full attention: too few tokens to
+        compress (a recall budget that covers them all, a prompt too short for PQ retrieval, no merge round of
+        Chelsea). :func:`kvjax.budget.warn_full_attention` says so once. Default: ``False``."""
+        return False
+
+    def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg: ModelConfig | None = None) -> int:
+        """Tokens the budget gives a sequence with an ``n``-token prompt (host ints): ``budget_tokens(budget, n)``
+        (Chelsea's budget also counts the ``max_new_tokens`` to come). Compared with :meth:`min_budget`."""
+        return int(budget_tokens(self.budget, n))
+
+    @abc.abstractmethod
+    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
+
+
+class Accounted(abc.ABC):
+    """The byte and token accounting of a method's state, on the host, outside ``jit`` (the engine's statistics and
+    the tests ask these, never the state's shapes): the bytes it holds, those one decode step reads, the tokens each
+    sequence holds, its index and what it may hold beyond its share of the prompt. A part of :class:`Method`;
+    :class:`SlotMethod` derives the abstract ones for a slot cache."""
+
+    def memory_bytes(self, state) -> int:
+        """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
+        return tree_bytes(state)
+
+    @abc.abstractmethod
+    def bytes_read_per_step(self, state, num_heads: int) -> int: ...
+
+    def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
+        a slot cache: ``max_new_tokens`` decode slots and one slot of rounding (``ceil(b n)``), K, V and position."""
+        return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
+
+    @abc.abstractmethod
+    def tokens_held(self, state) -> jnp.ndarray: ...
+
+    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
+        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
+        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
+        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
+        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
+        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
+        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
+        return 0, 0
+
+
+class Method(StaticConfig, Budgeted, Accounted, abc.ABC):
+    """The interface every cache method implements (see the module docstring): its core is what it computes
+    (``init``, ``prefill``, ``decode``) and what the engine needs to lay out and run its state (``at``,
+    ``starts_at``, ``state_axes``, ``offloads``, ``traced_layer``, ``reuses_previous_layer``, ``step_kernels``,
+    ``recompresses``); the budget contract is :class:`Budgeted`'s, the accounting :class:`Accounted`'s, and each
+    optional capability a type of its own (:data:`CAPABILITIES`). Subclasses are frozen dataclasses declared with
+    ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash as a :class:`StaticConfig`;
+    ``name`` is the registry name. A per-layer plan (:class:`kvjax.methods.plans.layers.PerLayerPlan`) is not a
+    method: it answers :meth:`at` only."""
 
     def __init_subclass__(cls, **kwargs):
         """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
@@ -166,13 +246,6 @@ class Method(StaticConfig, abc.ABC):
     #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
     #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
     traced_layer: ClassVar[bool] = False
-    #: The budget (a fraction of the prompt, or a token count; docs/interface.md#the-budget-contract); None for a
-    #: method without one (``full``). A method with a budget declares it as a dataclass field and validates it once,
-    #: in its ``__post_init__``.
-    budget: ClassVar[float | int | None] = None
-    #: Every sequence holds exactly :meth:`held` tokens; False: at most that many (ChunkKV, whose chunk that
-    #: straddles the window is cut there).
-    holds_exactly: ClassVar[bool] = True
     #: The Pallas kernels (``kernels_pallas``) a decode step calls on an accelerator, sorted: the decode attention
     #: for most; a method with kernels of its own besides it takes an ``impl`` option for them (Chelsea, PQCache,
     #: ClusterKV); none for a step that attends on its XLA path (H2O, LESS: the weights come with the scores).
@@ -190,16 +263,6 @@ class Method(StaticConfig, abc.ABC):
     has_decode_partial: ClassVar[bool] = False
     recompressible: ClassVar[bool] = False
     recalls: ClassVar[bool] = False
-
-    #: Why a decode budget (:class:`~kvjax.methods.core.bounded.DecodeBudget`) does not compose over a method that is
-    #: not ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
-    #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
-    why_no_decode_budget: ClassVar[str] = ""
-
-    def min_legal_budget(self) -> int:
-        """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
-        page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""
-        return 1
 
     def starts_at(self, layer: int) -> bool:
         """Whether ``layer`` can be the first layer this method runs (a per-layer plan's first layer after its full
@@ -221,10 +284,6 @@ class Method(StaticConfig, abc.ABC):
     @abc.abstractmethod
     def decode(self, state, layer: int, q, k, v, pos): ...
 
-    def memory_bytes(self, state) -> int:
-        """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
-        return tree_bytes(state)
-
     @property
     def offloads(self) -> bool:
         """Whether the state keeps its K/V in one device's host memory (``pinned_host``), which a mesh cannot split
@@ -242,48 +301,6 @@ class Method(StaticConfig, abc.ABC):
         if isinstance(state, SlotCache):
             return slot_axes(state, "k", "v", "pos", "score")
         return jax.tree.map(lambda x: default_axes(x.ndim), state)
-
-    @abc.abstractmethod
-    def bytes_read_per_step(self, state, num_heads: int) -> int: ...
-
-    def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
-        """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
-        a slot cache: ``max_new_tokens`` decode slots and one slot of rounding (``ceil(b n)``), K, V and position."""
-        return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
-
-    @abc.abstractmethod
-    def tokens_held(self, state) -> jnp.ndarray: ...
-
-    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
-        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
-        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
-        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
-        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
-        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
-        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
-        return 0, 0
-
-    def min_budget(self) -> tuple[int, str]:
-        """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
-        a page; at least :data:`kvjax.budget.MIN_TOKENS`) and a few words on why. A smaller budget still runs (the
-        method shrinks its windows, docs/interface.md#the-budget-contract) but :func:`kvjax.budget.
-        warn_small_budget` warns once."""
-        return MIN_TOKENS, f"a budget of 1-{MIN_TOKENS - 1} tokens keeps no usable context"
-
-    def attends_everything(self, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:
-        """Whether, in a cache built for ``capacity``, this layer's decode steps attend every token of a prompt that
-        fills the bucket and of every generated token, i.e. compute exactly full attention: too few tokens to
-        compress (a recall budget that covers them all, a prompt too short for PQ retrieval, no merge round of
-        Chelsea). :func:`kvjax.budget.warn_full_attention` says so once. Default: ``False``."""
-        return False
-
-    def kept_tokens(self, n: int, max_new_tokens: int = 0, model_cfg: ModelConfig | None = None) -> int:
-        """Tokens the budget gives a sequence with an ``n``-token prompt (host ints): ``budget_tokens(budget, n)``
-        (Chelsea's budget also counts the ``max_new_tokens`` to come). Compared with :meth:`min_budget`."""
-        return int(budget_tokens(self.budget, n))
-
-    @abc.abstractmethod
-    def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
