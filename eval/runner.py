@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report
 from kvjax.budget import budget_text
-from kvjax.engine import bucket_length, plan as layer_plan, release_compiled
+from kvjax.engine import as_run, bucket_length, release_compiled
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
 from kvjax.methods.plans.hybrid import describe as describe_plan
@@ -333,7 +333,7 @@ def _run_batches(model, task, method, prepared, meta, shared, bar) -> list[dict]
     """Every batch of one task under one method: its rows, each with its batch's seconds (``shared``: the model's
     prefill of each batch computed once for every configuration)."""
     out = []
-    method = layer_plan(model.config, method).method  # a hybrid model: ring buffers on its local layers
+    method = as_run(model.config, method)  # a hybrid model: ring buffers on its local layers
     for i, batch in enumerate(prepared[1]):
         tb = time.perf_counter()
         pre = shared.get(task, prepared, i, batch) if shared else None
