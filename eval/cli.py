@@ -52,6 +52,34 @@ MAIN_NOTES = (
 )
 
 
+#: LESS's kernels were trained with H2O at 0.2 of 512 tokens: the warning that they run at another budget only.
+LESS_BUDGET_WARNING = (
+    r"kernels=.* were trained for another sparse policy setting: budget: "
+    r"trained \d+( tokens( of \d+-token sequences)?)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels"
+)
+
+
+def less_defaults(model: str) -> tuple[dict, tuple[str, ...]]:
+    """The kernels shipped for an embedded model (``kvjax.loading.assets.LESS_KERNELS``), trained with H2O at 0.2 of
+    512 tokens: ``kvjax-eval main`` uses them at 0.2 of each prompt and says so once (its notes) instead of warning
+    per prompt length that they were trained at another budget."""
+    shipped = assets.LESS_KERNELS.get(model)
+    return ({"kernels": str(shipped)}, (LESS_BUDGET_WARNING,)) if shipped is not None else ({}, ())
+
+
+#: Per method name, ``fn(model) -> (options, warnings)``: the options a run of the method on ``model`` (a model name,
+#: as ``--model`` takes it) gets where the user gives none of them, and the warning messages (regular expressions)
+#: those defaults make expected, which ``kvjax-eval main`` silences. A plugin adds its own entry.
+MODEL_DEFAULTS = {"less": less_defaults}
+
+
+def model_defaults(name: str, model: str) -> tuple[dict, tuple[str, ...]]:
+    """:data:`MODEL_DEFAULTS`'s ``(options, warnings)`` for method ``name`` on ``model``; ``({}, ())`` for a method
+    without an entry."""
+    fn = MODEL_DEFAULTS.get(name)
+    return fn(model) if fn is not None else ({}, ())
+
+
 #: needle: 2 lengths x 5 depths = 10 trials per cell, in 2 batches of 5 (one per length: a batch of 256-token prompts
 #: prefills only 256 positions); perplexity: 5 sequences of 512 + 16 tokens. Both tasks have the same batch, bucket
 #: (512) and decode capacity (16), so each method compiles its prefill and decode step once for the two tasks (a
@@ -229,10 +257,8 @@ def cmd_run(args) -> int:
 
     grid = harness.method_grid(names, args.budgets)  # fail before loading the model
     options = method_options(list(dict.fromkeys(n for n, _ in grid)), args.option)
-    from kvjax import methods
-
     for name in names:  # what a method takes by default on this model (LESS: the kernels shipped for it)
-        defaults, expected = methods.REGISTRY[name].model_defaults(args.model)
+        defaults, expected = model_defaults(name, args.model)
         if defaults and not set(defaults) & set(options.get(name, {})):
             options[name] = {**options.get(name, {}), **defaults}
             for message in expected:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.checks import check_int
-from kvjax import analysis, engine, methods
+from kvjax import analysis, engine
 from kvjax.loading import assets
 from kvjax import model as M
 from kvjax import sharding as S
@@ -123,7 +123,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     attention, as the engine's prefill); traced under ``mesh`` (:func:`kvjax.sharding.tracing`) when given."""
     # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
     # are its ring buffer of the window (kvjax.methods.plans.hybrid), so the probes measure the global layers' methods
-    method, full = engine.plan(cfg, method).method, engine.plan(cfg, methods.get("full")).method
+    method, full = engine.as_run(cfg, method), engine.as_run(cfg, "full")
     cap, recalls = Capacity(n, probes + 1), method_of(method).recalls
 
     def run(params, tokens):
@@ -167,9 +167,7 @@ def probe(model, ids, method, probes: int = 8) -> dict:
     "topb_recall": [L] | None, "tokens_held", "cache_bytes", "kib_per_seq"}`` (the memory of the method's cache
     after prefill, one sequence; ``topb_recall`` for recall methods only, see the module docstring)."""
     cfg, params = model.config, model.params
-    method = engine.plan(
-        cfg, method
-    ).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
+    method = engine.as_run(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
     recall_method = method_of(method).recalls
     check_int("probes", probes, numpy_ok=True)
     n = len(ids) - probes

@@ -178,9 +178,7 @@ def answer_after_context(
         raise ValueError(f"a context of {max(lengths)} tokens is longer than bucket={bucket}; raise the bucket")
     check_context(model, max(lengths), cap_new)
     tokens, _ = engine.pad_prompts([list(c) for c in contexts], bucket)
-    method = engine.plan(
-        cfg, method
-    ).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
+    method = engine.as_run(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
     mesh = model.mesh
     put = lambda x: S.put_batch(jnp.asarray(x), mesh)
     states = engine.init_states(
@@ -226,7 +224,7 @@ def bytes_per_seq(model_cfg, method, capacity: Capacity, dtype) -> int:
     on the host)."""
     import jax
 
-    method = engine.plan(model_cfg, method).method
+    method = engine.as_run(model_cfg, method)
     states = jax.eval_shape(lambda: engine.init_states(model_cfg, method, 1, capacity, dtype))
     return engine.memory_bytes(method, states)
 

@@ -93,9 +93,7 @@ def streaming_nll(
             "kvjax.engine.prefilled.prefill_once(model, seqs[:, :prefix], lengths)"
         )
     seqs = S.put_batch(jnp.asarray(seqs, jnp.int32), mesh)
-    method = engine.plan(
-        cfg, method
-    ).method  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
+    method = engine.as_run(cfg, method)  # a hybrid model: ring buffers on its local layers (kvjax.methods.plans.hybrid)
     states = engine.init_states(
         cfg, method, b, Capacity(prefix, n), model.dtype, mesh, scan_layers=M.is_stacked(model.params)
     )

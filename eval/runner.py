@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from eval import harness, needle, perplexity, report, rowstore
 from kvjax.budget import budget_text
-from kvjax.engine import bucket_length, plan as layer_plan, release_compiled
+from kvjax.engine import as_run, bucket_length, release_compiled
 from kvjax.methods.base import Capacity
 from kvjax.methods.full import Full
 from kvjax.methods.plans.hybrid import describe as describe_plan
@@ -345,7 +345,7 @@ def _run_batches(model, task, method, prepared, meta, shared, bar, cells=None) -
     prefill of each batch computed once for every configuration). ``cells`` (a resumable run, :class:`_Cells`):
     a batch it holds is read back, not run (nor prefilled), and a batch run is appended to it."""
     out = []
-    method = layer_plan(model.config, method).method  # a hybrid model: ring buffers on its local layers
+    method = as_run(model.config, method)  # a hybrid model: ring buffers on its local layers
     phases = inspect.signature(task.run_batch).parameters.keys() >= {"on_phase"}
     label, show = bar.postfix or "", harness.throttled(bar.set_postfix_str)
     for i, batch in enumerate(prepared[1]):

@@ -24,7 +24,16 @@ from kvjax.engine.accounting import (
     slot_bytes,
     tokens_held,
 )
-from kvjax.engine.core import TRACE_COUNTS, LayerPlan, Stacked, init_states, layer_states, plan, scan_runs
+from kvjax.engine.core import (
+    TRACE_COUNTS,
+    LayerPlan,
+    Stacked,
+    as_run,
+    init_states,
+    layer_states,
+    plan,
+    scan_runs,
+)
 from kvjax.engine.drivers import (
     DecodeCarry,
     DecodeLoop,
@@ -67,6 +76,7 @@ __all__ = [
     "Result",
     "Sample",
     "Stacked",
+    "as_run",
     "bucket_length",
     "bytes_read_per_step",
     "check_capacity",

@@ -77,6 +77,19 @@ def plan(cfg: ModelConfig, method, compress_local: bool = False) -> LayerPlan:
     return _plan(cfg, method, compress_local)
 
 
+def as_run(cfg: ModelConfig, method, compress_local: bool = False) -> Method | PerLayerPlan:
+    """``method`` normalised once, into the form the layer core runs on ``cfg``: a registered name (None:
+    ``"full"``) is built with ``methods.get``; a method or a per-layer plan becomes the plan it runs as on the model
+    (:func:`kvjax.methods.plans.hybrid.for_model`: ring buffers on a model's local layers); a :class:`LayerPlan`
+    gives its method. The entry points (``generate``, ``compress_context``, eval's runner and tasks) call it once;
+    what they pass on is planned already, so every :func:`plan` of it below is the cached one."""
+    if method is None or isinstance(method, str):
+        from kvjax import methods as methods_lib  # the registry imports the engine's floor: import it when asked
+
+        method = methods_lib.get(method or "full")
+    return plan(cfg, method, compress_local).method
+
+
 @struct.dataclass
 class Stacked:
     """The states of layers ``[start, stop)`` stacked on a leading layer axis (every leaf ``[stop - start, ...]``):

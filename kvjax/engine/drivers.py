@@ -42,7 +42,7 @@ from kvjax.budget import warn_small_budget
 from kvjax.config import ModelConfig
 from kvjax.engine import core, prefilled as P
 from kvjax.engine.accounting import Measures, held_bytes, measure, tokens_held
-from kvjax.engine.core import TRACE_COUNTS, init_states, plan
+from kvjax.engine.core import TRACE_COUNTS, as_run, init_states
 from kvjax.engine.prompts import bucket_length, check_capacity, check_method, eos_ids, pad_prompts, prepare_prompts
 from kvjax.engine.prompts import until_eos, warn_without_chat
 from kvjax.engine.sampling import Greedy
@@ -211,15 +211,11 @@ def generate(
     ``"python"`` driver, a host round trip per step; same tokens) and stops where ``driver`` would. Returns a
     :class:`Result`.
     """
-    from kvjax import methods as methods_lib
-
-    if method is None or isinstance(method, str):
-        method = methods_lib.get(method or "full")
     if driver not in ("while", "scan", "python"):
         raise ValueError(f"driver={driver!r} must be 'while', 'scan' or 'python'")
     sampling = sampling or Greedy()
     cfg = model.config
-    method = plan(cfg, method, compress_local).method
+    method = as_run(cfg, method, compress_local)  # normalised once: what follows runs it as planned
     ids = prepare_prompts(model, prompts, chat)
     lengths_list = [len(s) for s in ids]
     bucket = prompt_len or bucket_length(max(lengths_list))

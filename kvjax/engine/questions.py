@@ -58,14 +58,10 @@ def compress_context(model, context, method=None, *, max_new_tokens: int = 256, 
     """Prefill and compress ``context`` (a string, tokenized without a chat template, or token ids) once with
     ``method`` (a config or a registered name; default ``full``), for questions and answers of up to
     ``max_new_tokens`` tokens together. Returns a :class:`Context`."""
-    from kvjax import methods as methods_lib
-
     if model.mesh is not None:
         raise ValueError("compress_context runs on one device; load the model without a mesh")
-    if method is None or isinstance(method, str):
-        method = methods_lib.get(method or "full")
     cfg = model.config
-    method = core.plan(cfg, method).method
+    method = core.as_run(cfg, method)  # normalised once: what follows runs it as planned
     ids = engine.prepare_prompts(model, [context] if isinstance(context, str) else [list(context)])
     n = len(ids[0])
     bucket = prompt_len or engine.bucket_length(n)

@@ -12,12 +12,16 @@ implements four pure functions over its own state pytree (docs/interface.md#the-
   the new token, attend, evict / re-compress; all at fixed shapes.
 - ``memory_bytes(state) -> int``: bytes the state really holds (every leaf, counts and positions included).
 
-Optional capabilities are declared here with their defaults; the engine, eval and LESS ask them, never
-``getattr``:
+Four optional capabilities are types a method inherits, whose abstract functions are the capability
+(:class:`AttendsPrompt`: ``prefill_attend``; :class:`DecodePartial`: ``decode_partial``, the attention partials
+and the KV pair evicted this step, which LESS wraps; :class:`Recompressible`: ``rescorer``, ``reselect``,
+``observation_window``, for a decode budget; :class:`Recalls`: ``selected_positions`` and ``attended``): a class
+that inherits one and does not implement it cannot be instantiated. The flags the engine, eval and LESS read
+(``attends_prompt``, ``has_decode_partial``, ``recompressible``, ``recalls``; never ``getattr``) are derived
+from the type (:data:`CAPABILITIES`); only LESS's ``attends_prompt`` is decided per instance (its policy's).
+The other declarations are here with their defaults:
 
 - ``reuses_previous_layer`` (ClassVar bool, default False): prefill takes ``previous=``.
-- ``has_decode_partial`` (ClassVar bool, default False): ``decode_partial(...) -> ((o, m, l), State, (k_ev,
-  v_ev, evicted))`` returns the attention partials and the KV pair evicted this step (LESS wraps such a policy).
 - ``bytes_read_per_step(state, num_heads) -> int``: the bytes one decode step of this layer reads (K/V blocks
   the decode-attention kernel's block plan visits, masks, codes, ...), beside ``memory_bytes``.
 - ``state_axes(state)``: the logical axes of each state leaf, for sharding (:mod:`kvjax.sharding`): by default a
@@ -46,13 +50,6 @@ Optional capabilities are declared here with their defaults; the engine, eval an
   layer body instead of ``L``; ``kvjax.load_model(..., scan_layers=True)``). Every built-in method declares it.
 - ``recompresses`` (ClassVar bool, default False): some decode steps re-compress the whole cache (Chelsea's
   rounds), so those steps compute over every slot of the layer.
-- ``recalls`` (ClassVar bool, default False): a recall method (PQCache, ClusterKV, Quest) keeps every token
-  stored and each decode step attends to a query-dependent selection; it implements
-  ``selected_positions(state, layer, q [B,Hq,D]) -> [B, Hq, S] bool``: which token *positions* ``[0, S)`` the
-  next decode step (the one whose new token goes at position ``filled``) would attend for the query ``q``, the
-  new token itself excluded (sinks, windows, pages, clusters, retrieved tokens included). ``kvjax-eval
-  fidelity`` compares it with the exact top-B attention tokens (ClusterKV Fig. 11's recall); and ``attended(n,
-  steps, ctx=LayerContext()) -> int``, how many tokens that step attends (``held``'s arguments).
 
 Budgets (:mod:`kvjax.budget`): a float ``b`` in ``(0, 1]`` gives each sequence ``ceil(b n)`` tokens of its own
 prompt ``n`` (exact integers), an int is a token count. A method never holds more than its budget; on a prompt
@@ -66,6 +63,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import inspect
 from typing import Any, ClassVar
 
 import jax
@@ -136,38 +134,11 @@ class StaticConfig:
         return hash(self._key)
 
 
-class Method(StaticConfig, abc.ABC):
-    """The interface every cache method implements (see the module docstring). Subclasses are frozen
-    dataclasses declared with ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash
-    as a :class:`StaticConfig`; ``name`` is the registry name. A per-layer plan
-    (:class:`kvjax.methods.plans.layers.PerLayerPlan`) is not a method: it answers :meth:`at` only."""
+class Budgeted(abc.ABC):
+    """The budget contract of a method (docs/interface.md#the-budget-contract), on the host: its budget, how many
+    tokens a sequence holds (:meth:`held`, abstract) and how the budget reads (the smallest legal and sensible
+    ones, the tokens it gives a prompt, whether it covers everything). A part of :class:`Method`."""
 
-    def __init_subclass__(cls, **kwargs):
-        """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
-        ``prefill_attend``, ``decode`` and ``decode_partial`` the subclass defines: every method, a plugin's
-        included, raises the same ValueError for arguments of the wrong shape, at trace time."""
-        super().__init_subclass__(**kwargs)
-        for name in boundary.WRAPPED:
-            if name in cls.__dict__:
-                setattr(cls, name, boundary.checked(name, cls.__dict__[name]))
-
-    name: ClassVar[str] = ""
-    #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).
-    reuses_previous_layer: ClassVar[bool] = False
-    #: ``decode_partial`` is implemented (partials + the evicted pair, for LESS).
-    has_decode_partial: ClassVar[bool] = False
-    #: A recall method: ``selected_positions`` is implemented (every token stays stored, a step attends a
-    #: query-dependent subset).
-    recalls: ClassVar[bool] = False
-    #: ``prefill``/``decode`` accept ``layer`` as a traced int32 scalar when called on a run of layers whose states
-    #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
-    #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
-    traced_layer: ClassVar[bool] = False
-    #: ``prefill_attend`` is implemented: the method computes the prompt's causal attention together with its own
-    #: prefill (H2O's accumulated scores come from the attention's probabilities), and the engine takes that output
-    #: instead of running the prefill attention a second time (on layers without a sliding window, where the engine's
-    #: prefill attention is the pure-JAX one).
-    attends_prompt: ClassVar[bool] = False
     #: The budget (a fraction of the prompt, or a token count; docs/interface.md#the-budget-contract); None for a
     #: method without one (``full``). A method with a budget declares it as a dataclass field and validates it once,
     #: in its ``__post_init__``.
@@ -175,144 +146,15 @@ class Method(StaticConfig, abc.ABC):
     #: Every sequence holds exactly :meth:`held` tokens; False: at most that many (ChunkKV, whose chunk that
     #: straddles the window is cut there).
     holds_exactly: ClassVar[bool] = True
-    #: The Pallas kernels (``kernels_pallas``) a decode step calls on an accelerator, sorted: the decode attention
-    #: for most; a method with kernels of its own besides it takes an ``impl`` option for them (Chelsea, PQCache,
-    #: ClusterKV); none for a step that attends on its XLA path (H2O, LESS: the weights come with the scores).
-    #: The export and accelerator tests check the compiled step holds exactly these.
-    step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention",)
-    #: Some decode steps re-compress the whole cache (Chelsea's merge round every ``interval`` steps): those steps
-    #: compute over every slot of the layer's K/V, not only through the decode attention's chunks. The scan test
-    #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
-    recompresses: ClassVar[bool] = False
-
-    #: A decode budget composes over it (:class:`kvjax.methods.core.bounded.DecodeBudget`, ``methods.get(name, ...,
-    #: decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
-    #: (:class:`SlotMethod`'s), and it implements :meth:`rescorer`, :meth:`reselect`, :meth:`observation_window`
-    #: and :meth:`decode_target`, its own scoring and selection re-applied to the slots it holds.
-    recompressible: ClassVar[bool] = False
-
     #: Why a decode budget (:class:`~kvjax.methods.core.bounded.DecodeBudget`) does not compose over a method that is
     #: not ``recompressible``: how it bounds decode already, or why it keeps every token. The ValueError refusing
     #: ``methods.get(name, ..., decode_budget=N)`` ends with it. Default: nothing to add.
     why_no_decode_budget: ClassVar[str] = ""
 
-    @classmethod
-    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
-        """``(options, warnings)``: the options a run of this method on ``model`` (a model name, as ``kvjax-eval
-        --model`` takes it) gets where the user gives none of them, and the warning messages (regular expressions)
-        those defaults make expected, which ``kvjax-eval main`` silences (LESS: the kernels shipped for an embedded
-        model, and their warning that they were trained at another budget). Default: ``({}, ())``."""
-        return {}, ()
-
     def min_legal_budget(self) -> int:
         """The smallest token-count budget this configuration accepts (a smaller one is a ValueError): 1, or one
         page (Quest), the sinks (ClusterKV). Not :meth:`min_budget`, the smallest one that is sensible."""
         return 1
-
-    def starts_at(self, layer: int) -> bool:
-        """Whether ``layer`` can be the first layer this method runs (a per-layer plan's first layer after its full
-        ones): False where the layer reuses an earlier layer's selection (ChunkKV's followers)."""
-        return True
-
-    def at(self, layer: int) -> "Method":
-        """The method that runs layer ``layer`` (a static int): this one (ClusterKV's and Quest's: ``full`` below
-        their ``n_full``). Callers resolve it before ``init``, ``prefill``, ``decode`` and every per-state measure,
-        as they resolve a per-layer plan's (module docstring)."""
-        return self
-
-    @abc.abstractmethod
-    def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any: ...
-
-    @abc.abstractmethod
-    def prefill(self, state, layer: int, q, k, v, lengths, previous=None): ...
-
-    @abc.abstractmethod
-    def decode(self, state, layer: int, q, k, v, pos): ...
-
-    def memory_bytes(self, state) -> int:
-        """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
-        return tree_bytes(state)
-
-    @property
-    def offloads(self) -> bool:
-        """Whether the state keeps its K/V in one device's host memory (``pinned_host``), which a mesh cannot split
-        (PQCache's and ClusterKV's ``offload=True``); the engine refuses such a method with a mesh."""
-        return False
-
-    def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
-        """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
-        ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass. Only for
-        methods that declare ``attends_prompt``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare attends_prompt")
-
-    def decode_partial(self, state, layer: int, q, k, v, pos):
-        raise NotImplementedError(
-            f"method {self.name!r} does not declare has_decode_partial; LESS can only wrap "
-            "a policy that does (h2o, streaming_llm)"
-        )
-
-    def rescorer(self):
-        """The :class:`~kvjax.methods.core.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
-        ``observed`` votes from the recent queries, then ``finish``). Only for methods that declare
-        ``recompressible``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def reselect(self, votes, lengths, budgets, slots: int):
-        """The method's own selection over a held sequence: ``votes [N, H, S]`` raw scores of slots in position
-        order (:meth:`rescorer`'s ``observed``; ``finish`` is the method's to apply), ``lengths [N]`` the slots
-        held, ``budgets [N]`` the tokens to keep (window included), ``slots`` the static output size. Returns
-        ``(idx [N, H, slots] int32, ok [N, H, slots] bool)``, indices into ``S``, real entries first, in order;
-        every slot when ``lengths <= budgets``. Only for methods that declare ``recompressible``."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def observation_window(self) -> int:
-        """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
-        raise NotImplementedError(f"method {self.name!r} does not declare recompressible")
-
-    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
-        """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
-        the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""
-        return decode_budget
-
-    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
-        """``[B, Hq, S]`` bool: the token positions the next decode step would attend for ``q [B, Hq, D]`` (the
-        new token excluded). Only for methods that declare ``recalls``."""
-        raise NotImplementedError(
-            f"method {self.name!r} does not declare recalls; selected_positions is for the "
-            "recall methods (pqcache, clusterkv, quest)"
-        )
-
-    def state_axes(self, state) -> Any:
-        """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
-        leaves ``("batch",)``, ``[B, Hkv, ...]`` leaves ``("batch", "kv_heads")`` (head-major, the layout every
-        method keeps). :mod:`kvjax.sharding` maps ``batch`` to the mesh axis ``data`` and ``kv_heads`` to ``model``;
-        override for leaves without a batch axis (they are then replicated). The leaves of the slot buffer, whose
-        slots hold the tokens the method keeps (K, V and per-slot metadata: ``[B, Hkv, S, ...]``), declare their
-        third axis ``slots`` (:func:`slot_axes`): :mod:`kvjax.engine.accounting` charges each held token one slot of
-        them and counts the rest of the state as fixed. A :class:`SlotCache` declares its own."""
-        if isinstance(state, SlotCache):
-            return slot_axes(state, "k", "v", "pos", "score")
-        return jax.tree.map(lambda x: default_axes(x.ndim), state)
-
-    @abc.abstractmethod
-    def bytes_read_per_step(self, state, num_heads: int) -> int: ...
-
-    def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
-        """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
-        a slot cache: ``max_new_tokens`` decode slots and one slot of rounding (``ceil(b n)``), K, V and position."""
-        return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
-
-    @abc.abstractmethod
-    def tokens_held(self, state) -> jnp.ndarray: ...
-
-    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
-        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
-        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
-        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
-        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
-        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
-        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
-        return 0, 0
 
     def min_budget(self) -> tuple[int, str]:
         """``(tokens, why)``: the fewest tokens this method's budget can use sensibly (its sinks + window, a chunk,
@@ -335,6 +177,212 @@ class Method(StaticConfig, abc.ABC):
 
     @abc.abstractmethod
     def held(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int: ...
+
+
+class Accounted(abc.ABC):
+    """The byte and token accounting of a method's state, on the host, outside ``jit`` (the engine's statistics and
+    the tests ask these, never the state's shapes): the bytes it holds, those one decode step reads, the tokens each
+    sequence holds, its index and what it may hold beyond its share of the prompt. A part of :class:`Method`;
+    :class:`SlotMethod` derives the abstract ones for a slot cache."""
+
+    def memory_bytes(self, state) -> int:
+        """Bytes of every leaf of the state (override when part of it is not cache, e.g. LESS's kernels)."""
+        return tree_bytes(state)
+
+    @abc.abstractmethod
+    def bytes_read_per_step(self, state, num_heads: int) -> int: ...
+
+    def held_overhead_bytes(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> int:
+        """Bytes layer ``layer``'s state may hold beyond ``b`` x full's at ``capacity`` (module docstring). Default,
+        a slot cache: ``max_new_tokens`` decode slots and one slot of rounding (``ceil(b n)``), K, V and position."""
+        return (capacity.max_new_tokens + 1) * slot_bytes(model_cfg, batch, dtype)
+
+    @abc.abstractmethod
+    def tokens_held(self, state) -> jnp.ndarray: ...
+
+    def index_bytes(self, state, n=None, steps=None) -> tuple[int, Any]:
+        """``(allocated, live)``: the bytes of this layer's state that are sized by the bucket but grow with the
+        tokens a sequence holds besides its per-slot leaves (Quest's page bounds, PQCache's codes, ClusterKV's
+        centroids), for the whole batch, and those each sequence uses now (``[B]``). ``n``, ``steps`` None: measured
+        on a concrete state (its fill counts); else from the state's shapes for prompts ``n`` (an int array) after
+        ``steps`` decode steps. :func:`kvjax.engine.held_bytes` and ``expected_held_bytes`` count the live part
+        instead of the allocated one, so held bytes follow the sequence, not the bucket. Default: none, ``(0, 0)``."""
+        return 0, 0
+
+
+class Method(StaticConfig, Budgeted, Accounted, abc.ABC):
+    """The interface every cache method implements (see the module docstring): its core is what it computes
+    (``init``, ``prefill``, ``decode``) and what the engine needs to lay out and run its state (``at``,
+    ``starts_at``, ``state_axes``, ``offloads``, ``traced_layer``, ``reuses_previous_layer``, ``step_kernels``,
+    ``recompresses``); the budget contract is :class:`Budgeted`'s, the accounting :class:`Accounted`'s, and each
+    optional capability a type of its own (:data:`CAPABILITIES`). Subclasses are frozen dataclasses declared with
+    ``eq=False`` (the registry sets it for a plugin's), so that they compare and hash as a :class:`StaticConfig`;
+    ``name`` is the registry name. A per-layer plan (:class:`kvjax.methods.plans.layers.PerLayerPlan`) is not a
+    method: it answers :meth:`at` only."""
+
+    def __init_subclass__(cls, **kwargs):
+        """Put the boundary checks (:mod:`kvjax.methods.boundary`) in front of the ``init``, ``prefill``,
+        ``prefill_attend``, ``decode`` and ``decode_partial`` the subclass defines: every method, a plugin's
+        included, raises the same ValueError for arguments of the wrong shape, at trace time."""
+        super().__init_subclass__(**kwargs)
+        for name in boundary.WRAPPED:
+            if name in cls.__dict__:
+                setattr(cls, name, boundary.checked(name, cls.__dict__[name]))
+        for flag, capability in CAPABILITIES.items():
+            declared = inspect.getattr_static(cls, flag)
+            if isinstance(declared, property):  # decided per instance (LESS's attends_prompt is its policy's)
+                continue
+            if flag in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} sets {flag}: a capability is declared by inheriting "
+                    f"kvjax.methods.base.{capability.__name__} (and implementing its functions), not by a flag"
+                )
+            setattr(cls, flag, issubclass(cls, capability))
+
+    name: ClassVar[str] = ""
+    #: ChunkKV-style index reuse: ``prefill`` gets ``previous=`` (the previous layer's prefill state).
+    reuses_previous_layer: ClassVar[bool] = False
+    #: ``prefill``/``decode`` accept ``layer`` as a traced int32 scalar when called on a run of layers whose states
+    #: agree (the engine's scan over layers, ``init_states(..., scan_layers=True)``): nothing branches on it in
+    #: Python. Per-layer differences live in ``init`` (shapes, static fields, per-layer arrays in the state).
+    traced_layer: ClassVar[bool] = False
+    #: The Pallas kernels (``kernels_pallas``) a decode step calls on an accelerator, sorted: the decode attention
+    #: for most; a method with kernels of its own besides it takes an ``impl`` option for them (Chelsea, PQCache,
+    #: ClusterKV); none for a step that attends on its XLA path (H2O, LESS: the weights come with the scores).
+    #: The export and accelerator tests check the compiled step holds exactly these.
+    step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention",)
+    #: Some decode steps re-compress the whole cache (Chelsea's merge round every ``interval`` steps): those steps
+    #: compute over every slot of the layer's K/V, not only through the decode attention's chunks. The scan test
+    #: (tests/kvjax/test_scan_layers.py) allows such whole-layer values, but still no copy of the stack.
+    recompresses: ClassVar[bool] = False
+
+    #: The capabilities' flags, derived from the type (:data:`CAPABILITIES`; set by :meth:`__init_subclass__`): a
+    #: method inherits :class:`AttendsPrompt`, :class:`DecodePartial`, :class:`Recompressible` or :class:`Recalls`,
+    #: and never sets these.
+    attends_prompt: ClassVar[bool] = False
+    has_decode_partial: ClassVar[bool] = False
+    recompressible: ClassVar[bool] = False
+    recalls: ClassVar[bool] = False
+
+    def starts_at(self, layer: int) -> bool:
+        """Whether ``layer`` can be the first layer this method runs (a per-layer plan's first layer after its full
+        ones): False where the layer reuses an earlier layer's selection (ChunkKV's followers)."""
+        return True
+
+    def at(self, layer: int) -> "Method":
+        """The method that runs layer ``layer`` (a static int): this one (ClusterKV's and Quest's: ``full`` below
+        their ``n_full``). Callers resolve it before ``init``, ``prefill``, ``decode`` and every per-state measure,
+        as they resolve a per-layer plan's (module docstring)."""
+        return self
+
+    @abc.abstractmethod
+    def init(self, model_cfg: ModelConfig, batch: int, capacity: Capacity, layer: int, dtype) -> Any: ...
+
+    @abc.abstractmethod
+    def prefill(self, state, layer: int, q, k, v, lengths, previous=None): ...
+
+    @abc.abstractmethod
+    def decode(self, state, layer: int, q, k, v, pos): ...
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the state keeps its K/V in one device's host memory (``pinned_host``), which a mesh cannot split
+        (PQCache's and ClusterKV's ``offload=True``); the engine refuses such a method with a mesh."""
+        return False
+
+    def state_axes(self, state) -> Any:
+        """The logical axes of each leaf of ``state`` (a pytree of tuples like ``state``): scalars ``()``, ``[B]``
+        leaves ``("batch",)``, ``[B, Hkv, ...]`` leaves ``("batch", "kv_heads")`` (head-major, the layout every
+        method keeps). :mod:`kvjax.sharding` maps ``batch`` to the mesh axis ``data`` and ``kv_heads`` to ``model``;
+        override for leaves without a batch axis (they are then replicated). The leaves of the slot buffer, whose
+        slots hold the tokens the method keeps (K, V and per-slot metadata: ``[B, Hkv, S, ...]``), declare their
+        third axis ``slots`` (:func:`slot_axes`): :mod:`kvjax.engine.accounting` charges each held token one slot of
+        them and counts the rest of the state as fixed. A :class:`SlotCache` declares its own."""
+        if isinstance(state, SlotCache):
+            return slot_axes(state, "k", "v", "pos", "score")
+        return jax.tree.map(lambda x: default_axes(x.ndim), state)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The optional capabilities, each a type a method inherits: its abstract functions are the capability, so a class
+# that declares one and does not implement it cannot be instantiated (TypeError), and the flag the engine reads
+# (``attends_prompt``, ``has_decode_partial``, ``recompressible``, ``recalls``) is derived from the type.
+
+
+class AttendsPrompt(abc.ABC):
+    """The method computes the prompt's causal attention together with its own prefill (H2O's accumulated scores
+    come from the attention's probabilities), and the engine takes that output instead of running the prefill
+    attention a second time (on layers without a sliding window, where the engine's prefill attention is the
+    pure-JAX one). Flag: ``attends_prompt``."""
+
+    @abc.abstractmethod
+    def prefill_attend(self, state, layer: int, q, k, v, lengths, previous=None):
+        """``(out [B, Hq, T, D] in q.dtype, new state)``: the prompt's causal attention (as
+        ``kvjax.model.causal_attention(q, k, v, lengths)``) and :meth:`prefill`'s state, from one pass."""
+
+
+class DecodePartial(abc.ABC):
+    """A decode step that returns its attention partials and the KV pair it evicted, which LESS wraps (h2o,
+    streaming_llm). Flag: ``has_decode_partial``."""
+
+    @abc.abstractmethod
+    def decode_partial(self, state, layer: int, q, k, v, pos):
+        """``((o, m, l), State, (k_ev [B, Hkv, D], v_ev [B, Hkv, D], evicted [B, Hkv] bool))``."""
+
+
+class Recompressible(abc.ABC):
+    """A decode budget composes over it (:class:`kvjax.methods.core.bounded.DecodeBudget`, ``methods.get(name, ...,
+    decode_budget=N, every=E)``): its state is a :class:`SlotCache` whose ``decode`` appends after the kept prompt
+    (:class:`SlotMethod`'s), and its own scoring and selection are re-applied to the slots it holds. Flag:
+    ``recompressible``."""
+
+    @abc.abstractmethod
+    def rescorer(self):
+        """The :class:`~kvjax.methods.core.scorers.Scorer` a decode-time re-compression ranks the held slots with (its
+        ``observed`` votes from the recent queries, then ``finish``)."""
+
+    @abc.abstractmethod
+    def reselect(self, votes, lengths, budgets, slots: int):
+        """The method's own selection over a held sequence: ``votes [N, H, S]`` raw scores of slots in position
+        order (:meth:`rescorer`'s ``observed``; ``finish`` is the method's to apply), ``lengths [N]`` the slots
+        held, ``budgets [N]`` the tokens to keep (window included), ``slots`` the static output size. Returns
+        ``(idx [N, H, slots] int32, ok [N, H, slots] bool)``, indices into ``S``, real entries first, in order;
+        every slot when ``lengths <= budgets``."""
+
+    @abc.abstractmethod
+    def observation_window(self) -> int:
+        """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
+
+    def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
+        """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
+        the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""
+        return decode_budget
+
+
+class Recalls(abc.ABC):
+    """A recall method (PQCache, ClusterKV, Quest): every token stays stored and each decode step attends a
+    query-dependent selection. ``kvjax-eval fidelity`` compares :meth:`selected_positions` with the exact top-B
+    attention tokens (ClusterKV Fig. 11's recall). Flag: ``recalls``."""
+
+    @abc.abstractmethod
+    def selected_positions(self, state, layer: int, q) -> jnp.ndarray:
+        """``[B, Hq, S]`` bool: the token positions ``[0, S)`` the next decode step (the one whose new token goes at
+        position ``filled``) would attend for ``q [B, Hq, D]``, the new token itself excluded (sinks, windows, pages,
+        clusters, retrieved tokens included)."""
+
+    @abc.abstractmethod
+    def attended(self, n: int, steps: int, ctx: LayerContext = LayerContext()) -> int:
+        """How many tokens the decode step after ``steps`` steps attends for an ``n``-token prompt, the new token
+        included (:meth:`Method.held`'s arguments)."""
+
+
+#: Each capability's flag on :class:`Method` and the type that declares it.
+CAPABILITIES: dict[str, type] = {
+    "attends_prompt": AttendsPrompt,
+    "has_decode_partial": DecodePartial,
+    "recompressible": Recompressible,
+    "recalls": Recalls,
+}
 
 
 def attends_all_steps(method, model_cfg: ModelConfig, capacity: Capacity, layer: int = 0) -> bool:

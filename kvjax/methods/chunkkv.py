@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.checks import check_int
 from kvjax.methods.base import (
+    Recompressible,
     Capacity,
     LayerContext,
     MIN_TOKENS,
@@ -58,7 +59,7 @@ MODES = ("prefix_exclusive", "paper_literal")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ChunkKV(SlotMethod):
+class ChunkKV(SlotMethod, Recompressible):
     """ChunkKV config. ``budget``: fraction of each prompt in (0, 1] or a token count, window included
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
     ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
@@ -160,8 +161,6 @@ class ChunkKV(SlotMethod):
             return store_prompt(state, k, v, idx, idx >= 0)
         idx, ok = self.select(q, k, lengths, p)
         return store_prompt(state, k, v, idx, ok)
-
-    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.core.bounded)
 
     def rescorer(self) -> Scorer:
         return make_scorer(self.scorer, self.window, kernel=1)

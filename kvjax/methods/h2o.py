@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from kvjax.model import attention
 from kvjax.budget import as_fraction, floor_mul
 from kvjax.methods.base import (
+    AttendsPrompt,
+    DecodePartial,
     MIN_TOKENS,
     Capacity,
     LayerContext,
@@ -53,15 +55,13 @@ from kvjax.methods.core.select import accumulated_attention, accumulated_scores,
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class H2O(SlotMethod):
+class H2O(SlotMethod, AttendsPrompt, DecodePartial):
     name: ClassVar[str] = "h2o"
     why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
         "h2o already bounds decode: it evicts to its budget at every step (a token budget covers generated tokens)."
     )
     step_kernels: ClassVar[tuple[str, ...]] = ()  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
-    has_decode_partial: ClassVar[bool] = True
-    attends_prompt: ClassVar[bool] = True  # the prompt's attention and its scores in one pass
     budget: float | int = 0.2
     recent: float | int = 0.5  # fraction of the budget, or a token count
 

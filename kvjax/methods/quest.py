@@ -34,6 +34,7 @@ from kvjax import sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
 from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
+    Recalls,
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
@@ -86,11 +87,10 @@ class QuestState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Quest(Method):
+class Quest(Method, Recalls):
     name: ClassVar[str] = "quest"
     why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
-    recalls: ClassVar[bool] = True
     budget: float | int = 1024  # tokens attended per step (int), or a fraction of each prompt (float)
     page_size: int = 16  # tokens per page (Quest's and ClusterKV's setting)
     n_full: int = 2  # the first n_full layers keep and attend the full cache (Quest skips the first two)

@@ -28,6 +28,7 @@ import numpy as np
 
 from kernels_pallas.checks import check_int
 from kvjax.methods.base import (
+    Recompressible,
     Capacity,
     LayerContext,
     MIN_TOKENS,
@@ -44,7 +45,7 @@ from kvjax.methods.core.select import kept_window, topk_with_window
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SnapKV(SlotMethod):
+class SnapKV(SlotMethod, Recompressible):
     name: ClassVar[str] = "snapkv"
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
     budget: float | int = 0.2
@@ -82,8 +83,6 @@ class SnapKV(SlotMethod):
         scores = self.score_fn(q, k, lengths, lengths - windows)
         idx, ok = topk_with_window(scores, lengths, budgets, self.window, state.prompt_slots, windows)
         return store_prompt(state, k, v, idx, ok)
-
-    recompressible: ClassVar[bool] = True  # a decode budget composes over it (kvjax.methods.core.bounded)
 
     def rescorer(self) -> Scorer:
         return self.score_fn

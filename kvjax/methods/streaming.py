@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from kernels_pallas.checks import check_int
 from kvjax.model import attention
 from kvjax.methods.base import (
+    DecodePartial,
     Capacity,
     LayerContext,
     MIN_TOKENS,
@@ -33,13 +34,12 @@ from kvjax.methods.base import (
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StreamingLLM(SlotMethod):
+class StreamingLLM(SlotMethod, DecodePartial):
     name: ClassVar[str] = "streaming_llm"
     why_no_decode_budget: ClassVar[str] = (  # base.Method.why_no_decode_budget
         "streaming_llm already bounds decode: its window rolls (a token budget covers generated tokens)."
     )
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
-    has_decode_partial: ClassVar[bool] = True
     budget: float | int = 0.2
     sinks: int = 4
 

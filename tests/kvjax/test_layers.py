@@ -145,9 +145,7 @@ def _plans():
 
 #: What takes a layer's state, or a layer, on a :class:`Method`: a plan offers none of it.
 STATEFUL = [
-    name
-    for name in dir(Method)
-    if not name.startswith("_") and callable(getattr(Method, name)) and name not in ("at", "model_defaults")
+    name for name in dir(Method) if not name.startswith("_") and callable(getattr(Method, name)) and name != "at"
 ]
 
 
@@ -171,6 +169,19 @@ def test_a_plan_is_not_a_method_and_takes_no_state():
         FullFirst(2, methods.get("snapkv", budget=1))
     )
     assert one != other and one != one.inner and len({one, other, one.inner}) == 3
+
+
+def test_as_run_normalises_a_method_once():
+    """``engine.as_run``: a name (None: ``full``), a method, a per-layer plan or a :class:`LayerPlan` become the one
+    form the layer core runs on the model (a hybrid model's :class:`Hybrid`), and normalising it again changes
+    nothing."""
+    flat = kvjax.ModelConfig("llama", 64, 32, 48, LAYERS, 4, 2, 8)
+    hybrid = kvjax.ModelConfig("llama", 64, 32, 48, LAYERS, 4, 2, 8, sliding_windows=(8, None, 8, None))
+    snap = methods.get("snapkv", budget=0.25)
+    assert engine.as_run(flat, None) == methods.Full() and engine.as_run(flat, "snapkv") == methods.get("snapkv")
+    assert engine.as_run(flat, snap) is snap and engine.as_run(flat, engine.plan(flat, snap)) is snap
+    run = engine.as_run(hybrid, snap)
+    assert run == Hybrid((8, None, 8, None), snap) and engine.as_run(hybrid, run) is run
 
 
 def _greedy_by_hand(model, layers, ids, steps):

@@ -274,19 +274,19 @@ def test_bad_input():
 
 
 def test_model_defaults_are_the_shipped_kernels_and_quiet_only_their_budget_warning():
-    """``Less.model_defaults(model)`` (base.Method.model_defaults, which ``kvjax-eval main`` reads through the
-    registry instead of a special case for ``"less"``): the kernels shipped for an embedded model, and a warning
-    pattern that silences their trained-at-another-budget warning, not a policy mismatch; none elsewhere."""
+    """``eval.cli.model_defaults("less", model)`` (the command line's registry of per-method model defaults, which
+    ``kvjax-eval main`` reads instead of a special case for ``"less"``): the kernels shipped for an embedded model,
+    and a warning pattern that silences their trained-at-another-budget warning, not a policy mismatch; none
+    elsewhere."""
     import warnings
 
+    from eval.cli import model_defaults
     from kvjax.loading import assets
 
-    assert methods.REGISTRY["less"].model_defaults("no/such-model") == ({}, ())
-    assert all(
-        methods.REGISTRY[n].model_defaults(assets.SMOLLM2_NAME) == ({}, ()) for n in methods.names() if n != "less"
-    )
+    assert model_defaults("less", "no/such-model") == ({}, ())
+    assert all(model_defaults(n, assets.SMOLLM2_NAME) == ({}, ()) for n in methods.names() if n != "less")
     for model, shipped in assets.LESS_KERNELS.items():
-        defaults, expected = methods.REGISTRY["less"].model_defaults(model)
+        defaults, expected = model_defaults("less", model)
         assert defaults == {"kernels": str(shipped)} and len(expected) == 1
         for budget, policy, quiet in ((0.3, "h2o", True), (77, "h2o", True), (0.3, "lambda", False)):
             with warnings.catch_warnings(record=True) as seen:

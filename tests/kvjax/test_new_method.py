@@ -18,7 +18,7 @@ import pytest
 
 from kvjax import cli, methods
 from kvjax.config import ModelConfig
-from kvjax.methods.base import Capacity, SlotMethod
+from kvjax.methods.base import CAPABILITIES, Capacity, Recalls, SlotMethod
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -95,13 +95,29 @@ def test_cover_picks_a_method_by_what_it_declares(knorm):
     assert methods.cover(*traits) == ("full", "h2o", "chelsea", "pqcache") and "knorm" not in methods.cover(*traits)
     assert methods.cover("recompresses", any_true=True) == ("chelsea",)
 
+    recall = {"selected_positions": lambda self, state, layer, q: None, "attended": lambda self, n, steps, ctx=None: 0}
     both = dataclasses.dataclass(frozen=True)(
-        type("KnormBoth", (knorm,), {"name": "knorm_both", "recalls": True, "recompresses": True})
+        type("KnormBoth", (knorm, Recalls), {"name": "knorm_both", "recompresses": True, **recall})
     )
     methods.register(both)
     assert methods.cover(*traits)[-1] == "knorm_both"
     with pytest.raises(ValueError, match="recals"):
         methods.cover("recals")
+
+
+def test_a_capability_is_a_type_and_its_flag_follows(knorm):
+    """Each optional capability is a type whose abstract functions are the capability: a method that inherits one
+    without implementing it cannot be built, its flag is derived from the type, and setting a flag instead is a
+    TypeError when the class is created."""
+    for flag, capability in CAPABILITIES.items():
+        lacking = dataclasses.dataclass(frozen=True)(type(f"Lacks_{flag}", (knorm, capability), {}))
+        assert getattr(lacking, flag) is True and getattr(knorm, flag) is False
+        with pytest.raises(TypeError, match="abstract"):
+            lacking(budget=0.5)
+        with pytest.raises(TypeError, match=capability.__name__):
+            type(f"Sets_{flag}", (knorm,), {flag: True})
+    assert [n for n in methods.names() if methods.REGISTRY[n].recalls] == ["pqcache", "clusterkv", "quest"]
+    assert all(isinstance(methods.get(n), Recalls) == methods.get(n).recalls for n in methods.names())
 
 
 @pytest.mark.parametrize("budget", [5, 0.25])

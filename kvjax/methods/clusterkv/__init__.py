@@ -44,6 +44,7 @@ from kvjax.methods.clusterkv import (
 from kvjax.budget import warn_full_attention
 from kvjax.methods.core.offload import host_sharding
 from kvjax.methods.base import (
+    Recalls,
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     Capacity,
@@ -83,12 +84,11 @@ class ClusterState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ClusterKV(Method):
+class ClusterKV(Method, Recalls):
     name: ClassVar[str] = "clusterkv"
     why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
-    recalls: ClassVar[bool] = True
     budget: float | int = 1024  # prompt-side tokens attended, sinks included (the paper's B: 256..2048)
     sink: int = 16  # initial tokens always attended, never clustered (paper §III-B)
     tokens_per_cluster: int = 80  # C0 = Lc // 80 (the paper's L/80, 400 at 32k)

@@ -40,9 +40,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kernels_pallas.checks import check_int
-from kvjax.loading import assets
 from kvjax.budget import budget_tokens
-from kvjax.methods.base import LayerContext, Capacity, Method, SlotCache, tree_bytes
+from kvjax.methods.base import AttendsPrompt, LayerContext, Capacity, Method, SlotCache, tree_bytes
 from kvjax.methods.h2o import H2O
 from kvjax.methods.streaming import StreamingLLM
 
@@ -94,7 +93,7 @@ class LessState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Less(Method):
+class Less(Method, AttendsPrompt):
     """LESS config (static under jit).
 
     policy: ``"h2o"`` (heavy hitters + recent, ``recent`` as in :class:`H2O`) or ``"lambda"`` (Λ-masking:
@@ -126,20 +125,6 @@ class Less(Method):
     psi_fn: Callable | None = None
     fold_chunk: int = 2048  # prompt tokens per step of the prefill fold into H, z (memory, not results)
     strict: bool = False
-
-    @classmethod
-    def model_defaults(cls, model: str) -> tuple[dict, tuple[str, ...]]:
-        """The kernels shipped for an embedded model (``kvjax.loading.assets.LESS_KERNELS``), trained with H2O at 0.2 of
-        512 tokens: ``kvjax-eval main`` uses them at 0.2 of each prompt and says so once (its notes) instead of
-        warning per prompt length that they were trained at another budget (base.Method.model_defaults)."""
-        shipped = assets.LESS_KERNELS.get(model)
-        if shipped is None:
-            return {}, ()
-        budget_only = (
-            r"kernels=.* were trained for another sparse policy setting: budget: "
-            r"trained \d+( tokens( of \d+-token sequences)?)?, requested \d+(\.\d+)?( \([^)]*\))?\. LESS kernels"
-        )
-        return {"kernels": str(shipped)}, (budget_only,)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -246,7 +231,10 @@ class Less(Method):
         )
 
     @property
-    def attends_prompt(self) -> bool:  # base.Method.attends_prompt: as its policy (H2O: yes)
+    def attends_prompt(self) -> bool:
+        """As its policy's (H2O: yes, Λ: no): LESS implements :class:`~kvjax.methods.base.AttendsPrompt` for the
+        policies that attend the prompt, and this instance-level flag, not the type, says whether this one does
+        (the one capability decided by a method's config)."""
         return self.sparse.attends_prompt
 
     def prefill(self, state: LessState, layer: int, q, k, v, lengths, previous=None) -> LessState:

@@ -35,6 +35,7 @@ from kvjax import sharding
 from kvjax.budget import as_fraction, check_budget, floor_fraction, floor_mul, warn_full_attention
 from kvjax.methods.pqcache import attend as pq_attend, index as pq_index, retrieval as pq_retrieval
 from kvjax.methods.base import (
+    Recalls,
     RECALL_NO_DECODE_BUDGET,
     attends_all_steps,
     slot_axes,
@@ -79,12 +80,11 @@ def _int32_fraction(f: Fraction) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PQCache(Method):
+class PQCache(Method, Recalls):
     name: ClassVar[str] = "pqcache"
     why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("decode_attention", "pq_lookup")  # base.Method.step_kernels
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
-    recalls: ClassVar[bool] = True  # every token stays stored; selected_positions gives a step's attended set
     budget: float | int = 0.2  # r: fraction of the non-sink prompt tokens (local + retrieved), or a count
     m: int = 2  # sub-spaces
     bits: int = 6  # bits per code: 2^bits centroids per sub-space
