@@ -645,6 +645,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "full_layers=N runs full on N - 1 layers",
         k="by_hand or not_a_method",
     ),
+    # ---- evaluation (eval/, benchmarks/) -------------------------------------------------------------------------
+    M(
+        "runner-resume-recomputes",
+        "eval/runner.py",
+        "        return self.done.get(self.key(meta, batch))",
+        "        return None",
+        ("tests/eval/test_harness.py",),
+        "a resumed kvjax-eval run computes every cell again instead of reading back the ones its folder holds",
+        k="resumes_and_grows",
+    ),
+    M(
+        "kvpress-in-context-position-off-by-one",
+        "benchmarks/kvpress_ruler.py",
+        "position_ids=torch.tensor([[length + i]])",
+        "position_ids=torch.tensor([[length + i + 1]])",
+        ("tests/benchmarks/test_kvpress_ruler.py",),
+        "the torch side of the papers' protocol decodes each answer token one position late",
+        k="greedy",
+    ),
 )
 
 #: ``--subset ci``: a fixed handful of fast mutants across a method, a kernel reference, the budget and the model
