@@ -464,9 +464,9 @@ def run(
     if out is not None:
         fixed = _run_config(model, tasks, method_names, budgets, options)
         settings = {**fixed, "equal_bytes": equal_bytes, "equal_bytes_also": also_equal_bytes}
-        cells = _Cells(out, settings, restart, report.new_results({})["commit"])
+        cells = _Cells(out, settings, restart, commit=None)  # the commit: the results' own, set below
         held = cells.store.settings
-        method_names, budgets = held["methods"], [b for b in held["budgets"]]
+        method_names, budgets = held["methods"], list(held["budgets"])
         options = {**{m: rowstore.tupled(kw) for m, kw in held["options"].items() if m not in options}, **options}
     grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
     check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
@@ -481,6 +481,8 @@ def run(
             "equal_bytes_also": also_equal_bytes,
         }
     )
+    if cells is not None:
+        cells.commit = results["commit"]
     results["timings"]["load_seconds"] = model.load_seconds
     plan = _plan(model, tasks, prepared, grid, equal_bytes, also_equal_bytes, options, results)
     total = sum(len(prepared[t.name][1]) for t, *_ in plan)
