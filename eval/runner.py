@@ -428,6 +428,15 @@ def _row_meta(task, name: str, budget, nominal, equal_bytes, second) -> dict:
     return meta
 
 
+def _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes) -> list:
+    """The (method, budget) grid, every configuration built once so that bad methods, budgets and options raise."""
+    grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
+    check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
+    for name, b in grid:
+        harness.make_method(name, b, options.get(name))  # option errors surface here
+    return grid
+
+
 def run(
     model,
     tasks: Sequence[Any],
@@ -460,6 +469,8 @@ def run(
     methods, budgets and options (the folder then holds the union, and the results cover all of it); ``restart``
     starts the folder again."""
     options = dict(options or {})
+    _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)
+    prepared = {t.name: t.prepare(model) for t in tasks}  # bad input is named before a folder is read
     cells = None
     if out is not None:
         fixed = _run_config(model, tasks, method_names, budgets, options)
@@ -468,11 +479,7 @@ def run(
         held = cells.store.settings
         method_names, budgets = held["methods"], list(held["budgets"])
         options = {**{m: rowstore.tupled(kw) for m, kw in held["options"].items() if m not in options}, **options}
-    grid = harness.method_grid(method_names, budgets, model.config.max_position_embeddings)
-    check_equal_bytes_refs(grid, {"--equal-bytes": equal_bytes, "--also-equal-bytes": also_equal_bytes})
-    for name, b in grid:
-        harness.make_method(name, b, options.get(name))  # option errors surface here
-    prepared = {t.name: t.prepare(model) for t in tasks}
+    grid = _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)
     results = report.new_results(
         {
             **(config or {}),

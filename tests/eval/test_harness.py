@@ -233,6 +233,7 @@ class _RandomText(runner.PerplexityTask):
     continuation: int = 6
 
     def prepare(self, model):
+        harness.check_context(model, self.prefix, self.continuation, "prefix")
         seqs = np.random.RandomState(2).randint(3, 64, size=(4, self.prefix + self.continuation)).astype(np.int32)
         return self.prefix, [seqs[:2], seqs[2:]]
 
@@ -266,6 +267,10 @@ def test_a_run_into_a_folder_resumes_and_grows(tiny, tmp_path, monkeypatch):
     assert grown["config"]["methods"] == ["full", "h2o", "snapkv"]
     with pytest.raises(ValueError, match="tasks.*--restart"):
         runner.run(tiny, [_RandomText(continuation=7)], ["full"], [0.5], progress=False, out=tmp_path / "a")
+    for bad, error in [({"prefix": 10**6}, "prefix: a context"), ({"continuation": 7, "budgets": [2.0]}, "budget")]:
+        budgets = bad.pop("budgets", [0.5])  # bad input is named first, not the folder's other settings
+        with pytest.raises(ValueError, match=error):
+            runner.run(tiny, [_RandomText(**bad)], ["full", "h2o"], budgets, progress=False, out=tmp_path / "a")
     calls.clear()
     runner.run(tiny, [_RandomText()], ["full"], [0.5], progress=False, out=tmp_path / "a", restart=True)
     assert calls == ["Full", "Full"]
