@@ -3,8 +3,8 @@ anchor, a page missing from the nav or a docstring of the API reference that doe
 
 - every link and image of every built page resolves to a file of the built site (files outside docs/ are copied in
   under ``_repo/`` by scripts/mkdocs_hooks.py; nothing points to a repository that does not exist);
-- the home page is the README's introduction, install, quickstart and methods table (taken from README.md at build
-  time, so the two cannot drift), and the rest of the docs' index;
+- the home page is the README's introduction, install, quickstart, methods table and results with their figures
+  (taken from README.md at build time, so the two cannot drift), and the rest of the docs' index;
 - the API reference renders: no raw Sphinx role, its doctest examples are code blocks, the registry's ``get`` and
   ``register`` come first on their page, and test-only hooks (``small_options``, ``small_variants``) are not in it;
 - a headless browser visits every page (one browser, the pages one after another in a frame: fast) and finds no
@@ -149,7 +149,7 @@ def test_the_home_page_is_the_readme(site):
     intro = readme.split("\n## ", 1)[0].split("\n", 1)[1].strip()
     first_sentence = " ".join(re.sub(r"[`*]", "", intro.split(". ")[0]).split())
     assert first_sentence in text, "the home page does not open with the README's introduction"
-    for section in ("Install", "Quickstart", "Methods"):
+    for section in ("Install", "Quickstart", "Methods", "Results"):
         assert re.search(rf"<h2 id=\"[^\"]*\">{section}\b", article), f"the home page has no '{section}' section"
     install = re.search(r"## Install\n.*?```bash\n(.*?)```", readme, re.S).group(1)
     quickstart = re.search(r"## Quickstart\n.*?```python\n(.*?)```", readme, re.S).group(1)
@@ -160,6 +160,16 @@ def test_the_home_page_is_the_readme(site):
     rows = re.findall(r"^\| \[?`([a-z_0-9]+)`", table, re.M)
     home_rows = re.findall(r"<tr>\s*<td>(?:<a [^>]*>)?<code>([a-z_0-9]+)</code>", article)
     assert home_rows == rows, f"the home page's methods table {home_rows}, the README's {rows}"
+    results = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    figures = [Path(f).name for f in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", results)]
+    assert figures and all(f in article for f in figures), f"the home page lacks the README's figures {figures}"
+
+
+def test_a_name_in_a_table_cell_is_never_split_mid_word():
+    """The stylesheet keeps code in table cells whole (``streaming_llm`` on one line; the table scrolls instead)."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    rule = re.search(r"\.md-typeset td code,\s*\.md-typeset th code\s*\{([^}]*)\}", css)
+    assert rule and "white-space: nowrap" in rule.group(1) and "word-break: keep-all" in rule.group(1)
 
 
 def test_the_api_reference_renders_as_markdown(site):
