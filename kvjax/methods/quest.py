@@ -32,11 +32,9 @@ from kernels_pallas.decode_attention import block_plan_bytes
 from kvjax.model import attention
 from kvjax import sharding
 from kvjax.budget import MIN_TOKENS, budget_tokens, check_budget
-from kvjax.budget import warn_full_attention
 from kvjax.methods.base import (
     Recalls,
     RECALL_NO_DECODE_BUDGET,
-    attends_all_steps,
     Capacity,
     full_bytes,
     LayerContext,
@@ -45,7 +43,7 @@ from kvjax.methods.base import (
     slot_axes,
 )
 from kvjax.methods.core import threshold as th
-from kvjax.methods.plans.layers import full_below, refuse_full_layer
+from kvjax.methods.plans.layers import FullFirstLayers
 
 
 #: Bytes of ``kmax`` (``[Hkv, pages, D]`` of one sequence) one scoring chunk reads: small, so the chunks read past
@@ -87,7 +85,7 @@ class QuestState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Quest(Method, Recalls):
+class Quest(FullFirstLayers, Method, Recalls):
     name: ClassVar[str] = "quest"
     why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     traced_layer: ClassVar[bool] = True  # scan over layers (base.Method.traced_layer)
@@ -180,18 +178,9 @@ class Quest(Method, Recalls):
 
     # ---- the method interface ----
 
-    def at(self, layer: int) -> Method:
-        """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
-        return full_below(self.n_full, layer, self)
-
-    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
-        """Every decode step of a bucket-filling prompt attends every token (:meth:`attended`; base.Method)."""
-        return attends_all_steps(self, model_cfg, capacity, layer)
-
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
-        refuse_full_layer(self, layer)
+        self.compressed_layer(model_cfg, capacity, layer)
         h, d = model_cfg.num_kv_heads, model_cfg.head_dim
-        warn_full_attention(self, model_cfg, capacity, [layer])
         slots = capacity.prompt_len + capacity.max_new_tokens
         n_pages = -(-slots // self.page_size)
         return QuestState(

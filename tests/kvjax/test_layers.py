@@ -220,3 +220,18 @@ def test_a_plan_generates_what_its_layers_by_hand_do(tiny, name, opts, n_full):
     assert all(s["method"] == name and s["bytes_read_per_step"] == read for s in got.stats)
     alone = kvjax.generate(tiny, ids, inner, max_new_tokens=steps, driver="scan", stop_at_eos=False)
     assert alone.stats[0]["bytes_read_per_step"] < read  # the full layers read more: the plan was not ignored
+
+
+@pytest.mark.parametrize("name", ["clusterkv", "quest"])
+def test_a_method_with_its_own_full_layers_gives_them_to_full_and_refuses_them(name):
+    """ClusterKV and Quest (``FullFirstLayers``): ``at`` is ``full`` below ``n_full`` and the method above it, and the
+    method's own ``init`` on one of those layers is refused with the fix; above them it builds its state."""
+    cfg = kvjax.ModelConfig("llama", 64, 32, 48, 4, 4, 2, 8)
+    m = methods.get(name, budget=0.25, n_full=1)
+    assert m.at(0) == methods.get("full") and m.at(1) is m and m.at(3) is m
+    with pytest.raises(ValueError, match=r"n_full=1 full layers: build and run it with method.at\(0\)"):
+        m.init(cfg, 2, Capacity(64, 4), 0, jnp.float32)
+    assert (
+        type(m.init(cfg, 2, Capacity(64, 4), 1, jnp.float32)).__name__
+        == {"clusterkv": "ClusterState", "quest": "QuestState"}[name]
+    )

@@ -41,12 +41,10 @@ from kvjax.methods.clusterkv import (
     index as cluster_index,
     recall as cluster_recall,
 )
-from kvjax.budget import warn_full_attention
 from kvjax.methods.core.offload import host_sharding
 from kvjax.methods.base import (
     Recalls,
     RECALL_NO_DECODE_BUDGET,
-    attends_all_steps,
     Capacity,
     full_bytes,
     LayerContext,
@@ -54,7 +52,7 @@ from kvjax.methods.base import (
     rows_at,
     slot_axes,
 )
-from kvjax.methods.plans.layers import full_below, refuse_full_layer
+from kvjax.methods.plans.layers import FullFirstLayers
 
 #: The public names, some re-exported from the parts.
 __all__ = ["ClusterKV", "ClusterState"]
@@ -84,7 +82,7 @@ class ClusterState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ClusterKV(Method, Recalls):
+class ClusterKV(FullFirstLayers, Method, Recalls):
     name: ClassVar[str] = "clusterkv"
     why_no_decode_budget: ClassVar[str] = RECALL_NO_DECODE_BUDGET  # base.Method.why_no_decode_budget
     step_kernels: ClassVar[tuple[str, ...]] = ("centroid_update", "cosine_assign", "decode_attention")  # base.Method
@@ -167,18 +165,9 @@ class ClusterKV(Method, Recalls):
 
     # ---- the method interface ----
 
-    def at(self, layer: int) -> Method:
-        """Layers ``< n_full`` run ``full`` (base.Method.at): the engine builds and runs them as full layers."""
-        return full_below(self.n_full, layer, self)
-
-    def attends_everything(self, model_cfg, capacity: Capacity, layer: int = 0) -> bool:
-        """Every decode step of a bucket-filling prompt attends every token (:meth:`attended`; base.Method)."""
-        return attends_all_steps(self, model_cfg, capacity, layer)
-
     def init(self, model_cfg, batch: int, capacity: Capacity, layer: int, dtype):
-        refuse_full_layer(self, layer)
+        self.compressed_layer(model_cfg, capacity, layer)
         p = capacity.prompt_len
-        warn_full_attention(self, model_cfg, capacity, [layer])
         if self.num_clusters is not None and self.num_clusters > p - min(self.sink, p):
             raise ValueError(
                 f"num_clusters={self.num_clusters} is more clusters than the {p - min(self.sink, p)} "

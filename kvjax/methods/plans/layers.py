@@ -14,7 +14,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from kvjax.methods.base import Method, StaticConfig
+from kvjax.budget import warn_full_attention
+from kvjax.methods.base import Method, StaticConfig, attends_all_steps
 from kvjax.methods.full import Full
 
 
@@ -35,13 +36,31 @@ def full_below(n_full: int, layer: int, method: Method) -> Method:
     return Full() if layer < n_full else method
 
 
-def refuse_full_layer(method: Method, layer: int) -> None:
-    """ValueError where ``method.init`` is asked for a layer its own ``n_full`` gives to ``full``, with the fix."""
-    if method.at(layer) is not method:
-        raise ValueError(
-            f"layer {layer} is one of {method.name}'s n_full={method.n_full} full layers: build and run it with "
-            f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
-        )
+class FullFirstLayers:
+    """What a method whose own first ``n_full`` layers keep full attention inherits (ClusterKV §V-A, Quest: both
+    skip the first two layers), before :class:`~kvjax.methods.base.Method`: :meth:`at` gives those layers to
+    ``full`` (the engine builds and runs them as full layers), :meth:`attends_everything` reads the method's own
+    ``attended`` count, and :meth:`compressed_layer` is the first line of the method's ``init``."""
+
+    n_full: int
+
+    def at(self, layer: int) -> Method:
+        """Layers ``< n_full`` run ``full`` (base.Method.at)."""
+        return full_below(self.n_full, layer, self)
+
+    def attends_everything(self, model_cfg, capacity, layer: int = 0) -> bool:
+        """Every decode step of a bucket-filling prompt attends every token (``attended``; base.Method)."""
+        return attends_all_steps(self, model_cfg, capacity, layer)
+
+    def compressed_layer(self, model_cfg, capacity, layer: int) -> None:
+        """``init``'s check of ``layer``: a ValueError where it is one of the ``n_full`` full layers (with the fix),
+        a :class:`~kvjax.budget.FullAttentionWarning` where the configuration compresses nothing on it."""
+        if self.at(layer) is not self:
+            raise ValueError(
+                f"layer {layer} is one of {self.name}'s n_full={self.n_full} full layers: build and run it with "
+                f"method.at({layer}) (the engine, eval and the benchmarks resolve every layer)"
+            )
+        warn_full_attention(self, model_cfg, capacity, [layer])
 
 
 def same_as_previous(method, layer: int) -> bool:
