@@ -8,6 +8,7 @@ wall seconds, exit status and pytest's counts) and prints the markdown table tha
 against the JSON)::
 
     python3 benchmarks/ci_times.py --out benchmarks/results/ci_times.json   # about an hour on 2 cores
+    python3 benchmarks/ci_times.py --readme --out benchmarks/results/ci_times.json  # then the README's commands
     python3 benchmarks/ci_times.py --render benchmarks/results/ci_times.json  # the table only
 
 Measure on a machine running nothing else: the times are what a user of a 2-core machine waits. The steps run with a
@@ -31,6 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 SMOKE = ("smoke", "python3 -m pytest -q -m smoke")
+#: The README's commands whose times it states (``--readme`` times them; the quickstart is the README's own block).
+README_COMMANDS = (
+    ("quickstart", "python3 benchmarks/ci_times.py --quickstart"),
+    ("kvjax generate", 'kvjax generate --method h2o --budget 0.2 --prompt "Summarise the essay: ..."'),
+    ("kvjax demo", "kvjax demo"),
+    (
+        "kvjax-train-less",
+        'kvjax-train-less --out "$TMPDIR/less-small" --seq-len 256 --num-seqs 16 --epochs 2 --rank 4 --hidden 32 '
+        "--batch 4",
+    ),
+)
 #: pytest's last line: "1559 passed, 290 skipped, 45 warnings in 724.69s (0:12:04)"
 SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in [\d.]+s", re.M)
 #: A step's name from its command: the pytest selection, the script or the command line's first word.
@@ -119,15 +131,28 @@ def render(data: dict) -> str:
             f"{minutes(s['seconds'])} |"
         )
     ci = sum(s["seconds"] for s in data["steps"] if s["name"] != "smoke")
-    m = data["machine"]
-    rows.append("")
-    rows.append(
-        f"`.ci/run` in all: {minutes(ci)}. Measured by `python3 benchmarks/ci_times.py` at commit "
-        f"`{data['commit'][:7]}` "
-        f"({data['date']}, {m['cpus']} CPU cores, {m['cpu']}, Python {m['python']}, jax {data['jax_version']}; "
-        f"[ci_times.json](../benchmarks/results/ci_times.json))."
-    )
+    rows += ["", f"`.ci/run` in all: {minutes(ci)}. {_measured(data, '')}"]
+    if data.get("readme"):
+        rows += ["", "| the README's command | time |", "|---|---|"]
+        rows += [f"| `{s['command']}` | {minutes(s['seconds'])} |" for s in data["readme"]["steps"]]
+        rows += ["", _measured(data["readme"], " --readme")]
     return "\n".join(rows)
+
+
+def _measured(data: dict, flag: str) -> str:
+    m = data["machine"]
+    return (
+        f"Measured by `python3 benchmarks/ci_times.py{flag}` at commit `{data['commit'][:7]}` ({data['date']}, "
+        f"{m['cpus']} CPU cores, {m['cpu']}, Python {m['python']}, jax {data['jax_version']}; "
+        "[ci_times.json](../benchmarks/results/ci_times.json))."
+    )
+
+
+def quickstart() -> None:
+    """Run the README's quickstart block as it is written."""
+    readme = (bc.ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## Quickstart\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(block, "README.md quickstart", "exec"), {"__name__": "__main__"})
 
 
 def main(argv=None) -> int:
@@ -135,30 +160,44 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/ci_times.json", help="the JSON to write")
     p.add_argument("--ci", default=str(bc.ROOT / ".ci" / "run"), help="the CI script whose commands to run")
     p.add_argument("--render", metavar="JSON", help="print the docs' table of a JSON written before, run nothing")
+    p.add_argument(
+        "--readme", action="store_true", help="time the README's commands instead (kvjax installed), into --out's JSON"
+    )
+    p.add_argument("--quickstart", action="store_true", help="run the README's quickstart block, nothing else")
     args = p.parse_args(argv)
+    if args.quickstart:
+        quickstart()
+        return 0
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
     # a fresh TMPDIR: the tests' compilation cache ($TMPDIR/kvjax-test-jax-cache) starts empty, as on a CI machine
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": tempfile.mkdtemp(prefix="kvjax-ci-times-")}
-    data = {
+    run = {
         "commit": bc.commit(),
         "dirty": bc.git_dirty(),
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "steps": [],
     }
-    todo = steps(Path(args.ci))
-    at = next((i + 1 for i, (name, _) in enumerate(todo) if name == "install"), 0)
-    for name, command in todo[:at] + [SMOKE] + todo[at:]:  # the smoke check needs kvjax installed
-        data["steps"].append(run_step(name, command, env))
-        bc.write_json(args.out, {**data, "jax_version": _jax_version()})
-        if data["steps"][-1]["rc"]:
+    if args.readme:
+        todo = list(README_COMMANDS)
+        whole = json.loads(Path(args.out).read_text())
+    else:
+        todo = steps(Path(args.ci))
+        at = next((i + 1 for i, (name, _) in enumerate(todo) if name == "install"), 0)
+        todo = todo[:at] + [SMOKE] + todo[at:]  # the smoke check needs kvjax installed
+        whole = run
+    for name, command in todo:
+        run["steps"].append(run_step(name, command, env))
+        run["jax_version"] = _jax_version()
+        if args.readme:
+            whole["readme"] = run
+        bc.write_json(args.out, whole)
+        if run["steps"][-1]["rc"]:
             print(f"[ci_times] stopped: {name} failed", flush=True)
-            return data["steps"][-1]["rc"]
-    data["jax_version"] = _jax_version()
-    bc.write_json(args.out, data)
-    print(render(data))
+            return run["steps"][-1]["rc"]
+    print(render(whole))
     return 0
 
 
