@@ -213,7 +213,7 @@ def cmd_generate(args) -> int:
         print(f"[kvjax] {kvjax.sharding.describe(model.mesh, model.config)}", file=sys.stderr)
     engine.check_method(model.config, method)
     if model.config.is_hybrid:
-        method = engine.plan(model.config, method, args.compress_local).method
+        method = engine.as_run(model.config, method, args.compress_local)
         print(f"[kvjax] layers: {engine.describe_plan(model.config, method)}", file=sys.stderr)
     chat = not args.no_chat and model.tokenizer is not None and model.tokenizer.chat_template is not None
     t0 = time.perf_counter()

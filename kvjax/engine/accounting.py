@@ -17,7 +17,7 @@ import numpy as np
 
 from kvjax import sharding as S
 from kvjax.config import ModelConfig
-from kvjax.engine.core import init_states, layer_states, plan
+from kvjax.engine.core import as_run, init_states, layer_states
 from kvjax.methods.base import Capacity, LayerContext
 
 
@@ -97,7 +97,7 @@ def expected_held_bytes(
     :func:`held_bytes` measures at the end of a generation of ``steps + 1`` tokens, for every method whose
     contract is exact (``kvjax-eval --equal-bytes`` matches methods on it). ``batch``: the batch the state is
     built for (state without a batch axis, e.g. a step count, is split over it, as :func:`held_bytes` does)."""
-    method = plan(cfg, method).method
+    method = as_run(cfg, method)  # normalised once (a name too): what follows reads its cached plan
     states = jax.eval_shape(lambda: init_states(cfg, method, batch, capacity, dtype))
     total = np.zeros(len(lengths))
     for layer, (m, st) in enumerate(layer_methods(method, states)):
