@@ -164,6 +164,11 @@ def main(argv=None) -> int:
         "--readme", action="store_true", help="time the README's commands instead (kvjax installed), into --out's JSON"
     )
     p.add_argument("--quickstart", action="store_true", help="run the README's quickstart block, nothing else")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the steps --out holds that passed; run the others (from a failed one)",
+    )
     args = p.parse_args(argv)
     if args.quickstart:
         quickstart()
@@ -188,7 +193,17 @@ def main(argv=None) -> int:
         at = next((i + 1 for i, (name, _) in enumerate(todo) if name == "install"), 0)
         todo = todo[:at] + [SMOKE] + todo[at:]  # the smoke check needs kvjax installed
         whole = run
+    if args.resume and Path(args.out).exists():
+        held = json.loads(Path(args.out).read_text())
+        held = held.get("readme", {}) if args.readme else held
+        passed = {s["command"]: s for s in held.get("steps", []) if s["rc"] == 0}
+        run["resumed_from"] = {k: held.get(k) for k in ("commit", "date")}
+    else:
+        passed = {}
     for name, command in todo:
+        if command in passed:  # an interrupted measurement resumes: this step passed in the run --out holds
+            run["steps"].append(passed[command])
+            continue
         run["steps"].append(run_step(name, command, env))
         run["jax_version"] = _jax_version()
         if args.readme:
