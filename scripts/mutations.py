@@ -645,6 +645,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "full_layers=N runs full on N - 1 layers",
         k="by_hand or not_a_method",
     ),
+    M(
+        "own-full-layers-one-short",
+        "kvjax/methods/plans/layers.py",
+        "return full_below(self.n_full, layer, self)",
+        "return full_below(self.n_full - 1, layer, self)",
+        ("tests/kvjax/test_layers.py",),
+        "ClusterKV's and Quest's n_full gives one layer fewer to full",
+        k="own_full_layers",
+    ),
     # ---- evaluation (eval/, benchmarks/) -------------------------------------------------------------------------
     M(
         "runner-resume-recomputes",
