@@ -99,18 +99,10 @@ def run_step(name: str, command: str, env: dict) -> dict:
 
 
 def machine() -> dict:
-    cpu = (
-        next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if "model name" in ln
-            ),
-            platform.processor() or None,
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.processor() or None
-    )
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    names = [ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln]
+    cpu = names[0] if names else platform.processor() or None
     return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "load_average": bc.load_average()}
 
 
@@ -194,8 +186,7 @@ def main(argv=None) -> int:
         todo = todo[:at] + [SMOKE] + todo[at:]  # the smoke check needs kvjax installed
         whole = run
     if args.resume and Path(args.out).exists():
-        held = json.loads(Path(args.out).read_text())
-        held = held.get("readme", {}) if args.readme else held
+        held = whole.get("readme", {}) if args.readme else json.loads(Path(args.out).read_text())
         passed = {s["command"]: s for s in held.get("steps", []) if s["rc"] == 0}
         run["resumed_from"] = {k: held.get(k) for k in ("commit", "date")}
     else:
@@ -205,7 +196,7 @@ def main(argv=None) -> int:
             run["steps"].append(passed[command])
             continue
         run["steps"].append(run_step(name, command, env))
-        run["jax_version"] = _jax_version()
+        run["jax_version"] = run.get("jax_version") or _jax_version()  # known once a step has installed jax
         if args.readme:
             whole["readme"] = run
         bc.write_json(args.out, whole)

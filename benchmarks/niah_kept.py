@@ -18,7 +18,6 @@ markdown table beside it."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -94,25 +93,25 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import kvjax
-    from eval import harness, niah
+    from eval import harness, niah, rowstore
     from kvjax import analysis, engine
     from kvjax.engine import prefilled as P
     from kvjax.methods.base import Capacity
 
-    lines = [json.loads(x) for x in Path(args.rows).read_text().splitlines() if x.strip()]
-    settings = lines[0]["settings"]
-    scores = {(r["config"], r["length"], r["depth"], r["needle"]): r["score"] for rec in lines[1:] for r in rec["rows"]}
+    lines = rowstore.read_jsonl(Path(args.rows))
+    settings, rows_run = lines[0]["settings"], [r for rec in lines[1:] for r in rec["rows"]]
+    scores = {(r["config"], r["length"], r["depth"], r["needle"]): r["score"] for r in rows_run}
+    config_of = {r["config"]: (r["method"], r["budget"]) for r in rows_run}
     configs = args.configs.split(",")
-    missing = [c for c in configs if c not in settings["configs"]]
+    missing = [c for c in configs if c not in config_of]
     if missing:
-        raise SystemExit(f"--configs: {missing} are not in the run ({settings['configs']})")
+        raise SystemExit(f"--configs: {missing} have no rows in the run ({sorted(config_of)})")
     lengths = [int(x) for x in args.lengths.split(",")]
     model = kvjax.load_model(args.model or settings["model"])
     cfg, options = model.config, settings.get("options", {})
     made = {}
     for c in configs:
-        name, _, b = c.partition("@")
-        budget = None if not b else (int(b) if b.isdigit() else float(b))
+        name, budget = config_of[c]
         made[c] = engine.as_run(cfg, harness.make_method(name, budget, options.get(name)))
     compressed = [l for l in range(cfg.num_layers) if cfg.sliding_windows[l] is None]
     rows, t0 = [], time.perf_counter()

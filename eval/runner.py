@@ -469,7 +469,7 @@ def run(
     methods, budgets and options (the folder then holds the union, and the results cover all of it); ``restart``
     starts the folder again."""
     options = dict(options or {})
-    _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)
+    grid = _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)
     prepared = {t.name: t.prepare(model) for t in tasks}  # bad input is named before a folder is read
     cells = None
     if out is not None:
@@ -479,7 +479,7 @@ def run(
         held = cells.store.settings
         method_names, budgets = held["methods"], list(held["budgets"])
         options = {**{m: rowstore.tupled(kw) for m, kw in held["options"].items() if m not in options}, **options}
-    grid = _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)
+        grid = _check_grid(model, method_names, budgets, options, equal_bytes, also_equal_bytes)  # the folder's union
     results = report.new_results(
         {
             **(config or {}),
