@@ -38,5 +38,6 @@ def test_the_excess_is_split_over_the_classes(pt):
     assert rows["far copy"]["share_of_excess"] == pytest.approx(1.0)  # 4 of the 4 summed
     assert rows["new"]["share_of_excess"] == 0.0 and rows["near copy"]["delta_nll"] == 0.0
     lo, hi = rows["far copy"]["ci"]
-    assert lo < 2.0 < hi and hi - lo == pytest.approx(2 * 12.706, rel=1e-3)  # t(0.975, 1) sd / sqrt(n), sd = sqrt(n) = sqrt(2)
+    # t(0.975, 1) sd / sqrt(n), sd = sqrt(n) = sqrt(2)
+    assert lo < 2.0 < hi and hi - lo == pytest.approx(2 * 12.706, rel=1e-3)
     assert "| far copy | 2 |" in pt.markdown({"summary": {"x@0.1": list(rows.values())}})
