@@ -160,10 +160,17 @@ def summary(rows: list[dict], layers: list[int]) -> list[dict]:
 
 
 def markdown(data: dict) -> str:
+    gaps = [r["cut_gap"] for r in data["rows"] if r["cut_gap"] is not None] or [float("nan")]
     out = [
         f"ChunkKV ({data['config']}, window {data['options']['window']}, chunk {data['options']['chunk_size']}, "
         f"{data['options']['mode']}, reuse {data['options']['reuse']}) against the numpy reference of Alg. 1 "
         f"on {data['model']}'s global layers {data['global_layers']}; ranks among the reference's chunk scores.",
+        "",
+        f"Kept sets equal to the reference's in {sum(r['equal'] for r in data['rows'])} of {len(data['rows'])} "
+        f"(prompt, layer, KV head), in the same storage order in {sum(r['same_order'] for r in data['rows'])}; "
+        f"largest |kvjax's float32 votes - the reference's float64 votes| "
+        f"{max(r['max_vote_difference'] for r in data['rows']):.1e}; closest cut (relative gap between the last "
+        f"kept and the first dropped chunk score) {min(gaps):.1e}.",
         "",
         "| layer | run's score | n | kept sets equal | mean Jaccard | chunks kept | median rank of the answer's "
         "worst chunk | best | answer chunks all within the kept | votes on the needle | on the question "
