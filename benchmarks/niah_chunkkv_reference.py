@@ -16,7 +16,8 @@ receives them (after the QK-norm and RoPE, q times the model's query scale). On 
   close the last kept and the first dropped chunk score (a tie or float rounding at the cut);
 - the setting: the rank (1 = best) of the chunks holding the needle answer's tokens among the reference's chunk
   scores against the number of chunks kept, and the share of the observation window's votes on the first token,
-  the needle sentence, the question and the window itself; which prompt tokens the window's queries are (decoded).
+  the needle sentence (and on its answer), the question and the window itself; which prompt tokens the window's
+  queries are (decoded).
 
 Writes the JSON and a markdown table beside it.
 """
@@ -149,6 +150,7 @@ def summary(rows: list[dict], layers: list[int]) -> list[dict]:
                     "best_worst_answer_rank": int(min(worst)),
                     "answer_chunks_all_kept": sum(w <= r["chunks_kept"] for w, r in zip(worst, mine)),
                     "needle_vote_share": round(float(np.mean([r["vote_share"]["needle"] for r in mine])), 4),
+                    "answer_vote_share": round(float(np.mean([r["answer_vote_share"] for r in mine])), 4),
                     "question_vote_share": round(float(np.mean([r["vote_share"]["question"] for r in mine])), 4),
                     "first_token_vote_share": round(float(np.mean([r["vote_share"]["first"] for r in mine])), 4),
                     "kept_chunks_in": {
@@ -173,15 +175,16 @@ def markdown(data: dict) -> str:
         f"kept and the first dropped chunk score) {min(gaps):.1e}.",
         "",
         "| layer | run's score | n | kept sets equal | mean Jaccard | chunks kept | median rank of the answer's "
-        "worst chunk | best | answer chunks all within the kept | votes on the needle | on the question "
-        "| on the first token |",
-        "|--:|--:|--:|--:|--:|--|--:|--:|--:|--:|--:|--:|",
+        "worst chunk | best | answer chunks all within the kept | votes on the needle sentence | on its answer "
+        "| on the question | on the first token |",
+        "|--:|--:|--:|--:|--:|--|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for s in data["summary"]:
         out.append(
             f"| {s['layer']} | {s['score']:.0f} | {s['n']} | {s['equal']} | {s['mean_jaccard']:.3f} | "
             f"{','.join(map(str, s['chunks_kept']))} | {s['median_worst_answer_rank']:g} | "
             f"{s['best_worst_answer_rank']} | {s['answer_chunks_all_kept']} | {s['needle_vote_share']:.3f} | "
+            f"{s['answer_vote_share']:.3f} | "
             f"{s['question_vote_share']:.3f} | {s['first_token_vote_share']:.3f} |"
         )
     out += [
@@ -320,6 +323,7 @@ def main(argv=None) -> int:
                         "answer_kept_by_kvjax": round(float(mask[li, 0, h, answer].mean()), 3),
                         "needle_chunk_ranks": chunk_ranks(scores[h], sorted({p // c for p in sentence if p < limit})),
                         "vote_share": vote_shares(votes[h], parts),
+                        "answer_vote_share": vote_shares(votes[h], {"answer": answer})["answer"],
                         "kept_chunk_starts": [i * c for i in kept_chunks],
                         "kept_chunks_in": chunk_places(kept_chunks, c, places),
                         "best_chunks_text": [

@@ -73,6 +73,7 @@ def test_the_summary_splits_by_layer_and_score(ck):
             "chunks_kept": 12,
             "answer_chunk_ranks": ranks,
             "vote_share": {"first": 0.2, "needle": 0.1, "question": 0.3},
+            "answer_vote_share": 0.05,
             "kept_chunks_in": {"start": 1, "needle": 1, "question": 2, "haystack": 8},
         }
 
@@ -81,4 +82,5 @@ def test_the_summary_splits_by_layer_and_score(ck):
     assert (s5f["n"], s5f["equal"], s5f["mean_jaccard"], s5f["median_worst_answer_rank"]) == (2, 1, 0.75, 49.5)
     assert (s5f["best_worst_answer_rank"], s5f["answer_chunks_all_kept"]) == (20, 0)
     assert (s5p["score"], s5p["answer_chunks_all_kept"], s5p["kept_chunks_in"]["haystack"]) == (1.0, 1, 8)
+    assert (s5p["needle_vote_share"], s5p["answer_vote_share"]) == (0.1, 0.05)
     assert (s11["layer"], s11["median_worst_answer_rank"], s11["answer_chunks_all_kept"]) == (11, 13.0, 0)
