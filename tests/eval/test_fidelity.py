@@ -3,6 +3,8 @@ recomputed from the layer's q/k/v over the kept slots, the top-k recall from num
 the top-B recall of recall methods (``topb_recall`` against numpy on random data, and the probe's per-layer
 values recomputed step by step from the layer's q/k and the method's ``selected_positions``)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,8 @@ def numpy_layers(model, ids):
     positions = np.arange(len(ids))[None]
 
     def attend(layer, x, q, k, v, out):
-        return M.causal_attention(q, k, v), out + [tuple(np.asarray(a, np.float64) for a in (q, k, v))]
+        attn = M.causal_attention(q, k, v, None, cfg.sliding_windows[layer])  # a local layer: its sliding window
+        return attn, out + [tuple(np.asarray(a, np.float64) for a in (q, k, v))]
 
     _, out = M.run_layers(cfg, params, M.embed(params, np.asarray([ids], np.int32)), positions, attend, [])
     return out
@@ -168,18 +171,51 @@ def test_pqcache_topb_recall_per_layer_matches_stepwise_numpy(tiny):
     m = methods.get("pqcache", budget=0.3, sink=2, bits=2, iters=3)
     res = fidelity.probe(tiny, ids, m, probes=probes)
     assert len(res["topb_recall"]) == 3 and all(isinstance(r, float) and 0 <= r <= 1 for r in res["topb_recall"])
+    assert res["topb_recall"] == pytest.approx(stepwise_topb_recall(tiny, m, ids, n, probes), abs=1e-6)
+    assert min(res["topb_recall"]) < 1.0  # a 30% budget misses some of the exact top-B
+
+
+def stepwise_topb_recall(model, m, ids, n: int, probes: int) -> list[float]:
+    """Per layer: the mean over probes of the numpy top-B recall of ``m``'s ``selected_positions`` at each step,
+    its state advanced by its own decode on the layer's q/k/v (``numpy_layers``)."""
     cap = fidelity.Capacity(n, probes + 1)
-    prefill = jax.jit(lambda st, q, k, v: m.prefill(st, 0, q, k, v, jnp.asarray([n])))
-    step = jax.jit(lambda st, q, k, v, p: (m.selected_positions(st, 0, q), m.decode(st, 0, q, k, v, p)[1]))
-    for layer, (q, k, v) in enumerate(numpy_layers(tiny, ids)):
+    out = []
+    for layer, (q, k, v) in enumerate(numpy_layers(model, ids)):
+        prefill = jax.jit(lambda st, q, k, v, layer=layer: m.prefill(st, layer, q, k, v, jnp.asarray([n])))
+        step = jax.jit(
+            lambda st, q, k, v, p, layer=layer: (m.selected_positions(st, layer, q), m.decode(st, layer, q, k, v, p)[1])
+        )
         q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
-        st = prefill(m.init(tiny.config, 1, cap, layer, tiny.dtype), q[:, :, :n], k[:, :, :n], v[:, :, :n])
+        st = prefill(m.init(model.config, 1, cap, layer, model.dtype), q[:, :, :n], k[:, :, :n], v[:, :, :n])
         rs = []
         for i in range(probes):
             sel, st = step(st, q[:, :, n + i], k[:, :, n + i], v[:, :, n + i], jnp.asarray([n + i]))
             rs.append(numpy_topb_recall(np.asarray(sel), np.asarray(q[:, :, n + i]), np.asarray(k[:, :, :n]), n))
-        assert res["topb_recall"][layer] == pytest.approx(np.mean(rs), abs=1e-6)
-    assert min(res["topb_recall"]) < 1.0  # a 30% budget misses some of the exact top-B
+        out.append(float(np.mean(rs)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["pqcache", "clusterkv", "quest"])
+def test_recall_probe_on_a_hybrid_model_scores_its_global_layers(tiny, name):
+    """On a model with sliding-window layers (Gemma 3's pattern) the local layers keep their window: no top-B recall
+    there (None), the global layer's equals the stepwise numpy recall, and the row's means are over the global
+    layer only (the windows' zero error would dilute them)."""
+    hybrid = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, sliding_windows=(8, None, 8)))
+    ids = list(np.random.RandomState(5).randint(0, 64, 44))
+    probes, n = 4, 40
+    kw = {
+        "pqcache": dict(sink=2, bits=2, iters=3),
+        "clusterkv": dict(n_full=0, sink=2, tokens_per_cluster=8, iters=3),
+        "quest": dict(n_full=0, page_size=4),
+    }
+    m = methods.get(name, budget=0.3, **kw[name])
+    res = fidelity.probe(hybrid, ids, m, probes=probes)
+    assert res["compressed_layers"] == [1]
+    assert res["topb_recall"][0] is None and res["topb_recall"][2] is None
+    assert res["topb_recall"][1] == pytest.approx(stepwise_topb_recall(hybrid, m, ids, n, probes)[1], abs=1e-6)
+    assert res["rel_error"][0] == pytest.approx(0.0, abs=1e-6) and res["rel_error"][1] > 0
+    row = fidelity.FidelityTask(probes=probes).run_batch(hybrid, m, None, [ids], {})[0]
+    assert row["score"] == pytest.approx(res["rel_error"][1]) and row["topb_recall_mean"] == res["topb_recall"][1]
 
 
 @pytest.mark.parametrize("kw", [dict(budget=100, sink=2, bits=2), dict(budget=0.2)], ids=["covering", "dense-short"])
