@@ -80,6 +80,17 @@ def write_json(path, data, indent: int = 1, default=None) -> None:
     path.write_text(json.dumps(data, indent=indent, default=default))
 
 
+def write_measured(path, data: dict, markdown, t0: float) -> None:
+    """An analysis script's result: ``data`` with the commit, command line, device and the seconds since ``t0``
+    (``time.perf_counter()``) as JSON at ``path``, and ``markdown(that dict)`` beside it (``.md``) and printed."""
+    data = {**data, "commit": commit(), "command": command_line(), **device_fields()}
+    data["seconds"] = round(time.perf_counter() - t0, 1)
+    write_json(path, data)
+    text = markdown(data)
+    Path(path).with_suffix(".md").write_text(text)
+    print(text)
+
+
 # ------------------------------------------------------------------------------------------ option values, tables
 
 

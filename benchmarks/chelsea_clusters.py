@@ -101,14 +101,8 @@ def main(argv=None) -> int:
         "prefix": args.prefix,
         "chelsea": "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)",
         "rows": rows,
-        "commit": bc.commit(),
-        "command": bc.command_line(),
-        **bc.device_fields(),
-        "seconds": round(time.perf_counter() - t0, 1),
     }
-    bc.write_json(args.out, data)
-    Path(args.out).with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    bc.write_measured(args.out, data, markdown, t0)
     return 0
 
 

@@ -364,14 +364,8 @@ def main(argv=None) -> int:
         "summary": summary(rows, global_layers),
         "prompts": prompts,
         "rows": rows,
-        "seconds": round(time.perf_counter() - t0, 1),
-        **B.device_fields(),
-        "commit": B.commit(),
-        "command": B.command_line(),
     }
-    B.write_json(a.out, data)
-    Path(a.out).with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    B.write_measured(a.out, data, markdown, t0)
     return 0
 
 

@@ -159,14 +159,8 @@ def main(argv=None) -> int:
         "lengths": lengths,
         "summary": summary(rows),
         "rows": rows,
-        "commit": bc.commit(),
-        "command": bc.command_line(),
-        **bc.device_fields(),
-        "seconds": round(time.perf_counter() - t0, 1),
     }
-    bc.write_json(args.out, data)
-    Path(args.out).with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    bc.write_measured(args.out, data, markdown, t0)
     return 0
 
 

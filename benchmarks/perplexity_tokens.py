@@ -140,14 +140,8 @@ def main(argv=None) -> int:
         "classes": classes,
         "full_nll": [round(float(x), 4) for x in full_nll],
         "delta_nll": tokens,
-        "commit": bc.commit(),
-        "command": bc.command_line(),
-        **bc.device_fields(),
-        "seconds": round(time.perf_counter() - t0, 1),
     }
-    bc.write_json(args.out, data)
-    Path(args.out).with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    bc.write_measured(args.out, data, markdown, t0)
     return 0
 
 
