@@ -101,7 +101,6 @@ def main(argv=None) -> int:
 
     import kvjax
     from eval import harness, perplexity
-    from kvjax import engine
     from kvjax.engine import prefilled as P
 
     t0 = time.perf_counter()
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
     print(f"[perplexity_tokens] full: {time.perf_counter() - t0:.0f} s", flush=True)
     summary, tokens = {}, {}
     for c, method in made.items():
-        nll = perplexity.streaming_nll(model, engine.as_run(cfg, method), seqs, args.prefix, prefilled=pre).ravel()
+        nll = perplexity.streaming_nll(model, method, seqs, args.prefix, prefilled=pre).ravel()
         delta = nll - full_nll
         summary[c] = summarise(delta, full_nll, classes)
         tokens[c] = [round(float(x), 4) for x in delta]

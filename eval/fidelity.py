@@ -125,7 +125,7 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
     # on a model with sliding-window layers both run as the engine plans them: a local layer's reference and method
     # are its ring buffer of the window (kvjax.methods.plans.hybrid), so the probes measure the global layers' methods
     method, full = engine.as_run(cfg, method), engine.as_run(cfg, "full")
-    cap, recalls = Capacity(n, probes + 1), method_of(method).recalls
+    cap, recalls, compressed = Capacity(n, probes + 1), method_of(method).recalls, compressed_layers(cfg, method)
 
     def run(params, tokens):
         with S.tracing(mesh):
@@ -139,8 +139,8 @@ def _probe_fn(cfg, method, n: int, probes: int, dtype, mesh=None):
             prev = out[-1][2] if same_as_previous(method, layer) else None
             f = full.at(layer)
             _, ref, _ = _layer(f, layer, f.init(cfg, 1, cap, layer, dtype), None, q, k, v, n, probes)
-            # a local layer's ring buffer (Window) is the model's own attention, not the recall method: no top-B there
-            rec_here = recalls and not isinstance(m, Window)
+            # a local layer's ring buffer is the model's own attention, not the recall method: no top-B there
+            rec_here = recalls and layer in compressed
             st, o, rec = _layer(m, layer, m.init(cfg, 1, cap, layer, dtype), prev, q, k, v, n, probes, rec_here)
             attn = M.causal_attention(q, k, v, None, cfg.sliding_windows[layer])
             return attn, out + [(ref, o, st, full_weights(q, k, n), rec)]
@@ -198,10 +198,9 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         jac = [float(j) for j in analysis.adjacent_layer_jaccard(analysis.mask_from_states(states, np.asarray([n]), n))]
     held = float(engine.tokens_held(method, states)[0])
     cache = engine.memory_bytes(method, states)
-    local = [isinstance(method.at(layer), Window) for layer in range(cfg.num_layers)]
     return {
         "rel_error": errors,
-        "compressed_layers": [layer for layer in range(cfg.num_layers) if not local[layer]],
+        "compressed_layers": compressed_layers(cfg, method),
         "recall": recalls if has_pos else None,
         "jaccard": jac,
         "topb_recall": topb if recall_method else None,
@@ -209,6 +208,12 @@ def probe(model, ids, method, probes: int = 8) -> dict:
         "cache_bytes": cache,
         "kib_per_seq": cache / 1024,
     }
+
+
+def compressed_layers(cfg, method) -> list[int]:
+    """The layers where ``method`` (as :func:`kvjax.engine.as_run` runs it on ``cfg``) is the method, not a hybrid
+    model's local :class:`~kvjax.methods.plans.hybrid.Window` ring buffer."""
+    return [layer for layer in range(cfg.num_layers) if not isinstance(method.at(layer), Window)]
 
 
 def _mean_over(per_layer: list | None, layers: list[int]) -> float | None:
