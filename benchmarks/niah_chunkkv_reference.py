@@ -287,8 +287,8 @@ def main(argv=None) -> int:
             leader = ref.reuse_leader(layer, method.reuse)  # Alg. 2: the layer whose positions this one keeps
             q = np.asarray(pre.q[leader][0, :, :n], np.float64)
             k = np.asarray(pre.k[leader][0, :, :n], np.float64)
-            want, scores, nsel = ref.chunkkv_keep(q, k, n, w, c, tokens_budget, mode)
             votes = ref.observation_votes(q, k, n, w)
+            want, scores, nsel = ref.chunkkv_keep(q, k, n, w, c, tokens_budget, mode, votes=votes)
             budgets = jnp.minimum(budget_tokens(method.budget, jnp.asarray(lengths_b)), slots)
             windows = method.windows(budgets)
             scorer = make_scorer(method.scorer, w, kernel=1)  # what ChunkKV.select scores with
