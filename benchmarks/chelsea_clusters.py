@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     seqs = perplexity.build(model, args.sequences, args.prefix, 2, args.book)[:, : args.prefix]
     lengths = np.full((len(seqs),), args.prefix, np.int32)
     pre = P.prefill_once(model, seqs, lengths)
-    compressed = [layer for layer in range(cfg.num_layers) if cfg.sliding_windows[layer] is None]
+    compressed = list(cfg.global_layers)
     rows = []
     for budget in args.budgets:
         method = engine.as_run(cfg, harness.make_method("chelsea", budget))

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         chelsea_schedule.PRESETS[method.schedule] if isinstance(method.schedule, str) else method.schedule
     )
     schedule = (Fraction(r_init).limit_denominator(1000), Fraction(alpha).limit_denominator(1000), m_sched)
-    global_layers = [i for i, w in enumerate(model.config.sliding_windows) if not w]
+    global_layers = list(model.config.global_layers)
     gamma = settings["max_new_tokens"]
     out = []
     for r in failed:

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     w, c, mode = method.window, method.chunk_size, method.mode
     if method.scorer != "snapkv":
         raise SystemExit(f"the reference scores with the observation window; the folder's scorer is {method.scorer}")
-    global_layers = [l for l in range(cfg.num_layers) if cfg.sliding_windows[l] is None]
+    global_layers = list(cfg.global_layers)
     gamma = settings["max_new_tokens"]
     rows, prompts, t0 = [], [], time.perf_counter()
     for r in chosen:

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     for c in configs:
         name, budget = config_of[c]
         made[c] = engine.as_run(cfg, harness.make_method(name, budget, options.get(name)))
-    compressed = [l for l in range(cfg.num_layers) if cfg.sliding_windows[l] is None]
+    compressed = list(cfg.global_layers)
     rows, t0 = [], time.perf_counter()
     for n in lengths:
         examples = [

@@ -159,6 +159,12 @@ class ModelConfig:
         return any(w is not None for w in self.sliding_windows)
 
     @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The global (full-attention) layers: every layer, or a hybrid model's layers without a sliding window
+        (Gemma 3: every sixth). The ones a compression method compresses; the local ones keep their window."""
+        return tuple(layer for layer, window in enumerate(self.sliding_windows) if window is None)
+
+    @property
     def layers_differ(self) -> bool:
         """Whether layers differ in window or RoPE (a scanned layer loop needs them all alike)."""
         return len(set(self.sliding_windows)) > 1

@@ -54,12 +54,6 @@ def put_batch(x, mesh, axis: int = 0):
     return jax.device_put(x, NamedSharding(mesh, P(*(None,) * axis, S.DATA) if split else P()))
 
 
-def global_layers(cfg) -> list[int]:
-    """The layers LESS runs on: every layer, or a hybrid model's global (full-attention) layers (Gemma 3: every
-    sixth); its sliding-window layers hold a ring buffer of their window (:mod:`kvjax.methods.plans.hybrid`)."""
-    return [layer for layer in range(cfg.num_layers) if cfg.sliding_windows[layer] is None]
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _capture_batch(cfg, policies, layers, mask, store_dtype, params, tokens):
     b, s = tokens.shape
@@ -145,7 +139,7 @@ def capture(
         )
     if shard_mb <= 0:
         raise ValueError(f"shard_mb={shard_mb} must be > 0 (MiB per capture shard; --shard-mb)")
-    layers = tuple(global_layers(cfg) if layers is None else layers)
+    layers = tuple(cfg.global_layers if layers is None else layers)
     store_dtype = jnp.dtype(store_dtype or jnp.float32)
     n, s = tokens.shape
     folder = Path(folder)

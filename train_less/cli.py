@@ -166,7 +166,6 @@ def run(args) -> int:
     import kvjax
     from kvjax.methods import less as L
     from train_less import data
-    from train_less.capture import global_layers
     from train_less.trainer import check_mesh, make_mesh, merge_parts, train
 
     if args.merge:
@@ -185,7 +184,9 @@ def run(args) -> int:
     tokens = data.sequences(model.tokenizer, _sources(args), tc.seq_len, tc.num_seqs)
     try:
         layers = (
-            global_layers(model.config) if args.layers is None else L.parse_layers(args.layers, model.config.num_layers)
+            list(model.config.global_layers)
+            if args.layers is None
+            else L.parse_layers(args.layers, model.config.num_layers)
         )
     except ValueError as e:
         raise ValueError(f"--layers: {e}") from None

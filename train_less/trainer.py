@@ -58,7 +58,7 @@ from kernels_pallas.checks import check_int
 from kvjax import model as M
 from kvjax import sharding as S
 from kvjax.methods import less as L
-from train_less.capture import capture, global_layers, put_batch, stack_layers
+from train_less.capture import capture, put_batch, stack_layers
 from train_less.checkpoints import Checkpoints, Record
 
 
@@ -152,8 +152,8 @@ def _layer_losses(cfg, tc: TrainConfig, lp, kp, x, evicts, key, train: bool):
     chunks of ``tc.query_chunk`` rows (memory linear in S, forward and gradient)."""
     b, s, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    # every trained layer is global (capture.global_layers), so the first global layer's RoPE is each one's
-    q, k, v = M.layer_qkv(cfg, lp, x.astype(lp["wq"].dtype), positions, global_layers(cfg)[0])
+    # every trained layer is global (cfg.global_layers), so the first global layer's RoPE is each one's
+    q, k, v = M.layer_qkv(cfg, lp, x.astype(lp["wq"].dtype), positions, cfg.global_layers[0])
     target = jax.lax.stop_gradient(_o_proj(lp, M.causal_attention(q, k, v)))
     mod = _module(cfg, tc)
     k1, k2 = jax.random.split(key)
@@ -439,9 +439,9 @@ def train(
     mesh = _check_args(tc, mesh, capture_batch, checkpoint_every)
     if mesh is not None:
         params = jax.device_put(params, S.replicated(mesh))
-    sel = global_layers(cfg) if layers is None else L.parse_layers(layers, cfg.num_layers)
+    sel = list(cfg.global_layers) if layers is None else L.parse_layers(layers, cfg.num_layers)
     out = Path(out_dir).absolute()
-    run_dir = out if sorted(sel) == global_layers(cfg) else out / f"layers-{L.format_layers(sel)}"
+    run_dir = out if sorted(sel) == list(cfg.global_layers) else out / f"layers-{L.format_layers(sel)}"
     ckpt = Checkpoints(run_dir, mesh, {**_config_dict(tc), "layers": sel}, L.model_identity(cfg, model_name), resume)
     tokens, train_idx, val_idx = _split(tokens, tc)
     steps_per_epoch = len(train_idx) // tc.batch

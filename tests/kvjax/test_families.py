@@ -362,6 +362,7 @@ def test_gemma3_spellings_agree():
     }
     a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
     assert a == b and a.sliding_windows == (8,) * 5 + (None,) and a.rope_local.theta == 1e4 and a.rope.factor == 8.0
+    assert a.global_layers == (5,)
     for extra, match in [
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
@@ -456,6 +457,7 @@ def test_gpt_oss_config_spellings_and_refusals():
     v4 = {**common, "rope_theta": 150000.0, "rope_scaling": yarn}
     a, b = kvjax.ModelConfig.from_hf(v4), kvjax.ModelConfig.from_hf(v5)
     assert a == b and a.sliding_windows == (128, None, 128, None) and a.attention_sinks and a.num_experts == 8
+    assert a.global_layers == (1, 3)  # the layers without a window: the ones a method compresses
     assert not a.rope.truncate and a.attention_bias and a.o_bias
     with pytest.raises(ValueError, match="quantization_config.*mxfp4"):
         kvjax.ModelConfig.from_hf({**v5, "quantization_config": {"quant_method": "mxfp4"}})
