@@ -91,6 +91,23 @@ def write_measured(path, data: dict, markdown, t0: float) -> None:
     print(text)
 
 
+def add_window_args(p, sequences: int, continuation: int | None = 64) -> None:
+    """The options of an analysis script over the perplexity task's text windows (``eval.perplexity.build``):
+    ``--model``, ``--sequences``, ``--prefix``, ``--continuation`` (left out when None), ``--book`` and ``--out``."""
+    p.add_argument("--model", default="gemma3-270m", help="an embedded model, HF folder or hub id")
+    p.add_argument("--sequences", type=int, default=sequences, help="windows of the text")
+    p.add_argument("--prefix", type=int, default=4096, help="prefilled (compressed) tokens per window")
+    if continuation is not None:
+        p.add_argument("--continuation", type=int, default=continuation, help="teacher-forced tokens after the prefix")
+    p.add_argument("--book", default="essays", help="King James book or 'essays' (eval.perplexity.build)")
+    p.add_argument("--out", required=True, help="JSON to write (and .md beside it)")
+
+
+def window_fields(args) -> dict:
+    """The window settings of ``args`` (:func:`add_window_args`) for a result's JSON."""
+    return {k: getattr(args, k) for k in ("model", "book", "sequences", "prefix", "continuation") if hasattr(args, k)}
+
+
 # ------------------------------------------------------------------------------------------ option values, tables
 
 

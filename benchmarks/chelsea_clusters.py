@@ -62,12 +62,8 @@ def markdown(data: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m", help="an embedded model, HF folder or hub id")
     p.add_argument("--budgets", type=bc.parse_budgets, default=[0.1, 0.5], help="Chelsea's budgets, comma-separated")
-    p.add_argument("--sequences", type=int, default=4, help="windows of the text compressed")
-    p.add_argument("--prefix", type=int, default=4096, help="tokens per window")
-    p.add_argument("--book", default="essays", help="King James book or 'essays' (eval.perplexity.build)")
-    p.add_argument("--out", required=True, help="JSON to write (and .md beside it)")
+    bc.add_window_args(p, sequences=4, continuation=None)
     args = p.parse_args(argv)
 
     import kvjax
@@ -95,10 +91,7 @@ def main(argv=None) -> int:
             rows.append({"budget": budget, "layer": layer, **mean_stats(stats)})
         print(f"[chelsea_clusters] budget {budget}: {time.perf_counter() - t0:.0f} s", flush=True)
     data = {
-        "model": args.model,
-        "book": args.book,
-        "sequences": args.sequences,
-        "prefix": args.prefix,
+        **bc.window_fields(args),
         "chelsea": "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)",
         "rows": rows,
     }

@@ -106,13 +106,8 @@ def markdown(data: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m", help="an embedded model, HF folder or hub id")
     p.add_argument("--budgets", type=bc.parse_budgets, default=[0.1, 0.4, 0.65], help="Chelsea's budgets")
-    p.add_argument("--sequences", type=int, default=2, help="windows of the text")
-    p.add_argument("--prefix", type=int, default=4096, help="prompt tokens per window (compressed)")
-    p.add_argument("--continuation", type=int, default=64, help="tokens after it whose queries attend")
-    p.add_argument("--book", default="essays", help="King James book or 'essays' (eval.perplexity.build)")
-    p.add_argument("--out", required=True, help="JSON to write (and .md beside it)")
+    bc.add_window_args(p, sequences=2)  # the continuation's queries attend over the prefix
     args = p.parse_args(argv)
 
     import jax
@@ -180,11 +175,7 @@ def main(argv=None) -> int:
         for (budget, layer), rs in per.items()
     ]
     data = {
-        "model": args.model,
-        "book": args.book,
-        "sequences": args.sequences,
-        "prefix": args.prefix,
-        "continuation": args.continuation,
+        **bc.window_fields(args),
         "chelsea": "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)",
         "rows": rows,
     }

@@ -87,14 +87,9 @@ def markdown(data: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m", help="an embedded model, HF folder or hub id")
     p.add_argument("--configs", required=True, help="comma-separated method@budget (e.g. chelsea@0.1,snapkv@1024)")
-    p.add_argument("--sequences", type=int, default=4, help="windows of the text scored")
-    p.add_argument("--prefix", type=int, default=4096, help="prefilled (compressed) tokens per window")
-    p.add_argument("--continuation", type=int, default=64, help="teacher-forced scored tokens per window")
-    p.add_argument("--book", default="essays", help="King James book or 'essays' (eval.perplexity.build)")
     p.add_argument("--ngram", type=int, default=3, help="tokens ending in a token that make it a copy")
-    p.add_argument("--out", required=True, help="JSON to write (and .md beside it)")
+    bc.add_window_args(p, sequences=4)  # the continuation's tokens are scored
     args = p.parse_args(argv)
     if args.ngram < 1:
         raise SystemExit(f"--ngram={args.ngram} must be >= 1")
@@ -128,11 +123,7 @@ def main(argv=None) -> int:
         tokens[c] = [round(float(x), 4) for x in delta]
         print(f"[perplexity_tokens] {c}: {time.perf_counter() - t0:.0f} s", flush=True)
     data = {
-        "model": args.model,
-        "book": args.book,
-        "sequences": args.sequences,
-        "prefix": args.prefix,
-        "continuation": args.continuation,
+        **bc.window_fields(args),
         "ngram": args.ngram,
         "local_window": window,
         "summary": summary,
