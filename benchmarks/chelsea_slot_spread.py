@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     import kvjax
     from eval import harness, perplexity
     from kvjax import engine
-    from kvjax import model as M
+    from kvjax.engine import prefilled as P
     from kvjax.methods.base import Capacity
 
     t0 = time.perf_counter()
@@ -124,14 +124,6 @@ def main(argv=None) -> int:
     cfg, n_prompt = model.config, args.prefix
     layers = list(cfg.global_layers)
     seqs = perplexity.build(model, args.sequences, args.prefix, args.continuation, args.book)
-
-    @jax.jit
-    def qkv(params, tokens):  # the model teacher-forced with full attention; the global layers' q, k, v
-        def attend(layer, x, q, k, v, out):
-            out = out + [(q, k, v)] if layer in layers else out
-            return M.causal_attention(q, k, v, None, cfg.sliding_windows[layer]), out
-
-        return M.run_layers(cfg, params, M.embed(params, tokens, cfg), jnp.arange(tokens.shape[1])[None], attend, [])[1]
 
     cap, lengths = Capacity(n_prompt, args.continuation), jnp.full((1,), n_prompt, jnp.int32)
     prefill = {
@@ -146,9 +138,10 @@ def main(argv=None) -> int:
     d, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     per = {key: [] for key in prefill}
     for w, tokens in enumerate(seqs):
-        captured = qkv(model.params, jnp.asarray(tokens[None]))
-        for li, layer in enumerate(layers):
-            q, k, v = (np.asarray(x[0], np.float32) for x in captured[li])  # [H, T, D]
+        # the model teacher-forced over prompt and continuation with full attention: every layer's q, k, v
+        pre = P.prefill_once(model, tokens[None], [len(tokens)])
+        for layer in layers:
+            q, k, v = (np.asarray(x[layer, 0], np.float32) for x in (pre.q, pre.k, pre.v))  # [H, T, D]
             kp, qp = jnp.asarray(k[None, :, :n_prompt]), jnp.asarray(q[None, :, :n_prompt])
             for budget in args.budgets:
                 member, st = None, None
