@@ -132,7 +132,7 @@ def capture(
     settings is reused (its missing shards written); one of other settings is replaced. mesh: split each batch
     over ``data`` (a batch that does not divide, e.g. the last one, runs replicated).
     """
-    if layers is not None and (local := [layer for layer in layers if cfg.sliding_windows[layer] is not None]):
+    if layers is not None and (local := [layer for layer in layers if layer not in cfg.global_layers]):
         raise ValueError(
             f"layers={list(layers)} include sliding-window layers {local}: LESS compresses only the global layers "
             "of a hybrid model (its local layers hold a ring buffer of their window); train global layers only"

@@ -252,7 +252,7 @@ def _atomic_write(path: Path, write):
 def _write_npz(path: Path, arrays: dict):
     def write(tmp):
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez_compressed(f, **arrays)  # the untrained layers' zeros take no room
 
     _atomic_write(path, write)
 

@@ -5,6 +5,7 @@ loads into ``kvjax.methods.get("less", kernels=...)`` and is refused for another
 from __future__ import annotations
 
 import json
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,8 @@ def test_output_loads_into_kvjax_and_refuses_other_models(runs):
     st = m.init(CFG, 1, Capacity(16, 4), 1, jnp.float32)
     with np.load(a / "kernels.npz") as f:
         np.testing.assert_array_equal(np.asarray(st.kernels["q_w1"]), f["q_w1"][1])
+    with zipfile.ZipFile(a / "kernels.npz") as z:  # deflated: a hybrid model's untrained layers are zero rows
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
     other = kvjax.ModelConfig(
         model_type="llama",
         vocab_size=64,
@@ -178,6 +181,11 @@ def test_hybrid_model_trains_its_global_layers(tmp_path):
 
     meta = train(cfg, params, tokens, TC, tmp_path / "k", "tiny-gemma3", progress=False)
     assert meta["layers_trained"] == [2] and meta["val_loss"][2] < meta["val_loss_sparse"][2]
+    # the local layers' zero rows are stored deflated: the file is about one trained layer's bytes, not three
+    with np.load(tmp_path / "k" / "kernels.npz") as f:
+        assert not any(f[name][:2].any() for name in f.files)
+        stored = sum(f[name].nbytes for name in f.files)
+    assert (tmp_path / "k" / "kernels.npz").stat().st_size < 0.6 * stored
     less = methods.get("less", policy="h2o", budget=6, kernels=str(tmp_path / "k"))
     model = kvjax.Model(cfg, params, None, "tiny-gemma3")
     out = kvjax.generate(model, [list(range(1, 25))], less, max_new_tokens=3, driver="scan", stop_at_eos=False)
