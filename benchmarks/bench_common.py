@@ -108,6 +108,14 @@ def window_fields(args) -> dict:
     return {k: getattr(args, k) for k in ("model", "book", "sequences", "prefix", "continuation") if hasattr(args, k)}
 
 
+def mean_stats(stats: list[dict], digits: int = 3) -> dict:
+    """The mean of each statistic over a list of per-(head, window) dicts with the same keys, rounded."""
+    return {key: round(sum(float(s[key]) for s in stats) / len(stats), digits) for key in stats[0]}
+
+
+CHELSEA_DEFAULTS = "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)"
+
+
 # ------------------------------------------------------------------------------------------ option values, tables
 
 

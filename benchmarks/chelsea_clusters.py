@@ -41,11 +41,6 @@ def slot_stats(n: np.ndarray) -> dict:
     }
 
 
-def mean_stats(stats: list[dict]) -> dict:
-    """The mean of each statistic over heads and windows (rounded for the table)."""
-    return {key: round(float(np.mean([s[key] for s in stats])), 3) for key in stats[0]}
-
-
 def markdown(data: dict) -> str:
     lines = [
         "| budget | layer | live slots | largest slot (tokens) | median | share in slots >= 16 | >= 64 "
@@ -88,11 +83,11 @@ def main(argv=None) -> int:
         for layer in compressed:
             n = np.asarray(held[layer].n)  # [B, Hc, S]
             stats = [slot_stats(n[b, h]) for b in range(n.shape[0]) for h in range(n.shape[1])]
-            rows.append({"budget": budget, "layer": layer, **mean_stats(stats)})
+            rows.append({"budget": budget, "layer": layer, **bc.mean_stats(stats)})
         print(f"[chelsea_clusters] budget {budget}: {time.perf_counter() - t0:.0f} s", flush=True)
     data = {
         **bc.window_fields(args),
-        "chelsea": "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)",
+        "chelsea": bc.CHELSEA_DEFAULTS,
         "rows": rows,
     }
     bc.write_measured(args.out, data, markdown, t0)

@@ -163,13 +163,10 @@ def main(argv=None) -> int:
                         decompose(qh, k[h, :n_prompt], v[h, :n_prompt], member[h], k_hat[h], n[h])
                     )
             print(f"[chelsea_slot_spread] window {w + 1}/{len(seqs)} layer {layer}: {time.perf_counter() - t0:.0f} s")
-    rows = [
-        {"budget": budget, "layer": layer, **{key: round(float(np.mean([r[key] for r in rs])), 4) for key in rs[0]}}
-        for (budget, layer), rs in per.items()
-    ]
+    rows = [{"budget": budget, "layer": layer, **bc.mean_stats(rs, digits=4)} for (budget, layer), rs in per.items()]
     data = {
         **bc.window_fields(args),
-        "chelsea": "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)",
+        "chelsea": bc.CHELSEA_DEFAULTS,
         "rows": rows,
     }
     bc.write_measured(args.out, data, markdown, t0)
