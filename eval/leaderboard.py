@@ -456,6 +456,7 @@ def markdown(results: dict[str, Any]) -> str:
     full = by.get(("full", 0.0))
     full_in = by.get((label("full", IN_CONTEXT), 0.0))
     peer_full = by.get(("transformers full", 0.0))
+    peer_full_in = by.get((label("transformers full", IN_CONTEXT), 0.0))
     t, v, d = results["timings"], results.get("versions", {}), results.get("device", {})
     protocols = s.get("protocols") or [AFTER]
     lines = [
@@ -473,7 +474,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"- compression ratio r: the fraction of each context removed (each method keeps 1 - r of it; the recall "
         f"methods hold every token and read 1 - r per step); full: {_cell(full['average']) if full else 'not run'}"
         + (f"; full, question in context: {_cell(full_in['average'])}" if full_in else "")
-        + (f"; transformers' full cache (the kvpress rows' model): {_cell(peer_full['average'])}" if peer_full else ""),
+        + (f"; transformers' full cache (the kvpress rows' model): {_cell(peer_full['average'])}" if peer_full else "")
+        + (f"; the same, question in context: {_cell(peer_full_in['average'])}" if peer_full_in else ""),
         f"- kvjax {v.get('kvjax', '?')}, jax {v.get('jax', '?')}, {d.get('kind', '?')} ({d.get('cpu_count')} cores), "
         f"commit `{', '.join(s.get('commits') or [str(results.get('commit'))])}`; compute "
         f"{t.get('seconds_all_runs', 0):.0f} s "
@@ -496,7 +498,7 @@ def markdown(results: dict[str, Any]) -> str:
         "|---|" + "---|" * len(ratios),
     ]
     for m in methods:
-        if m in ("full", "transformers full", label("full", IN_CONTEXT)):
+        if not any((m, r) in by for r in ratios):  # the full caches (ratio 0) are in the heading
             continue
         lines.append(
             f"| {m} | " + " | ".join(_cell(by[(m, r)]["average"]) if (m, r) in by else "" for r in ratios) + " |"

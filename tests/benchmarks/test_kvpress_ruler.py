@@ -10,7 +10,7 @@ import contextlib
 import json
 
 import pytest
-from repo_scripts import load_script
+from repo_scripts import ROOT, load_script
 
 from eval import leaderboard
 
@@ -165,3 +165,19 @@ def test_peer_rows_carry_their_protocol(tmp_path):
     ]
     labels = {e["method"] for e in leaderboard.summarise(rows, ["single_needle"])}
     assert labels == {"kvpress SnapKVPress", "kvpress SnapKVPress (question in context)"}
+
+
+def test_committed_comparison_renders_every_row(tmp_path):
+    """The SmolLM2 folder's answers (kvjax's and kvpress's) re-rendered running nothing: transformers' full cache under
+    both protocols is in the heading, and the averages table has no row without a number."""
+    import shutil
+
+    folder = ROOT / "benchmarks" / "results" / "leaderboard-smollm2"
+    for name in (leaderboard.ROWS, leaderboard.PEER_ROWS):
+        shutil.copy(folder / name, tmp_path / name)
+    leaderboard.report_only(tmp_path)
+    md = (tmp_path / "leaderboard.md").read_text()
+    assert "transformers' full cache (the kvpress rows' model): " in md and "the same, question in context: " in md
+    averages = md.split("## Average over tasks")[1].split("\n## ")[0]
+    rows = [line for line in averages.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert rows and all(any(cell.strip() for cell in line.split("|")[2:-1]) for line in rows), averages
