@@ -172,7 +172,7 @@ def test_committed_comparison_renders_every_row(tmp_path):
     both protocols is in the heading, and the averages table has no row without a number."""
     import shutil
 
-    folder = ROOT / "benchmarks" / "results" / "leaderboard-smollm2"
+    folder = ROOT / "benchmarks" / "results" / "leaderboard-smollm2-50"
     for name in (leaderboard.ROWS, leaderboard.PEER_ROWS):
         shutil.copy(folder / name, tmp_path / name)
     leaderboard.report_only(tmp_path)
