@@ -345,10 +345,19 @@ def _while(eqn, ins, ctx):
     return _views(jax.lax.while_loop(cond, body, init), kinds)
 
 
+def _scan_split(p: dict) -> tuple[int, int]:
+    """``(consts, carry)`` operand counts of a ``scan`` equation: ``num_consts``/``num_carry`` in jax 0.10, the
+    lengths of the groups of its ``ft_in`` tree (consts, carry, xs) from jax 0.11."""
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 def _scan(eqn, ins, ctx):
     """``lax.scan`` (a ``fori_loop`` with static bounds); what is scanned over enters as values."""
     p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
+    nc, ncarry = _scan_split(p)
     consts = _loop_consts(ins[:nc], ctx)
     kinds, init = _loop_carry(ins[nc : nc + ncarry], ctx)
     xs, sj = [ctx.value(x) for x in ins[nc + ncarry :]], p["jaxpr"]

@@ -129,6 +129,27 @@ def test_scan_falls_back_to_slices_when_the_views_fail(tiny, monkeypatch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_scan_operand_counts_in_both_jax_forms():
+    """The in-place evaluator splits a ``scan`` equation's operands into consts, carry and xs: jax 0.10 names the
+    counts (``num_consts``, ``num_carry``), jax 0.11 packs the groups in a tree (``ft_in``). Both forms, and the
+    equation this jax makes, give (consts, carry)."""
+    from kvjax.engine import inplace
+
+    class Groups:  # jax 0.11's FlatTree: unpack() gives the (consts, carry, xs) groups
+        def unpack(self):
+            return ([0, 1], [2], [3, 4, 5])
+
+    assert inplace._scan_split({"num_consts": 2, "num_carry": 1}) == (2, 1)
+    assert inplace._scan_split({"ft_in": Groups()}) == (2, 1)
+    w, v = jnp.ones(3), jnp.ones(4)
+
+    def f(c, xs):
+        return jax.lax.scan(lambda c, x: (c * w[0] + v[1] + x, x), c, xs)
+
+    (eqn,) = [e for e in jax.make_jaxpr(f)(1.0, jnp.ones(5)).jaxpr.eqns if e.primitive.name == "scan"]
+    assert inplace._scan_split(eqn.params) == (2, 1)
+
+
 def test_layer_plan(tiny):
     cfg, cap = tiny.config, Capacity(BUCKET, 8)
     plan = lambda m: [(r.start, r.stop) for r in engine.scan_runs(cfg, m, 2, cap, jnp.float32)]
