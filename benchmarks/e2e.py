@@ -482,9 +482,11 @@ class TorchSide:
 
 
 def row_key(row: dict, head: dict) -> str:
-    """What makes two rows the same measurement: model, context, batch, new tokens, dtype, layout, repeats, label."""
+    """What makes two rows the same measurement: model, context, batch, new tokens, dtype, layout, repeats, label,
+    and ``XLA_FLAGS`` where set."""
     keys = (row["model"], row["context"], row["batch"], row["new_tokens"], head["dtype"], head["scan_layers"])
-    return "|".join(map(str, keys + (head["repeats"], row["label"])))
+    flags = (head["xla_flags"],) if head.get("xla_flags") else ()
+    return "|".join(map(str, keys + (head["repeats"], row["label"]) + flags))
 
 
 def resume(path: Path, head: dict) -> list[dict]:
@@ -531,6 +533,7 @@ def header(args, cfg, dtype, limit, limit_from) -> dict:
         "memory_limit_bytes": limit,
         "memory_limit_from": limit_from,
         "compile_only": args.compile_only,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # compiler options change what a row measures
         "papers": PAPERS,
         "note": (
             "CPU run: not the papers' setting (no HBM bandwidth to save; small model and contexts)"
@@ -706,6 +709,7 @@ def markdown(data: dict) -> str:
         f"torch {torch_row.get('torch_version', '-')}, transformers {torch_row.get('transformers_version', '-')} "
         f"({torch_row.get('attn_implementation', '-')}), kvpress {torch_row.get('kvpress_version', '-')}, commit "
         f"`{(data.get('commit') or '?')[:10]}`, {data['new_tokens']} new tokens, scan_layers {data.get('scan_layers')}"
+        + (f", XLA_FLAGS `{data['xla_flags']}`" if data.get("xla_flags") else "")
     ]
     head = (
         "| method | TTFT s | TTFT vs full | TPOT ms | tok/s | × full | × transformers | ceiling × | short of ceiling "

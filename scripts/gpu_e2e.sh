@@ -5,7 +5,7 @@
 # SnapKVPress(0.8) on the same card.
 #
 #   KVJAX_COMMIT=<commit> bash scripts/gpu_e2e.sh    # CTX (default 32k,16k,64k), METHODS (default e2e.py's order),
-#                                                    # LIMIT_S (default 540)
+#                                                    # LIMIT_S (default 540), SCAN (on: layers stacked, off)
 #   JAX_PLATFORMS=cpu MODEL=tiny CTX=100 NEW_TOKENS=4 NAME=smoke.json OUT=/tmp/smoke bash scripts/gpu_e2e.sh
 #                                                    # the same path on a CPU, in a minute (nvidia-smi may be absent)
 #
@@ -19,7 +19,8 @@
 # Memory: JAX allocates on demand (XLA_PYTHON_CLIENT_PREALLOCATE=false) up to MEM_FRACTION (0.6: 84 GB of an H200's
 # 141, the skip rule's limit); the torch side runs in its own process (benchmarks/e2e_torch.py) in the rest (8B bf16
 # weights 16 GB + a 64k cache 8.6 GB + prefill activations) and returns its cache's blocks after every row.
-# kvpress: its wheel (benchmarks/wheels/, no dependencies) installed with pip --no-deps; it needs transformers>=4.56,<5.3.
+# kvpress: its wheel (benchmarks/wheels/, no dependencies) installed with pip --no-deps; it needs transformers
+# >=4.56,<5.3.
 # Where the machine's transformers is newer, put transformers 5.2.0 and tokenizers 0.22.2 wheels in TORCH_WHEELS
 # (default .whl, ignored by git): they are installed into their own folder that only the torch side's process sees,
 # so the transformers and kvpress rows run on 5.2.0 and the JAX side is untouched. Without them, the torch side uses
@@ -29,11 +30,13 @@ cd "$(dirname "$0")/.."
 DEST=${OUT:-/tmp/e2e_out}
 NAME=${NAME:-e2e_8b_b1_h200.json}
 mkdir -p "$DEST" /tmp/e2e_site
-python3 -m pip install -q --no-deps --no-index --target /tmp/e2e_site benchmarks/wheels/kvpress-0.5.5-py3-none-any.whl \
+python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/e2e_site \
+  benchmarks/wheels/kvpress-0.5.5-py3-none-any.whl \
   || echo "kvpress wheel not installed: e2e_torch.py puts the wheel itself on sys.path"
 TORCH_PY=python3
 if ls "${TORCH_WHEELS:-.whl}"/transformers-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/e2e_torch_site "${TORCH_WHEELS:-.whl}"/*.whl \
+  python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/e2e_torch_site \
+    "${TORCH_WHEELS:-.whl}"/*.whl \
     && printf '#!/bin/sh\nPYTHONPATH=/tmp/e2e_torch_site:$PYTHONPATH exec python3 "$@"\n' > /tmp/e2e_torch_python \
     && chmod +x /tmp/e2e_torch_python && TORCH_PY=/tmp/e2e_torch_python
 fi
@@ -41,8 +44,9 @@ fi
 export PYTHONPATH="$PWD:/tmp/e2e_site" PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} \
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.6}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-$TORCH_PY -c "import torch, transformers; print('torch side: torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout -k 10 "${LIMIT_S:-540}" python3 benchmarks/e2e.py --model "${MODEL:-llama-3.1-8b}" --contexts "${CTX:-32k,16k,64k}" \
-  --batch 1 --new-tokens "${NEW_TOKENS:-256}" --budgets 0.2 --token-budgets 2048 --chunkkv-reuse 1,2 --scan-layers on \
+$TORCH_PY -c "import torch, transformers as t; print('torch side:', torch.__version__, 'transformers', t.__version__)"
+timeout -k 10 "${LIMIT_S:-540}" python3 benchmarks/e2e.py --model "${MODEL:-llama-3.1-8b}" \
+  --contexts "${CTX:-32k,16k,64k}" --batch 1 --new-tokens "${NEW_TOKENS:-256}" --budgets 0.2 --token-budgets 2048 \
+  --chunkkv-reuse 1,2 --scan-layers "${SCAN:-on}" \
   --torch-python "$TORCH_PY" ${METHODS:+--methods "$METHODS"} --out "$DEST/$NAME" 2>&1 | tee "$DEST/e2e.log"
 python3 benchmarks/e2e.py --report "$DEST/$NAME" > /dev/null  # the .txt, .md and .png, also after a cut run

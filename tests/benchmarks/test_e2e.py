@@ -207,7 +207,9 @@ def test_row_key_separates_settings(e2e):
     head = {"dtype": "bfloat16", "scan_layers": True, "repeats": 1}
     keys = {e2e.row_key(row, head), e2e.row_key({**row, "context": 32768}, head)}
     keys |= {e2e.row_key(row, {**head, "scan_layers": False}), e2e.row_key({**row, "label": "snapkv@0.5"}, head)}
-    assert len(keys) == 4
+    keys.add(e2e.row_key(row, {**head, "xla_flags": "--xla_gpu_enable_dynamic_slice_fusion=true"}))
+    assert len(keys) == 5
+    assert e2e.row_key(row, {**head, "xla_flags": ""}) == e2e.row_key(row, head)  # unset: the keys rows had before
 
 
 def test_default_order_is_issue_58s(e2e):
