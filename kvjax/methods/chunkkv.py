@@ -5,7 +5,10 @@ real prompt queries over the keys, float32, summed over the window queries; GQA:
 query heads), splits the keys into chunks of ``chunk_size`` tokens aligned to position 0, scores each chunk
 by the **sum** of its tokens' votes (``A_i = sum_j A[:, j]``), keeps the top chunks whole, in their original
 order, and always keeps the last ``window`` tokens. Selection is per KV head and per batch element (the public
-PyTorch code picks chunks from batch element 0 for every element; kvjax does not).
+PyTorch code picks chunks from batch element 0 for every element; kvjax does not). The paper does not say
+whether heads share their chunks (Algorithm 1 is written for one head; method note §6 A4): ``head_mode=
+"per_kv_head"`` (default) gives each KV head its own, ``"shared"`` sums the votes over the KV heads so that every
+head keeps the same chunks, as kvpress's ``ChunkKVPress`` does.
 
 Layer-wise index reuse (§3.3, Algorithm 2): layers with ``layer % reuse == 0`` select; layer ``l`` reuses the
 positions selected at layer ``(l // reuse) * reuse`` and gathers its *own* K/V at them (KV head ``h`` reuses
@@ -56,6 +59,7 @@ from kvjax.methods.core.scorers import Scorer, check_scorer, make_scorer
 from kvjax.methods.core.select import NEG_INF, append_window
 
 MODES = ("prefix_exclusive", "paper_literal")
+HEAD_MODES = ("per_kv_head", "shared")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,7 +68,9 @@ class ChunkKV(SlotMethod, Recompressible):
     (the paper's ``L_max``); ``window``: observation window ``w``; ``chunk_size``: ``c`` (paper default 10);
     ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
     ``scorer``: the token scorer whose votes are summed per chunk (``"snapkv"``: the observation window without
-    pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.core.scorers.Scorer`)."""
+    pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.core.scorers.Scorer`);
+    ``head_mode``: ``"per_kv_head"`` (each KV head its own chunks) or ``"shared"`` (the votes summed over the KV
+    heads, the same chunks in every head: kvpress's ``ChunkKVPress``)."""
 
     name: ClassVar[str] = "chunkkv"
     holds_exactly: ClassVar[bool] = False  # at most held(): the chunk that straddles the window is cut there
@@ -76,6 +82,7 @@ class ChunkKV(SlotMethod, Recompressible):
     reuse: int = 1
     mode: str = "prefix_exclusive"
     scorer: str | Scorer = "snapkv"
+    head_mode: str = "per_kv_head"
 
     def __post_init__(self):
         check_budget(self.budget)
@@ -87,6 +94,11 @@ class ChunkKV(SlotMethod, Recompressible):
             check_int(field, value, fix=fix)
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} must be one of {', '.join(MODES)}")
+        if self.head_mode not in HEAD_MODES:
+            raise ValueError(
+                f"head_mode={self.head_mode!r} must be one of {', '.join(HEAD_MODES)} ('shared': every KV head keeps "
+                "the same chunks, as kvpress's ChunkKVPress)"
+            )
         check_scorer(self.scorer)
 
     # ------------------------------------------------------------------------------------------------------
@@ -128,8 +140,15 @@ class ChunkKV(SlotMethod, Recompressible):
         budgets = jnp.minimum(budget_tokens(self.budget, lengths), slots)
         windows = self.windows(budgets)
         scorer = make_scorer(self.scorer, self.window, kernel=1)
-        votes = scorer(q, k, lengths, lengths - windows)  # [B, Hkv, T] (Alg. 1 "observe window")
+        votes = self.head_votes(scorer(q, k, lengths, lengths - windows))  # [B, Hkv, T] (Alg. 1 "observe window")
         return chunk_select(votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, windows)
+
+    def head_votes(self, votes):
+        """``votes [B, Hkv, T]`` as the chunks are chosen from: unchanged per KV head, or (``head_mode="shared"``)
+        their sum over the KV heads in every head."""
+        if self.head_mode == "per_kv_head":
+            return votes
+        return jnp.broadcast_to(votes.sum(axis=1, keepdims=True), votes.shape)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None) -> SlotCache:
         """Select (leader layer) or reuse ``previous.pos`` (follower layer), then gather this layer's K/V."""
@@ -171,7 +190,7 @@ class ChunkKV(SlotMethod, Recompressible):
     def reselect(self, votes, lengths, budgets, slots: int):
         """Whole chunks of ``chunk_size`` consecutive held slots (aligned to the first held slot) ranked by the sum
         of their votes, plus the last ``w`` held slots (base.Method.reselect)."""
-        votes = self.rescorer().finish(votes, lengths - self.windows(budgets))
+        votes = self.head_votes(self.rescorer().finish(votes, lengths - self.windows(budgets)))
         return chunk_select(
             votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, self.windows(budgets)
         )

@@ -46,7 +46,15 @@ def top_chunks(scores: np.ndarray, n: int) -> list[int]:
 
 
 def chunkkv_keep(
-    q, k, length: int, window: int, chunk: int, budget_tokens: int, mode: str = "prefix_exclusive", votes=None
+    q,
+    k,
+    length: int,
+    window: int,
+    chunk: int,
+    budget_tokens: int,
+    mode: str = "prefix_exclusive",
+    votes=None,
+    head_mode: str = "per_kv_head",
 ):
     """Kept positions per KV head **in storage order** (chunk tokens by position, then the window), the chunk
     scores per head and the number of chunks selected; ``(whole prompt, None, 0)`` when ``length <= budget``.
@@ -56,11 +64,15 @@ def chunkkv_keep(
     paper_literal (Alg. 1 as written): chunks over all ``length`` keys; ``budget // c`` chunks; the first
     ``budget - window`` of their tokens; then the last ``window`` tokens (which may repeat chunk tokens).
     ``votes [Hkv, length]``: token scores from another scorer (default: :func:`observation_votes`).
+    ``head_mode="shared"``: every KV head ranks the chunks by the votes summed over all KV heads (kvpress).
     """
     hkv = k.shape[0]
     if length <= budget_tokens:
         return [list(range(length)) for _ in range(hkv)], None, 0
     votes = observation_votes(q, k, length, window) if votes is None else votes
+    if head_mode == "shared":
+        total = sum(votes[h] for h in range(hkv))
+        votes = np.stack([total for _ in range(hkv)])
     if mode == "prefix_exclusive":
         limit, n = length - window, (budget_tokens - window) // chunk
     elif mode == "paper_literal":

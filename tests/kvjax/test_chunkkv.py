@@ -57,20 +57,25 @@ def check_near_tie(got_chunks, want_chunks, scores, n, what, tol=1e-5):
 # kept positions vs the reference, invariants, decode
 
 
-CASES = [  # (Hq, Hkv, budget, window, chunk_size, mode): lengths 48, 37, 29 are not multiples of 3, 5, 7 or 10
-    pytest.param(4, 4, 0.5, 4, 5, "prefix_exclusive", id="mha-0.5-w4-c5"),
-    pytest.param(4, 2, 20, 4, 7, "prefix_exclusive", id="gqa2-20-w4-c7"),
-    pytest.param(6, 2, 0.5, 4, 5, "prefix_exclusive", id="gqa3-0.5-w4-c5"),
-    pytest.param(6, 2, 0.75, 8, 10, "prefix_exclusive", id="gqa3-0.75-w8-c10"),
-    pytest.param(4, 2, 20, 4, 3, "paper_literal", id="literal-gqa2-20-w4-c3"),  # 6 chunks > 16 slots: cut
-    pytest.param(4, 4, 0.5, 4, 5, "paper_literal", id="literal-mha-0.5-w4-c5"),
-    pytest.param(6, 2, 20, 4, 7, "paper_literal", id="literal-gqa3-20-w4-c7"),
+# (Hq, Hkv, budget, window, chunk_size, mode, head_mode): lengths 48, 37, 29 are not multiples of 3, 5, 7 or 10
+CASES = [
+    pytest.param(4, 4, 0.5, 4, 5, "prefix_exclusive", "per_kv_head", id="mha-0.5-w4-c5"),
+    pytest.param(4, 2, 20, 4, 7, "prefix_exclusive", "per_kv_head", id="gqa2-20-w4-c7"),
+    pytest.param(6, 2, 0.5, 4, 5, "prefix_exclusive", "per_kv_head", id="gqa3-0.5-w4-c5"),
+    pytest.param(6, 2, 0.75, 8, 10, "prefix_exclusive", "per_kv_head", id="gqa3-0.75-w8-c10"),
+    # 6 chunks > 16 slots: cut
+    pytest.param(4, 2, 20, 4, 3, "paper_literal", "per_kv_head", id="literal-gqa2-20-w4-c3"),
+    pytest.param(4, 4, 0.5, 4, 5, "paper_literal", "per_kv_head", id="literal-mha-0.5-w4-c5"),
+    pytest.param(6, 2, 20, 4, 7, "paper_literal", "per_kv_head", id="literal-gqa3-20-w4-c7"),
+    pytest.param(4, 4, 0.5, 4, 5, "prefix_exclusive", "shared", id="shared-mha-0.5-w4-c5"),
+    pytest.param(6, 2, 20, 4, 7, "prefix_exclusive", "shared", id="shared-gqa3-20-w4-c7"),
+    pytest.param(4, 2, 20, 4, 3, "paper_literal", "shared", id="shared-literal-gqa2-20-w4-c3"),
 ]
 
 
-@pytest.mark.parametrize("hq,hkv,budget,window,chunk,mode", CASES)
-def test_kept_positions_match_reference(hq, hkv, budget, window, chunk, mode):
-    m = ChunkKV(budget=budget, window=window, chunk_size=chunk, mode=mode)
+@pytest.mark.parametrize("hq,hkv,budget,window,chunk,mode,head_mode", CASES)
+def test_kept_positions_match_reference(hq, hkv, budget, window, chunk, mode, head_mode):
+    m = ChunkKV(budget=budget, window=window, chunk_size=chunk, mode=mode, head_mode=head_mode)
     first, trace, data = run(m, hq, hkv, steps=3, peak=window)
     q, k, v, lengths = data[:4]
     slots = slots_of(budget)
@@ -80,7 +85,9 @@ def test_kept_positions_match_reference(hq, hkv, budget, window, chunk, mode):
     for b in range(B):
         n = int(lengths[b])
         bud = seq_budget(budget, n, slots)
-        want, scores, nsel = ref.chunkkv_keep(q[b], k[b], n, window, chunk, bud, mode)
+        want, scores, nsel = ref.chunkkv_keep(q[b], k[b], n, window, chunk, bud, mode, head_mode=head_mode)
+        if head_mode == "shared":  # every KV head keeps the same positions
+            assert all(list(pos[b, h]) == list(pos[b, 0]) for h in range(hkv)), f"b={b}: heads differ"
         for h in range(hkv):
             stored = [int(p) for p in pos[b, h, :slots] if p >= 0]
             if scores is None:
@@ -359,6 +366,7 @@ def _raises(fn, *words):
         ({"budget": 1.5}, ("budget",)),
         ({"budget": 0}, ("budget",)),
         ({"scorer": "kvpress"}, ("scorer",)),
+        ({"head_mode": "query_head"}, ("head_mode", "query_head", "shared")),
     ],
 )
 def test_bad_options(options, words):
