@@ -353,6 +353,12 @@ class Recompressible(abc.ABC):
     def observation_window(self) -> int:
         """How many recent queries a decode-time re-compression scores with (SnapKV's and ChunkKV's ``window``)."""
 
+    def head_votes(self, votes):
+        """``votes [B, H, S]`` of the held slots (position order) as the heads rank them: unchanged, each KV head its
+        own (the default); a method whose heads share one selection averages them (ChunkKV ``head_mode="shared"``).
+        Applied before :meth:`reselect`, which sees the heads one at a time."""
+        return votes
+
     def decode_target(self, decode_budget: int, layer: int, num_layers: int) -> int:
         """Tokens layer ``layer`` keeps after a decode-time re-compression under ``decode_budget`` (a count):
         the budget itself; PyramidKV splits it over the layers as it splits its prompt budget."""

@@ -7,8 +7,8 @@ by the **sum** of its tokens' votes (``A_i = sum_j A[:, j]``), keeps the top chu
 order, and always keeps the last ``window`` tokens. Selection is per KV head and per batch element (the public
 PyTorch code picks chunks from batch element 0 for every element; kvjax does not). The paper does not say
 whether heads share their chunks (Algorithm 1 is written for one head; method note §6 A4): ``head_mode=
-"per_kv_head"`` (default) gives each KV head its own, ``"shared"`` sums the votes over the KV heads so that every
-head keeps the same chunks, as kvpress's ``ChunkKVPress`` does.
+"per_kv_head"`` (default) gives each KV head its own, ``"shared"`` averages the votes over the KV heads so that every
+head keeps the same chunks, as kvpress's ``ChunkKVPress`` does (it sums them: the same ranking).
 
 Layer-wise index reuse (§3.3, Algorithm 2): layers with ``layer % reuse == 0`` select; layer ``l`` reuses the
 positions selected at layer ``(l // reuse) * reuse`` and gathers its *own* K/V at them (KV head ``h`` reuses
@@ -69,7 +69,7 @@ class ChunkKV(SlotMethod, Recompressible):
     ``reuse``: ``N_reuse`` (1 = no index reuse, 2 = the paper's "ChunkKV_reuse"); ``mode``: see module doc;
     ``scorer``: the token scorer whose votes are summed per chunk (``"snapkv"``: the observation window without
     pooling, the paper's; ``"h2o"``: accumulated attention; or a :class:`~kvjax.methods.core.scorers.Scorer`);
-    ``head_mode``: ``"per_kv_head"`` (each KV head its own chunks) or ``"shared"`` (the votes summed over the KV
+    ``head_mode``: ``"per_kv_head"`` (each KV head its own chunks) or ``"shared"`` (the votes averaged over the KV
     heads, the same chunks in every head: kvpress's ``ChunkKVPress``)."""
 
     name: ClassVar[str] = "chunkkv"
@@ -145,10 +145,11 @@ class ChunkKV(SlotMethod, Recompressible):
 
     def head_votes(self, votes):
         """``votes [B, Hkv, T]`` as the chunks are chosen from: unchanged per KV head, or (``head_mode="shared"``)
-        their sum over the KV heads in every head."""
+        their mean over the KV heads in every head (kvpress sums them: the same ranking; the mean keeps a decode
+        budget's ``threshold`` on the scale of one head's votes)."""
         if self.head_mode == "per_kv_head":
             return votes
-        return jnp.broadcast_to(votes.sum(axis=1, keepdims=True), votes.shape)
+        return jnp.broadcast_to(votes.mean(axis=1, keepdims=True), votes.shape)
 
     def prefill(self, state: SlotCache, layer: int, q, k, v, lengths, previous: SlotCache | None = None) -> SlotCache:
         """Select (leader layer) or reuse ``previous.pos`` (follower layer), then gather this layer's K/V."""
@@ -190,7 +191,7 @@ class ChunkKV(SlotMethod, Recompressible):
     def reselect(self, votes, lengths, budgets, slots: int):
         """Whole chunks of ``chunk_size`` consecutive held slots (aligned to the first held slot) ranked by the sum
         of their votes, plus the last ``w`` held slots (base.Method.reselect)."""
-        votes = self.head_votes(self.rescorer().finish(votes, lengths - self.windows(budgets)))
+        votes = self.rescorer().finish(votes, lengths - self.windows(budgets))  # heads shared before: head_votes
         return chunk_select(
             votes, lengths, budgets, self.window, self.chunk_size, slots, self.mode, self.windows(budgets)
         )

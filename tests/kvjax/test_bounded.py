@@ -62,6 +62,15 @@ CASES = [
     ),
     ("chunkkv", dict(budget=14, window=3, chunk_size=3), dict(P=14, window=3, chunk=3), 16, 6, (31, 12), 32),
     ("chunkkv", dict(budget=24, window=4, chunk_size=2), dict(P=24, window=4, chunk=2), 12, 5, (30, 26), 32),
+    (
+        "chunkkv",
+        dict(budget=14, window=3, chunk_size=3, head_mode="shared"),
+        dict(P=14, window=3, chunk=3, head_mode="shared"),
+        16,
+        6,
+        (31, 12),
+        32,
+    ),
 ]
 
 

@@ -291,7 +291,7 @@ def recompress(
     votes = inner.rescorer().observed(q_obs, q_pos, src.k, src.pos)  # [B, H, S]
     order = jnp.argsort(~valid, axis=-1, stable=True)  # held slots first, in slot order
     count = jnp.sum(valid, axis=-1).astype(jnp.int32)  # [B, H]
-    votes = jnp.take_along_axis(votes, order, axis=-1).reshape(b * h, 1, s)
+    votes = inner.head_votes(jnp.take_along_axis(votes, order, axis=-1)).reshape(b * h, 1, s)
     budgets = jnp.broadcast_to(jnp.int32(target), (b, h))
     if threshold is not None:  # the window plus the held tokens before it whose mean vote passes the threshold
         w = inner.observation_window()
