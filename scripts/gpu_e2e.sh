@@ -33,10 +33,10 @@ mkdir -p "$DEST" /tmp/e2e_site
 python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/e2e_site \
   benchmarks/wheels/kvpress-0.5.5-py3-none-any.whl \
   || echo "kvpress wheel not installed: e2e_torch.py puts the wheel itself on sys.path"
-TORCH_PY=python3
-if ls "${TORCH_WHEELS:-.whl}"/transformers-*.whl >/dev/null 2>&1; then
+TORCH_PY=python3 TORCH_WHEELS=${TORCH_WHEELS:-.whl}
+if ls "$TORCH_WHEELS"/transformers-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /tmp/e2e_torch_site \
-    "${TORCH_WHEELS:-.whl}"/*.whl \
+    "$TORCH_WHEELS"/*.whl \
     && printf '#!/bin/sh\nPYTHONPATH=/tmp/e2e_torch_site:$PYTHONPATH exec python3 "$@"\n' > /tmp/e2e_torch_python \
     && chmod +x /tmp/e2e_torch_python && TORCH_PY=/tmp/e2e_torch_python
 fi

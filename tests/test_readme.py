@@ -182,11 +182,12 @@ def test_the_whole_model_speed_comes_from_the_gpu_run_it_cites():
     assert f"{hf / full:.1f}× faster than transformers'" in speed
     assert f"({full * 1e3:.2f} against {hf * 1e3:.2f} ms a token)" in speed
     assert f"SnapKV {tpot['kvpress_snapkv@0.2'] / tpot['snapkv@0.2']:.1f}× faster than kvpress's" in speed
+    method = lambda label: label.split("@")[0].replace("_reuse", "")  # noqa: E731  (chunkkv_reuse is ChunkKV)
     ratio = {k: full / v for k, v in tpot.items() if k not in ("full", "transformers") and not k.startswith("kvpress")}
     groups = {"PQCache": ["pqcache"], "Quest": ["quest"]}
-    groups["every other method"] = sorted({k.split("@")[0].replace("_reuse", "") for k in ratio} - {"pqcache", "quest"})
+    groups["every other method"] = sorted({method(k) for k in ratio} - {"pqcache", "quest"})
     for name, value in re.findall(r"(PQCache|Quest|every other method) (?:is )?([0-9.]+[-–][0-9.]+)×", speed):
-        values = [v for k, v in ratio.items() if k.split("@")[0].replace("_reuse", "") in groups[name]]
+        values = [v for k, v in ratio.items() if method(k) in groups[name]]
         assert _range(value) == (round(min(values), 2), round(max(values), 2)), f"{name}: README {value}"
         groups.pop(name)
     assert set(groups) == set(), f"no figure for {sorted(groups)}"

@@ -91,7 +91,7 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
     hkv = k_pre.shape[1]
     g = hq // hkv
     w = opts["window"]
-    shared = opts.get("head_mode", "per_kv_head")  # ChunkKV: "shared" ranks by the heads' mean votes
+    head_mode = opts.get("head_mode", "per_kv_head")  # ChunkKV: "shared" ranks by the heads' mean votes
     keys = [[{} for _ in range(hkv)] for _ in range(b)]  # position -> key vector
     held, ring, fill = [], [], []
     for i in range(b):
@@ -102,7 +102,7 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
         if kind == "snapkv":
             kept, _ = ref.snapkv_keep(q_pre[i], k_pre[i], n, w, opts["P"], opts["kernel"], opts["pool"])
         else:
-            kept, _, _ = refc.chunkkv_keep(q_pre[i], k_pre[i], n, w, opts["chunk"], opts["P"], head_mode=shared)
+            kept, _, _ = refc.chunkkv_keep(q_pre[i], k_pre[i], n, w, opts["chunk"], opts["P"], head_mode=head_mode)
         held.append([list(x) for x in kept])
         ring.append([(p, np.asarray(q_pre[i, :, p], np.float64)) for p in range(max(0, n - w), n)])
         fill.append(max(len(x) for x in kept))
@@ -118,7 +118,7 @@ def simulate(kind, opts, q_pre, k_pre, lengths, q_steps, k_steps, target: int, e
             kk = np.stack([keys[i][h][p] for p in pos])
             qv = [x[h * g : (h + 1) * g] for _, x in ring[i]]
             votes.append(ring_votes(pos, kk, [p for p, _ in ring[i]], qv, d))
-        if shared == "shared":
+        if head_mode == "shared":
             assert all(held[i][h] == held[i][0] for h in range(hkv)), "shared heads hold the same positions"
             votes = [sum(votes) / hkv for _ in range(hkv)]
         return votes
