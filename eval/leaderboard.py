@@ -141,7 +141,13 @@ def _open_rows(out: Path, board: Board, restart: bool) -> tuple[dict, dict[tuple
     """The folder's settings (grown by ``board``'s) and the rows ``rows.jsonl`` already holds, by (batch index,
     config key); a new file when there is none."""
     store = rowstore.RowStore(
-        out, board.settings(), GROWS, restart, defaults={"protocols": [AFTER]}, what="leaderboard run"
+        out,
+        board.settings(),
+        GROWS,
+        restart,
+        defaults={"protocols": [AFTER]},
+        what="leaderboard run",
+        owners={"options": "methods"},
     )
     return store, {(rec["batch_index"], rec["config"]): rec["rows"] for rec in store.records}
 

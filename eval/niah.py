@@ -280,7 +280,9 @@ def run(
         options["less"] = {**options.get("less", {}), "kernels": str(kernels)}
     for name, budget in grid.configs:  # bad methods and options fail before any work
         harness.make_method(name, budget, options.get(name))
-    store = rowstore.RowStore(out, grid.settings(), GROWS, restart, what="needle-in-a-haystack run")
+    store = rowstore.RowStore(
+        out, grid.settings(), GROWS, restart, what="needle-in-a-haystack run", owners={"options": "configs"}
+    )
     done = {_row_key(r): r for rec in store.records for r in rec["rows"]}
     examples = build(model, grid)
     for n in grid.lengths:

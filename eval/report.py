@@ -136,11 +136,16 @@ def header(results: dict[str, Any]) -> str:
     for t, spec in tasks.items():
         size = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name",))
         lines.append(f"- {t}: {size}; n per cell {'/'.join(map(str, per_task.get(t, []))) or '-'}")
-    v, d = results.get("versions", {}), results.get("device", {})
+    v, d, timings = results.get("versions", {}), results.get("device", {}), results.get("timings", {})
     lines += [
         f"- jax {v.get('jax')}, kvjax {v.get('kvjax')}, {d.get('backend')} ({d.get('kind')}, "
         f"{d.get('cpu_count')} cores); commit `{results.get('commit')}`; "
-        f"wall {results.get('timings', {}).get('wall_seconds', float('nan')):.0f} s",
+        f"wall {timings.get('wall_seconds', float('nan')):.0f} s"
+        + (
+            f" this run; the folder's cells took {timings['cell_seconds_all_runs']:.0f} s in all its runs"
+            if "cell_seconds_all_runs" in timings
+            else ""
+        ),
         f"- command: `{results.get('command', '')}`",
         "",
         "How to read this: " + HOW_TO_READ,

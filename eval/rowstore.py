@@ -52,25 +52,40 @@ def tupled(x: Any) -> Any:
     return x
 
 
+def _members(held: dict, name: str | None) -> set:
+    """The names a folder's grid list ``name`` holds: its entries, or a list entry's first element (a NIAH run's
+    ``[method, budget]`` configs)."""
+    return {x[0] if isinstance(x, list) else x for x in held.get(name) or []} if name else set()
+
+
 def merge_settings(
-    held: dict, wanted: dict, grid: Sequence[str], defaults: dict | None = None, what: str = "run", out: Any = ""
+    held: dict,
+    wanted: dict,
+    grid: Sequence[str],
+    defaults: dict | None = None,
+    what: str = "run",
+    out: Any = "",
+    owners: dict | None = None,
 ) -> dict:
     """The settings a folder holds after a run of ``wanted`` extends one of ``held``: equal outside ``grid``; each
     ``grid`` list the union in order (``held``'s first), each ``grid`` dict the union of its keys (a key both hold must
-    map to the same value). ``defaults``: the value of a grid setting a folder written before it existed lacks. A
-    ValueError naming the settings that differ and the fixes."""
+    map to the same value). ``owners``: a grid dict's keys named by a grid list (``{"options": "methods"}``): a
+    member the folder already ran without an entry ran with ``{}`` (its defaults), so new values for it are a clash,
+    not an addition (its rows were computed without them). ``defaults``: the value of a grid setting a folder written
+    before it existed lacks. A ValueError naming the settings that differ and the fixes."""
     held, wanted = _plain({**(defaults or {}), **held}), _plain(wanted)
     fixed = sorted(k for k in set(held) | set(wanted) if k not in grid and held.get(k) != wanted.get(k))
-    clash = [
-        f"{k}.{m}"
-        for k in grid
-        if isinstance(wanted.get(k), dict)
-        for m, v in wanted[k].items()
-        if m in (held.get(k) or {}) and held[k][m] != v
-    ]
+    clash = []
+    for k in grid:
+        if not isinstance(wanted.get(k), dict):
+            continue
+        have, ran = held.get(k) or {}, _members(held, (owners or {}).get(k))
+        for m, v in wanted[k].items():
+            was = have.get(m, {} if m in ran else None)
+            if was is not None and was != v:
+                clash.append(f"{k}.{m} differs ({was or 'its defaults'} there, {v} here)")
     if fixed or clash:
-        diffs = ", ".join(f"{k}: {held.get(k)!r} there, {wanted.get(k)!r} here" for k in fixed)
-        diffs += "".join(f"{', ' if diffs else ''}{c} differs" for c in clash)
+        diffs = ", ".join([f"{k}: {held.get(k)!r} there, {wanted.get(k)!r} here" for k in fixed] + clash)
         raise ValueError(
             f"--out {out} holds a {what} with other settings ({diffs}); pass another --out, the same settings to "
             f"resume or extend it (it may grow in {', '.join(grid)}), or --restart to start it again"
@@ -89,8 +104,9 @@ class RowStore:
     """The records of ``out/rows.jsonl`` (see the module docstring).
 
     ``settings``: this run's; ``grid``: the names among them a later run may extend; ``defaults``: values of grid
-    settings missing from an older header. ``restart=True`` starts the file again. After opening, ``settings`` is the
-    folder's (the union) and ``records`` every finished cell's record, in file order."""
+    settings missing from an older header; ``owners``: as :func:`merge_settings`. ``restart=True`` starts the file
+    again. After opening, ``settings`` is the folder's (the union) and ``records`` every finished cell's record, in
+    file order."""
 
     def __init__(
         self,
@@ -100,6 +116,7 @@ class RowStore:
         restart: bool = False,
         defaults: dict | None = None,
         what: str = "run",
+        owners: dict | None = None,
     ):
         self.out = Path(out)
         self.path = self.out / ROWS
@@ -108,7 +125,9 @@ class RowStore:
         if lines and "settings" not in lines[0]:
             raise ValueError(f"--out {out}: {self.path} is not a kvjax run's rows file; pass another --out")
         self.settings = (
-            merge_settings(lines[0]["settings"], settings, grid, defaults, what, out) if lines else _plain(settings)
+            merge_settings(lines[0]["settings"], settings, grid, defaults, what, out, owners)
+            if lines
+            else _plain(settings)
         )
         self.records = lines[1:]
         # rewritten whole: the header may have grown, and the last line of a killed run may be cut short

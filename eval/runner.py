@@ -378,7 +378,9 @@ class _Cells:
     GROWS = ("methods", "budgets", "options")
 
     def __init__(self, out, settings: dict, restart: bool, commit: str | None):
-        self.store = rowstore.RowStore(out, settings, self.GROWS, restart, what="kvjax-eval run")
+        self.store = rowstore.RowStore(
+            out, settings, self.GROWS, restart, what="kvjax-eval run", owners={"options": "methods"}
+        )
         self.commit = commit
         self.done = {r["cell"]: r["rows"] for r in self.store.records}
 
@@ -525,4 +527,6 @@ def run(
             if k + 1 == len(plan) or plan[k + 1][1:3] != (name, budget):
                 release_compiled()  # the next configuration compiles its own programs; this one's are dead weight
     results["timings"]["total_seconds"] = time.perf_counter() - start
+    if cells is not None:  # what the folder's cells took, in this run and the ones before it (resumed, grown)
+        results["timings"]["cell_seconds_all_runs"] = sum(r.get("seconds", 0.0) for r in cells.store.records)
     return results

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eval import harness, perplexity, runner
+from eval import harness, perplexity, report, runner
 from kvjax import engine, methods
 from kvjax.methods.base import Capacity
 from kvjax.model import forward
@@ -241,7 +241,8 @@ class _RandomText(runner.PerplexityTask):
 def test_a_run_into_a_folder_resumes_and_grows(tiny, tmp_path, monkeypatch):
     """``out=``: a run killed after its first cell (the next line cut short) computes only the missing cells and
     gives the same rows; a run adding a method computes only that method's cells and reports the whole folder; a
-    run with other task settings is refused, naming them. Progress inside a cell names the decode step."""
+    run with other task settings, or other options for a method the folder ran, is refused, naming them. Progress
+    inside a cell names the decode step."""
     calls, phases = [], []
     real = perplexity.streaming_nll
 
@@ -261,10 +262,17 @@ def test_a_run_into_a_folder_resumes_and_grows(tiny, tmp_path, monkeypatch):
     resumed = runner.run(tiny, [_RandomText()], ["full", "h2o"], [0.5], progress=False, out=tmp_path / "a")
     assert calls == ["Full", "H2O", "H2O"] and nll(resumed) == nll(whole)
     calls.clear()
-    grown = runner.run(tiny, [_RandomText()], ["snapkv"], [0.5], progress=False, out=tmp_path / "a")
+    snap = {"snapkv": {"window": 4}}  # options of a method new to the folder: its cells run with them
+    grown = runner.run(tiny, [_RandomText()], ["snapkv"], [0.5], progress=False, out=tmp_path / "a", options=snap)
     assert calls == ["SnapKV", "SnapKV"]
     assert nll(grown)[:8] == nll(whole) and [m for m, _, _ in nll(grown)[8:]] == ["snapkv"] * 4
-    assert grown["config"]["methods"] == ["full", "h2o", "snapkv"]
+    assert grown["config"]["methods"] == ["full", "h2o", "snapkv"] and grown["config"]["options"] == snap
+    this_run = sum(r["seconds"] for r in grown["timings"]["runs"])  # the snapkv cells only
+    assert grown["timings"]["cell_seconds_all_runs"] > this_run  # and the full and h2o cells of the runs before
+    assert "the folder's cells took" in report.header(grown)
+    for other in ({"h2o": {"recent": 2}}, {"snapkv": {"window": 5}}):  # the folder's rows ran without these
+        with pytest.raises(ValueError, match=r"options\.(h2o|snapkv) differs \((its defaults|\{'window': 4\}) there"):
+            runner.run(tiny, [_RandomText()], ["full"], [0.5], progress=False, out=tmp_path / "a", options=other)
     with pytest.raises(ValueError, match="tasks.*--restart"):
         runner.run(tiny, [_RandomText(continuation=7)], ["full"], [0.5], progress=False, out=tmp_path / "a")
     for bad, error in [({"prefix": 10**6}, "prefix: a context"), ({"continuation": 7, "budgets": [2.0]}, "budget")]:

@@ -23,6 +23,17 @@ def test_settings_grow_in_the_grid_and_nowhere_else():
         rowstore.merge_settings(held, {**wanted, "options": {"h2o": {"window": 9}}}, ("methods", "options"))
 
 
+def test_new_options_for_a_member_the_folder_ran_are_a_clash():
+    """``owners``: a method (or a NIAH config's method) the folder ran without options ran with its defaults."""
+    held = {"configs": [["h2o", 128]], "options": {}}
+    grid, owners = ("configs", "options"), {"options": "configs"}
+    with pytest.raises(ValueError, match=r"options.h2o differs \(its defaults there, \{'recent': 2\} here\)"):
+        rowstore.merge_settings(held, {"configs": [], "options": {"h2o": {"recent": 2}}}, grid, owners=owners)
+    got = rowstore.merge_settings(held, {"configs": [["snapkv", 96]], "options": {"snapkv": {"window": 4}}}, grid)
+    assert got["options"] == {"snapkv": {"window": 4}}  # a method new to the folder takes its options
+    assert rowstore.merge_settings(held, {"configs": [], "options": {"h2o": {"recent": 2}}}, grid)  # without owners
+
+
 def test_a_cut_line_is_dropped_and_the_header_grows(tmp_path):
     store = rowstore.RowStore(tmp_path, {"model": "m", "methods": ["a"]}, ("methods",))
     store.append({"config": "a", "rows": [1]})
