@@ -113,6 +113,14 @@ def mean_stats(stats: list[dict], digits: int = 3) -> dict:
     return {key: round(sum(float(s[key]) for s in stats) / len(stats), digits) for key in stats[0]}
 
 
+def softmax(x):
+    """Softmax over the last axis of a numpy array, max-subtracted (the analysis scripts' exact attention)."""
+    import numpy as np
+
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 CHELSEA_DEFAULTS = "the defaults (chunk 256, schedule llama3, 16 sinks, 64 recent, no outlier heads)"
 
 

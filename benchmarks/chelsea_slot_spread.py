@@ -42,11 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_common as bc  # noqa: E402
 
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
 def decompose(q, k, v, member, k_hat, n) -> dict:
     """One KV head. ``q [G, P, D]`` the group's queries (already scaled as the model scales them), ``k, v [T, D]``
     the prompt's keys and values, ``member [S, T]`` 1 where prompt token ``t`` sits in slot ``s``, ``k_hat [S, D]``
@@ -57,11 +52,11 @@ def decompose(q, k, v, member, k_hat, n) -> dict:
     member, k_hat, n = member[live], k_hat[live], n[live]
     scale = 1.0 / np.sqrt(q.shape[-1])
     logits = q @ k.T * scale  # [G, P, T]
-    w = _softmax(logits)
+    w = bc.softmax(logits)
     slot_of = member.argmax(0)  # [T]: every prompt token sits in exactly one slot
     mass = w @ member.T  # [G, P, S] exact slot masses
     v_hat = member @ v / n[:, None]  # the slots' mean values
-    m = _softmax(q @ k_hat.T * scale + np.log(n))  # Eq. 2's slot weights
+    m = bc.softmax(q @ k_hat.T * scale + np.log(n))  # Eq. 2's slot weights
     exact = w @ v
     outputs = {
         "chelsea": m @ v_hat,

@@ -37,9 +37,7 @@ import ref_clusterkv as ref  # noqa: E402
 def attended_stats(q, k, v, keep) -> tuple[float, float]:
     """(exact attention mass on ``keep``, relative output error of attention restricted to it), averaged over the
     query heads ``q [G, D]``; ``k, v [T, D]`` every position the step may attend, ``keep [T]`` bool."""
-    s = q @ k.T / np.sqrt(q.shape[-1])
-    w = np.exp(s - s.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
+    w = bc.softmax(q @ k.T / np.sqrt(q.shape[-1]))
     exact = w @ v
     mass = (w * keep).sum(-1)
     got = (w * keep) @ v / mass[:, None]
@@ -117,9 +115,7 @@ def main(argv=None) -> int:
                     sel_k = np.flatnonzero(got[:n]).tolist()
                     sel_k = [x for x in sel_k if x >= sink]
                     sel_r = ref.select(qs.mean(0), refc, bsel)
-                    s = qs @ kk[:n].T / np.sqrt(qs.shape[-1])
-                    score = np.exp(s - s.max(-1, keepdims=True))
-                    score = (score / score.sum(-1, keepdims=True)).mean(0)
+                    score = bc.softmax(qs @ kk[:n].T / np.sqrt(qs.shape[-1])).mean(0)
                     score[:sink] = -1.0
                     oracle = np.argsort(-score, kind="stable")[:bsel]
                     row = {"jaccard": len(set(sel_k) & set(sel_r)) / max(len(set(sel_k) | set(sel_r)), 1)}

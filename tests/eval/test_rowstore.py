@@ -29,7 +29,9 @@ def test_new_options_for_a_member_the_folder_ran_are_a_clash():
     grid, owners = ("configs", "options"), {"options": "configs"}
     with pytest.raises(ValueError, match=r"options.h2o differs \(its defaults there, \{'recent': 2\} here\)"):
         rowstore.merge_settings(held, {"configs": [], "options": {"h2o": {"recent": 2}}}, grid, owners=owners)
-    got = rowstore.merge_settings(held, {"configs": [["snapkv", 96]], "options": {"snapkv": {"window": 4}}}, grid)
+    got = rowstore.merge_settings(
+        held, {"configs": [["snapkv", 96]], "options": {"snapkv": {"window": 4}}}, grid, owners=owners
+    )
     assert got["options"] == {"snapkv": {"window": 4}}  # a method new to the folder takes its options
     assert rowstore.merge_settings(held, {"configs": [], "options": {"h2o": {"recent": 2}}}, grid)  # without owners
 
